@@ -1,0 +1,496 @@
+"""The public collectives on numpy arrays.
+
+Every call first checks its arguments locally, then (with more than one rank) exchanges a
+small signature with the other ranks, so that bad input on any rank, or ranks calling
+with different arguments, raises on every rank before any data moves, and the
+communicator stays usable.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any
+
+import numpy as np
+
+from . import recursive_doubling
+from .context import Context, Pending, get_context
+from .errors import (
+    CollectiveError,
+    CollectiveMismatchError,
+    InvalidArgumentError,
+    InvalidRootError,
+    OutputMismatchError,
+    PeerInputError,
+    UnknownAlgorithmError,
+)
+from .layout import block_counts, offsets
+from .ops import DTYPES, OPS, check_dtype, check_op, dtype_code, finalize
+from .select import REGISTRY, choose
+
+__all__ = [
+    "allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall",
+    "iallreduce", "ireduce_scatter", "iallgather", "ibroadcast", "Request",
+]
+
+_COLLECTIVES = tuple(REGISTRY)
+_FIELDS = ("collective", "algorithm", "resolved", "op", "dtype", "count", "root", "item shape", "error")
+_F = {name: i for i, name in enumerate(_FIELDS)}
+#: fields that may differ between ranks, per collective
+_MAY_DIFFER = {"allgather": {"count"}, "alltoall": {"count"}}
+
+
+class Request:
+    """A collective in flight: ``wait()`` returns its result, ``test()`` says if it is done."""
+
+    __slots__ = ("_ctx", "_pending", "_result")
+
+    def __init__(self, ctx: Context, pending: Pending, result: Any) -> None:
+        self._ctx, self._pending, self._result = ctx, pending, result
+
+    def test(self) -> bool:
+        """Make progress; return True once the operation has finished."""
+        if not self._pending.done:
+            self._ctx.progress()
+        if self._pending.done and self._pending.error is not None:
+            raise self._pending.error
+        return self._pending.done
+
+    def wait(self) -> Any:
+        """Block until the operation has finished and return its result."""
+        self._ctx.wait(self._pending)
+        return self._result
+
+
+# -- argument checks -------------------------------------------------------------------
+class _Call:
+    """One call's arguments, checked; the first local error is kept, not raised yet."""
+
+    def __init__(self, ctx: Context, collective: str, x: Any, algorithm: str, op: str | None = None,
+                 root: int | None = None) -> None:
+        self.ctx = ctx
+        self.t = ctx.transport
+        self.collective = collective
+        self.error: CollectiveError | None = None
+        self.x = x if isinstance(x, np.ndarray) else np.asarray(x)
+        self.op = op
+        self.root = root
+        self.algorithm = algorithm
+        self.resolved = algorithm
+        try:
+            check_dtype(self.x.dtype)
+            if op is not None:
+                check_op(op)
+            names = REGISTRY[collective]
+            if algorithm != "auto" and algorithm not in names:
+                raise UnknownAlgorithmError(
+                    f"{collective}: no algorithm {algorithm!r}; registered: {', '.join([*names, 'auto'])}"
+                )
+            if root is not None and not (isinstance(root, (int, np.integer)) and 0 <= root < self.t.size):
+                raise InvalidRootError(f"{collective}: root={root!r} is not a rank of a {self.t.size}-rank communicator")
+            if algorithm == "native" and getattr(self.t, "comm", None) is None:
+                raise InvalidArgumentError(f"{collective}: algorithm 'native' needs an MPI communicator")
+        except CollectiveError as exc:
+            self.error = exc
+
+    def fail(self, exc: CollectiveError) -> None:
+        if self.error is None:
+            self.error = exc
+
+    def resolve(self, nbytes: int) -> None:
+        if self.error is None and self.algorithm == "auto":
+            self.resolved = choose(self.ctx, self.collective, nbytes)
+
+    def signature(self, count: int, item_shape: tuple[int, ...] = ()) -> np.ndarray:
+        names = list(REGISTRY[self.collective])
+        sig = np.zeros(len(_FIELDS), np.int64)
+        sig[_F["collective"]] = _COLLECTIVES.index(self.collective)
+        sig[_F["algorithm"]] = names.index(self.algorithm) if self.algorithm in names else (
+            len(names) if self.algorithm == "auto" else -1)
+        sig[_F["resolved"]] = names.index(self.resolved) if self.resolved in names else -1
+        sig[_F["op"]] = OPS.index(self.op) if self.op in OPS else -1
+        sig[_F["dtype"]] = dtype_code(self.x.dtype)
+        sig[_F["count"]] = count
+        sig[_F["root"]] = self.root if isinstance(self.root, (int, np.integer)) else -2
+        sig[_F["item shape"]] = zlib.crc32(repr(tuple(item_shape)).encode())
+        sig[_F["error"]] = 0 if self.error is None else 1
+        return sig
+
+    def agree(self, count: int, item_shape: tuple[int, ...] = ()) -> np.ndarray | None:
+        """Check arguments on every rank; raise the same way everywhere on any problem.
+
+        Returns every rank's signature (rows by rank), or None on a single rank.
+        """
+        if self.t.size == 1:
+            if self.error is not None:
+                raise self.error
+            return None
+        mine = self.signature(count, item_shape)
+        k = mine.size
+        table = np.empty(k * self.t.size, np.int64)
+        table[self.t.rank * k : (self.t.rank + 1) * k] = mine
+        counts = (k,) * self.t.size
+        self.ctx.run(recursive_doubling.allgather(self.ctx, self.t, table, counts, self.ctx.next_tag()))
+        table = table.reshape(self.t.size, k)
+        if table[:, _F["error"]].any():
+            self._raise_input_errors(table)
+        skip = _MAY_DIFFER.get(self.collective, set())
+        for name in _FIELDS:
+            col = table[:, _F[name]]
+            if name not in skip and (col != col[0]).any():
+                raise _mismatch(table, name)
+        return table
+
+    def _raise_input_errors(self, table: np.ndarray) -> None:
+        # rare path: gather the messages so every rank can say what went wrong where
+        msgs = self.t.allgather_obj(None if self.error is None else f"{type(self.error).__name__}: {self.error}")
+        if self.error is not None:
+            raise self.error
+        bad = "; ".join(f"rank {r}: {m}" for r, m in enumerate(msgs) if m is not None)
+        raise PeerInputError(f"{self.collective} abandoned because of bad input on other ranks ({bad})")
+
+
+def _describe(table: np.ndarray, name: str, value: int) -> str:
+    if name == "collective":
+        return _COLLECTIVES[value]
+    coll = _COLLECTIVES[int(table[0, _F["collective"]])]
+    if name in ("algorithm", "resolved"):
+        names = [*REGISTRY[coll], "auto"]
+        return names[value] if 0 <= value < len(names) else "?"
+    if name == "op":
+        return OPS[value] if 0 <= value < len(OPS) else "none"
+    if name == "dtype":
+        return str(DTYPES[value]) if 0 <= value < len(DTYPES) else "unsupported"
+    if name == "item shape":
+        return f"shape#{value:08x}"
+    if name == "root" and value == -2:
+        return "none"
+    return str(value)
+
+
+def _mismatch(table: np.ndarray, name: str) -> CollectiveMismatchError:
+    col = table[:, _F[name]]
+    groups: dict[str, list[int]] = {}
+    for r, v in enumerate(col):
+        groups.setdefault(_describe(table, name, int(v)), []).append(r)
+    parts = "; ".join(f"ranks {rs} passed {v}" if len(rs) > 1 else f"rank {rs[0]} passed {v}" for v, rs in groups.items())
+    return CollectiveMismatchError(
+        f"collective arguments differ between ranks in field {name!r}: {parts}", field=name, values=groups
+    )
+
+
+def _check_out(call: _Call, out: np.ndarray | None, shape: tuple[int, ...]) -> None:
+    if out is None or call.error is not None:
+        return
+    if not isinstance(out, np.ndarray):
+        call.fail(OutputMismatchError(f"{call.collective}: out must be a numpy array, not {type(out).__name__}"))
+    elif out.shape != shape or out.dtype != call.x.dtype:
+        call.fail(OutputMismatchError(
+            f"{call.collective}: out has shape {out.shape} and dtype {out.dtype}; "
+            f"expected shape {shape} and dtype {call.x.dtype}"))
+    elif not out.flags.c_contiguous:
+        call.fail(OutputMismatchError(f"{call.collective}: out must be C-contiguous"))
+
+
+def _flat(a: np.ndarray) -> np.ndarray:
+    return a.reshape(-1)
+
+
+def _launch(ctx: Context, gen, blocking: bool, result: Any, on_done=None):
+    if blocking:
+        ctx.run(gen)
+        if on_done is not None:
+            on_done()
+        return result
+    return Request(ctx, ctx.start(gen, on_done), result)
+
+
+def _done(result: Any, blocking: bool, ctx: Context):
+    if blocking:
+        return result
+    p = Pending(iter(()))
+    p.done = True
+    return Request(ctx, p, result)
+
+
+# -- allreduce ---------------------------------------------------------------------------
+def _allreduce(x, op, algorithm, out, comm, blocking):
+    ctx = get_context(comm)
+    call = _Call(ctx, "allreduce", x, algorithm, op)
+    x = call.x
+    _check_out(call, out, x.shape)
+    call.resolve(x.nbytes)
+    call.agree(x.size)
+    if out is None:
+        out = np.empty(x.shape, x.dtype)
+    n = ctx.transport.size
+    if n == 1 or x.size == 0:
+        if out is not x:
+            np.copyto(out, x)
+        return _done(out, blocking, ctx)
+    buf = _flat(out)
+    fn = REGISTRY["allreduce"][call.resolved]
+    if call.resolved == "native" and x.flags.c_contiguous and out is not x:
+        gen = fn(ctx, ctx.transport, buf, op, 0, src=_flat(x))
+    else:
+        if out is not x:
+            np.copyto(out, x)
+        gen = fn(ctx, ctx.transport, buf, op, ctx.next_tag())
+    return _launch(ctx, gen, blocking, out, lambda: finalize(buf, op, n))
+
+
+def allreduce(x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", out: np.ndarray | None = None,
+              comm: Any = None) -> np.ndarray:
+    """Reduce ``x`` elementwise over all ranks; every rank gets the result.
+
+    Args:
+        x: this rank's array (any shape; non-contiguous input is copied once).
+        op: ``"sum"``, ``"avg"``, ``"min"``, ``"max"`` or ``"prod"``.
+        algorithm: a name from ``algorithms("allreduce")``; ``"auto"`` picks by size.
+        out: C-contiguous array of x's shape and dtype for the result (``out=x``: in place).
+        comm: mpi4py communicator (default ``MPI.COMM_WORLD``) or a transport.
+
+    Returns:
+        The reduced array, of x's shape and dtype (``out`` when given).
+    """
+    return _allreduce(x, op, algorithm, out, comm, True)
+
+
+def iallreduce(x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", out: np.ndarray | None = None,
+               comm: Any = None) -> Request:
+    """Start :func:`allreduce`; ``wait()`` on the returned request gives the result."""
+    return _allreduce(x, op, algorithm, out, comm, False)
+
+
+# -- reduce_scatter ----------------------------------------------------------------------
+def _reduce_scatter(x, op, algorithm, comm, blocking):
+    ctx = get_context(comm)
+    call = _Call(ctx, "reduce_scatter", x, algorithm, op)
+    x = call.x
+    call.resolve(x.nbytes)
+    call.agree(x.size)
+    t = ctx.transport
+    n, r = t.size, t.rank
+    counts = block_counts(x.size, n)
+    off = offsets(counts)
+    result = np.empty(counts[r], x.dtype)
+    if n == 1 or x.size == 0:
+        result[...] = _flat(x)
+        return _done(result, blocking, ctx)
+    work = ctx.scratch.get(x.size, x.dtype)
+    np.copyto(work, _flat(x))  # one copy, also of non-contiguous input
+    gen = REGISTRY["reduce_scatter"][call.resolved](ctx, t, work, counts, op, ctx.next_tag())
+
+    def on_done() -> None:
+        result[...] = work[off[r] : off[r + 1]]
+        ctx.scratch.put(work)
+        finalize(result, op, n)
+
+    return _launch(ctx, gen, blocking, result, on_done)
+
+
+def reduce_scatter(x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", comm: Any = None) -> np.ndarray:
+    """Reduce ``x`` over all ranks and return this rank's block of the flattened result.
+
+    Blocks follow MPICH/OSU: ``count // size`` elements each, one more on the first
+    ``count % size`` ranks.
+
+    Args:
+        x: this rank's array (any shape; reduced as if flattened).
+        op: reduction op name.
+        algorithm: a name from ``algorithms("reduce_scatter")`` or ``"auto"``.
+        comm: mpi4py communicator (default ``MPI.COMM_WORLD``) or a transport.
+
+    Returns:
+        A 1-D array: this rank's block.
+    """
+    return _reduce_scatter(x, op, algorithm, comm, True)
+
+
+def ireduce_scatter(x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", comm: Any = None) -> Request:
+    """Start :func:`reduce_scatter`; ``wait()`` on the returned request gives the block."""
+    return _reduce_scatter(x, op, algorithm, comm, False)
+
+
+# -- allgather ---------------------------------------------------------------------------
+def _allgather(x, algorithm, comm, blocking):
+    ctx = get_context(comm)
+    call = _Call(ctx, "allgather", x, algorithm)
+    x = call.x
+    if call.error is None and x.ndim == 0:
+        call.fail(InvalidArgumentError("allgather: x must have at least one dimension to concatenate along"))
+    rows = x.shape[0] if x.ndim else 1
+    item = x.shape[1:]
+    call.resolve(x.nbytes * ctx.transport.size)
+    table = call.agree(rows, item)
+    t = ctx.transport
+    all_rows = [rows] if table is None else [int(v) for v in table[:, _F["count"]]]
+    per_row = math.prod(item)
+    counts = tuple(rw * per_row for rw in all_rows)
+    out = np.empty((sum(all_rows), *item), x.dtype)
+    buf = _flat(out)
+    off = offsets(counts)
+    buf[off[t.rank] : off[t.rank + 1]] = _flat(x)
+    if t.size == 1 or buf.size == 0:
+        return _done(out, blocking, ctx)
+    gen = REGISTRY["allgather"][call.resolved](ctx, t, buf, counts, ctx.next_tag())
+    return _launch(ctx, gen, blocking, out)
+
+
+def allgather(x: np.ndarray, *, algorithm: str = "auto", comm: Any = None) -> np.ndarray:
+    """Concatenate every rank's ``x`` along axis 0, in rank order; every rank gets it.
+
+    The first dimension may differ between ranks; the others and the dtype may not.
+
+    Args:
+        x: this rank's array, at least 1-D.
+        algorithm: a name from ``algorithms("allgather")`` or ``"auto"``.
+        comm: mpi4py communicator (default ``MPI.COMM_WORLD``) or a transport.
+
+    Returns:
+        The concatenation.
+    """
+    return _allgather(x, algorithm, comm, True)
+
+
+def iallgather(x: np.ndarray, *, algorithm: str = "auto", comm: Any = None) -> Request:
+    """Start :func:`allgather`; ``wait()`` on the returned request gives the result."""
+    return _allgather(x, algorithm, comm, False)
+
+
+# -- broadcast ---------------------------------------------------------------------------
+def _broadcast(x, root, algorithm, out, comm, blocking):
+    ctx = get_context(comm)
+    call = _Call(ctx, "broadcast", x, algorithm, root=root)
+    x = call.x
+    _check_out(call, out, x.shape)
+    call.resolve(x.nbytes)
+    call.agree(x.size)
+    if out is None:
+        out = np.empty(x.shape, x.dtype)
+    if out is not x and ctx.transport.rank == root:
+        np.copyto(out, x)
+    if ctx.transport.size == 1 or x.size == 0:
+        return _done(out, blocking, ctx)
+    gen = REGISTRY["broadcast"][call.resolved](ctx, ctx.transport, _flat(out), root, ctx.next_tag())
+    return _launch(ctx, gen, blocking, out)
+
+
+def broadcast(x: np.ndarray, root: int = 0, *, algorithm: str = "auto", out: np.ndarray | None = None,
+              comm: Any = None) -> np.ndarray:
+    """Return ``root``'s ``x`` on every rank (every rank passes an array of the same shape).
+
+    Args:
+        x: the data on ``root``; elsewhere an array of the same shape and dtype.
+        root: the rank whose data is sent.
+        algorithm: a name from ``algorithms("broadcast")`` or ``"auto"``.
+        out: array for the result (``out=x``: in place).
+        comm: mpi4py communicator (default ``MPI.COMM_WORLD``) or a transport.
+
+    Returns:
+        The root's data (``out`` when given).
+    """
+    return _broadcast(x, root, algorithm, out, comm, True)
+
+
+def ibroadcast(x: np.ndarray, root: int = 0, *, algorithm: str = "auto", out: np.ndarray | None = None,
+               comm: Any = None) -> Request:
+    """Start :func:`broadcast`; ``wait()`` on the returned request gives the result."""
+    return _broadcast(x, root, algorithm, out, comm, False)
+
+
+# -- reduce ------------------------------------------------------------------------------
+def reduce(x: np.ndarray, root: int = 0, *, op: str = "sum", algorithm: str = "auto",
+           comm: Any = None) -> np.ndarray | None:
+    """Reduce ``x`` over all ranks onto ``root``.
+
+    Args:
+        x: this rank's array.
+        root: the rank that receives the result.
+        op: reduction op name.
+        algorithm: a name from ``algorithms("reduce")`` or ``"auto"``.
+        comm: mpi4py communicator (default ``MPI.COMM_WORLD``) or a transport.
+
+    Returns:
+        The reduced array of x's shape on ``root``; None on every other rank.
+    """
+    ctx = get_context(comm)
+    call = _Call(ctx, "reduce", x, algorithm, op, root=root)
+    x = call.x
+    call.resolve(x.nbytes)
+    call.agree(x.size)
+    t = ctx.transport
+    is_root = t.rank == root
+    out = np.empty(x.shape, x.dtype) if is_root else None
+    if t.size == 1 or x.size == 0:
+        if is_root:
+            np.copyto(out, x)
+        return out
+    work = _flat(out) if is_root else ctx.scratch.get(x.size, x.dtype)
+    np.copyto(work, _flat(x))
+    try:
+        ctx.run(REGISTRY["reduce"][call.resolved](ctx, t, work, root, op, ctx.next_tag()))
+    finally:
+        if not is_root:
+            ctx.scratch.put(work)
+    if is_root:
+        finalize(work, op, t.size)
+    return out
+
+
+# -- alltoall ----------------------------------------------------------------------------
+def alltoall(x: np.ndarray, splits: Any = None, *, algorithm: str = "auto", comm: Any = None) -> np.ndarray:
+    """Send rows of ``x`` to every rank and return the rows received, in rank order.
+
+    Args:
+        x: this rank's array, at least 1-D.
+        splits: rows of ``x`` for each rank, in order (sum = ``x.shape[0]``); by default
+            ``x.shape[0]`` must divide evenly by the number of ranks.
+        algorithm: ``"pairwise"``, ``"native"`` or ``"auto"``.
+        comm: mpi4py communicator (default ``MPI.COMM_WORLD``) or a transport.
+
+    Returns:
+        The rows received from rank 0, then rank 1, ..., concatenated along axis 0.
+    """
+    ctx = get_context(comm)
+    t = ctx.transport
+    call = _Call(ctx, "alltoall", x, algorithm)
+    x = call.x
+    rows = x.shape[0] if x.ndim else 0
+    send_rows = np.zeros(t.size, np.int64)
+    if call.error is None:
+        if x.ndim == 0:
+            call.fail(InvalidArgumentError("alltoall: x must have at least one dimension"))
+        elif splits is None:
+            if rows % t.size:
+                call.fail(InvalidArgumentError(
+                    f"alltoall: {rows} rows do not split evenly over {t.size} ranks; pass splits"))
+            else:
+                send_rows[:] = rows // t.size
+        else:
+            sp = np.asarray(splits, dtype=np.int64).reshape(-1)
+            if sp.size != t.size or (sp < 0).any() or sp.sum() != rows:
+                call.fail(InvalidArgumentError(
+                    f"alltoall: splits={list(sp)} must be {t.size} non-negative row counts summing to {rows}"))
+            else:
+                send_rows[:] = sp
+    item = x.shape[1:]
+    call.resolve(x.nbytes)
+    call.agree(rows, item)
+    row_bytes = math.prod(item) * x.itemsize
+    recv_rows = np.empty(t.size, np.int64)
+    if t.size == 1:
+        recv_rows[:] = send_rows
+    else:
+        ctx.run(REGISTRY["alltoall"]["pairwise"](ctx, t, send_rows, (8,) * t.size, recv_rows, (8,) * t.size,
+                                                 ctx.next_tag()))
+    out = np.empty((int(recv_rows.sum()), *item), x.dtype)
+    src = np.ascontiguousarray(x)
+    if t.size == 1:
+        out[...] = src
+        return out
+    ctx.run(REGISTRY["alltoall"][call.resolved](ctx, t, _flat(src), tuple(int(v) * row_bytes for v in send_rows),
+                                                _flat(out), tuple(int(v) * row_bytes for v in recv_rows),
+                                                ctx.next_tag()))
+    return out

@@ -1,0 +1,89 @@
+"""Configuration of the collectives layer: one dataclass, read from ``HPCDL_*`` once.
+
+Each field ``name`` has the environment mirror ``HPCDL_<NAME>``. Any other variable that
+starts with ``HPCDL_`` is an error naming the closest valid one, so a typo never silently
+falls back to a default. Layers above (``hpcdl``) add their own names with
+:func:`register_env_names`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Iterable, Mapping
+
+from .errors import ConfigError
+
+__all__ = ["Config", "load_config", "register_env_names", "known_env_names"]
+
+PREFIX = "HPCDL_"
+_extra_names: set[str] = set()
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class Config:
+    """Knobs of the collectives layer."""
+
+    ranks_per_node: int = 0
+    """Split each shared-memory node into simulated nodes of this many ranks (0: off)."""
+
+    tuning_file: str = ""
+    """Tuning table for ``algorithm="auto"``; empty means the table shipped in the package."""
+
+    segment_bytes: int = 1 << 20
+    """Pipeline segment of the ring algorithms, in bytes."""
+
+    shm_bytes: int = 16 << 20
+    """Shared-memory window per rank for the ``shm`` algorithm, in bytes."""
+
+    def __post_init__(self) -> None:
+        if self.ranks_per_node < 0:
+            raise ConfigError(f"ranks_per_node={self.ranks_per_node} must be >= 0 (0 turns it off)")
+        if self.segment_bytes < 64:
+            raise ConfigError(f"segment_bytes={self.segment_bytes} must be at least 64")
+        if self.shm_bytes < 4096:
+            raise ConfigError(f"shm_bytes={self.shm_bytes} must be at least 4096")
+        if self.tuning_file and not os.path.isfile(self.tuning_file):
+            raise ConfigError(f"tuning_file={self.tuning_file!r} does not exist")
+
+
+def register_env_names(names: Iterable[str]) -> None:
+    """Declare more valid ``HPCDL_*`` variable names (used by the layers above)."""
+    _extra_names.update(names)
+
+
+def known_env_names() -> set[str]:
+    """Return every ``HPCDL_*`` name that some layer reads."""
+    own = {PREFIX + f.name.upper() for f in dataclasses.fields(Config)}
+    return own | _extra_names
+
+
+def check_unknown(environ: Mapping[str, str]) -> None:
+    """Raise :class:`ConfigError` for any ``HPCDL_*`` variable no layer reads."""
+    known = known_env_names()
+    for key in sorted(environ):
+        if key.startswith(PREFIX) and key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"; did you mean {close[0]}?" if close else f"; valid names: {', '.join(sorted(known))}"
+            raise ConfigError(f"unknown environment variable {key}{hint}")
+
+
+def load_config(environ: Mapping[str, str] | None = None) -> Config:
+    """Build a :class:`Config` from ``HPCDL_*`` variables (``os.environ`` by default)."""
+    env = os.environ if environ is None else environ
+    check_unknown(env)
+    values: dict[str, object] = {}
+    for f in dataclasses.fields(Config):
+        key = PREFIX + f.name.upper()
+        if key not in env:
+            continue
+        raw = env[key]
+        if f.type in ("int", int):
+            try:
+                values[f.name] = int(raw)
+            except ValueError:
+                raise ConfigError(f"{key}={raw!r} is not an integer") from None
+        else:
+            values[f.name] = raw
+    return Config(**values)

@@ -1,0 +1,233 @@
+"""Per-communicator state: transport, node layout, scratch buffers and in-flight schedules.
+
+A context is cached on its MPI communicator as an MPI attribute (freed with the
+communicator), or on a test transport as a plain attribute; there is no global table.
+
+Schedules are generators that yield lists of requests to wait for (an empty list means
+"not yet, try later"). A blocking call with nothing else in flight just waits on each
+list; otherwise every in-flight schedule on the communicator is progressed together, so
+that ranks waiting on different operations never wait on each other.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Generator
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from .config import Config, load_config
+from .transport import MPITransport
+
+__all__ = ["Context", "get_context", "Pending", "Layout"]
+
+
+class ScratchPool:
+    """Reusable byte buffers, so steady-state calls allocate nothing."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self._free: list[np.ndarray] = []
+        self._keep = keep
+
+    def get(self, count: int, dtype: np.dtype) -> np.ndarray:
+        """Return a buffer of ``count`` elements of ``dtype`` (contents undefined)."""
+        nbytes = count * np.dtype(dtype).itemsize
+        best = -1
+        for i, b in enumerate(self._free):
+            if b.nbytes >= nbytes and (best < 0 or b.nbytes < self._free[best].nbytes):
+                best = i
+        raw = self._free.pop(best) if best >= 0 else np.empty(max(nbytes, 64), np.uint8)
+        return raw[:nbytes].view(dtype)[:count]
+
+    def put(self, buf: np.ndarray) -> None:
+        """Give a buffer from :meth:`get` back."""
+        base = buf.base if buf.base is not None else buf
+        while base.base is not None:
+            base = base.base
+        if len(self._free) >= self._keep:
+            self._free.sort(key=lambda b: b.nbytes)
+            if self._free[0].nbytes >= base.nbytes:
+                return
+            self._free.pop(0)
+        self._free.append(base)
+
+
+@dataclasses.dataclass(slots=True)
+class Layout:
+    """Where this rank sits among nodes (real or simulated by ``ranks_per_node``)."""
+
+    node: Any
+    """Transport over the ranks of this rank's node."""
+    cross: Any
+    """Transport over the ranks with this rank's local rank, one per node."""
+    nodes: int
+    homogeneous: bool
+    """True when every node has the same number of ranks."""
+    node_sync: Callable[[], None]
+    """Memory fence for the node's shared window."""
+
+
+class Pending:
+    """One in-flight schedule."""
+
+    __slots__ = ("gen", "reqs", "done", "error", "on_done")
+
+    def __init__(self, gen: Generator, on_done: Callable[[], Any] | None = None) -> None:
+        self.gen = gen
+        self.reqs: list | None = None
+        self.done = False
+        self.error: BaseException | None = None
+        self.on_done = on_done
+
+    def advance(self) -> bool:
+        """Run the schedule as far as it goes without blocking; return True when finished."""
+        try:
+            if not self.reqs:  # not started yet, or it asked to be polled again
+                self.reqs = next(self.gen)
+            while self.reqs and self.reqs[0].Testall(self.reqs):
+                self.reqs = next(self.gen)
+            return False
+        except StopIteration:
+            self._finish()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the waiter
+            self.error = exc
+            self._finish()
+        return True
+
+    def _finish(self) -> None:
+        self.done = True
+        self.reqs = None
+        if self.on_done is not None and self.error is None:
+            try:
+                self.on_done()
+            except BaseException as exc:  # noqa: BLE001
+                self.error = exc
+
+
+class Context:
+    """Everything cached per communicator."""
+
+    def __init__(self, transport: Any, config: Config | None = None) -> None:
+        self.transport = transport
+        self.config = config or load_config()
+        self.scratch = ScratchPool()
+        self.inflight: list[Pending] = []
+        self.shm_queue: collections.deque = collections.deque()
+        self.tuning: Any = None
+        self._seq = 0
+        self._tag_ub = 32767
+        comm = getattr(transport, "comm", None)
+        if comm is not None:
+            ub = comm.Get_attr(MPI.TAG_UB)
+            self._tag_ub = int(ub) if ub else 32767
+        self._layout: Layout | None = None
+        self._segments: list[np.ndarray] | None = None
+        # collective, so done here, where every rank's first call on the communicator
+        # meets, and never later where ranks might disagree about what they are calling
+        self.layout()
+
+    # -- tags and driving -------------------------------------------------------------
+    def next_tag(self) -> int:
+        """Return the tag of the next operation; every rank starts operations in one order."""
+        self._seq = self._seq % (self._tag_ub - 1) + 1
+        return self._seq
+
+    def run(self, gen: Generator) -> None:
+        """Drive ``gen`` to completion (blocking)."""
+        if not self.inflight:
+            for reqs in gen:
+                if reqs:
+                    reqs[0].Waitall(reqs)
+            return
+        p = self.start(gen)
+        self.wait(p)
+
+    def start(self, gen: Generator, on_done: Callable[[], Any] | None = None) -> Pending:
+        """Begin ``gen`` and return it in flight; it makes its first moves at once."""
+        p = Pending(gen, on_done)
+        self.inflight.append(p)
+        if p.advance():
+            self.inflight.remove(p)
+        return p
+
+    def progress(self) -> None:
+        """Advance every in-flight schedule as far as it goes without blocking."""
+        for p in list(self.inflight):
+            if p.advance():
+                self.inflight.remove(p)
+
+    def wait(self, p: Pending) -> None:
+        """Progress everything until ``p`` is finished; re-raise its error."""
+        while not p.done:
+            if len(self.inflight) == 1 and p.reqs:
+                # alone in flight: block instead of spinning
+                p.reqs[0].Waitall(p.reqs)
+            self.progress()
+        if p.error is not None:
+            raise p.error
+
+    # -- node layout and shared memory -------------------------------------------------
+    def layout(self) -> Layout:
+        """Return the node layout, computing it collectively on first use."""
+        if self._layout is None:
+            t = self.transport
+            node = t.split_shared()
+            k = self.config.ranks_per_node
+            if k:
+                node = node.split(node.rank // k, node.rank)
+            cross = t.split(node.rank, t.rank)
+            info = t.allgather_obj((node.rank, node.size))
+            nodes = sum(1 for lr, _ in info if lr == 0)
+            homogeneous = len({ls for _, ls in info}) == 1
+            self._layout = Layout(node, cross, nodes, homogeneous, getattr(node, "memory_sync", _no_sync))
+        return self._layout
+
+    def shm_segments(self) -> list[np.ndarray]:
+        """Return every node peer's shared window segment, allocating them on first use."""
+        if self._segments is None:
+            self._segments = self.layout().node.shared_segments(self.config.shm_bytes)
+        return self._segments
+
+    def free(self) -> None:
+        """Release sub-communicators and windows."""
+        lay, self._layout, self._segments = self._layout, None, None
+        if lay is not None:
+            for sub in (lay.node, lay.cross):
+                if isinstance(sub, MPITransport):
+                    sub.free()
+                    sub.comm.Free()
+
+
+def _no_sync() -> None:
+    pass
+
+
+def _delete_context(comm: MPI.Comm, keyval: int, ctx: Context) -> None:
+    if not MPI.Is_finalized():
+        ctx.free()
+
+
+_KEYVAL: int | None = None
+
+
+def get_context(comm: Any = None) -> Context:
+    """Return the context of ``comm`` (an mpi4py communicator or a transport)."""
+    global _KEYVAL
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    if isinstance(comm, MPI.Comm):
+        if _KEYVAL is None:
+            _KEYVAL = MPI.Comm.Create_keyval(delete_fn=_delete_context)
+        ctx = comm.Get_attr(_KEYVAL)
+        if ctx is None:
+            ctx = Context(MPITransport(comm))
+            comm.Set_attr(_KEYVAL, ctx)
+        return ctx
+    ctx = getattr(comm, "_collectives_context", None)
+    if ctx is None:
+        ctx = Context(comm)
+        comm._collectives_context = ctx
+    return ctx

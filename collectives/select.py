@@ -1,0 +1,105 @@
+"""The algorithm registry and ``auto`` selection from a tuning table.
+
+A tuning table is JSON::
+
+    {"machine": "...", "command": "...",
+     "tables": [{"collective": "allreduce", "size": 2, "nodes": 1,
+                 "rules": [[4096, "recursive_doubling"], [null, "ring"]]}, ...]}
+
+Each rule is ``[max_bytes, algorithm]`` (``null``: no limit), applied in order to the
+message size in bytes. For a communicator the table matching its collective, size and
+number of nodes is used; failing that, the one with the same collective and node count
+(one node, or several) and the nearest size; failing that, the defaults in this file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from importlib import resources
+from typing import Any
+
+from . import native, pairwise, rabenseifner, recursive_doubling, ring, shm, tree
+from . import hierarchical as hier
+
+__all__ = ["REGISTRY", "algorithms", "choose", "load_table"]
+
+#: collective -> algorithm name -> schedule function. Order is the wire code order.
+REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {
+    "allreduce": {
+        "native": native.allreduce,
+        "ring": ring.allreduce,
+        "tree": tree.allreduce,
+        "recursive_doubling": recursive_doubling.allreduce,
+        "rabenseifner": rabenseifner.allreduce,
+        "hierarchical": hier.allreduce,
+        "shm": shm.allreduce,
+    },
+    "reduce_scatter": {
+        "native": native.reduce_scatter,
+        "ring": ring.reduce_scatter,
+        "recursive_halving": rabenseifner.reduce_scatter,
+    },
+    "allgather": {
+        "native": native.allgather,
+        "ring": ring.allgather,
+        "recursive_doubling": recursive_doubling.allgather,
+    },
+    "broadcast": {"native": native.broadcast, "tree": tree.broadcast},
+    "reduce": {"native": native.reduce, "tree": tree.reduce},
+    "alltoall": {"native": native.alltoall, "pairwise": pairwise.alltoall},
+}
+
+#: Used when no tuning table covers a case, and on transports without an MPI library.
+DEFAULT_RULES: dict[str, list[list[Any]]] = {
+    "allreduce": [[16384, "recursive_doubling"], [None, "ring"]],
+    "reduce_scatter": [[None, "ring"]],
+    "allgather": [[16384, "recursive_doubling"], [None, "ring"]],
+    "broadcast": [[None, "tree"]],
+    "reduce": [[None, "tree"]],
+    "alltoall": [[None, "pairwise"]],
+}
+
+
+def algorithms(collective: str) -> list[str]:
+    """Return the algorithm names registered for ``collective``, ``"auto"`` included."""
+    if collective not in REGISTRY:
+        raise ValueError(f"unknown collective {collective!r}; one of: {', '.join(REGISTRY)}")
+    return [*REGISTRY[collective], "auto"]
+
+
+def load_table(path: str | None = None) -> dict[str, Any]:
+    """Read a tuning table (the packaged one when ``path`` is empty)."""
+    if path:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    return json.loads(resources.files(__package__).joinpath("tuning/default.json").read_text("utf-8"))
+
+
+def _rules(table: dict[str, Any], collective: str, size: int, nodes: int) -> list[list[Any]]:
+    same = [e for e in table.get("tables", []) if e["collective"] == collective]
+    for e in same:
+        if e["size"] == size and e["nodes"] == nodes:
+            return e["rules"]
+    kin = [e for e in same if (e["nodes"] > 1) == (nodes > 1)]
+    if kin:
+        return min(kin, key=lambda e: (abs(e["size"] - size), -e["size"]))["rules"]
+    return DEFAULT_RULES[collective]
+
+
+def choose(ctx: Any, collective: str, nbytes: int) -> str:
+    """Pick the algorithm for ``collective`` of ``nbytes`` on ``ctx``'s communicator."""
+    mpi = getattr(ctx.transport, "comm", None) is not None
+    if mpi:
+        if ctx.tuning is None:
+            ctx.tuning = load_table(ctx.config.tuning_file)
+        nodes = ctx.layout().nodes if collective == "allreduce" else 1
+        rules = _rules(ctx.tuning, collective, ctx.transport.size, nodes)
+    else:
+        rules = DEFAULT_RULES[collective]
+    for limit, name in rules:
+        if limit is None or nbytes <= limit:
+            if name == "native" and not mpi:
+                break
+            return name
+    return DEFAULT_RULES[collective][-1][1]
