@@ -30,8 +30,17 @@ from .ops import DTYPES, OPS, check_dtype, check_op, dtype_code, finalize
 from .select import REGISTRY, choose
 
 __all__ = [
-    "allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall",
-    "iallreduce", "ireduce_scatter", "iallgather", "ibroadcast", "Request",
+    "allreduce",
+    "reduce_scatter",
+    "allgather",
+    "broadcast",
+    "reduce",
+    "alltoall",
+    "iallreduce",
+    "ireduce_scatter",
+    "iallgather",
+    "ibroadcast",
+    "Request",
 ]
 
 _COLLECTIVES = tuple(REGISTRY)
@@ -67,8 +76,9 @@ class Request:
 class _Call:
     """One call's arguments, checked; the first local error is kept, not raised yet."""
 
-    def __init__(self, ctx: Context, collective: str, x: Any, algorithm: str, op: str | None = None,
-                 root: int | None = None) -> None:
+    def __init__(
+        self, ctx: Context, collective: str, x: Any, algorithm: str, op: str | None = None, root: int | None = None
+    ) -> None:
         self.ctx = ctx
         self.t = ctx.transport
         self.collective = collective
@@ -88,7 +98,9 @@ class _Call:
                     f"{collective}: no algorithm {algorithm!r}; registered: {', '.join([*names, 'auto'])}"
                 )
             if root is not None and not (isinstance(root, (int, np.integer)) and 0 <= root < self.t.size):
-                raise InvalidRootError(f"{collective}: root={root!r} is not a rank of a {self.t.size}-rank communicator")
+                raise InvalidRootError(
+                    f"{collective}: root={root!r} is not a rank of a {self.t.size}-rank communicator"
+                )
             if algorithm == "native" and getattr(self.t, "comm", None) is None:
                 raise InvalidArgumentError(f"{collective}: algorithm 'native' needs an MPI communicator")
         except CollectiveError as exc:
@@ -106,8 +118,9 @@ class _Call:
         names = list(REGISTRY[self.collective])
         sig = np.zeros(len(_FIELDS), np.int64)
         sig[_F["collective"]] = _COLLECTIVES.index(self.collective)
-        sig[_F["algorithm"]] = names.index(self.algorithm) if self.algorithm in names else (
-            len(names) if self.algorithm == "auto" else -1)
+        sig[_F["algorithm"]] = (
+            names.index(self.algorithm) if self.algorithm in names else (len(names) if self.algorithm == "auto" else -1)
+        )
         sig[_F["resolved"]] = names.index(self.resolved) if self.resolved in names else -1
         sig[_F["op"]] = OPS.index(self.op) if self.op in OPS else -1
         sig[_F["dtype"]] = dtype_code(self.x.dtype)
@@ -174,7 +187,9 @@ def _mismatch(table: np.ndarray, name: str) -> CollectiveMismatchError:
     groups: dict[str, list[int]] = {}
     for r, v in enumerate(col):
         groups.setdefault(_describe(table, name, int(v)), []).append(r)
-    parts = "; ".join(f"ranks {rs} passed {v}" if len(rs) > 1 else f"rank {rs[0]} passed {v}" for v, rs in groups.items())
+    parts = "; ".join(
+        f"ranks {rs} passed {v}" if len(rs) > 1 else f"rank {rs[0]} passed {v}" for v, rs in groups.items()
+    )
     return CollectiveMismatchError(
         f"collective arguments differ between ranks in field {name!r}: {parts}", field=name, values=groups
     )
@@ -186,9 +201,12 @@ def _check_out(call: _Call, out: np.ndarray | None, shape: tuple[int, ...]) -> N
     if not isinstance(out, np.ndarray):
         call.fail(OutputMismatchError(f"{call.collective}: out must be a numpy array, not {type(out).__name__}"))
     elif out.shape != shape or out.dtype != call.x.dtype:
-        call.fail(OutputMismatchError(
-            f"{call.collective}: out has shape {out.shape} and dtype {out.dtype}; "
-            f"expected shape {shape} and dtype {call.x.dtype}"))
+        call.fail(
+            OutputMismatchError(
+                f"{call.collective}: out has shape {out.shape} and dtype {out.dtype}; "
+                f"expected shape {shape} and dtype {call.x.dtype}"
+            )
+        )
     elif not out.flags.c_contiguous:
         call.fail(OutputMismatchError(f"{call.collective}: out must be C-contiguous"))
 
@@ -240,8 +258,9 @@ def _allreduce(x, op, algorithm, out, comm, blocking):
     return _launch(ctx, gen, blocking, out, lambda: finalize(buf, op, n))
 
 
-def allreduce(x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", out: np.ndarray | None = None,
-              comm: Any = None) -> np.ndarray:
+def allreduce(
+    x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None
+) -> np.ndarray:
     """Reduce ``x`` elementwise over all ranks; every rank gets the result.
 
     Args:
@@ -257,8 +276,9 @@ def allreduce(x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", out: n
     return _allreduce(x, op, algorithm, out, comm, True)
 
 
-def iallreduce(x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", out: np.ndarray | None = None,
-               comm: Any = None) -> Request:
+def iallreduce(
+    x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None
+) -> Request:
     """Start :func:`allreduce`; ``wait()`` on the returned request gives the result."""
     return _allreduce(x, op, algorithm, out, comm, False)
 
@@ -377,8 +397,9 @@ def _broadcast(x, root, algorithm, out, comm, blocking):
     return _launch(ctx, gen, blocking, out)
 
 
-def broadcast(x: np.ndarray, root: int = 0, *, algorithm: str = "auto", out: np.ndarray | None = None,
-              comm: Any = None) -> np.ndarray:
+def broadcast(
+    x: np.ndarray, root: int = 0, *, algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None
+) -> np.ndarray:
     """Return ``root``'s ``x`` on every rank (every rank passes an array of the same shape).
 
     Args:
@@ -394,15 +415,17 @@ def broadcast(x: np.ndarray, root: int = 0, *, algorithm: str = "auto", out: np.
     return _broadcast(x, root, algorithm, out, comm, True)
 
 
-def ibroadcast(x: np.ndarray, root: int = 0, *, algorithm: str = "auto", out: np.ndarray | None = None,
-               comm: Any = None) -> Request:
+def ibroadcast(
+    x: np.ndarray, root: int = 0, *, algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None
+) -> Request:
     """Start :func:`broadcast`; ``wait()`` on the returned request gives the result."""
     return _broadcast(x, root, algorithm, out, comm, False)
 
 
 # -- reduce ------------------------------------------------------------------------------
-def reduce(x: np.ndarray, root: int = 0, *, op: str = "sum", algorithm: str = "auto",
-           comm: Any = None) -> np.ndarray | None:
+def reduce(
+    x: np.ndarray, root: int = 0, *, op: str = "sum", algorithm: str = "auto", comm: Any = None
+) -> np.ndarray | None:
     """Reduce ``x`` over all ranks onto ``root``.
 
     Args:
@@ -464,15 +487,19 @@ def alltoall(x: np.ndarray, splits: Any = None, *, algorithm: str = "auto", comm
             call.fail(InvalidArgumentError("alltoall: x must have at least one dimension"))
         elif splits is None:
             if rows % t.size:
-                call.fail(InvalidArgumentError(
-                    f"alltoall: {rows} rows do not split evenly over {t.size} ranks; pass splits"))
+                call.fail(
+                    InvalidArgumentError(f"alltoall: {rows} rows do not split evenly over {t.size} ranks; pass splits")
+                )
             else:
                 send_rows[:] = rows // t.size
         else:
             sp = np.asarray(splits, dtype=np.int64).reshape(-1)
             if sp.size != t.size or (sp < 0).any() or sp.sum() != rows:
-                call.fail(InvalidArgumentError(
-                    f"alltoall: splits={list(sp)} must be {t.size} non-negative row counts summing to {rows}"))
+                call.fail(
+                    InvalidArgumentError(
+                        f"alltoall: splits={list(sp)} must be {t.size} non-negative row counts summing to {rows}"
+                    )
+                )
             else:
                 send_rows[:] = sp
     item = x.shape[1:]
@@ -483,14 +510,23 @@ def alltoall(x: np.ndarray, splits: Any = None, *, algorithm: str = "auto", comm
     if t.size == 1:
         recv_rows[:] = send_rows
     else:
-        ctx.run(REGISTRY["alltoall"]["pairwise"](ctx, t, send_rows, (8,) * t.size, recv_rows, (8,) * t.size,
-                                                 ctx.next_tag()))
+        ctx.run(
+            REGISTRY["alltoall"]["pairwise"](ctx, t, send_rows, (8,) * t.size, recv_rows, (8,) * t.size, ctx.next_tag())
+        )
     out = np.empty((int(recv_rows.sum()), *item), x.dtype)
     src = np.ascontiguousarray(x)
     if t.size == 1:
         out[...] = src
         return out
-    ctx.run(REGISTRY["alltoall"][call.resolved](ctx, t, _flat(src), tuple(int(v) * row_bytes for v in send_rows),
-                                                _flat(out), tuple(int(v) * row_bytes for v in recv_rows),
-                                                ctx.next_tag()))
+    ctx.run(
+        REGISTRY["alltoall"][call.resolved](
+            ctx,
+            t,
+            _flat(src),
+            tuple(int(v) * row_bytes for v in send_rows),
+            _flat(out),
+            tuple(int(v) * row_bytes for v in recv_rows),
+            ctx.next_tag(),
+        )
+    )
     return out

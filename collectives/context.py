@@ -213,8 +213,12 @@ def _delete_context(comm: MPI.Comm, keyval: int, ctx: Context) -> None:
 _KEYVAL: int | None = None
 
 
-def get_context(comm: Any = None) -> Context:
-    """Return the context of ``comm`` (an mpi4py communicator or a transport)."""
+def get_context(comm: Any = None, config: Config | None = None) -> Context:
+    """Return the context of ``comm`` (an mpi4py communicator or a transport).
+
+    ``config`` applies only when the context is created (the first call on ``comm``);
+    by default the configuration comes from the ``HPCDL_*`` environment.
+    """
     global _KEYVAL
     if comm is None:
         comm = MPI.COMM_WORLD
@@ -223,11 +227,11 @@ def get_context(comm: Any = None) -> Context:
             _KEYVAL = MPI.Comm.Create_keyval(delete_fn=_delete_context)
         ctx = comm.Get_attr(_KEYVAL)
         if ctx is None:
-            ctx = Context(MPITransport(comm))
+            ctx = Context(MPITransport(comm), config)
             comm.Set_attr(_KEYVAL, ctx)
         return ctx
     ctx = getattr(comm, "_collectives_context", None)
     if ctx is None:
-        ctx = Context(comm)
+        ctx = Context(comm, config)
         comm._collectives_context = ctx
     return ctx

@@ -147,8 +147,9 @@ class ThreadTransport:
         return self.world.exchange(self.rank, obj)
 
 
-def run_ranks(size: int, fn: Callable[[ThreadTransport], Any], *, node_size: int | None = None,
-              timeout: float = 30.0) -> list[Any]:
+def run_ranks(
+    size: int, fn: Callable[[ThreadTransport], Any], *, node_size: int | None = None, timeout: float = 30.0
+) -> list[Any]:
     """Run ``fn(transport)`` on ``size`` thread ranks; return each rank's result.
 
     An exception on any rank is re-raised here (the first by rank), after all threads end.
@@ -171,7 +172,7 @@ def run_ranks(size: int, fn: Callable[[ThreadTransport], Any], *, node_size: int
         t.start()
     for t in threads:
         t.join(timeout * 4)
-    for r, exc in enumerate(errors):
+    for exc in errors:
         if exc is not None:
             raise exc
     if any(t.is_alive() for t in threads):

@@ -41,7 +41,7 @@ def reduce_scatter(ctx, t, buf: np.ndarray, counts: tuple[int, ...], op: str, ta
             parts = _segments(lo, hi, seg)
             recvs = [t.irecv(scratch[a - lo : z - lo], left, tag) for a, z in parts]
             last = s == n - 2
-            for (a, z), req in zip(parts, recvs):
+            for (a, z), req in zip(parts, recvs, strict=True):
                 yield [req]
                 reduce_into(buf[a:z], scratch[a - lo : z - lo], op)
                 if not last:

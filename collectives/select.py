@@ -19,8 +19,8 @@ from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
-from . import native, pairwise, rabenseifner, recursive_doubling, ring, shm, tree
 from . import hierarchical as hier
+from . import native, pairwise, rabenseifner, recursive_doubling, ring, shm, tree
 
 __all__ = ["REGISTRY", "algorithms", "choose", "load_table"]
 
