@@ -46,6 +46,9 @@ __all__ = [
 _COLLECTIVES = tuple(REGISTRY)
 _FIELDS = ("collective", "algorithm", "resolved", "op", "dtype", "count", "root", "item shape", "error")
 _F = {name: i for i, name in enumerate(_FIELDS)}
+_COLL_CODES = {c: i for i, c in enumerate(_COLLECTIVES)}
+_ALG_CODES = {c: {a: i for i, a in enumerate([*names, "auto"])} for c, names in REGISTRY.items()}
+_OP_CODES = {o: i for i, o in enumerate(OPS)}
 #: fields that may differ between ranks, per collective
 _MAY_DIFFER = {"allgather": {"count"}, "alltoall": {"count"}}
 
@@ -114,45 +117,52 @@ class _Call:
         if self.error is None and self.algorithm == "auto":
             self.resolved = choose(self.ctx, self.collective, nbytes)
 
-    def signature(self, count: int, item_shape: tuple[int, ...] = ()) -> np.ndarray:
-        names = list(REGISTRY[self.collective])
-        sig = np.zeros(len(_FIELDS), np.int64)
-        sig[_F["collective"]] = _COLLECTIVES.index(self.collective)
-        sig[_F["algorithm"]] = (
-            names.index(self.algorithm) if self.algorithm in names else (len(names) if self.algorithm == "auto" else -1)
-        )
-        sig[_F["resolved"]] = names.index(self.resolved) if self.resolved in names else -1
-        sig[_F["op"]] = OPS.index(self.op) if self.op in OPS else -1
-        sig[_F["dtype"]] = dtype_code(self.x.dtype)
-        sig[_F["count"]] = count
-        sig[_F["root"]] = self.root if isinstance(self.root, (int, np.integer)) else -2
-        sig[_F["item shape"]] = zlib.crc32(repr(tuple(item_shape)).encode())
-        sig[_F["error"]] = 0 if self.error is None else 1
-        return sig
+    def signature(self, count: int, item_shape: tuple[int, ...] = ()) -> list[int]:
+        names = _ALG_CODES[self.collective]
+        return [
+            _COLL_CODES[self.collective],
+            names.get(self.algorithm, -1),
+            names.get(self.resolved, -1),
+            _OP_CODES.get(self.op, -1),  # type: ignore[arg-type]
+            dtype_code(self.x.dtype),
+            count,
+            self.root if isinstance(self.root, (int, np.integer)) else -2,
+            zlib.crc32(repr(tuple(item_shape)).encode()) if item_shape else 0,
+            0 if self.error is None else 1,
+        ]
 
     def agree(self, count: int, item_shape: tuple[int, ...] = ()) -> np.ndarray | None:
         """Check arguments on every rank; raise the same way everywhere on any problem.
 
         Returns every rank's signature (rows by rank), or None on a single rank.
         """
-        if self.t.size == 1:
+        t = self.t
+        if t.size == 1:
             if self.error is not None:
                 raise self.error
             return None
-        mine = self.signature(count, item_shape)
+        mine = np.array(self.signature(count, item_shape), np.int64)
         k = mine.size
-        table = np.empty(k * self.t.size, np.int64)
-        table[self.t.rank * k : (self.t.rank + 1) * k] = mine
-        counts = (k,) * self.t.size
-        self.ctx.run(recursive_doubling.allgather(self.ctx, self.t, table, counts, self.ctx.next_tag()))
-        table = table.reshape(self.t.size, k)
-        if table[:, _F["error"]].any():
-            self._raise_input_errors(table)
-        skip = _MAY_DIFFER.get(self.collective, set())
-        for name in _FIELDS:
-            col = table[:, _F[name]]
-            if name not in skip and (col != col[0]).any():
-                raise _mismatch(table, name)
+        table = np.empty((t.size, k), np.int64)
+        comm = getattr(t, "comm", None)
+        if comm is not None and not self.ctx.inflight:
+            comm.Allgather(mine, table)
+        else:
+            # with operations in flight, a blocking collective here could stall a peer
+            # that is waiting for one of them: exchange by tagged messages instead
+            flat = table.reshape(-1)
+            flat[t.rank * k : (t.rank + 1) * k] = mine
+            self.ctx.run(recursive_doubling.allgather(self.ctx, t, flat, (k,) * t.size, self.ctx.next_tag()))
+        differ = (table != table[0]).any(axis=0)
+        if differ.any():
+            if differ[_F["error"]]:
+                self._raise_input_errors(table)
+            skip = _MAY_DIFFER.get(self.collective, ())
+            for name in _FIELDS:
+                if differ[_F[name]] and name not in skip:
+                    raise _mismatch(table, name)
+        if self.error is not None:
+            raise self.error
         return table
 
     def _raise_input_errors(self, table: np.ndarray) -> None:

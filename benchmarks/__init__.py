@@ -1,0 +1,1 @@
+"""Benchmarks: each module's measuring functions return numbers; only ``main`` prints."""

@@ -1,0 +1,23 @@
+"""Run pytest on every rank of an mpiexec job, with only rank 0 talking to the terminal.
+
+Usage: ``mpiexec -n N python tests/mpi_pytest.py [pytest args]``. Other ranks write to
+``.pytest-rank<N>.log`` (printed by ``jobs/test.sh`` when the run fails). The redirection
+happens here, before pytest captures the standard streams.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from mpi4py import MPI
+
+rank = MPI.COMM_WORLD.Get_rank()
+if rank > 0:
+    log = open(f".pytest-rank{rank}.log", "w")  # noqa: SIM115 - kept for the process lifetime
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+
+import pytest  # noqa: E402 - after the redirection on purpose
+
+sys.exit(pytest.main(["--with-mpi", *sys.argv[1:]]))

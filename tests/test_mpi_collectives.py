@@ -1,0 +1,173 @@
+"""Every collective and algorithm against a numpy reference, under mpiexec -n 2, 3, 4."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import collectives as C
+from collectives.config import Config
+from collectives.context import get_context
+from collectives.layout import block_counts, offsets
+from reference import COUNTS, DTYPES, OPS, check_close, digest, expected, make_input
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+WORLD = MPI.COMM_WORLD
+
+
+def same_on_every_rank(comm, a) -> bool:
+    return len(set(comm.allgather(digest(a)))) == 1
+
+
+def fresh(**cfg) -> MPI.Comm:
+    """A duplicate of the world with its own configuration."""
+    comm = WORLD.Dup()
+    get_context(comm, Config(**cfg))
+    return comm
+
+
+@pytest.mark.parametrize("alg", C.algorithms("allreduce"))
+def test_allreduce_every_op_dtype_count(alg):
+    n, r = WORLD.size, WORLD.rank
+    for op in OPS:
+        for dtype in DTYPES:
+            for count in COUNTS:
+                inputs = [make_input(q, count, dtype, op) for q in range(n)]
+                got = C.allreduce(inputs[r], op=op, algorithm=alg)
+                what = f"{alg} {op} {np.dtype(dtype)} count={count}"
+                check_close(got, expected(inputs, op), op, n, what)
+                assert same_on_every_rank(WORLD, got), what
+
+
+@pytest.mark.parametrize("alg", C.algorithms("reduce_scatter"))
+def test_reduce_scatter_every_op_dtype_count(alg):
+    n, r = WORLD.size, WORLD.rank
+    for op in OPS:
+        for dtype in DTYPES:
+            for count in COUNTS:
+                inputs = [make_input(q, count, dtype, op) for q in range(n)]
+                got = C.reduce_scatter(inputs[r], op=op, algorithm=alg)
+                off = offsets(block_counts(count, n))
+                check_close(got, expected(inputs, op)[off[r] : off[r + 1]], op, n, f"{alg} {op} {dtype} {count}")
+
+
+@pytest.mark.parametrize("alg", C.algorithms("allgather"))
+def test_allgather_uneven_first_dimension(alg):
+    n, r = WORLD.size, WORLD.rank
+    for dtype in DTYPES:
+        for rows in ([0] * n, [(q * 3) % 4 for q in range(n)], [q + 1 for q in range(n)], [1000 + q for q in range(n)]):
+            inputs = [make_input(q, rows[q] * 3, dtype, "sum").reshape(rows[q], 3) for q in range(n)]
+            got = C.allgather(inputs[r], algorithm=alg)
+            assert digest(got) == digest(np.concatenate(inputs)) and got.shape == (sum(rows), 3), (alg, dtype, rows)
+
+
+@pytest.mark.parametrize("alg", C.algorithms("broadcast"))
+def test_broadcast_from_every_root(alg):
+    n, r = WORLD.size, WORLD.rank
+    for dtype in DTYPES:
+        for count in COUNTS:
+            for root in range(n):
+                x = make_input(r, count, dtype, "sum").reshape(count, 1)
+                got = C.broadcast(x, root, algorithm=alg)
+                assert digest(got) == digest(make_input(root, count, dtype, "sum").reshape(count, 1))
+
+
+@pytest.mark.parametrize("alg", C.algorithms("reduce"))
+def test_reduce_onto_every_root(alg):
+    n, r = WORLD.size, WORLD.rank
+    for op in OPS:
+        for dtype in DTYPES:
+            for root in range(n):
+                inputs = [make_input(q, 17, dtype, op) for q in range(n)]
+                got = C.reduce(inputs[r], root, op=op, algorithm=alg)
+                if r == root:
+                    check_close(got, expected(inputs, op), op, n, f"{alg} {op} {dtype} root={root}")
+                else:
+                    assert got is None
+
+
+@pytest.mark.parametrize("alg", C.algorithms("alltoall"))
+def test_alltoall_with_and_without_splits(alg):
+    n, r = WORLD.size, WORLD.rank
+    for dtype in DTYPES:
+        x = make_input(r, n * 2 * 4, dtype, "sum").reshape(n * 2, 4)
+        got = C.alltoall(x, algorithm=alg)
+        want = np.concatenate([make_input(q, n * 8, dtype, "sum").reshape(n * 2, 4)[2 * r : 2 * r + 2] for q in range(n)])
+        assert digest(got) == digest(want)
+    # uneven splits: rank q sends (q + j) % 3 rows to rank j
+    splits = [(r + j) % 3 for j in range(n)]
+    x = np.arange(sum(splits) * 2, dtype=np.int32).reshape(-1, 2) + 1000 * r
+    got = C.alltoall(x, splits, algorithm=alg)
+    parts = []
+    for q in range(n):
+        sq = [(q + j) % 3 for j in range(n)]
+        xq = np.arange(sum(sq) * 2, dtype=np.int32).reshape(-1, 2) + 1000 * q
+        start = sum(sq[:r])
+        parts.append(xq[start : start + sq[r]])
+    assert np.array_equal(got, np.concatenate(parts))
+
+
+@pytest.mark.parametrize("alg", [a for a in C.algorithms("allreduce") if a != "auto"])
+def test_large_allreduce_segmented_and_chunked(alg):
+    # small segments and a small window make the pipelining and chunking paths run
+    comm = fresh(segment_bytes=4096, shm_bytes=8192)
+    n, r = comm.size, comm.rank
+    for count in (5000, 1 << 18):
+        inputs = [make_input(q, count, np.float32, "sum") for q in range(n)]
+        got = C.allreduce(inputs[r], algorithm=alg, comm=comm)
+        check_close(got, expected(inputs, "sum"), "sum", n, f"{alg} {count}")
+        assert same_on_every_rank(comm, got)
+    comm.Free()
+
+
+@pytest.mark.parametrize("per_node", [1, 2, 3])
+@pytest.mark.parametrize("alg", ["hierarchical", "shm"])
+def test_simulated_nodes(per_node, alg):
+    comm = fresh(ranks_per_node=per_node, shm_bytes=4096)
+    n, r = comm.size, comm.rank
+    lay = get_context(comm).layout()
+    assert lay.nodes == -(-n // per_node)
+    assert lay.node.size == min(per_node, n - (r // per_node) * per_node)
+    assert lay.homogeneous == (n % per_node == 0 or n < per_node)
+    for op in ("sum", "avg", "max"):
+        for count in (0, 1, 7, 3001):
+            inputs = [make_input(q, count, np.float64, op) for q in range(n)]
+            got = C.allreduce(inputs[r], op=op, algorithm=alg, comm=comm)
+            check_close(got, expected(inputs, op), op, n, f"{alg} {op} per_node={per_node} count={count}")
+            assert same_on_every_rank(comm, got)
+    comm.Free()
+
+
+def test_nonblocking_several_in_flight_waited_in_any_order():
+    n, r = WORLD.size, WORLD.rank
+    algs = ["ring", "native", "shm", "recursive_doubling", "rabenseifner", "hierarchical", "tree"]
+    inputs = {a: [make_input(q, 1000 + i, np.float32, "sum", seed=i) for q in range(n)] for i, a in enumerate(algs)}
+    reqs = {a: C.iallreduce(inputs[a][r], algorithm=a) for a in algs}
+    rs = C.ireduce_scatter(inputs["ring"][r])
+    ag = C.iallgather(inputs["tree"][r][:r + 1])
+    bc = C.ibroadcast(inputs["shm"][r], root=n - 1)
+    order = algs[r % len(algs):] + algs[: r % len(algs)]
+    for a in order:
+        check_close(reqs[a].wait(), expected(inputs[a], "sum"), "sum", n, a)
+    off = offsets(block_counts(1000, n))
+    check_close(rs.wait(), expected(inputs["ring"], "sum")[off[r] : off[r + 1]], "sum", n, "ireduce_scatter")
+    assert digest(ag.wait()) == digest(np.concatenate([inputs["tree"][q][: q + 1] for q in range(n)]))
+    assert digest(bc.wait()) == digest(inputs["shm"][n - 1])
+    assert bc.test()
+
+
+def test_out_in_place_and_non_contiguous_input():
+    n, r = WORLD.size, WORLD.rank
+    base = [np.arange(60, dtype=np.float64).reshape(6, 10) * (q + 1) for q in range(n)]
+    want = sum(base)
+    x = base[r].copy()
+    y = C.allreduce(x, out=x)
+    assert y is x and np.array_equal(x, want)
+    for alg in ("ring", "native"):
+        strided = base[r].T  # not C-contiguous
+        got = C.allreduce(strided, algorithm=alg)
+        assert np.array_equal(got, want.T) and got.shape == (10, 6)
+        out = np.empty((10, 6))
+        assert C.allreduce(strided, algorithm=alg, out=out) is out and np.array_equal(out, want.T)

@@ -1,0 +1,65 @@
+"""Mismatches between ranks and bad input raise on every rank, quickly, and nothing hangs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import collectives as C
+
+pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(60)]
+
+WORLD = MPI.COMM_WORLD
+
+
+def still_usable():
+    got = C.allreduce(np.ones(3, np.int64))
+    assert np.array_equal(got, np.full(3, WORLD.size))
+
+
+@pytest.mark.parametrize(
+    "field, call",
+    [
+        ("count", lambda r: C.allreduce(np.zeros(4 + (r == 1), np.float32))),
+        ("dtype", lambda r: C.allreduce(np.zeros(4, np.float32 if r != 1 else np.float64))),
+        ("op", lambda r: C.allreduce(np.zeros(4, np.float32), op="sum" if r != 1 else "max")),
+        ("algorithm", lambda r: C.allreduce(np.zeros(4, np.float32), algorithm="ring" if r != 1 else "tree")),
+        ("root", lambda r: C.broadcast(np.zeros(4), root=0 if r != 1 else 1)),
+        ("collective", lambda r: C.allreduce(np.zeros(4)) if r != 1 else C.reduce_scatter(np.zeros(4))),
+        ("count", lambda r: C.reduce_scatter(np.zeros(9 + r))),
+        ("item shape", lambda r: C.allgather(np.zeros((2, 3 + (r == 1))))),
+        ("dtype", lambda r: C.allgather(np.zeros(2, np.int32 if r == 1 else np.int64))),
+        ("count", lambda r: C.iallreduce(np.zeros(4 + (r == 1))).wait()),
+    ],
+)
+def test_mismatch_raises_on_every_rank_naming_field_and_ranks(field, call):
+    r = WORLD.rank
+    with pytest.raises(C.CollectiveMismatchError) as info:
+        call(r)
+    assert info.value.field == field
+    assert "rank 1" in str(info.value)
+    still_usable()
+
+
+@pytest.mark.parametrize(
+    "exc, call",
+    [
+        (C.UnsupportedDtypeError, lambda bad: C.allreduce(np.zeros(4, np.complex64 if bad else np.float32))),
+        (C.UnsupportedOpError, lambda bad: C.allreduce(np.zeros(4), op="mean" if bad else "sum")),
+        (C.UnknownAlgorithmError, lambda bad: C.allreduce(np.zeros(4), algorithm="bogus" if bad else "ring")),
+        (C.InvalidRootError, lambda bad: C.broadcast(np.zeros(4), root=WORLD.size if bad else 0)),
+        (C.InvalidRootError, lambda bad: C.reduce(np.zeros(4), root=-1 if bad else 0)),
+        (C.OutputMismatchError, lambda bad: C.allreduce(np.zeros(4), out=np.zeros(5 if bad else 4))),
+        (C.InvalidArgumentError, lambda bad: C.alltoall(np.zeros(WORLD.size * 2), splits=[1] * WORLD.size if bad else None)),
+    ],
+)
+@pytest.mark.parametrize("everywhere", [False, True])
+def test_bad_input_raises_on_every_rank(exc, call, everywhere):
+    bad = everywhere or WORLD.rank == 1
+    expect = exc if bad else C.PeerInputError
+    with pytest.raises(expect) as info:
+        call(bad)
+    if not bad:
+        assert "rank 1" in str(info.value)
+    still_usable()

@@ -1,0 +1,175 @@
+"""Single-process tests: one-rank calls, argument checks, configuration, selection, abort."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import collectives as C
+from collectives.config import Config, load_config
+from collectives.layout import Fold, block_counts
+from collectives.ops import finalize
+from collectives.select import _rules, choose
+from reference import DTYPES, OPS, digest, make_input
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_rank_calls_return_their_input(dtype):
+    x = make_input(0, 11, dtype, "sum").reshape(11, 1)
+    for op in OPS:
+        for alg in C.algorithms("allreduce"):
+            assert digest(C.allreduce(x, op=op, algorithm=alg)) == digest(x)
+    assert digest(C.reduce_scatter(x)) == digest(x.reshape(-1))
+    assert digest(C.allgather(x)) == digest(x)
+    assert digest(C.broadcast(x)) == digest(x)
+    assert digest(C.reduce(x)) == digest(x)
+    assert digest(C.alltoall(x)) == digest(x)
+    assert digest(C.iallreduce(x).wait()) == digest(x)
+    assert C.iallgather(x).test()
+
+
+@pytest.mark.parametrize(
+    "exc, call",
+    [
+        (C.UnsupportedDtypeError, lambda: C.allreduce(np.zeros(3, np.complex128))),
+        (C.UnsupportedDtypeError, lambda: C.allreduce(np.array(["a"]))),
+        (C.UnsupportedOpError, lambda: C.allreduce(np.zeros(3), op="mean")),
+        (C.UnknownAlgorithmError, lambda: C.allreduce(np.zeros(3), algorithm="butterfly")),
+        (C.UnknownAlgorithmError, lambda: C.broadcast(np.zeros(3), algorithm="ring")),
+        (C.InvalidRootError, lambda: C.broadcast(np.zeros(3), root=1)),
+        (C.InvalidRootError, lambda: C.reduce(np.zeros(3), root=-1)),
+        (C.OutputMismatchError, lambda: C.allreduce(np.zeros(3), out=np.zeros(4))),
+        (C.OutputMismatchError, lambda: C.allreduce(np.zeros(3), out=np.zeros(3, np.float32))),
+        (C.OutputMismatchError, lambda: C.allreduce(np.zeros((3, 2)), out=np.zeros((2, 3)).T)),
+        (C.InvalidArgumentError, lambda: C.allgather(np.float64(1.0))),
+        (C.InvalidArgumentError, lambda: C.alltoall(np.zeros(4), splits=[3])),
+    ],
+)
+def test_bad_input_raises_specific_error(exc, call):
+    with pytest.raises(exc):
+        call()
+
+
+def test_error_messages_say_what_to_do():
+    with pytest.raises(C.UnsupportedOpError, match="sum, avg, min, max, prod"):
+        C.allreduce(np.zeros(1), op="mean")
+    with pytest.raises(C.UnknownAlgorithmError, match="ring"):
+        C.allreduce(np.zeros(1), algorithm="rign")
+
+
+def test_integer_average_truncates_toward_zero():
+    buf = np.array([7, -7, 6, -6, 0], np.int32)
+    finalize(buf, "avg", 4)
+    assert buf.tolist() == [1, -1, 1, -1, 0]
+
+
+def test_block_counts_follow_mpich():
+    assert block_counts(10, 4) == (3, 3, 2, 2)
+    assert block_counts(2, 3) == (1, 1, 0)
+    assert block_counts(0, 2) == (0, 0)
+
+
+@pytest.mark.parametrize("n", range(1, 12))
+def test_fold_maps_every_rank_once(n):
+    folds = [Fold(r, n) for r in range(n)]
+    news = sorted(f.new for f in folds if f.new >= 0)
+    assert news == list(range(folds[0].p))
+    for f in folds:
+        if f.new >= 0:
+            assert f.actual(f.new) == f.rank
+    assert [folds[0].first(k) for k in range(folds[0].p + 1)][-1] == n
+
+
+def test_algorithms_list_native_and_auto():
+    for coll in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall"):
+        names = C.algorithms(coll)
+        assert "native" in names and names[-1] == "auto"
+    assert {"ring", "tree", "recursive_doubling", "rabenseifner", "hierarchical", "shm"} <= set(
+        C.algorithms("allreduce")
+    )
+    with pytest.raises(ValueError):
+        C.algorithms("scan")
+
+
+def test_config_reads_env_and_rejects_unknown_names():
+    cfg = load_config({"HPCDL_SEGMENT_BYTES": "4096", "HPCDL_RANKS_PER_NODE": "2", "PATH": "/bin"})
+    assert cfg.segment_bytes == 4096 and cfg.ranks_per_node == 2
+    with pytest.raises(C.ConfigError, match="did you mean HPCDL_RANKS_PER_NODE"):
+        load_config({"HPCDL_RANK_PER_NODE": "2"})
+    with pytest.raises(C.ConfigError, match="not an integer"):
+        load_config({"HPCDL_SHM_BYTES": "lots"})
+    with pytest.raises(C.ConfigError, match="ranks_per_node=-1"):
+        Config(ranks_per_node=-1)
+    with pytest.raises(C.ConfigError, match="does not exist"):
+        Config(tuning_file="/nonexistent/table.json")
+
+
+def test_tuning_rules_lookup_exact_then_nearest_then_default():
+    table = {
+        "tables": [
+            {"collective": "allreduce", "size": 2, "nodes": 1, "rules": [[100, "tree"], [None, "ring"]]},
+            {"collective": "allreduce", "size": 8, "nodes": 1, "rules": [[None, "rabenseifner"]]},
+        ]
+    }
+    assert _rules(table, "allreduce", 2, 1)[0][1] == "tree"
+    assert _rules(table, "allreduce", 3, 1)[0][1] == "tree"
+    assert _rules(table, "allreduce", 7, 1)[0][1] == "rabenseifner"
+    assert _rules(table, "allreduce", 4, 2)[0][1] == "recursive_doubling"  # no multi-node table: defaults
+
+
+def test_shipped_table_names_only_registered_algorithms():
+    from collectives.select import REGISTRY, load_table
+
+    table = load_table()
+    assert table["tables"], "the package must ship a measured tuning table"
+    for entry in table["tables"]:
+        for _limit, name in entry["rules"]:
+            assert name in REGISTRY[entry["collective"]], entry
+
+
+def test_auto_never_picks_native_without_mpi():
+    class Fake:
+        comm = None
+        size = 2
+
+    class Ctx:
+        transport = Fake()
+
+    for coll in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall"):
+        for nbytes in (4, 1 << 30):
+            assert choose(Ctx(), coll, nbytes) != "native"
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import numpy as np
+    from mpi4py import MPI
+    import collectives as C
+    from collectives.cli import run_main
+
+    def main():
+        if MPI.COMM_WORLD.rank == 1:
+            raise RuntimeError("rank one gives up")
+        C.allreduce(np.ones(4))  # rank 0 would wait here forever
+
+    run_main(main)
+    """
+)
+
+
+def test_uncaught_exception_on_one_rank_aborts_the_whole_job(tmp_path):
+    script = tmp_path / "dies.py"
+    script.write_text(SCRIPT)
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    start = time.monotonic()
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    assert time.monotonic() - start < 60
+    assert proc.returncode != 0
+    assert "rank one gives up" in proc.stderr and "Traceback" in proc.stderr
