@@ -56,7 +56,7 @@ def measure(comm: MPI.Comm, sizes: list[int], contenders: list[str], rounds: int
         out = np.empty_like(x)
         iters = iterations(nbytes)
 
-        def run(name: str) -> None:
+        def run(name: str, x: np.ndarray = x, out: np.ndarray = out) -> None:
             if name == BASELINE:
                 comm.Allreduce(x, out)
             else:

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import DTYPES, OPS, check_close, digest, expected, make_input
 
 import collectives as C
 from collectives.config import Config
 from collectives.context import get_context
 from collectives.fake import run_ranks
 from collectives.layout import block_counts, offsets
-from reference import DTYPES, OPS, check_close, digest, expected, make_input
 
 P2P = {c: [a for a in C.algorithms(c) if a != "native"] for c in ("allreduce", "reduce_scatter", "allgather")}
 
@@ -114,10 +114,12 @@ def test_several_nonblocking_in_flight_complete_in_any_wait_order():
     xs = [[make_input(r, 50 + k, np.float64, "sum", seed=k) for r in range(n)] for k in range(4)]
 
     def body(t):
-        reqs = [C.iallreduce(xs[k][t.rank], algorithm=alg, comm=t) for k, alg in
-                enumerate(["ring", "recursive_doubling", "shm", "rabenseifner"])]
+        reqs = [
+            C.iallreduce(xs[k][t.rank], algorithm=alg, comm=t)
+            for k, alg in enumerate(["ring", "recursive_doubling", "shm", "rabenseifner"])
+        ]
         # each rank waits in a different order: progress must not depend on it
-        order = list(range(4))[t.rank:] + list(range(4))[: t.rank]
+        order = list(range(4))[t.rank :] + list(range(4))[: t.rank]
         got = {}
         for k in order:
             got[k] = reqs[k].wait()

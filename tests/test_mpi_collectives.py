@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mpi4py import MPI
+from reference import COUNTS, DTYPES, OPS, check_close, digest, expected, make_input
 
 import collectives as C
 from collectives.config import Config
 from collectives.context import get_context
 from collectives.layout import block_counts, offsets
-from reference import COUNTS, DTYPES, OPS, check_close, digest, expected, make_input
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -94,7 +94,9 @@ def test_alltoall_with_and_without_splits(alg):
     for dtype in DTYPES:
         x = make_input(r, n * 2 * 4, dtype, "sum").reshape(n * 2, 4)
         got = C.alltoall(x, algorithm=alg)
-        want = np.concatenate([make_input(q, n * 8, dtype, "sum").reshape(n * 2, 4)[2 * r : 2 * r + 2] for q in range(n)])
+        want = np.concatenate(
+            [make_input(q, n * 8, dtype, "sum").reshape(n * 2, 4)[2 * r : 2 * r + 2] for q in range(n)]
+        )
         assert digest(got) == digest(want)
     # uneven splits: rank q sends (q + j) % 3 rows to rank j
     splits = [(r + j) % 3 for j in range(n)]
@@ -146,9 +148,9 @@ def test_nonblocking_several_in_flight_waited_in_any_order():
     inputs = {a: [make_input(q, 1000 + i, np.float32, "sum", seed=i) for q in range(n)] for i, a in enumerate(algs)}
     reqs = {a: C.iallreduce(inputs[a][r], algorithm=a) for a in algs}
     rs = C.ireduce_scatter(inputs["ring"][r])
-    ag = C.iallgather(inputs["tree"][r][:r + 1])
+    ag = C.iallgather(inputs["tree"][r][: r + 1])
     bc = C.ibroadcast(inputs["shm"][r], root=n - 1)
-    order = algs[r % len(algs):] + algs[: r % len(algs)]
+    order = algs[r % len(algs) :] + algs[: r % len(algs)]
     for a in order:
         check_close(reqs[a].wait(), expected(inputs[a], "sum"), "sum", n, a)
     off = offsets(block_counts(1000, n))

@@ -51,7 +51,10 @@ def test_mismatch_raises_on_every_rank_naming_field_and_ranks(field, call):
         (C.InvalidRootError, lambda bad: C.broadcast(np.zeros(4), root=WORLD.size if bad else 0)),
         (C.InvalidRootError, lambda bad: C.reduce(np.zeros(4), root=-1 if bad else 0)),
         (C.OutputMismatchError, lambda bad: C.allreduce(np.zeros(4), out=np.zeros(5 if bad else 4))),
-        (C.InvalidArgumentError, lambda bad: C.alltoall(np.zeros(WORLD.size * 2), splits=[1] * WORLD.size if bad else None)),
+        (
+            C.InvalidArgumentError,
+            lambda bad: C.alltoall(np.zeros(WORLD.size * 2), splits=[1] * WORLD.size if bad else None),
+        ),
     ],
 )
 @pytest.mark.parametrize("everywhere", [False, True])

@@ -10,13 +10,13 @@ import time
 
 import numpy as np
 import pytest
+from reference import DTYPES, OPS, digest, make_input
 
 import collectives as C
 from collectives.config import Config, load_config
 from collectives.layout import Fold, block_counts
 from collectives.ops import finalize
 from collectives.select import _rules, choose
-from reference import DTYPES, OPS, digest, make_input
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -168,8 +168,9 @@ def test_uncaught_exception_on_one_rank_aborts_the_whole_job(tmp_path):
     script.write_text(SCRIPT)
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     start = time.monotonic()
-    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [mpiexec, "-n", "2", sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
     assert time.monotonic() - start < 60
     assert proc.returncode != 0
     assert "rank one gives up" in proc.stderr and "Traceback" in proc.stderr
