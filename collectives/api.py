@@ -145,11 +145,11 @@ class _Call:
         k = mine.size
         table = np.empty((t.size, k), np.int64)
         comm = getattr(t, "comm", None)
-        if comm is not None and not self.ctx.inflight:
-            comm.Allgather(mine, table)
+        if comm is not None:
+            # nonblocking, whatever is in flight here: blocking and nonblocking collectives
+            # never match, and what is in flight differs between ranks
+            self.ctx.run(_once(comm.Iallgather(mine, table)))
         else:
-            # with operations in flight, a blocking collective here could stall a peer
-            # that is waiting for one of them: exchange by tagged messages instead
             flat = table.reshape(-1)
             flat[t.rank * k : (t.rank + 1) * k] = mine
             self.ctx.run(recursive_doubling.allgather(self.ctx, t, flat, (k,) * t.size, self.ctx.next_tag()))
@@ -172,6 +172,10 @@ class _Call:
             raise self.error
         bad = "; ".join(f"rank {r}: {m}" for r, m in enumerate(msgs) if m is not None)
         raise PeerInputError(f"{self.collective} abandoned because of bad input on other ranks ({bad})")
+
+
+def _once(req):
+    yield [req]
 
 
 def _describe(table: np.ndarray, name: str, value: int) -> str:
@@ -259,6 +263,9 @@ def _allreduce(x, op, algorithm, out, comm, blocking):
         return _done(out, blocking, ctx)
     buf = _flat(out)
     fn = REGISTRY["allreduce"][call.resolved]
+    if call.resolved == "shm":
+        # the window is allocated collectively: here, in call order, not mid-schedule
+        ctx.shm_segments()
     if call.resolved == "native" and x.flags.c_contiguous and out is not x:
         gen = fn(ctx, ctx.transport, buf, op, 0, src=_flat(x))
     else:

@@ -1,7 +1,9 @@
 """The MPI library's own collectives, as a baseline and a fallback.
 
-When nothing else is in flight on the communicator the blocking call is made; otherwise
-the nonblocking one, so that waiting on it keeps other operations progressing. bfloat16
+Always the nonblocking call: MPI never matches a blocking collective with a nonblocking
+one, and whether other operations are in flight differs between ranks, so the choice
+must not depend on it. Waiting on the request with others in flight keeps them
+progressing. bfloat16
 has no MPI datatype: it travels as 16-bit words reduced by a user-defined op.
 """
 
@@ -56,9 +58,6 @@ def allreduce(ctx, t, buf: np.ndarray, op: str, tag: int, src: np.ndarray | None
     comm = _comm(t)
     recv, mop = _spec(buf, op)
     send = MPI.IN_PLACE if src is None or src is buf else _spec(src)[0]
-    if not ctx.inflight:
-        comm.Allreduce(send, recv, mop)
-        return
     yield [comm.Iallreduce(send, recv, mop)]
 
 
@@ -71,10 +70,7 @@ def reduce_scatter(ctx, t, buf: np.ndarray, counts: tuple[int, ...], op: str, ta
     try:
         send, mop = _spec(buf, op)
         recv, _ = _spec(tmp)
-        if not ctx.inflight:
-            comm.Reduce_scatter(send, recv, list(counts), mop)
-        else:
-            yield [comm.Ireduce_scatter(send, recv, list(counts), mop)]
+        yield [comm.Ireduce_scatter(send, recv, list(counts), mop)]
         buf[off[r] : off[r + 1]] = tmp
     finally:
         ctx.scratch.put(tmp)
@@ -86,9 +82,6 @@ def allgather(ctx, t, buf: np.ndarray, counts: tuple[int, ...], tag: int) -> Sch
     raw = buf.view(np.uint8)
     k = buf.itemsize
     spec = [raw, ([c * k for c in counts], [o * k for o in offsets(counts)[:-1]]), MPI.BYTE]
-    if not ctx.inflight:
-        comm.Allgatherv(MPI.IN_PLACE, spec)
-        return
     yield [comm.Iallgatherv(MPI.IN_PLACE, spec)]
 
 
@@ -96,9 +89,6 @@ def broadcast(ctx, t, buf: np.ndarray, root: int, tag: int) -> Schedule:
     """``MPI_Bcast`` of ``buf`` from ``root``."""
     comm = _comm(t)
     raw = buf.view(np.uint8)
-    if not ctx.inflight:
-        comm.Bcast(raw, root)
-        return
     yield [comm.Ibcast(raw, root)]
 
 
@@ -108,9 +98,6 @@ def reduce(ctx, t, buf: np.ndarray, root: int, op: str, tag: int) -> Schedule:
     spec, mop = _spec(buf, op)
     send = MPI.IN_PLACE if t.rank == root else spec
     recv = spec if t.rank == root else None
-    if not ctx.inflight:
-        comm.Reduce(send, recv, mop, root)
-        return
     yield [comm.Ireduce(send, recv, mop, root)]
 
 
@@ -119,7 +106,4 @@ def alltoall(ctx, t, send: np.ndarray, sendcounts, recv: np.ndarray, recvcounts,
     comm = _comm(t)
     s = [send.view(np.uint8), (list(sendcounts), list(offsets(tuple(sendcounts))[:-1])), MPI.BYTE]
     r = [recv.view(np.uint8), (list(recvcounts), list(offsets(tuple(recvcounts))[:-1])), MPI.BYTE]
-    if not ctx.inflight:
-        comm.Alltoallv(s, r)
-        return
     yield [comm.Ialltoallv(s, r)]
