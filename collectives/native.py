@@ -17,23 +17,20 @@ from mpi4py import MPI
 
 from .errors import InvalidArgumentError
 from .layout import offsets
+from .ops import reduce_into
 
 Schedule = Generator[list, None, None]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _MPI_OP = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}
-_UFUNC = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}
 _user_ops: dict[str, MPI.Op] = {}
 
 
 def _bf16_op(op: str) -> MPI.Op:
     if op not in _user_ops:
-        ufunc = _UFUNC[op]
 
         def fn(inbuf, inoutbuf, datatype):  # noqa: ARG001 - MPI's signature
-            a = np.frombuffer(inbuf, dtype=_BF16)
-            b = np.frombuffer(inoutbuf, dtype=_BF16)
-            ufunc(b, a, out=b)
+            reduce_into(np.frombuffer(inoutbuf, dtype=_BF16), np.frombuffer(inbuf, dtype=_BF16), op)
 
         _user_ops[op] = MPI.Op.Create(fn, commute=True)
     return _user_ops[op]
