@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import recursive_doubling
+from . import node, recursive_doubling
 from .context import Context, Pending, get_context
 from .errors import (
     CollectiveError,
@@ -27,7 +27,7 @@ from .errors import (
 )
 from .layout import block_counts, offsets
 from .ops import DTYPES, OPS, check_dtype, check_op, dtype_code, finalize
-from .select import REGISTRY, choose
+from .select import REGISTRY, choose, fast_limits
 
 __all__ = [
     "allreduce",
@@ -49,6 +49,7 @@ _F = {name: i for i, name in enumerate(_FIELDS)}
 _COLL_CODES = {c: i for i, c in enumerate(_COLLECTIVES)}
 _ALG_CODES = {c: {a: i for i, a in enumerate([*names, "auto"])} for c, names in REGISTRY.items()}
 _OP_CODES = {o: i for i, o in enumerate(OPS)}
+_DTYPE_SET = frozenset(DTYPES)
 #: fields that may differ between ranks, per collective
 _MAY_DIFFER = {"allgather": {"count"}, "alltoall": {"count"}}
 
@@ -91,6 +92,8 @@ class _Call:
         self.root = root
         self.algorithm = algorithm
         self.resolved = algorithm
+        self.seq = 0
+        self._counts: list[int] | None = None
         try:
             check_dtype(self.x.dtype)
             if op is not None:
@@ -106,6 +109,8 @@ class _Call:
                 )
             if algorithm == "native" and getattr(self.t, "comm", None) is None:
                 raise InvalidArgumentError(f"{collective}: algorithm 'native' needs an MPI communicator")
+            if algorithm == "shm" and collective != "allreduce" and ctx.layout().nodes > 1:
+                raise InvalidArgumentError(f"{collective}: algorithm 'shm' needs every rank on one node")
         except CollectiveError as exc:
             self.error = exc
 
@@ -131,28 +136,48 @@ class _Call:
             0 if self.error is None else 1,
         ]
 
-    def agree(self, count: int, item_shape: tuple[int, ...] = ()) -> np.ndarray | None:
+    def agree(self, count: int, item_shape: tuple[int, ...] = (), payload: np.ndarray | None = None) -> None:
         """Check arguments on every rank; raise the same way everywhere on any problem.
 
-        Returns every rank's signature (rows by rank), or None on a single rank.
+        On a single-node communicator the signature (and ``payload``, a small message's
+        data, when given) goes through the node channel; elsewhere through a nonblocking
+        all-gather. Afterwards :meth:`counts` gives every rank's ``count``.
         """
         t = self.t
         if t.size == 1:
             if self.error is not None:
                 raise self.error
-            return None
-        mine = np.array(self.signature(count, item_shape), np.int64)
-        k = mine.size
-        table = np.empty((t.size, k), np.int64)
-        comm = getattr(t, "comm", None)
-        if comm is not None:
-            # nonblocking, whatever is in flight here: blocking and nonblocking collectives
-            # never match, and what is in flight differs between ranks
-            self.ctx.run(_once(comm.Iallgather(mine, table)))
+            self._counts = [count]
+            return
+        sig = self.signature(count, item_shape)
+        ch = self.ctx.chan
+        if ch is not None:
+            a, b, c = _pack(sig)
+            seq = ch.post(a, b, c, payload if self.error is None else None)
+            ch.wait_posted(seq)
+            self.seq = seq
+            if ch.same(seq, a, b, c, self.collective in _MAY_DIFFER):
+                if self.error is not None:
+                    raise self.error
+                return
+            table = np.array([_unpack(w) for w in ch.words(seq)], np.int64)
         else:
-            flat = table.reshape(-1)
-            flat[t.rank * k : (t.rank + 1) * k] = mine
-            self.ctx.run(recursive_doubling.allgather(self.ctx, t, flat, (k,) * t.size, self.ctx.next_tag()))
+            mine = np.array(sig, np.int64)
+            k = mine.size
+            table = np.empty((t.size, k), np.int64)
+            comm = getattr(t, "comm", None)
+            if comm is not None:
+                # nonblocking, whatever is in flight here: blocking and nonblocking collectives
+                # never match, and what is in flight differs between ranks
+                self.ctx.run(_once(comm.Iallgather(mine, table)))
+            else:
+                flat = table.reshape(-1)
+                flat[t.rank * k : (t.rank + 1) * k] = mine
+                self.ctx.run(recursive_doubling.allgather(self.ctx, t, flat, (k,) * t.size, self.ctx.next_tag()))
+        self._counts = [int(v) for v in table[:, _F["count"]]]
+        self._judge(table)
+
+    def _judge(self, table: np.ndarray) -> None:
         differ = (table != table[0]).any(axis=0)
         if differ.any():
             if differ[_F["error"]]:
@@ -163,7 +188,23 @@ class _Call:
                     raise _mismatch(table, name)
         if self.error is not None:
             raise self.error
-        return table
+
+    def mismatch_from_channel(self) -> None:
+        """Raise the error for a posted call whose signatures differ between ranks."""
+        table = np.array([_unpack(w) for w in self.ctx.chan.words(self.seq)], np.int64)
+        self._judge(table)
+        raise AssertionError("signatures differ but no field does")  # pragma: no cover
+
+    def counts(self) -> list[int]:
+        """Every rank's ``count`` from the last :meth:`agree`, by rank."""
+        if self._counts is None:
+            self._counts = [w[1] for w in self.ctx.chan.words(self.seq)]
+        return self._counts
+
+    def small(self, nbytes: int) -> bool:
+        """True when this call finishes in one step through the node channel's slots."""
+        ch = self.ctx.chan
+        return ch is not None and self.resolved == "shm" and nbytes <= ch.small and self.error is None
 
     def _raise_input_errors(self, table: np.ndarray) -> None:
         # rare path: gather the messages so every rank can say what went wrong where
@@ -176,6 +217,30 @@ class _Call:
 
 def _once(req):
     yield [req]
+
+
+def _pack(sig: list[int]) -> tuple[int, int, int]:
+    """Fold a signature into three int64 words: small fields, count, item-shape hash."""
+    coll, alg, res, op, dt, count, root, shape, err = sig
+    a = 0
+    for v in (coll, alg, res, op, dt):
+        a = (a << 6) | (v + 2)
+    a = (((a << 1) | err) << 32) | (root + 2)
+    return a, count, shape
+
+
+def _unpack(words: tuple[int, int, int]) -> list[int]:
+    a, count, shape = words
+    root = (a & 0xFFFFFFFF) - 2
+    a >>= 32
+    err = a & 1
+    a >>= 1
+    small = []
+    for _ in range(5):
+        small.append((a & 63) - 2)
+        a >>= 6
+    coll, alg, res, op, dt = reversed(small)
+    return [coll, alg, res, op, dt, count, root, shape, err]
 
 
 def _describe(table: np.ndarray, name: str, value: int) -> str:
@@ -247,13 +312,42 @@ def _done(result: Any, blocking: bool, ctx: Context):
 
 
 # -- allreduce ---------------------------------------------------------------------------
+def _fast_allreduce(ctx: Context, key: tuple) -> Any:
+    """The one-step allreduce function for ``key`` = (dtype, shape, op, algorithm), or False
+    when such calls take the general path (cached per context)."""
+    if len(ctx.fast) > 256:
+        ctx.fast.clear()
+    dtype, shape, op, algorithm = key
+    fn: Any = False
+    ch = ctx.chan
+    if ch is not None and algorithm in ("auto", "shm") and op in _OP_CODES and dtype in _DTYPE_SET:
+        limit = fast_limits(ctx)[algorithm == "shm"]
+        if math.prod(shape) * dtype.itemsize <= limit:
+            names = _ALG_CODES["allreduce"]
+            sig = [
+                _COLL_CODES["allreduce"],
+                names[algorithm],
+                names["shm"],
+                _OP_CODES[op],
+                dtype_code(dtype),
+                0,
+                -2,
+                0,
+                0,
+            ]
+            fn = node.small_allreduce_fn(ch, _pack(sig)[0], dtype, shape, op)
+    ctx.fast[key] = fn
+    return fn
+
+
 def _allreduce(x, op, algorithm, out, comm, blocking):
     ctx = get_context(comm)
     call = _Call(ctx, "allreduce", x, algorithm, op)
     x = call.x
     _check_out(call, out, x.shape)
     call.resolve(x.nbytes)
-    call.agree(x.size)
+    small = call.small(x.nbytes)
+    call.agree(x.size, payload=np.ascontiguousarray(x) if small else None)
     if out is None:
         out = np.empty(x.shape, x.dtype)
     n = ctx.transport.size
@@ -262,17 +356,25 @@ def _allreduce(x, op, algorithm, out, comm, blocking):
             np.copyto(out, x)
         return _done(out, blocking, ctx)
     buf = _flat(out)
+    if small:
+        node.small_allreduce(ctx.chan, call.seq, out, op)
+        return _done(out, blocking, ctx)
     fn = REGISTRY["allreduce"][call.resolved]
+    on_done = lambda: finalize(buf, op, n)
     if call.resolved == "shm":
-        # the window is allocated collectively: here, in call order, not mid-schedule
-        ctx.shm_segments()
-    if call.resolved == "native" and x.flags.c_contiguous and out is not x:
+        # shared windows are allocated collectively: here, in call order, not mid-schedule
+        if ctx.layout().nodes == 1:
+            ctx.channel()
+            on_done = None  # the node algorithm finalizes each slice itself
+        else:
+            ctx.shm_segments()
+    if call.resolved in ("native", "shm") and x.flags.c_contiguous and out is not x:
         gen = fn(ctx, ctx.transport, buf, op, 0, src=_flat(x))
     else:
         if out is not x:
             np.copyto(out, x)
         gen = fn(ctx, ctx.transport, buf, op, ctx.next_tag())
-    return _launch(ctx, gen, blocking, out, lambda: finalize(buf, op, n))
+    return _launch(ctx, gen, blocking, out, on_done)
 
 
 def allreduce(
@@ -290,6 +392,20 @@ def allreduce(
     Returns:
         The reduced array, of x's shape and dtype (``out`` when given).
     """
+    if out is None and type(x) is np.ndarray:
+        # the common small case on one node: the same posts as the general path, less Python
+        ctx = get_context(comm)
+        key = (x.dtype, x.shape, op, algorithm)
+        fn = ctx.fast.get(key)
+        if fn is None:
+            fn = _fast_allreduce(ctx, key)
+        if fn:
+            res = fn(x)
+            if res is not None:
+                return res
+            call = _Call(ctx, "allreduce", x, algorithm, op)
+            call.resolved, call.seq = "shm", ctx.chan.seq
+            call.mismatch_from_channel()
     return _allreduce(x, op, algorithm, out, comm, True)
 
 
@@ -306,7 +422,9 @@ def _reduce_scatter(x, op, algorithm, comm, blocking):
     call = _Call(ctx, "reduce_scatter", x, algorithm, op)
     x = call.x
     call.resolve(x.nbytes)
-    call.agree(x.size)
+    small = call.small(x.nbytes)
+    src = np.ascontiguousarray(x) if (small or call.resolved == "shm") and call.error is None else x
+    call.agree(x.size, payload=src if small else None)
     t = ctx.transport
     n, r = t.size, t.rank
     counts = block_counts(x.size, n)
@@ -315,6 +433,13 @@ def _reduce_scatter(x, op, algorithm, comm, blocking):
     if n == 1 or x.size == 0:
         result[...] = _flat(x)
         return _done(result, blocking, ctx)
+    if small:
+        node.small_reduce_scatter(ctx.chan, call.seq, counts, result, op)
+        return _done(result, blocking, ctx)
+    if call.resolved == "shm":
+        ctx.channel()  # collective allocation, in call order
+        gen = node.reduce_scatter(ctx, t, _flat(src), counts, op, 0, out=result)
+        return _launch(ctx, gen, blocking, result)
     work = ctx.scratch.get(x.size, x.dtype)
     np.copyto(work, _flat(x))  # one copy, also of non-contiguous input
     gen = REGISTRY["reduce_scatter"][call.resolved](ctx, t, work, counts, op, ctx.next_tag())
@@ -359,18 +484,28 @@ def _allgather(x, algorithm, comm, blocking):
         call.fail(InvalidArgumentError("allgather: x must have at least one dimension to concatenate along"))
     rows = x.shape[0] if x.ndim else 1
     item = x.shape[1:]
-    call.resolve(x.nbytes * ctx.transport.size)
-    table = call.agree(rows, item)
     t = ctx.transport
-    all_rows = [rows] if table is None else [int(v) for v in table[:, _F["count"]]]
+    # the algorithm depends on every rank's rows, so it is resolved after agreement; a
+    # small payload goes along in case every rank's is small
+    ch = ctx.chan
+    src = np.ascontiguousarray(x)
+    attach = ch is not None and call.error is None and x.nbytes <= ch.small and algorithm in ("auto", "shm")
+    call.agree(rows, item, payload=src if attach else None)
+    all_rows = call.counts()
     per_row = math.prod(item)
     counts = tuple(rw * per_row for rw in all_rows)
+    call.resolve(sum(counts) * x.itemsize)
     out = np.empty((sum(all_rows), *item), x.dtype)
     buf = _flat(out)
     off = offsets(counts)
-    buf[off[t.rank] : off[t.rank + 1]] = _flat(x)
+    buf[off[t.rank] : off[t.rank + 1]] = _flat(src)
     if t.size == 1 or buf.size == 0:
         return _done(out, blocking, ctx)
+    if call.resolved == "shm" and ch is not None and max(counts) * x.itemsize <= ch.small:
+        node.small_allgather(ch, call.seq, counts, buf)
+        return _done(out, blocking, ctx)
+    if call.resolved == "shm":
+        ctx.channel()  # collective allocation, in call order
     gen = REGISTRY["allgather"][call.resolved](ctx, t, buf, counts, ctx.next_tag())
     return _launch(ctx, gen, blocking, out)
 
@@ -403,13 +538,20 @@ def _broadcast(x, root, algorithm, out, comm, blocking):
     x = call.x
     _check_out(call, out, x.shape)
     call.resolve(x.nbytes)
-    call.agree(x.size)
+    small = call.small(x.nbytes)
+    is_root = ctx.transport.rank == root
+    call.agree(x.size, payload=np.ascontiguousarray(x) if small and is_root else None)
     if out is None:
         out = np.empty(x.shape, x.dtype)
-    if out is not x and ctx.transport.rank == root:
+    if out is not x and is_root:
         np.copyto(out, x)
     if ctx.transport.size == 1 or x.size == 0:
         return _done(out, blocking, ctx)
+    if small:
+        node.small_broadcast(ctx.chan, call.seq, root, _flat(out))
+        return _done(out, blocking, ctx)
+    if call.resolved == "shm":
+        ctx.channel()  # collective allocation, in call order
     gen = REGISTRY["broadcast"][call.resolved](ctx, ctx.transport, _flat(out), root, ctx.next_tag())
     return _launch(ctx, gen, blocking, out)
 
@@ -459,7 +601,8 @@ def reduce(
     call = _Call(ctx, "reduce", x, algorithm, op, root=root)
     x = call.x
     call.resolve(x.nbytes)
-    call.agree(x.size)
+    small = call.small(x.nbytes)
+    call.agree(x.size, payload=np.ascontiguousarray(x) if small else None)
     t = ctx.transport
     is_root = t.rank == root
     out = np.empty(x.shape, x.dtype) if is_root else None
@@ -467,6 +610,12 @@ def reduce(
         if is_root:
             np.copyto(out, x)
         return out
+    if small:
+        if is_root:
+            node.small_allreduce(ctx.chan, call.seq, out, op)
+        return out
+    if call.resolved == "shm":
+        ctx.channel()  # collective allocation, in call order
     work = _flat(out) if is_root else ctx.scratch.get(x.size, x.dtype)
     np.copyto(work, _flat(x))
     try:
@@ -474,7 +623,7 @@ def reduce(
     finally:
         if not is_root:
             ctx.scratch.put(work)
-    if is_root:
+    if is_root and call.resolved != "shm":  # the node algorithm finalizes each slice itself
         finalize(work, op, t.size)
     return out
 

@@ -35,7 +35,13 @@ class Config:
     """Pipeline segment of the ring algorithms, in bytes."""
 
     shm_bytes: int = 16 << 20
-    """Shared-memory window per rank for the ``shm`` algorithm, in bytes."""
+    """Shared-memory window per rank of the ``shm`` allreduce across several nodes, in bytes."""
+
+    shm_small_bytes: int = 64 << 10
+    """Messages up to this many bytes per rank finish in one step through the node's control slots."""
+
+    shm_chunk_bytes: int = 1 << 20
+    """Pipeline chunk of the single-node ``shm`` algorithms (each rank holds two), in bytes."""
 
     def __post_init__(self) -> None:
         if self.ranks_per_node < 0:
@@ -44,6 +50,10 @@ class Config:
             raise ConfigError(f"segment_bytes={self.segment_bytes} must be at least 64")
         if self.shm_bytes < 4096:
             raise ConfigError(f"shm_bytes={self.shm_bytes} must be at least 4096")
+        if self.shm_small_bytes < 64:
+            raise ConfigError(f"shm_small_bytes={self.shm_small_bytes} must be at least 64")
+        if self.shm_chunk_bytes < 4096:
+            raise ConfigError(f"shm_chunk_bytes={self.shm_chunk_bytes} must be at least 4096")
         if self.tuning_file and not os.path.isfile(self.tuning_file):
             raise ConfigError(f"tuning_file={self.tuning_file!r} does not exist")
 

@@ -20,6 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .config import Config, load_config
+from .node import Channel
 from .transport import MPITransport
 
 __all__ = ["Context", "get_context", "Pending", "Layout"]
@@ -117,6 +118,8 @@ class Context:
         self.inflight: list[Pending] = []
         self.shm_queue: collections.deque = collections.deque()
         self.tuning: Any = None
+        self.fast: dict[tuple, Any] = {}
+        """One-step allreduce functions by (dtype, shape, op, algorithm); False: not eligible."""
         self._seq = 0
         self._tag_ub = 32767
         comm = getattr(transport, "comm", None)
@@ -125,9 +128,14 @@ class Context:
             self._tag_ub = int(ub) if ub else 32767
         self._layout: Layout | None = None
         self._segments: list[np.ndarray] | None = None
+        self._channel: Channel | None = None
         # collective, so done here, where every rank's first call on the communicator
         # meets, and never later where ranks might disagree about what they are calling
-        self.layout()
+        lay = self.layout()
+        self.chan: Channel | None = None
+        """The node channel, when every rank is on one node: it carries argument agreement."""
+        if comm is not None and transport.size > 1 and lay.nodes == 1:
+            self.chan = self.channel()
 
     # -- tags and driving -------------------------------------------------------------
     def next_tag(self) -> int:
@@ -185,6 +193,19 @@ class Context:
             self._layout = Layout(node, cross, nodes, homogeneous, getattr(node, "memory_sync", _no_sync))
         return self._layout
 
+    def channel(self) -> Channel:
+        """Return the node's shared-memory channel, allocating it collectively on first use."""
+        if self._channel is None:
+            cfg = self.config
+            self._channel = Channel(
+                self.layout().node, cfg.shm_small_bytes, cfg.shm_chunk_bytes, self._progress_if_busy
+            )
+        return self._channel
+
+    def _progress_if_busy(self) -> None:
+        if self.inflight:
+            self.progress()
+
     def shm_segments(self) -> list[np.ndarray]:
         """Return every node peer's shared window segment, allocating them on first use."""
         if self._segments is None:
@@ -194,6 +215,7 @@ class Context:
     def free(self) -> None:
         """Release sub-communicators and windows."""
         lay, self._layout, self._segments = self._layout, None, None
+        self._channel = self.chan = None
         if lay is not None:
             for sub in (lay.node, lay.cross):
                 if isinstance(sub, MPITransport):
@@ -211,6 +233,8 @@ def _delete_context(comm: MPI.Comm, keyval: int, ctx: Context) -> None:
 
 
 _KEYVAL: int | None = None
+_WORLD: Context | None = None
+"""COMM_WORLD's context, for calls without ``comm`` (it lives until MPI is finalized)."""
 
 
 def get_context(comm: Any = None, config: Config | None = None) -> Context:
@@ -219,8 +243,10 @@ def get_context(comm: Any = None, config: Config | None = None) -> Context:
     ``config`` applies only when the context is created (the first call on ``comm``);
     by default the configuration comes from the ``HPCDL_*`` environment.
     """
-    global _KEYVAL
+    global _KEYVAL, _WORLD
     if comm is None:
+        if _WORLD is not None and config is None:
+            return _WORLD
         comm = MPI.COMM_WORLD
     if isinstance(comm, MPI.Comm):
         if _KEYVAL is None:
@@ -229,6 +255,8 @@ def get_context(comm: Any = None, config: Config | None = None) -> Context:
         if ctx is None:
             ctx = Context(MPITransport(comm), config)
             comm.Set_attr(_KEYVAL, ctx)
+        if comm == MPI.COMM_WORLD:
+            _WORLD = ctx
         return ctx
     ctx = getattr(comm, "_collectives_context", None)
     if ctx is None:

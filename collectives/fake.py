@@ -143,8 +143,16 @@ class ThreadTransport:
         mine = np.zeros(nbytes, np.uint8)
         return self.world.exchange(self.rank, mine)
 
+    def shared_window(self, nbytes: int) -> tuple[list[np.ndarray], Any]:
+        # threads of one process: the interpreter orders memory accesses already
+        return self.shared_segments(nbytes), _no_fence
+
     def allgather_obj(self, obj: Any) -> list[Any]:
         return self.world.exchange(self.rank, obj)
+
+
+def _no_fence() -> None:
+    pass
 
 
 def run_ranks(

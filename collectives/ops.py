@@ -7,7 +7,7 @@ import numpy as np
 
 from .errors import UnsupportedDtypeError, UnsupportedOpError
 
-__all__ = ["OPS", "DTYPES", "check_dtype", "check_op", "reduce_into", "finalize", "dtype_code"]
+__all__ = ["OPS", "DTYPES", "check_dtype", "check_op", "reduce_into", "ufunc", "finalize", "dtype_code"]
 
 #: Reduction ops by name. ``avg`` reduces as ``sum`` and divides once at the end.
 OPS: tuple[str, ...] = ("sum", "avg", "min", "max", "prod")
@@ -49,6 +49,11 @@ def check_op(op: str) -> str:
     if op not in _UFUNC:
         raise UnsupportedOpError(f"op {op!r} is not supported; use one of: {', '.join(OPS)}")
     return op
+
+
+def ufunc(op: str) -> np.ufunc:
+    """Return the numpy ufunc that combines two arrays for ``op``."""
+    return _UFUNC[op]
 
 
 def reduce_into(dst: np.ndarray, src: np.ndarray, op: str) -> None:

@@ -20,9 +20,9 @@ from importlib import resources
 from typing import Any
 
 from . import hierarchical as hier
-from . import native, pairwise, rabenseifner, recursive_doubling, ring, shm, tree
+from . import native, node, pairwise, rabenseifner, recursive_doubling, ring, shm, tree
 
-__all__ = ["REGISTRY", "algorithms", "choose", "load_table"]
+__all__ = ["REGISTRY", "algorithms", "choose", "rules_for", "fast_limits", "load_table"]
 
 #: collective -> algorithm name -> schedule function. Order is the wire code order.
 REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {
@@ -39,14 +39,16 @@ REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {
         "native": native.reduce_scatter,
         "ring": ring.reduce_scatter,
         "recursive_halving": rabenseifner.reduce_scatter,
+        "shm": node.reduce_scatter,
     },
     "allgather": {
         "native": native.allgather,
         "ring": ring.allgather,
         "recursive_doubling": recursive_doubling.allgather,
+        "shm": node.allgather,
     },
-    "broadcast": {"native": native.broadcast, "tree": tree.broadcast},
-    "reduce": {"native": native.reduce, "tree": tree.reduce},
+    "broadcast": {"native": native.broadcast, "tree": tree.broadcast, "shm": node.broadcast},
+    "reduce": {"native": native.reduce, "tree": tree.reduce, "shm": node.reduce},
     "alltoall": {"native": native.alltoall, "pairwise": pairwise.alltoall},
 }
 
@@ -87,19 +89,33 @@ def _rules(table: dict[str, Any], collective: str, size: int, nodes: int) -> lis
     return DEFAULT_RULES[collective]
 
 
+def rules_for(ctx: Any, collective: str) -> list[list[Any]]:
+    """The ``[max_bytes, algorithm]`` rules ``auto`` applies to ``collective`` on ``ctx``."""
+    if getattr(ctx.transport, "comm", None) is None:
+        return DEFAULT_RULES[collective]
+    if ctx.tuning is None:
+        ctx.tuning = load_table(ctx.config.tuning_file)
+    return _rules(ctx.tuning, collective, ctx.transport.size, ctx.layout().nodes)
+
+
 def choose(ctx: Any, collective: str, nbytes: int) -> str:
     """Pick the algorithm for ``collective`` of ``nbytes`` on ``ctx``'s communicator."""
     mpi = getattr(ctx.transport, "comm", None) is not None
-    if mpi:
-        if ctx.tuning is None:
-            ctx.tuning = load_table(ctx.config.tuning_file)
-        nodes = ctx.layout().nodes if collective == "allreduce" else 1
-        rules = _rules(ctx.tuning, collective, ctx.transport.size, nodes)
-    else:
-        rules = DEFAULT_RULES[collective]
-    for limit, name in rules:
+    multi = mpi and ctx.layout().nodes > 1
+    for limit, name in rules_for(ctx, collective):
         if limit is None or nbytes <= limit:
-            if name == "native" and not mpi:
+            if (name == "native" and not mpi) or (name == "shm" and multi and collective != "allreduce"):
                 break
             return name
     return DEFAULT_RULES[collective][-1][1]
+
+
+def fast_limits(ctx: Any) -> tuple[int, int]:
+    """Largest allreduce (bytes) that ``auto`` and ``shm`` finish in one step through the
+    node channel's slots; -1 where they never do."""
+    ch = ctx.chan
+    if ch is None:
+        return -1, -1
+    limit, name = rules_for(ctx, "allreduce")[0]
+    auto = min(ch.small, limit if limit is not None else ch.small) if name == "shm" else -1
+    return auto, ch.small

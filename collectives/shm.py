@@ -1,4 +1,6 @@
-"""Shared-memory allreduce inside a node, over an MPI-3 shared window.
+"""Shared-memory allreduce over several nodes, through an MPI-3 shared window per node.
+
+With every rank on one node, ``allreduce`` here hands over to :mod:`collectives.node`.
 
 Each rank copies its vector into its own window segment; after a barrier, rank ``i``
 reduces slice ``i`` by reading that slice straight from every peer's segment (in rank
@@ -14,6 +16,7 @@ from collections.abc import Generator
 
 import numpy as np
 
+from . import node as _node
 from .hierarchical import cross_allreduce
 from .layout import block_counts, offsets
 from .ops import reduce_into
@@ -32,8 +35,21 @@ def barrier(t, tag: int) -> Schedule:
         d <<= 1
 
 
-def allreduce(ctx, t, buf: np.ndarray, op: str, tag: int) -> Schedule:
-    """Reduce ``buf`` in place over all ranks through the node's shared window."""
+def allreduce(ctx, t, buf: np.ndarray, op: str, tag: int, src: np.ndarray | None = None) -> Schedule:
+    """Reduce ``src`` (default: ``buf`` in place) over all ranks into ``buf`` through shared memory.
+
+    One node: :func:`collectives.node.allreduce` (which also applies ``avg``'s division).
+    Several: each node's sum is made in its window and allreduced across nodes.
+    """
+    if ctx.layout().nodes == 1:
+        yield from _node.allreduce(ctx, t, buf, op, tag, src)
+        return
+    if src is not None:
+        np.copyto(buf, src)
+    yield from _windowed(ctx, t, buf, op, tag)
+
+
+def _windowed(ctx, t, buf: np.ndarray, op: str, tag: int) -> Schedule:
     lay = ctx.layout()
     node = lay.node
     token = object()

@@ -40,6 +40,9 @@ class Transport(Protocol):
     def shared_segments(self, nbytes: int) -> list[np.ndarray]:
         """Collectively allocate ``nbytes`` of shared memory per rank; return every rank's segment."""
 
+    def shared_window(self, nbytes: int) -> tuple[list[np.ndarray], Any]:
+        """Like :meth:`shared_segments`, also returning the window's memory fence (a callable)."""
+
     def allgather_obj(self, obj: Any) -> list[Any]:
         """Gather a small picklable object from every rank (control data only)."""
 
@@ -71,6 +74,10 @@ class MPITransport:
         return MPITransport(self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank))
 
     def shared_segments(self, nbytes: int) -> list[np.ndarray]:
+        return self.shared_window(nbytes)[0]
+
+    def shared_window(self, nbytes: int) -> tuple[list[np.ndarray], Any]:
+        """Collectively allocate a shared window; return every rank's segment and its fence."""
         win = MPI.Win.Allocate_shared(nbytes, 1, comm=self.comm)
         # passive-target epoch for the window's lifetime; synchronisation is by messages
         win.Lock_all(MPI.MODE_NOCHECK)
@@ -79,7 +86,7 @@ class MPITransport:
         for r in range(self.size):
             mem, _ = win.Shared_query(r)
             segments.append(np.frombuffer(mem, dtype=np.uint8, count=nbytes))
-        return segments
+        return segments, win.Sync
 
     def allgather_obj(self, obj: Any) -> list[Any]:
         return self.comm.allgather(obj)

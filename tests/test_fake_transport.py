@@ -25,8 +25,8 @@ segments = st.sampled_from([64, 128, 1 << 20])
 
 
 def _ctx(t, node_size_unused=None, segment=1 << 20, shm=4096):
-    # a context with small segments and windows, so pipelining and chunking are exercised
-    return get_context(t, Config(segment_bytes=segment, shm_bytes=shm))
+    # a context with small segments, windows and chunks, so pipelining and chunking are exercised
+    return get_context(t, Config(segment_bytes=segment, shm_bytes=shm, shm_chunk_bytes=4096))
 
 
 @settings(max_examples=60, deadline=None)
@@ -69,6 +69,7 @@ def test_allgather_every_algorithm(n, rows, dtype, width):
     want = np.concatenate(inputs)
 
     def body(t):
+        _ctx(t)
         return {a: C.allgather(inputs[t.rank], algorithm=a, comm=t) for a in P2P["allgather"]}
 
     for res in run_ranks(n, body):
@@ -77,23 +78,28 @@ def test_allgather_every_algorithm(n, rows, dtype, width):
 
 
 @settings(max_examples=30, deadline=None)
-@given(n=sizes, count=counts, dtype=dtypes, op=ops, data=st.data())
-def test_tree_broadcast_and_reduce(n, count, dtype, op, data):
+@given(n=sizes, count=st.sampled_from([0, 1, 3, 40, 1500, 5001]), dtype=dtypes, op=ops, data=st.data())
+def test_broadcast_and_reduce_tree_and_shm(n, count, dtype, op, data):
     root = data.draw(st.integers(0, n - 1))
     inputs = [make_input(r, count, dtype, op) for r in range(n)]
     want = expected(inputs, op)
 
     def body(t):
-        b = C.broadcast(inputs[t.rank], root, algorithm="tree", comm=t)
-        red = C.reduce(inputs[t.rank], root, op=op, algorithm="tree", comm=t)
-        return b, red
+        _ctx(t)
+        out = {}
+        for alg in ("tree", "shm"):
+            b = C.broadcast(inputs[t.rank], root, algorithm=alg, comm=t)
+            red = C.reduce(inputs[t.rank], root, op=op, algorithm=alg, comm=t)
+            out[alg] = b, red
+        return out
 
-    for r, (b, red) in enumerate(run_ranks(n, body)):
-        assert digest(b) == digest(inputs[root])
-        if r == root:
-            check_close(red, want, op, n, f"reduce root={root}")
-        else:
-            assert red is None
+    for r, res in enumerate(run_ranks(n, body)):
+        for alg, (b, red) in res.items():
+            assert digest(b) == digest(inputs[root]), alg
+            if r == root:
+                check_close(red, want, op, n, f"{alg} reduce root={root} count={count}")
+            else:
+                assert red is None
 
 
 @settings(max_examples=20, deadline=None)

@@ -124,6 +124,72 @@ def test_large_allreduce_segmented_and_chunked(alg):
     comm.Free()
 
 
+def test_shm_one_step_and_chunked_paths_of_every_collective():
+    # tiny slots and chunks: counts below run in one step through the slots, the rest in
+    # one chunk or many; every dtype, several ops, and inputs that are 2-D or strided
+    comm = fresh(shm_small_bytes=256, shm_chunk_bytes=4096)
+    n, r = comm.size, comm.rank
+    assert get_context(comm).chan is not None
+    for dtype in DTYPES:
+        for count in (0, 1, 40, 64, 333, 1024, 5003):
+            for op in ("sum", "avg", "min") if count < 1000 else ("sum",):
+                what = f"{np.dtype(dtype)} {op} count={count}"
+                inputs = [make_input(q, count, dtype, op) for q in range(n)]
+                want = expected(inputs, op)
+                got = C.allreduce(inputs[r], op=op, algorithm="shm", comm=comm)
+                check_close(got, want, op, n, "allreduce " + what)
+                assert same_on_every_rank(comm, got), what
+                off = offsets(block_counts(count, n))
+                rs = C.reduce_scatter(inputs[r], op=op, algorithm="shm", comm=comm)
+                check_close(rs, want[off[r] : off[r + 1]], op, n, "reduce_scatter " + what)
+                red = C.reduce(inputs[r], n - 1, op=op, algorithm="shm", comm=comm)
+                if r == n - 1:
+                    check_close(red, want, op, n, "reduce " + what)
+                bc = C.broadcast(inputs[r], root=n - 1, algorithm="shm", comm=comm)
+                assert digest(bc) == digest(inputs[n - 1]), "broadcast " + what
+            rows = [count // (q + 1) for q in range(n)]
+            parts = [make_input(q, rows[q] * 2, dtype, "sum").reshape(rows[q], 2) for q in range(n)]
+            ag = C.allgather(parts[r], algorithm="shm", comm=comm)
+            assert digest(ag) == digest(np.concatenate(parts)), f"allgather {np.dtype(dtype)} rows={rows}"
+    # 2-D, strided and in-place inputs
+    base = [np.arange(600, dtype=np.float64).reshape(20, 30) * (q + 1) for q in range(n)]
+    want = sum(base)
+    assert np.array_equal(C.allreduce(base[r].T, algorithm="shm", comm=comm), want.T)
+    assert np.array_equal(C.allreduce(base[r][:2, :3].T, algorithm="shm", comm=comm), want[:2, :3].T)
+    x = base[r].copy()
+    assert C.allreduce(x, out=x, algorithm="shm", comm=comm) is x and np.array_equal(x, want)
+    comm.Free()
+
+
+def test_fast_path_meets_general_path_and_nonblocking_peers():
+    # rank 0 takes the one-step fast path; the others reach the same call through out=,
+    # through the nonblocking form, or with non-contiguous input: all must match
+    comm = fresh()
+    n, r = comm.size, comm.rank
+    x = np.arange(12, dtype=np.float32).reshape(3, 4) + r
+    want = sum(np.arange(12, dtype=np.float32).reshape(3, 4) + q for q in range(n))
+    for _ in range(3):
+        if r == 0:
+            got = C.allreduce(x, comm=comm)
+        elif r == 1:
+            got = C.iallreduce(x, comm=comm).wait()
+        elif r == 2:
+            got = C.allreduce(np.asfortranarray(x), comm=comm)
+        else:
+            got = np.empty_like(x)
+            C.allreduce(x, out=got, comm=comm)
+        assert np.array_equal(got, want)
+    # a mismatch seen from the fast path raises on every rank and leaves the comm usable
+    y = np.ones(3 + (r == n - 1), np.float32)
+    with pytest.raises(C.CollectiveMismatchError, match="count"):
+        if r == 1:
+            C.iallreduce(y, comm=comm).wait()
+        else:
+            C.allreduce(y, comm=comm)
+    assert np.array_equal(C.allreduce(np.ones(2, np.float32), comm=comm), np.full(2, n, np.float32))
+    comm.Free()
+
+
 @pytest.mark.parametrize("per_node", [1, 2, 3])
 @pytest.mark.parametrize("alg", ["hierarchical", "shm"])
 def test_simulated_nodes(per_node, alg):
