@@ -392,7 +392,10 @@ def allreduce(
     Returns:
         The reduced array, of x's shape and dtype (``out`` when given).
     """
-    if out is None and type(x) is np.ndarray:
+    if type(x) is np.ndarray and (
+        out is None
+        or (type(out) is np.ndarray and out.shape == x.shape and out.dtype == x.dtype and out.flags.c_contiguous)
+    ):
         # the common small case on one node: the same posts as the general path, less Python
         ctx = get_context(comm)
         key = (x.dtype, x.shape, op, algorithm)
@@ -400,7 +403,7 @@ def allreduce(
         if fn is None:
             fn = _fast_allreduce(ctx, key)
         if fn:
-            res = fn(x)
+            res = fn(x, out)
             if res is not None:
                 return res
             call = _Call(ctx, "allreduce", x, algorithm, op)

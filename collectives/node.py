@@ -199,8 +199,9 @@ class Channel:
 
 def small_allreduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, ...], op: str) -> Callable:
     """Build the whole one-step allreduce of one (signature, dtype, shape, op), with every
-    lookup done once: ``fn(x)`` posts ``x``, waits, and returns the result, or None when
-    the peers' signatures differ (the caller then reports call ``ch.seq``)."""
+    lookup done once: ``fn(x, out=None)`` posts ``x``, waits, and returns the result (in
+    ``out`` when given: C-contiguous, x's shape and dtype), or None when the peers'
+    signatures differ (the caller then reports call ``ch.seq``)."""
     count = math.prod(shape)
     nb = count * dtype.itemsize
     views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
@@ -214,7 +215,7 @@ def small_allreduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, .
     my_heads, peer_heads, my_seq, my_slots = ch._my_heads, ch._peer_heads, ch._my_seq, ch._my_slots
     fence, wait_posted = ch.fence, ch.wait_posted
 
-    def fn(x: np.ndarray) -> np.ndarray | None:
+    def fn(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
         seq = ch.seq + 1
         ch.seq = seq
         p = seq & 1
@@ -232,7 +233,8 @@ def small_allreduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, .
         for h in peer_heads[p]:
             if h[0] != a or h[1] != count or h[2] != 0:
                 return None
-        out = np.empty(shape, dtype)
+        if out is None:
+            out = np.empty(shape, dtype)
         v = views[p]
         f(v[0], v[1], out)
         for w in v[2:]:
@@ -305,7 +307,6 @@ def _allreduce(ch: Channel, out: np.ndarray, src: np.ndarray, op: str, root: int
         total = out.size
         chunks = [(c, min(c + step, total)) for c in range(0, total, step)]
         views = [ch.buf_views(0, dt), ch.buf_views(1, dt)]
-        f = ufunc(op)
         gather = root is None or root == me
 
         def stage(i: int) -> None:
@@ -329,9 +330,7 @@ def _allreduce(ch: Channel, out: np.ndarray, src: np.ndarray, op: str, root: int
                 src[c0 + off[me] : c0 + off[me] + m] if j == me else v[lo : lo + m] for j, v in enumerate(views[i & 1])
             ]
             acc = views[i & 1][me][lo : lo + m]
-            f(parts[0], parts[1], out=acc)
-            for v in parts[2:]:
-                f(acc, v, out=acc)
+            reduce_slots(parts, acc, op)
             finalize(acc, op, n)
 
         def gather_out(i: int) -> None:
@@ -375,7 +374,6 @@ def reduce_scatter(
         per = ch.region // dt.itemsize
         pieces = math.ceil(max(counts) / per) if max(counts) else 0
         views = [ch.buf_views(0, dt), ch.buf_views(1, dt)]
-        f = ufunc(op)
 
         def stage(i: int) -> None:
             mine = views[i & 1][me]
@@ -391,9 +389,7 @@ def reduce_scatter(
             m, lo = z - a, me * per
             parts = [buf[a:z] if j == me else v[lo : lo + m] for j, v in enumerate(views[i & 1])]
             acc = res[i * per : i * per + m]
-            f(parts[0], parts[1], out=acc)
-            for v in parts[2:]:
-                f(acc, v, out=acc)
+            reduce_slots(parts, acc, op)
             finalize(acc, op, n)
 
         # barrier i publishes piece i staged; reducing piece i reads region `me` of every

@@ -1,0 +1,172 @@
+"""The speed bars of the collectives, measured side by side in one run, with a verdict each.
+
+Run: ``mpiexec -n 2 python -m benchmarks.bars [--rounds 5] [--max 64M] [--json F] [--plot F.png]``.
+
+Timing is OSU's (a timer around each call, an untimed barrier after it, warm-up calls
+first), float32, with iterations scaled to the size (OSU's 1000 below 8 KiB would take
+hours at 64 MiB); each contender's per-rank averages are averaged over ranks, and the
+figure is the median over interleaved rounds (every contender once per round, in rotating
+order). "mpi" is the MPI library called directly through mpi4py; "gloo" is
+``torch.distributed``. The copy bandwidth is one numpy copy of a 64 MiB array on rank 0.
+
+Bars (from the issue):
+  allreduce:      auto <= 1.10 x mpi at every size; <= 0.60 x mpi at every size >= 1 MiB;
+                  auto <= 0.33 x gloo at every size; busbw at 16 MiB >= 0.75 x copy bandwidth
+  reduce_scatter: auto <= 1.10 x mpi (MPI_Reduce_scatter_block) at every size
+  allgather:      auto <= 1.10 x mpi (MPI_Allgather) at every size
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import types
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from benchmarks import osu
+from collectives.cli import run_main
+
+BARS = {
+    "allreduce": ["auto", "mpi", "gloo"],
+    "reduce_scatter": ["auto", "mpi"],
+    "allgather": ["auto", "mpi"],
+}
+
+
+def _sizes(lo: int, hi: int) -> list[int]:
+    out, s = [], lo
+    while s <= hi:
+        out.append(s)
+        s *= 4
+    return out
+
+
+def measure(comm: MPI.Comm, bench: str, names: list[str], sizes: list[int], rounds: int) -> list[dict[str, Any]]:
+    """Median (over rounds) of each contender's rank-averaged OSU latency, per size (us)."""
+    dtype = np.dtype(np.float32)
+    rows = []
+    for size in sizes:
+        if bench == "reduce_scatter" and size // 4 < comm.size:
+            continue
+        iters = max(5, min(1000, (32 << 20) // size))
+        skip = max(2, iters // 10)
+        cont = {name: osu.make_contender(bench, name, comm, size, dtype) for name in names}
+        ok = {name: cont[name].check() for name in names}
+        per: dict[str, list[float]] = {name: [] for name in names}
+        for k in range(rounds):
+            for name in names[k % len(names) :] + names[: k % len(names)]:
+                per[name].append(osu._stats(comm, osu.osu_loop(comm, cont[name].call, iters, skip))["avg"])
+        nccl_bytes = size * comm.size if bench == "allgather" else size
+        res = {}
+        for name in names:
+            us = statistics.median(per[name])
+            bw = nccl_bytes / (us * 1e-6) / 1e9
+            res[name] = {"avg": us, "algbw": bw, "busbw": bw * osu.BUS[bench](comm.size), "valid": ok[name]}
+        rows.append({"size": size, "iterations": iters, "results": res})
+    return rows
+
+
+def copy_bound_us(bench: str, size: int, n: int, copy_bw: float) -> float:
+    """Time to copy, once, the bytes each rank must at least write: its output."""
+    out_bytes = {"reduce_scatter": size / n, "allgather": size * n}.get(bench, size)
+    return out_bytes / copy_bw * 1e6
+
+
+def verdicts(bench: str, rows: list[dict[str, Any]], copy_bw: float, n: int) -> list[str]:
+    """Each bar of ``bench``: PASS or MISS with the figures behind it."""
+    out = []
+
+    def bar(label: str, pairs: list[tuple[int, float]], limit: float) -> None:
+        worst = max(pairs, key=lambda p: p[1]) if pairs else (0, 0.0)
+        state = "PASS" if worst[1] <= limit else "MISS"
+        misses = [f"{s}B:{v:.2f}" for s, v in pairs if v > limit]
+        out.append(
+            f"{state} {bench}: {label} <= {limit:.2f}; worst {worst[1]:.2f} at {worst[0]} B"
+            + (f"; over at {', '.join(misses)}" if misses else "")
+        )
+
+    ratio = [(r["size"], r["results"]["auto"]["avg"] / r["results"]["mpi"]["avg"]) for r in rows]
+    bar("auto/mpi at every size", ratio, 1.10)
+    if bench == "allreduce":
+        bar("auto/mpi at every size >= 1 MiB", [p for p in ratio if p[0] >= 1 << 20], 0.60)
+        if all("gloo" in r["results"] for r in rows):
+            bar(
+                "auto/gloo at every size",
+                [(r["size"], r["results"]["auto"]["avg"] / r["results"]["gloo"]["avg"]) for r in rows],
+                0.33,
+            )
+        at16 = [r for r in rows if r["size"] == 16 << 20]
+        if at16:
+            bus = at16[0]["results"]["auto"]["busbw"] * 1e9
+            state = "PASS" if bus >= 0.75 * copy_bw else "MISS"
+            out.append(
+                f"{state} allreduce: busbw at 16 MiB {bus / 1e9:.2f} GB/s >= 0.75 x copy bandwidth "
+                f"{copy_bw / 1e9:.2f} GB/s = {0.75 * copy_bw / 1e9:.2f} GB/s (ratio {bus / copy_bw:.2f})"
+            )
+    else:
+        big = [r for r in rows if r["size"] >= 1 << 20]
+        for name in ("auto", "mpi"):
+            fr = [copy_bound_us(bench, r["size"], n, copy_bw) / r["results"][name]["avg"] for r in big]
+            if fr:
+                out.append(
+                    f"INFO {bench}: {name} reaches {min(fr):.2f}-{max(fr):.2f} of the copy bound "
+                    "(time to copy its output once at the copy bandwidth) at sizes >= 1 MiB"
+                )
+    return out
+
+
+def table(bench: str, rows: list[dict[str, Any]], names: list[str], copy_bw: float, n: int) -> str:
+    head = f"{'size':>10}" + "".join(f"{nm + ' us':>14}" for nm in names)
+    head += "".join(f"{'auto/' + nm:>12}" for nm in names[1:])
+    head += f"{'auto busbw':>12}{'mpi busbw':>12}{'copy bound':>12}{'valid':>7}"
+    lines = [f"# {bench}, float32, {n} ranks: median over rounds of OSU average latency; busbw GB/s", head]
+    for r in rows:
+        res = r["results"]
+        line = f"{r['size']:>10}" + "".join(f"{res[nm]['avg']:>14.2f}" for nm in names)
+        line += "".join(f"{res['auto']['avg'] / res[nm]['avg']:>12.2f}" for nm in names[1:])
+        line += f"{res['auto']['busbw']:>12.2f}{res['mpi']['busbw']:>12.2f}"
+        line += f"{copy_bound_us(bench, r['size'], n, copy_bw):>12.2f}"
+        line += f"{'yes' if all(res[nm]['valid'] for nm in names) else 'NO':>7}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--min", default="4")
+    p.add_argument("--max", default="64M")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--collectives", default=",".join(BARS))
+    p.add_argument("--no-gloo", action="store_true", help="leave torch.distributed out")
+    p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, help="PNG of allreduce latency and busbw against size")
+    args = p.parse_args(argv)
+    comm = MPI.COMM_WORLD
+    comm.Barrier()
+    copy_bw = comm.bcast(osu.copy_bandwidth() if comm.rank == 0 else None, root=0)
+    sizes = _sizes(osu._size(args.min), osu._size(args.max))
+    record: dict[str, Any] = {"ranks": comm.size, "copy_bandwidth": copy_bw, "machine": osu.machine(), "bars": {}}
+    report = [f"# copy bandwidth (one numpy copy of 64 MiB, rank 0): {copy_bw / 1e9:.2f} GB/s"]
+    for bench in args.collectives.split(","):
+        names = [nm for nm in BARS[bench] if not (args.no_gloo and nm == "gloo")]
+        rows = measure(comm, bench, names, sizes, args.rounds)
+        if comm.rank == 0:
+            report.append(table(bench, rows, names, copy_bw, comm.size))
+            report.extend(verdicts(bench, rows, copy_bw, comm.size))
+            print("\n".join(report), flush=True)
+            report = []
+        record["bars"][bench] = rows
+        if bench == "allreduce" and args.plot and comm.rank == 0:
+            fake = types.SimpleNamespace(bench="allreduce", type="mpi_float")
+            osu.plot(args.plot, fake, rows, comm.size)
+    if comm.rank == 0 and args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(record, fh, indent=1)
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -1,0 +1,559 @@
+"""OSU Micro-Benchmarks-style measurements of hpcdl's collectives, MPI's and gloo's.
+
+Each ``benchmarks/osu_<name>.py`` is a thin front end to :func:`main`; run it as
+``mpiexec -n 2 python benchmarks/osu_allreduce.py [options]`` or
+``mpiexec -n 2 python -m benchmarks.osu_allreduce [options]``.
+
+Without ``--compare`` the output is the OSU 7.x text format of the same test, column for
+column (so OSU parsers read it): a header line, ``# Datatype:``, the column titles and one
+row per size (``%-10d`` then ``%18.2f`` per latency column, ``%12d`` iterations, a
+right-aligned ``%18s`` validation column with ``-c``). Timing follows OSU: a timer around
+each call, an untimed barrier after it, ``-x`` untimed warm-up calls first (10 and 100
+iterations above 8 KiB unless ``-x``/``-i`` say otherwise), per-rank averages reduced to
+min/avg/max. "Size" means what it means in OSU: the vector for allreduce, reduce and
+broadcast, the whole input for reduce-scatter (each rank gets ``1/n``), and each rank's
+contribution for allgather.
+
+Ours on top: ``-a NAME`` (any registered algorithm, ``auto``, ``native``), ``--compare
+a,b,...`` (algorithms plus ``mpi`` for the MPI library called directly and ``gloo`` for
+torch.distributed, measured in interleaved rounds, median per size, ratios to the first),
+``--busbw`` (nccl-tests algbw/busbw), ``--json FILE`` and ``--plot FILE.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+import collectives as C
+
+__all__ = ["COLLECTIVES", "parse_args", "run", "format_rows", "main", "copy_bandwidth"]
+
+OSU_VERSION = "7.4"
+LARGE = 8192
+TITLES = {
+    "allreduce": "Allreduce Latency Test",
+    "reduce_scatter": "Reduce_scatter Latency Test",
+    "allgather": "Allgather Latency Test",
+    "bcast": "Broadcast Latency Test",
+    "reduce": "Reduce Latency Test",
+    "latency": "Latency Test",
+    "bw": "Bandwidth Test",
+}
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "bcast", "reduce")
+#: nccl-tests' bus-bandwidth factors
+BUS = {
+    "allreduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "allgather": lambda n: (n - 1) / n,
+    "bcast": lambda n: 1.0,
+    "reduce": lambda n: 1.0,
+}
+DATATYPES = {
+    "mpi_char": ("MPI_CHAR", np.int8),
+    "mpi_short": ("MPI_SHORT", np.int16),
+    "mpi_int": ("MPI_INT", np.int32),
+    "mpi_long": ("MPI_LONG", np.int64),
+    "mpi_float": ("MPI_FLOAT", np.float32),
+    "mpi_double": ("MPI_DOUBLE", np.float64),
+}
+_API = {"bcast": "broadcast"}
+_MPI_NAME = {
+    "allreduce": "MPI_Allreduce",
+    "reduce_scatter": "MPI_Reduce_scatter_block",
+    "allgather": "MPI_Allgather",
+    "bcast": "MPI_Bcast",
+    "reduce": "MPI_Reduce",
+}
+
+
+# -- options ------------------------------------------------------------------------------
+def _size(text: str) -> int:
+    text = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * mult[text[-1]] if text and text[-1] in mult else int(text)
+
+
+def parse_args(bench: str, argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse OSU's options (and ours) for benchmark ``bench``."""
+    pt2pt = bench in ("latency", "bw")
+    p = argparse.ArgumentParser(
+        prog=f"osu_{bench}", description=f"OSU-style {bench} benchmark of hpcdl", allow_abbrev=False
+    )
+    p.add_argument("-m", "--message-size", default=None, help="[min:]max message size in bytes (K/M suffixes)")
+    p.add_argument("-i", "--iterations", type=int, default=None, help="timed iterations per size")
+    p.add_argument("-x", "--warmup", type=int, default=None, help="untimed warm-up iterations per size")
+    p.add_argument("-f", "--full", action="store_true", help="min/max latency and iterations columns")
+    p.add_argument("-c", "--validation", action="store_true", help="check results (Pass/Fail column)")
+    p.add_argument("-T", "--type", default="mpi_char", choices=sorted(DATATYPES), help="datatype")
+    if not pt2pt:
+        p.add_argument("-a", "--algorithm", default="auto", help="hpcdl algorithm (or auto, native)")
+        p.add_argument("--compare", default=None, help="comma-separated contenders: algorithms, mpi, gloo")
+        p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size with --compare")
+        p.add_argument("--busbw", action="store_true", help="add nccl-tests algbw/busbw columns (GB/s)")
+        p.add_argument("--plot", default=None, help="write latency and busbw against size to this PNG")
+    p.add_argument("--json", default=None, help="write the figures to this file (rank 0)")
+    args = p.parse_args(argv)
+    args.bench = bench
+    lo, hi = 1, (1 << 22 if pt2pt else 1 << 20)
+    if args.message_size:
+        parts = args.message_size.split(":")
+        if len(parts) == 2:
+            lo, hi = _size(parts[0]) if parts[0] else lo, _size(parts[1])
+        else:
+            hi = _size(parts[0])
+    if lo < 1 or hi < lo:
+        p.error(f"-m {args.message_size}: need 1 <= min <= max")
+    args.min_size, args.max_size = lo, hi
+    if not pt2pt:
+        names = args.compare.split(",") if args.compare else [args.algorithm]
+        known = set(C.algorithms(_API.get(bench, bench))) | {"mpi", "gloo"}
+        bad = [c for c in names if c not in known]
+        if bad:
+            p.error(f"unknown contender(s) {bad}; choose from {sorted(known)}")
+        args.contenders = names
+    return args
+
+
+def sizes(args: argparse.Namespace, itemsize: int) -> list[int]:
+    """OSU's sizes: powers of two from min to max, skipping those smaller than one element."""
+    out, s = [], args.min_size
+    while s <= args.max_size:
+        if s >= itemsize:
+            out.append(s)
+        s *= 2
+    return out
+
+
+def iterations(args: argparse.Namespace, size: int, small: tuple[int, int], large: tuple[int, int]) -> tuple[int, int]:
+    """(timed, warm-up) iterations for ``size``: OSU's defaults, overridden by -i/-x."""
+    it, skip = large if size > LARGE else small
+    return (args.iterations or it), (args.warmup if args.warmup is not None else skip)
+
+
+# -- contenders ---------------------------------------------------------------------------
+class Contender:
+    """One way of running a collective at one size: ``call()`` runs it once on prepared
+    buffers; ``check()`` runs it once more and says, on every rank, if every rank got the
+    right result."""
+
+    def __init__(
+        self,
+        call: Callable[[], Any],
+        verify: Callable[[], bool],
+        comm: MPI.Comm,
+        reset: Callable[[], None] | None = None,
+    ) -> None:
+        self.call, self._verify, self._comm, self._reset = call, verify, comm, reset
+
+    def check(self) -> bool:
+        if self._reset is not None:
+            self._reset()
+        self.call()
+        return bool(self._comm.allreduce(bool(self._verify()), op=MPI.LAND))
+
+
+def _inputs(rank: int, count: int, dtype: np.dtype) -> np.ndarray:
+    # small integers: exact in every datatype, also after summing over a few ranks
+    return ((np.arange(count) % 5) + rank + 1).astype(dtype)
+
+
+def _expected(bench: str, n: int, count: int, dtype: np.dtype) -> np.ndarray:
+    total = sum(_inputs(q, count, np.dtype(np.int64)) for q in range(n))
+    return total.astype(dtype)
+
+
+def make_contender(bench: str, name: str, comm: MPI.Comm, size: int, dtype: np.dtype) -> Contender:
+    """Buffers and the call for ``name`` running ``bench`` with OSU's ``size`` (bytes)."""
+    n, r = comm.size, comm.rank
+    item = dtype.itemsize
+    count = size // item
+    if bench == "reduce_scatter":
+        block = count // n
+        x = _inputs(r, block * n, dtype)
+        want = _expected(bench, n, block * n, dtype)[r * block : (r + 1) * block]
+        out = np.empty(block, dtype)
+    elif bench == "allgather":
+        x = _inputs(r, count, dtype)
+        want = np.concatenate([_inputs(q, count, dtype) for q in range(n)])
+        out = np.empty(count * n, dtype)
+    elif bench == "bcast":
+        x = _inputs(r, count, dtype)
+        want = _inputs(0, count, dtype)
+        out = x
+    else:
+        x = _inputs(r, count, dtype)
+        want = _expected(bench, n, count, dtype)
+        out = np.empty(count, dtype)
+    res: dict[str, Any] = {"out": out}
+
+    if name == "mpi":
+        call = _mpi_call(bench, comm, x, out)
+    elif name == "gloo":
+        call = _gloo_call(bench, comm, x, out)
+    else:
+        call = _hpcdl_call(bench, name, comm, x, out, res)
+
+    def verify() -> bool:
+        return (bench == "reduce" and r != 0) or bool(np.array_equal(np.asarray(res["out"]), want))
+
+    def reset() -> None:
+        # no result of a previous call may pass for this one's (inputs are >= 1: never 0)
+        if bench == "bcast":  # broadcast overwrites its input on the other ranks
+            x[...] = _inputs(r, count, dtype)
+        else:
+            out[...] = 0
+            res["out"] = out
+
+    return Contender(call, verify, comm, reset)
+
+
+def _hpcdl_call(bench, alg, comm, x, out, res) -> Callable[[], Any]:
+    if bench == "allreduce":
+        return lambda: C.allreduce(x, algorithm=alg, out=out, comm=comm)
+    if bench == "bcast":
+        return lambda: C.broadcast(x, 0, algorithm=alg, out=x, comm=comm)
+
+    def call() -> None:
+        if bench == "reduce_scatter":
+            res["out"] = C.reduce_scatter(x, algorithm=alg, comm=comm)
+        elif bench == "allgather":
+            res["out"] = C.allgather(x, algorithm=alg, comm=comm)
+        else:
+            res["out"] = C.reduce(x, 0, algorithm=alg, comm=comm)
+
+    return call
+
+
+def _mpi_call(bench, comm, x, out) -> Callable[[], Any]:
+    if bench == "allreduce":
+        return lambda: comm.Allreduce(x, out, MPI.SUM)
+    if bench == "reduce_scatter":
+        return lambda: comm.Reduce_scatter_block(x, out, MPI.SUM)
+    if bench == "allgather":
+        return lambda: comm.Allgather(x, out)
+    if bench == "bcast":
+        return lambda: comm.Bcast(x, 0)
+    return lambda: comm.Reduce(x, out, MPI.SUM, 0)
+
+
+_GLOO: dict[str, Any] = {}
+
+
+def gloo_init(comm: MPI.Comm) -> Any:
+    """Join torch.distributed's gloo group on ``comm``'s ranks (once per process)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if not dist.is_initialized():
+        addr = None
+        if comm.rank == 0:
+            s = socket.socket()
+            s.bind(("", 0))
+            addr = (socket.gethostname(), s.getsockname()[1])
+            s.close()
+        host, port = comm.bcast(addr, root=0)
+        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=comm.rank, world_size=comm.size)
+    return dist
+
+
+def _gloo_call(bench, comm, x, out) -> Callable[[], Any]:
+    import torch
+
+    dist = gloo_init(comm)
+    tx, tout = torch.from_numpy(x), torch.from_numpy(out)
+    if bench == "allreduce":
+        # gloo reduces in place: reduce a copy so that the input stays the input
+        work = tx.clone()
+
+        def call() -> None:
+            work.copy_(tx)
+            dist.all_reduce(work)
+            tout.copy_(work)
+
+        return call
+    if bench == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(tout, tx)
+    if bench == "allgather":
+        return lambda: dist.all_gather_into_tensor(tout, tx)
+    if bench == "bcast":
+        return lambda: dist.broadcast(tx, 0)
+    work = tx.clone()
+
+    def reduce_call() -> None:
+        work.copy_(tx)
+        dist.reduce(work, 0)
+        tout.copy_(work)
+
+    return reduce_call
+
+
+# -- measuring ------------------------------------------------------------------------------
+def osu_loop(comm: MPI.Comm, call: Callable[[], Any], iters: int, skip: int) -> float:
+    """OSU's loop: time each call, barrier after it untimed; return this rank's average (us)."""
+    timer = 0.0
+    wtime = MPI.Wtime
+    for i in range(iters + skip):
+        t0 = wtime()
+        call()
+        t1 = wtime()
+        if i >= skip:
+            timer += t1 - t0
+        comm.Barrier()
+    return timer * 1e6 / iters
+
+
+def _stats(comm: MPI.Comm, lat: float) -> dict[str, float]:
+    # every rank learns min/avg/max (OSU reduces onto rank 0; here all need it for rounds)
+    return {
+        "avg": comm.allreduce(lat, op=MPI.SUM) / comm.size,
+        "min": comm.allreduce(lat, op=MPI.MIN),
+        "max": comm.allreduce(lat, op=MPI.MAX),
+    }
+
+
+def run(args: argparse.Namespace, comm: MPI.Comm | None = None) -> list[dict[str, Any]]:
+    """Measure every size; return rows ``{"size", "iterations", "results": {name: stats}, ...}``."""
+    comm = comm or MPI.COMM_WORLD
+    if args.bench in ("latency", "bw"):
+        return _run_pt2pt(args, comm)
+    dtype = np.dtype(DATATYPES[args.type][1])
+    names = args.contenders
+    rounds = args.rounds if len(names) > 1 else 1
+    rows = []
+    for size in sizes(args, dtype.itemsize):
+        if args.bench == "reduce_scatter" and size // dtype.itemsize < comm.size:
+            continue  # fewer elements than ranks: nothing to scatter
+        iters, skip = iterations(args, size, (1000, 200), (100, 10))
+        cont = {name: make_contender(args.bench, name, comm, size, dtype) for name in names}
+        per: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+        for k in range(rounds):
+            order = names[k % len(names) :] + names[: k % len(names)]
+            for name in order:
+                per[name].append(_stats(comm, osu_loop(comm, cont[name].call, iters, skip)))
+        results = {}
+        nccl_bytes = size * comm.size if args.bench == "allgather" else size
+        for name in names:
+            med = {key: statistics.median(s[key] for s in per[name]) for key in ("avg", "min", "max")}
+            algbw = nccl_bytes / (med["avg"] * 1e-6) / 1e9 if med["avg"] > 0 else 0.0
+            med.update(algbw=algbw, busbw=algbw * BUS[args.bench](comm.size))
+            results[name] = med
+        row: dict[str, Any] = {"size": size, "iterations": iters, "results": results}
+        if args.validation:
+            row["validation"] = {name: cont[name].check() for name in names}
+        rows.append(row)
+    return rows
+
+
+def _run_pt2pt(args: argparse.Namespace, comm: MPI.Comm) -> list[dict[str, Any]]:
+    if comm.size < 2:
+        raise SystemExit(f"osu_{args.bench} needs at least two processes")
+    r = comm.rank
+    dtype = np.dtype(DATATYPES[args.type][1])
+    rows = []
+    for size in sizes(args, dtype.itemsize):
+        count = size // dtype.itemsize
+        s_buf = _inputs(r, count, dtype)
+        r_buf = np.zeros(count, dtype)
+        if args.bench == "latency":
+            iters, skip = iterations(args, size, (10000, 100), (1000, 10))
+            value = _pingpong(comm, s_buf, r_buf, iters, skip)
+            ok = r != 1 or np.array_equal(r_buf, _inputs(0, count, dtype))
+        else:
+            iters, skip = iterations(args, size, (100, 10), (20, 2))
+            value = _bandwidth(comm, s_buf, r_buf, iters, skip, window=64)
+            ok = r != 1 or np.array_equal(r_buf, _inputs(0, count, dtype))
+        value = comm.bcast(value, root=0)
+        row: dict[str, Any] = {"size": size, "iterations": iters, "results": {"mpi": {"avg": value}}}
+        if args.validation:
+            row["validation"] = {"mpi": bool(comm.allreduce(bool(ok), op=MPI.LAND))}
+        rows.append(row)
+    return rows
+
+
+def _pingpong(comm, s_buf, r_buf, iters, skip) -> float:
+    r = comm.rank
+    comm.Barrier()
+    t0 = 0.0
+    for i in range(iters + skip):
+        if i == skip:
+            t0 = MPI.Wtime()
+        if r == 0:
+            comm.Send(s_buf, 1, 1)
+            comm.Recv(r_buf, 1, 1)
+        elif r == 1:
+            comm.Recv(r_buf, 0, 1)
+            comm.Send(s_buf, 0, 1)
+    lat = (MPI.Wtime() - t0) * 1e6 / (2.0 * iters)
+    comm.Barrier()
+    return lat
+
+
+def _bandwidth(comm, s_buf, r_buf, iters, skip, window: int) -> float:
+    r = comm.rank
+    ack = np.zeros(1, np.int32)
+    comm.Barrier()
+    t0 = 0.0
+    for i in range(iters + skip):
+        if i == skip:
+            t0 = MPI.Wtime()
+        if r == 0:
+            MPI.Request.Waitall([comm.Isend(s_buf, 1, 100) for _ in range(window)])
+            comm.Recv(ack, 1, 101)
+        elif r == 1:
+            MPI.Request.Waitall([comm.Irecv(r_buf, 0, 100) for _ in range(window)])
+            comm.Send(ack, 0, 101)
+    dt = MPI.Wtime() - t0
+    comm.Barrier()
+    return s_buf.nbytes / 1e6 * iters * window / dt if dt > 0 else 0.0
+
+
+def copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 10) -> float:
+    """Bytes copied per second by one numpy copy of an ``nbytes`` array (median of repeats)."""
+    a = np.ones(nbytes, np.uint8)
+    b = np.empty_like(a)
+    np.copyto(b, a)
+    times = []
+    for _ in range(repeats):
+        t0 = MPI.Wtime()
+        np.copyto(b, a)
+        times.append(MPI.Wtime() - t0)
+    return nbytes / statistics.median(times)
+
+
+# -- output -----------------------------------------------------------------------------------
+def header(args: argparse.Namespace) -> list[str]:
+    """The OSU header lines for ``args`` (a blank line first, as OSU prints)."""
+    lines = ["", f"# OSU MPI {TITLES[args.bench]} v{OSU_VERSION}", f"# Datatype: {DATATYPES[args.type][0]}."]
+    return lines
+
+
+def format_rows(args: argparse.Namespace, rows: list[dict[str, Any]], ranks: int) -> str:
+    """Render rows: the OSU format for one contender, a side-by-side table for several."""
+    lines = header(args)
+    if args.bench == "bw":
+        lines.append(f"{'# Size':<10}{'Bandwidth (MB/s)':>18}" + (f"{'Validation':>18}" if args.validation else ""))
+        for row in rows:
+            line = f"{row['size']:<10d}{row['results']['mpi']['avg']:>18.2f}"
+            if args.validation:
+                line += f"{'Pass' if row['validation']['mpi'] else 'Fail':>18}"
+            lines.append(line)
+        return "\n".join(lines)
+    names = list(rows[0]["results"]) if rows else getattr(args, "contenders", ["mpi"])
+    if len(names) == 1:
+        name = names[0]
+        head = f"{'# Size':<10}{'Avg Latency(us)':>18}"
+        if args.full:
+            head += f"{'Min Latency(us)':>18}{'Max Latency(us)':>18}{'Iterations':>12}"
+        if getattr(args, "busbw", False):
+            head += f"{'algbw(GB/s)':>14}{'busbw(GB/s)':>14}"
+        if args.validation:
+            head += f"{'Validation':>18}"
+        lines.append(head)
+        for row in rows:
+            res = row["results"][name]
+            line = f"{row['size']:<10d}{res['avg']:>18.2f}"
+            if args.full:
+                line += f"{res['min']:>18.2f}{res['max']:>18.2f}{row['iterations']:>12d}"
+            if getattr(args, "busbw", False):
+                line += f"{res['algbw']:>14.2f}{res['busbw']:>14.2f}"
+            if args.validation:
+                line += f"{'Pass' if row['validation'][name] else 'Fail':>18}"
+            lines.append(line)
+        return "\n".join(lines)
+    base = names[0]
+    lines.append(
+        f"# {ranks} ranks; median over {args.rounds} interleaved rounds of each contender's OSU average "
+        f"latency (us); ratios to {base}" + ("; busbw in GB/s (nccl-tests)" if args.busbw else "")
+    )
+    head = f"{'# Size':<10}" + "".join(f"{n + '(us)':>18}" for n in names)
+    head += "".join(f"{n + '/' + base:>18}" for n in names[1:])
+    if args.busbw:
+        head += "".join(f"{n + ' busbw':>16}" for n in names)
+    if args.validation:
+        head += f"{'Validation':>18}"
+    lines.append(head)
+    for row in rows:
+        res = row["results"]
+        line = f"{row['size']:<10d}" + "".join(f"{res[n]['avg']:>18.2f}" for n in names)
+        line += "".join(f"{res[n]['avg'] / res[base]['avg']:>18.2f}" for n in names[1:])
+        if args.busbw:
+            line += "".join(f"{res[n]['busbw']:>16.2f}" for n in names)
+        if args.validation:
+            bad = [n for n in names if not row["validation"][n]]
+            line += f"{'Pass' if not bad else 'Fail:' + ','.join(bad):>18}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def machine() -> dict[str, Any]:
+    """What ran the benchmark, for the JSON record."""
+    return {
+        "host_cpus": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+        "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+        "python": platform.python_version(),
+    }
+
+
+def plot(path: str, args: argparse.Namespace, rows: list[dict[str, Any]], ranks: int) -> None:
+    """Latency and busbw against size, log axes, one line per contender."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(rows[0]["results"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=80)
+    xs = [row["size"] for row in rows]
+    for name in names:
+        ax1.plot(xs, [row["results"][name]["avg"] for row in rows], marker=".", label=name)
+        ax2.plot(xs, [row["results"][name]["busbw"] for row in rows], marker=".", label=name)
+    for ax, title in ((ax1, "latency (us)"), (ax2, "busbw (GB/s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("size (bytes)")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    ax1.legend(fontsize=8)
+    fig.suptitle(f"{args.bench}, {DATATYPES[args.type][0]}, {ranks} ranks", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(bench: str, argv: list[str] | None = None, comm: MPI.Comm | None = None) -> list[dict[str, Any]]:
+    """Parse options, measure, print (rank 0) and return the rows."""
+    comm = comm or MPI.COMM_WORLD
+    args = parse_args(bench, argv)
+    rows = run(args, comm)
+    if comm.rank == 0:
+        print(format_rows(args, rows, comm.size), flush=True)
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump(
+                    {
+                        "benchmark": f"osu_{bench}",
+                        "argv": sys.argv[1:] if argv is None else argv,
+                        "ranks": comm.size,
+                        "datatype": DATATYPES[args.type][0],
+                        "machine": machine(),
+                        "rows": rows,
+                    },
+                    fh,
+                    indent=1,
+                )
+        if getattr(args, "plot", None) and rows:
+            plot(args.plot, args, rows, comm.size)
+    return rows

@@ -1,0 +1,151 @@
+"""Measure every algorithm of every collective here and write a tuning table for ``auto``.
+
+Run under the launcher, on the nodes and rank count the table is for::
+
+    mpiexec -n 4 python -m collectives.tune --out my_table.json [--merge old.json] [--max 64M]
+
+then point ``auto`` at it with ``HPCDL_TUNING_FILE=my_table.json``. For each collective
+and message size (powers of four from ``--min`` to ``--max``) every registered algorithm
+runs in interleaved rounds (each round: a barrier, then back-to-back calls timed on every
+rank; a round's time is the slowest rank's), the median round decides, and runs of sizes
+won by the same algorithm become one rule. The table is keyed by collective, rank count
+and node count, so tables from several runs (2 ranks, 4 ranks, 2 nodes, ...) are merged
+into one file with ``--merge``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from . import api
+from .cli import run_main
+from .context import get_context
+from .select import REGISTRY
+
+__all__ = ["measure", "rules_from", "main"]
+
+_API = {
+    "allreduce": lambda x, alg, comm: api.allreduce(x, algorithm=alg, comm=comm),
+    "reduce_scatter": lambda x, alg, comm: api.reduce_scatter(x, algorithm=alg, comm=comm),
+    "allgather": lambda x, alg, comm: api.allgather(x, algorithm=alg, comm=comm),
+    "broadcast": lambda x, alg, comm: api.broadcast(x, 0, algorithm=alg, comm=comm),
+    "reduce": lambda x, alg, comm: api.reduce(x, 0, algorithm=alg, comm=comm),
+}
+
+
+def _parse_size(text: str) -> int:
+    text = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * mult[text[-1]] if text[-1] in mult else int(text)
+
+
+def candidates(collective: str, comm: MPI.Comm) -> list[str]:
+    """The algorithms worth timing for ``collective`` on ``comm``."""
+    names = list(REGISTRY[collective])
+    if collective != "allreduce" and get_context(comm).layout().nodes > 1:
+        names.remove("shm")
+    return names
+
+
+def measure(
+    comm: MPI.Comm, collective: str, nbytes: int, names: list[str], rounds: int, dtype=np.float32
+) -> dict[str, float]:
+    """Median seconds per call of each algorithm for a message of ``nbytes`` (``auto``'s measure:
+    the whole vector, or for allgather everything gathered)."""
+    item = np.dtype(dtype).itemsize
+    n = comm.size
+    count = max(nbytes // item // (n if collective == "allgather" else 1), 1)
+    x = np.random.default_rng(comm.rank).standard_normal(count).astype(dtype)
+    iters = max(3, min(200, (32 << 20) // max(nbytes, 1)))
+    call = _API[collective]
+    for name in names:  # first calls set up windows and scratch: not timed
+        call(x, name, comm)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for k in range(rounds):
+        for name in names[k % len(names) :] + names[: k % len(names)]:
+            comm.Barrier()
+            t0 = MPI.Wtime()
+            for _ in range(iters):
+                call(x, name, comm)
+            times[name].append(comm.allreduce((MPI.Wtime() - t0) / iters, op=MPI.MAX))
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def rules_from(winners: list[tuple[int, str]]) -> list[list[Any]]:
+    """Turn (size, best algorithm) pairs, by increasing size, into ``[max_bytes, name]`` rules;
+    a boundary falls halfway (geometrically) between the last size one algorithm won and the
+    next size another did, and the last rule has no limit."""
+    rules: list[list[Any]] = []
+    for size, name in winners:
+        if rules and rules[-1][1] == name:
+            rules[-1][0] = size
+        else:
+            if rules:
+                prev = rules[-1][0]
+                rules[-1][0] = int((prev * size) ** 0.5)
+            rules.append([size, name])
+    if rules:
+        rules[-1][0] = None
+    return rules
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m collectives.tune", description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="tuning table to write (rank 0)")
+    p.add_argument("--merge", help="existing table whose other entries are kept")
+    p.add_argument("--min", default="4", help="smallest message in bytes (K/M suffixes)")
+    p.add_argument("--max", default="64M", help="largest message in bytes")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size")
+    p.add_argument("--collectives", default=",".join(_API), help="comma-separated subset")
+    p.add_argument("--machine", default="", help="a line describing the machine, for the record")
+    args = p.parse_args(argv)
+    comm = MPI.COMM_WORLD
+    ctx = get_context(comm)
+    nodes = ctx.layout().nodes
+    lo, hi = _parse_size(args.min), _parse_size(args.max)
+    sizes, s = [], lo
+    while s < hi:
+        sizes.append(s)
+        s *= 4
+    sizes.append(hi)
+    entries = []
+    log: dict[str, Any] = {}
+    for coll in args.collectives.split(","):
+        names = candidates(coll, comm)
+        winners = []
+        for nbytes in sizes:
+            med = measure(comm, coll, nbytes, names, args.rounds)
+            best = min(med, key=med.get)
+            winners.append((nbytes, best))
+            log.setdefault(coll, {})[nbytes] = med
+            if comm.rank == 0:
+                cells = "  ".join(f"{k}={v * 1e6:.1f}" for k, v in med.items())
+                print(f"{coll:>15} {nbytes:>10} best={best:<20} us: {cells}", flush=True)
+        entries.append({"collective": coll, "size": comm.size, "nodes": nodes, "rules": rules_from(winners)})
+    if comm.rank == 0:
+        table: dict[str, Any] = {"machine": args.machine, "tables": []}
+        if args.merge:
+            with open(args.merge, encoding="utf-8") as fh:
+                table = json.load(fh)
+        keys = {(e["collective"], e["size"], e["nodes"]) for e in entries}
+        kept = [e for e in table.get("tables", []) if (e["collective"], e["size"], e["nodes"]) not in keys]
+        table["tables"] = sorted(kept + entries, key=lambda e: (e["collective"], e["nodes"], e["size"]))
+        if args.machine:
+            table["machine"] = args.machine
+        runs = table.setdefault("runs", [])
+        words = sys.argv[1:] if argv is None else argv
+        runs.append(f"mpiexec -n {comm.size} python -m collectives.tune " + " ".join(words))
+        with open(args.out, "w", encoding="utf-8") as fh:
+            json.dump(table, fh, indent=1)
+        print(f"wrote {args.out}: {len(entries)} tables for {comm.size} ranks on {nodes} node(s)", flush=True)
+
+
+if __name__ == "__main__":
+    run_main(main)

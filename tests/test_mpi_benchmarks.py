@@ -1,0 +1,159 @@
+"""The OSU-style benchmarks and the tuner, at tiny sizes, under mpiexec -n 2, 3, 4."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import collectives as C
+from benchmarks import osu
+from collectives import tune
+from collectives.config import Config
+from collectives.context import get_context
+from collectives.select import choose
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+WORLD = MPI.COMM_WORLD
+
+#: OSU 7.4's own header lines (from its output with -f -c, and plain), which parsers key on
+OSU_FULL = "# Size       Avg Latency(us)   Min Latency(us)   Max Latency(us)  Iterations        Validation"
+OSU_PLAIN = "# Size       Avg Latency(us)"
+OSU_BW = "# Size      Bandwidth (MB/s)"
+ROW = re.compile(r"^(\d+) +(\d+\.\d\d) +(\d+\.\d\d) +(\d+\.\d\d) +(\d+) +(Pass|Fail)$")
+
+
+def shared_path(suffix: str) -> str:
+    """A temporary file name, the same on every rank (rank 0 writes it)."""
+    name = tempfile.mktemp(suffix=suffix) if WORLD.rank == 0 else None
+    return WORLD.bcast(name, root=0)
+
+
+@pytest.mark.parametrize("bench", osu.COLLECTIVES)
+def test_every_collective_benchmark_returns_validated_numbers(bench):
+    n = WORLD.size
+    opts = ["-m", "1:256", "-i", "3", "-x", "1", "-c", "-T", "mpi_float", "--compare", "auto,mpi,shm", "--rounds", "2"]
+    args = osu.parse_args(bench, opts)
+    rows = osu.run(args)
+    want = [s for s in (4, 8, 16, 32, 64, 128, 256) if bench != "reduce_scatter" or s // 4 >= n]
+    assert [r["size"] for r in rows] == want
+    for r in rows:
+        assert r["iterations"] == 3
+        assert set(r["results"]) == {"auto", "mpi", "shm"}
+        for name, res in r["results"].items():
+            assert 0 < res["min"] <= res["avg"] <= res["max"], (bench, name, res)
+            nccl_bytes = r["size"] * (n if bench == "allgather" else 1)
+            assert res["algbw"] == pytest.approx(nccl_bytes / (res["avg"] * 1e-6) / 1e9)
+            assert res["busbw"] == pytest.approx(res["algbw"] * osu.BUS[bench](n))
+        assert all(r["validation"].values()), r["validation"]
+
+
+@pytest.mark.parametrize("bench", osu.COLLECTIVES)
+def test_validation_fails_on_every_rank_when_a_result_is_wrong(bench):
+    c = osu.make_contender(bench, "auto", WORLD, 64, np.dtype(np.int32))
+    assert c.check()
+    c.call = lambda: None  # a collective that moves nothing leaves the output unwritten
+    assert not c.check()
+
+
+def test_text_output_is_the_osu_format_and_parses_as_osu_parsers_read_it():
+    args = osu.parse_args("allreduce", ["-m", "1:32", "-i", "4", "-x", "2", "-f", "-c"])
+    rows = osu.run(args)
+    text = osu.format_rows(args, rows, WORLD.size)
+    lines = text.split("\n")
+    assert lines[:4] == ["", "# OSU MPI Allreduce Latency Test v7.4", "# Datatype: MPI_CHAR.", OSU_FULL]
+    body = lines[4:]
+    assert len(body) == 6
+    for line, row in zip(body, rows, strict=True):
+        # fixed widths, as OSU prints them: %-10d, %18.2f x3, %12d, %18s
+        assert len(line) == 10 + 18 * 3 + 12 + 18
+        m = ROW.match(line)
+        assert m, line
+        assert int(line[:10]) == row["size"]
+        assert float(line[10:28]) == pytest.approx(row["results"]["auto"]["avg"], abs=0.006)
+        assert int(line[64:76]) == 4 and line[76:].strip() == "Pass"
+    plain = osu.parse_args("bcast", ["-m", "2:4", "-i", "2"])
+    lines = osu.format_rows(plain, osu.run(plain), WORLD.size).split("\n")
+    assert lines[1:4] == ["# OSU MPI Broadcast Latency Test v7.4", "# Datatype: MPI_CHAR.", OSU_PLAIN]
+    assert [len(ln) for ln in lines[4:]] == [28, 28]
+
+
+def test_point_to_point_latency_and_bandwidth():
+    lat = osu.parse_args("latency", ["-m", "1:16", "-i", "20", "-x", "2", "-c"])
+    rows = osu.run(lat)
+    assert [r["size"] for r in rows] == [1, 2, 4, 8, 16]
+    assert all(r["results"]["mpi"]["avg"] > 0 and r["validation"]["mpi"] for r in rows)
+    bw = osu.parse_args("bw", ["-m", "64:128", "-i", "3", "-x", "1"])
+    rows = osu.run(bw)
+    text = osu.format_rows(bw, rows, WORLD.size).split("\n")
+    assert text[1:4] == ["# OSU MPI Bandwidth Test v7.4", "# Datatype: MPI_CHAR.", OSU_BW]
+    assert all(r["results"]["mpi"]["avg"] > 0 for r in rows)
+
+
+def test_compare_with_gloo_busbw_json_and_plot():
+    js, png = shared_path(".json"), shared_path(".png")
+    try:
+        rows = osu.main(
+            "allreduce",
+            [
+                "-m",
+                "4:64",
+                "-i",
+                "3",
+                "-T",
+                "mpi_float",
+                "--compare",
+                "mpi,auto,gloo",
+                "--rounds",
+                "2",
+                "--busbw",
+                "-c",
+                "--json",
+                js,
+                "--plot",
+                png,
+            ],
+        )
+        assert all(set(r["results"]) == {"mpi", "auto", "gloo"} for r in rows)
+        assert all(all(r["validation"].values()) for r in rows)
+        if WORLD.rank == 0:
+            with open(js, encoding="utf-8") as fh:
+                rec = json.load(fh)
+            assert rec["ranks"] == WORLD.size and [r["size"] for r in rec["rows"]] == [4, 8, 16, 32, 64]
+            with open(png, "rb") as fh:
+                assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
+    finally:
+        WORLD.Barrier()
+        if WORLD.rank == 0:
+            for f in (js, png):
+                if os.path.exists(f):
+                    os.remove(f)
+
+
+def test_tuner_writes_a_table_that_auto_follows():
+    path = shared_path(".json")
+    try:
+        tune.main(["--out", path, "--min", "4", "--max", "64", "--rounds", "1", "--collectives", "allreduce,allgather"])
+        WORLD.Barrier()
+        with open(path, encoding="utf-8") as fh:
+            table = json.load(fh)
+        mine = {(e["collective"], e["size"], e["nodes"]): e["rules"] for e in table["tables"]}
+        rules = mine[("allreduce", WORLD.size, 1)]
+        assert rules[-1][0] is None and all(name in C.algorithms("allreduce") for _, name in rules)
+        comm = WORLD.Dup()
+        ctx = get_context(comm, Config(tuning_file=path))
+        for nbytes in (4, 16, 64, 1 << 20):
+            want = next(name for limit, name in rules if limit is None or nbytes <= limit)
+            assert choose(ctx, "allreduce", nbytes) == want
+        assert np.array_equal(C.allreduce(np.ones(3), comm=comm), np.full(3, float(WORLD.size)))
+        comm.Free()
+    finally:
+        WORLD.Barrier()
+        if WORLD.rank == 0 and os.path.exists(path):
+            os.remove(path)
