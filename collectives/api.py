@@ -49,7 +49,6 @@ _F = {name: i for i, name in enumerate(_FIELDS)}
 _COLL_CODES = {c: i for i, c in enumerate(_COLLECTIVES)}
 _ALG_CODES = {c: {a: i for i, a in enumerate([*names, "auto"])} for c, names in REGISTRY.items()}
 _OP_CODES = {o: i for i, o in enumerate(OPS)}
-_DTYPE_SET = frozenset(DTYPES)
 #: fields that may differ between ranks, per collective
 _MAY_DIFFER = {"allgather": {"count"}, "alltoall": {"count"}}
 
@@ -320,7 +319,7 @@ def _fast_allreduce(ctx: Context, key: tuple) -> Any:
     dtype, shape, op, algorithm = key
     fn: Any = False
     ch = ctx.chan
-    if ch is not None and algorithm in ("auto", "shm") and op in _OP_CODES and dtype in _DTYPE_SET:
+    if ch is not None and algorithm in ("auto", "shm") and op in _OP_CODES and dtype_code(dtype) >= 0:
         limit = fast_limits(ctx)[algorithm == "shm"]
         if math.prod(shape) * dtype.itemsize <= limit:
             names = _ALG_CODES["allreduce"]

@@ -111,7 +111,7 @@ class Channel:
     # -- posting calls ---------------------------------------------------------------------
     def post(self, a: int, b: int, c: int, payload: np.ndarray | None = None) -> int:
         """Publish this rank's next call: signature words ``a, b, c`` and optionally a small
-        C-contiguous ``payload``; return the call's sequence number."""
+        ``payload`` (any layout); return the call's sequence number."""
         seq = self.seq + 1
         self.seq = seq
         p = seq & 1
@@ -124,7 +124,7 @@ class Channel:
             if nb:
                 try:
                     self._my_slots[p][:nb] = memoryview(payload).cast("B")
-                except (TypeError, ValueError):  # no buffer format (bfloat16): through numpy
+                except (TypeError, ValueError):  # strided, or no buffer format (bfloat16)
                     self.slots[self.me][p][:nb] = payload.reshape(-1).view(np.uint8)
         self.fence()
         self._my_seq[0] = seq
@@ -203,36 +203,20 @@ def small_allreduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, .
     ``out`` when given: C-contiguous, x's shape and dtype), or None when the peers'
     signatures differ (the caller then reports call ``ch.seq``)."""
     count = math.prod(shape)
-    nb = count * dtype.itemsize
     views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
-    typed_mine = [v[ch.me] for v in views]
     f = ufunc(op)
     if op in ("min", "max"):  # numpy wants their out= by keyword; add/multiply are quicker without
         g = f
         f = lambda a, b, out: g(a, b, out=out)  # noqa: E731
     avg = op == "avg"
     n = ch.n
-    my_heads, peer_heads, my_seq, my_slots = ch._my_heads, ch._peer_heads, ch._my_seq, ch._my_slots
-    fence, wait_posted = ch.fence, ch.wait_posted
 
     def fn(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
-        seq = ch.seq + 1
-        ch.seq = seq
+        seq = ch.post(a, count, 0, x)
+        ch.wait_posted(seq)
+        if not ch.same(seq, a, count, 0):
+            return None
         p = seq & 1
-        h = my_heads[p]
-        h[0] = a
-        h[1] = count
-        h[2] = 0
-        try:
-            my_slots[p][:nb] = memoryview(x).cast("B")
-        except (TypeError, ValueError):  # strided, or no buffer format (bfloat16)
-            typed_mine[p][...] = x
-        fence()
-        my_seq[0] = seq
-        wait_posted(seq)
-        for h in peer_heads[p]:
-            if h[0] != a or h[1] != count or h[2] != 0:
-                return None
         if out is None:
             out = np.empty(shape, dtype)
         v = views[p]
