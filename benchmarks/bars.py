@@ -28,7 +28,7 @@ import numpy as np
 from mpi4py import MPI
 
 from benchmarks import osu
-from collectives.cli import run_main
+from collectives.cli import parse_size, run_main
 
 BARS = {
     "allreduce": ["auto", "mpi", "gloo"],
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     comm = MPI.COMM_WORLD
     comm.Barrier()
     copy_bw = comm.bcast(osu.copy_bandwidth() if comm.rank == 0 else None, root=0)
-    sizes = _sizes(osu._size(args.min), osu._size(args.max))
+    sizes = _sizes(parse_size(args.min), parse_size(args.max))
     record: dict[str, Any] = {"ranks": comm.size, "copy_bandwidth": copy_bw, "machine": osu.machine(), "bars": {}}
     report = [f"# copy bandwidth (one numpy copy of 64 MiB, rank 0): {copy_bw / 1e9:.2f} GB/s"]
     for bench in args.collectives.split(","):

@@ -36,6 +36,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives as C
+from collectives.cli import parse_size
 
 __all__ = ["COLLECTIVES", "parse_args", "run", "format_rows", "main", "copy_bandwidth"]
 
@@ -78,12 +79,6 @@ _MPI_NAME = {
 
 
 # -- options ------------------------------------------------------------------------------
-def _size(text: str) -> int:
-    text = text.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(text[:-1]) * mult[text[-1]] if text and text[-1] in mult else int(text)
-
-
 def parse_args(bench: str, argv: list[str] | None = None) -> argparse.Namespace:
     """Parse OSU's options (and ours) for benchmark ``bench``."""
     pt2pt = bench in ("latency", "bw")
@@ -109,9 +104,9 @@ def parse_args(bench: str, argv: list[str] | None = None) -> argparse.Namespace:
     if args.message_size:
         parts = args.message_size.split(":")
         if len(parts) == 2:
-            lo, hi = _size(parts[0]) if parts[0] else lo, _size(parts[1])
+            lo, hi = parse_size(parts[0]) if parts[0] else lo, parse_size(parts[1])
         else:
-            hi = _size(parts[0])
+            hi = parse_size(parts[0])
     if lo < 1 or hi < lo:
         p.error(f"-m {args.message_size}: need 1 <= min <= max")
     args.min_size, args.max_size = lo, hi

@@ -7,7 +7,14 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["run_main"]
+__all__ = ["run_main", "parse_size"]
+
+
+def parse_size(text: str) -> int:
+    """Parse a byte count for a command line: ``4``, ``64K``, ``16M``, ``1G``."""
+    text = text.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * mult[text[-1]] if text and text[-1] in mult else int(text)
 
 
 def run_main(main: Callable[[], Any]) -> Any:

@@ -25,7 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import api
-from .cli import run_main
+from .cli import parse_size, run_main
 from .context import get_context
 from .select import REGISTRY
 
@@ -38,12 +38,6 @@ _API = {
     "broadcast": lambda x, alg, comm: api.broadcast(x, 0, algorithm=alg, comm=comm),
     "reduce": lambda x, alg, comm: api.reduce(x, 0, algorithm=alg, comm=comm),
 }
-
-
-def _parse_size(text: str) -> int:
-    text = text.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(text[:-1]) * mult[text[-1]] if text[-1] in mult else int(text)
 
 
 def candidates(collective: str, comm: MPI.Comm) -> list[str]:
@@ -109,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     comm = MPI.COMM_WORLD
     ctx = get_context(comm)
     nodes = ctx.layout().nodes
-    lo, hi = _parse_size(args.min), _parse_size(args.max)
+    lo, hi = parse_size(args.min), parse_size(args.max)
     sizes, s = [], lo
     while s < hi:
         sizes.append(s)
