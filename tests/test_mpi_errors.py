@@ -7,6 +7,8 @@ import pytest
 from mpi4py import MPI
 
 import collectives as C
+from collectives.config import Config
+from collectives.context import get_context
 
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(60)]
 
@@ -65,4 +67,25 @@ def test_bad_input_raises_on_every_rank(exc, call, everywhere):
         call(bad)
     if not bad:
         assert "rank 1" in str(info.value)
+    still_usable()
+
+
+@pytest.mark.parametrize("coll", ["reduce_scatter", "allgather", "broadcast", "reduce"])
+@pytest.mark.parametrize("everywhere", [False, True])
+def test_shm_across_nodes_raises_on_every_rank(coll, everywhere):
+    # one rank per (simulated) node: the shared-memory algorithms of these collectives need one node
+    comm = WORLD.Dup()
+    get_context(comm, Config(ranks_per_node=1))
+    bad = everywhere or comm.rank == 1
+    alg = "shm" if bad else "ring" if coll in ("reduce_scatter", "allgather") else "tree"
+    calls = {
+        "reduce_scatter": lambda: C.reduce_scatter(np.ones(8), algorithm=alg, comm=comm),
+        "allgather": lambda: C.allgather(np.ones(8), algorithm=alg, comm=comm),
+        "broadcast": lambda: C.broadcast(np.ones(8), 0, algorithm=alg, comm=comm),
+        "reduce": lambda: C.reduce(np.ones(8), 0, algorithm=alg, comm=comm),
+    }
+    with pytest.raises(C.InvalidArgumentError if bad else C.PeerInputError, match="one node" if bad else "rank 1"):
+        calls[coll]()
+    assert np.array_equal(C.allreduce(np.ones(2), comm=comm), np.full(2, float(comm.size)))
+    comm.Free()
     still_usable()
