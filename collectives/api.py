@@ -27,7 +27,7 @@ from .errors import (
 )
 from .layout import block_counts, offsets
 from .ops import DTYPES, OPS, check_dtype, check_op, dtype_code, finalize
-from .select import REGISTRY, choose, fast_limits
+from .select import REGISTRY, choose
 
 __all__ = [
     "allreduce",
@@ -310,35 +310,113 @@ def _done(result: Any, blocking: bool, ctx: Context):
     return Request(ctx, p, result)
 
 
-# -- allreduce ---------------------------------------------------------------------------
-def _fast_allreduce(ctx: Context, key: tuple) -> Any:
-    """The one-step allreduce function for ``key`` = (dtype, shape, op, algorithm), or False
-    when such calls take the general path (cached per context)."""
+# -- one-step calls -----------------------------------------------------------------------
+def _word(collective: str, algorithm: str, resolved: str, op: str | None, dtype: np.dtype, root: int | None) -> int:
+    """The first signature word a call with these arguments posts (see :meth:`_Call.signature`)."""
+    names = _ALG_CODES[collective]
+    sig = [
+        _COLL_CODES[collective],
+        names[algorithm],
+        names[resolved],
+        _OP_CODES.get(op, -1),  # type: ignore[arg-type]
+        dtype_code(dtype),
+        0,
+        -2 if root is None else root,
+        0,
+        0,
+    ]
+    return _pack(sig)[0]
+
+
+def _fast_fn(ctx: Context, key: tuple) -> Any:
+    """The one-step function for ``key`` = (collective, dtype, shape, op or root, algorithm),
+    or False when such calls take the general path (cached per context in ``ctx.fast``).
+
+    It exists exactly when the general path would finish the call in one step through the
+    node channel's slots, and it posts the same signature words, so ranks on either path
+    match one another.
+    """
     if len(ctx.fast) > 256:
         ctx.fast.clear()
-    dtype, shape, op, algorithm = key
-    fn: Any = False
+    coll, dtype, shape, arg, algorithm = key
     ch = ctx.chan
-    if ch is not None and algorithm in ("auto", "shm") and op in _OP_CODES and dtype_code(dtype) >= 0:
-        limit = fast_limits(ctx)[algorithm == "shm"]
-        if math.prod(shape) * dtype.itemsize <= limit:
-            names = _ALG_CODES["allreduce"]
-            sig = [
-                _COLL_CODES["allreduce"],
-                names[algorithm],
-                names["shm"],
-                _OP_CODES[op],
-                dtype_code(dtype),
-                0,
-                -2,
-                0,
-                0,
-            ]
-            fn = node.small_allreduce_fn(ch, _pack(sig)[0], dtype, shape, op)
+    fn: Any = False
+    ctx.fast[key] = fn
+    if ch is None or algorithm not in ("auto", "shm") or dtype_code(dtype) < 0:
+        return fn
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > ch.small:
+        return fn
+    op, root = (arg, None) if coll in ("allreduce", "reduce_scatter") else (None, arg)
+    if coll == "reduce":
+        op, root = arg
+    if op is not None and op not in _OP_CODES:
+        return fn
+    if root is not None and not (type(root) is int and 0 <= root < ch.n):
+        return fn
+    if coll == "allgather":
+        # resolved after agreement from the total; the signature carries the algorithm as given
+        if not shape or (choose(ctx, coll, nbytes * ch.n) if algorithm == "auto" else "shm") != "shm":
+            return fn
+        c = zlib.crc32(repr(tuple(shape[1:])).encode()) if len(shape) > 1 else 0
+        fn = node.small_allgather_fn(ch, _word(coll, algorithm, algorithm, None, dtype, None), c, dtype, shape)
+    elif (choose(ctx, coll, nbytes) if algorithm == "auto" else "shm") == "shm":
+        a = _word(coll, algorithm, "shm", op, dtype, root)
+        if coll == "allreduce":
+            fn = node.small_allreduce_fn(ch, a, dtype, shape, op)
+        elif coll == "reduce_scatter":
+            fn = node.small_reduce_scatter_fn(ch, a, dtype, math.prod(shape), op)
+        elif coll == "broadcast":
+            fn = node.small_broadcast_fn(ch, a, dtype, shape, root)
+        else:
+            fn = node.small_reduce_fn(ch, a, dtype, shape, op, root)
     ctx.fast[key] = fn
     return fn
 
 
+_SLOW = object()
+
+
+def _fast(comm: Any, key: tuple, x: np.ndarray, out: np.ndarray | None = None) -> Any:
+    """Run ``key``'s one-step function on ``x``, or return ``_SLOW`` when there is none (the
+    caller then takes the general path). Raises the agreement error on a mismatch."""
+    ctx = get_context(comm)
+    try:
+        fn = ctx.fast.get(key)
+    except TypeError:  # an unhashable argument: the general path says what is wrong with it
+        return _SLOW
+    if fn is None:
+        fn = _fast_fn(ctx, key)
+    if not fn:
+        return _SLOW
+    res = fn(x) if out is None else fn(x, out)
+    if res is node.MISMATCH:
+        coll, _, _, arg, algorithm = key
+        if coll in ("allreduce", "reduce_scatter"):
+            call = _Call(ctx, coll, x, algorithm, op=arg)
+        elif coll == "reduce":
+            call = _Call(ctx, coll, x, algorithm, op=arg[0], root=arg[1])
+        else:
+            call = _Call(ctx, coll, x, algorithm, root=arg)
+        if coll != "allgather":
+            call.resolved = "shm"
+        call.seq = ctx.chan.seq
+        call.mismatch_from_channel()
+    if res is node.UNEVEN:
+        return _allgather(x, key[4], comm, True, posted=True)
+    return res
+
+
+def _plain(x: Any, out: Any = None) -> bool:
+    """True when ``x`` (and ``out``, if given) may take a one-step path: numpy arrays, and an
+    ``out`` that is C-contiguous with x's shape and dtype."""
+    return type(x) is np.ndarray and (
+        out is None
+        or (type(out) is np.ndarray and out.shape == x.shape and out.dtype == x.dtype and out.flags.c_contiguous)
+    )
+
+
+# -- allreduce ---------------------------------------------------------------------------
 def _allreduce(x, op, algorithm, out, comm, blocking):
     ctx = get_context(comm)
     call = _Call(ctx, "allreduce", x, algorithm, op)
@@ -391,23 +469,11 @@ def allreduce(
     Returns:
         The reduced array, of x's shape and dtype (``out`` when given).
     """
-    if type(x) is np.ndarray and (
-        out is None
-        or (type(out) is np.ndarray and out.shape == x.shape and out.dtype == x.dtype and out.flags.c_contiguous)
-    ):
+    if _plain(x, out):
         # the common small case on one node: the same posts as the general path, less Python
-        ctx = get_context(comm)
-        key = (x.dtype, x.shape, op, algorithm)
-        fn = ctx.fast.get(key)
-        if fn is None:
-            fn = _fast_allreduce(ctx, key)
-        if fn:
-            res = fn(x, out)
-            if res is not None:
-                return res
-            call = _Call(ctx, "allreduce", x, algorithm, op)
-            call.resolved, call.seq = "shm", ctx.chan.seq
-            call.mismatch_from_channel()
+        res = _fast(comm, ("allreduce", x.dtype, x.shape, op, algorithm), x, out)
+        if res is not _SLOW:
+            return res
     return _allreduce(x, op, algorithm, out, comm, True)
 
 
@@ -469,6 +535,10 @@ def reduce_scatter(x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", c
     Returns:
         A 1-D array: this rank's block.
     """
+    if type(x) is np.ndarray:
+        res = _fast(comm, ("reduce_scatter", x.dtype, x.shape, op, algorithm), x)
+        if res is not _SLOW:
+            return res
     return _reduce_scatter(x, op, algorithm, comm, True)
 
 
@@ -478,7 +548,7 @@ def ireduce_scatter(x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", 
 
 
 # -- allgather ---------------------------------------------------------------------------
-def _allgather(x, algorithm, comm, blocking):
+def _allgather(x, algorithm, comm, blocking, posted=False):
     ctx = get_context(comm)
     call = _Call(ctx, "allgather", x, algorithm)
     x = call.x
@@ -492,7 +562,10 @@ def _allgather(x, algorithm, comm, blocking):
     ch = ctx.chan
     src = np.ascontiguousarray(x)
     attach = ch is not None and call.error is None and x.nbytes <= ch.small and algorithm in ("auto", "shm")
-    call.agree(rows, item, payload=src if attach else None)
+    if posted:  # a one-step attempt posted and agreed this call already
+        call.seq = ch.seq
+    else:
+        call.agree(rows, item, payload=src if attach else None)
     all_rows = call.counts()
     per_row = math.prod(item)
     counts = tuple(rw * per_row for rw in all_rows)
@@ -525,6 +598,10 @@ def allgather(x: np.ndarray, *, algorithm: str = "auto", comm: Any = None) -> np
     Returns:
         The concatenation.
     """
+    if type(x) is np.ndarray:
+        res = _fast(comm, ("allgather", x.dtype, x.shape, None, algorithm), x)
+        if res is not _SLOW:
+            return res
     return _allgather(x, algorithm, comm, True)
 
 
@@ -573,6 +650,10 @@ def broadcast(
     Returns:
         The root's data (``out`` when given).
     """
+    if _plain(x, out):
+        res = _fast(comm, ("broadcast", x.dtype, x.shape, root, algorithm), x, out)
+        if res is not _SLOW:
+            return res
     return _broadcast(x, root, algorithm, out, comm, True)
 
 
@@ -599,6 +680,10 @@ def reduce(
     Returns:
         The reduced array of x's shape on ``root``; None on every other rank.
     """
+    if type(x) is np.ndarray:
+        res = _fast(comm, ("reduce", x.dtype, x.shape, (op, root), algorithm), x)
+        if res is not _SLOW:
+            return res
     ctx = get_context(comm)
     call = _Call(ctx, "reduce", x, algorithm, op, root=root)
     x = call.x

@@ -197,34 +197,145 @@ class Channel:
         self.queue.pop(0)
 
 
-def small_allreduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, ...], op: str) -> Callable:
-    """Build the whole one-step allreduce of one (signature, dtype, shape, op), with every
-    lookup done once: ``fn(x, out=None)`` posts ``x``, waits, and returns the result (in
-    ``out`` when given: C-contiguous, x's shape and dtype), or None when the peers'
-    signatures differ (the caller then reports call ``ch.seq``)."""
-    count = math.prod(shape)
-    views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
+MISMATCH = object()
+"""What a one-step function returns when the peers' signatures differ (the caller then
+reports call ``ch.seq``)."""
+
+UNEVEN = object()
+"""What the one-step allgather returns when the peers' row counts differ from ours: the call
+is posted and agreed, and the caller finishes it on the general path."""
+
+
+def _reducer(op: str, n: int) -> Callable[[Sequence[np.ndarray], np.ndarray], None]:
+    """``red(views, out)``: ``out = views[0] op views[1] op ...`` in rank order, then the op's
+    final step (the average's division)."""
     f = ufunc(op)
     if op in ("min", "max"):  # numpy wants their out= by keyword; add/multiply are quicker without
         g = f
         f = lambda a, b, out: g(a, b, out=out)  # noqa: E731
     avg = op == "avg"
-    n = ch.n
 
-    def fn(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray | None:
-        seq = ch.post(a, count, 0, x)
-        ch.wait_posted(seq)
-        if not ch.same(seq, a, count, 0):
-            return None
-        p = seq & 1
-        if out is None:
-            out = np.empty(shape, dtype)
-        v = views[p]
+    def red(v: Sequence[np.ndarray], out: np.ndarray) -> None:
         f(v[0], v[1], out)
         for w in v[2:]:
             f(out, w, out)
         if avg:
             finalize(out, op, n)
+
+    return red
+
+
+# Every one-step function below is built once per (signature, dtype, shape, op or root) with
+# every lookup done up front. ``fn(x)`` posts ``x`` (any layout), waits for the peers, checks
+# their signatures and finishes the call from the slots, reading every rank's data in rank
+# order so results are bitwise equal everywhere.
+def small_allreduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, ...], op: str) -> Callable:
+    """One-step allreduce: ``fn(x, out=None)`` returns the result (in ``out`` when given:
+    C-contiguous, x's shape and dtype) or :data:`MISMATCH`."""
+    count = math.prod(shape)
+    views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
+    red = _reducer(op, ch.n)
+
+    def fn(x: np.ndarray, out: np.ndarray | None = None) -> Any:
+        seq = ch.post(a, count, 0, x)
+        ch.wait_posted(seq)
+        if not ch.same(seq, a, count, 0):
+            return MISMATCH
+        if out is None:
+            out = np.empty(shape, dtype)
+        red(views[seq & 1], out)
+        return out
+
+    return fn
+
+
+def small_reduce_scatter_fn(ch: Channel, a: int, dtype: np.dtype, count: int, op: str) -> Callable:
+    """One-step reduce-scatter of ``count`` elements: ``fn(x)`` returns this rank's block
+    (MPICH's block sizes) or :data:`MISMATCH`."""
+    off = offsets(block_counts(count, ch.n))
+    lo, hi = off[ch.me], off[ch.me + 1]
+    views = [[v[lo:hi] for v in ch.slot_views(p, dtype, (count,))] for p in (0, 1)]
+    red = _reducer(op, ch.n)
+
+    def fn(x: np.ndarray) -> Any:
+        seq = ch.post(a, count, 0, x)
+        ch.wait_posted(seq)
+        if not ch.same(seq, a, count, 0):
+            return MISMATCH
+        out = np.empty(hi - lo, dtype)
+        if hi > lo:
+            red(views[seq & 1], out)
+        return out
+
+    return fn
+
+
+def small_reduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, ...], op: str, root: int) -> Callable:
+    """One-step reduce: ``fn(x)`` returns the result on ``root``, None elsewhere, or
+    :data:`MISMATCH`."""
+    count = math.prod(shape)
+    views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
+    red = _reducer(op, ch.n)
+    is_root = ch.me == root
+
+    def fn(x: np.ndarray) -> Any:
+        seq = ch.post(a, count, 0, x)
+        ch.wait_posted(seq)
+        if not ch.same(seq, a, count, 0):
+            return MISMATCH
+        if not is_root:
+            return None
+        out = np.empty(shape, dtype)
+        red(views[seq & 1], out)
+        return out
+
+    return fn
+
+
+def small_broadcast_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, ...], root: int) -> Callable:
+    """One-step broadcast: ``fn(x, out=None)`` returns ``root``'s data (in ``out`` when given)
+    or :data:`MISMATCH`; only the root posts data."""
+    count = math.prod(shape)
+    views = [ch.slot_views(p, dtype, shape)[root] for p in (0, 1)]
+    is_root = ch.me == root
+
+    def fn(x: np.ndarray, out: np.ndarray | None = None) -> Any:
+        seq = ch.post(a, count, 0, x if is_root else None)
+        ch.wait_posted(seq)
+        if not ch.same(seq, a, count, 0):
+            return MISMATCH
+        if out is None:
+            out = np.empty(shape, dtype)
+        if not is_root:
+            out[...] = views[seq & 1]
+        elif out is not x:
+            out[...] = x
+        return out
+
+    return fn
+
+
+def small_allgather_fn(ch: Channel, a: int, c: int, dtype: np.dtype, shape: tuple[int, ...]) -> Callable:
+    """One-step allgather of ``shape`` (rows first) from every rank: ``fn(x)`` returns the
+    concatenation, :data:`MISMATCH`, or :data:`UNEVEN` when a peer has other row counts."""
+    rows = shape[0]
+    views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
+    heads = ch._peer_heads
+    full = (ch.n * rows, *shape[1:])
+    blocks = [slice(j * rows, (j + 1) * rows) for j in range(ch.n)]
+
+    def fn(x: np.ndarray) -> Any:
+        seq = ch.post(a, rows, c, x)
+        ch.wait_posted(seq)
+        p = seq & 1
+        if not ch.same(seq, a, rows, c, True):
+            return MISMATCH
+        for h in heads[p]:
+            if h[1] != rows:
+                return UNEVEN
+        out = np.empty(full, dtype)
+        for b, v in zip(blocks, views[p], strict=True):
+            out[b] = v
         return out
 
     return fn

@@ -22,7 +22,7 @@ from typing import Any
 from . import hierarchical as hier
 from . import native, node, pairwise, rabenseifner, recursive_doubling, ring, shm, tree
 
-__all__ = ["REGISTRY", "algorithms", "choose", "rules_for", "fast_limits", "load_table"]
+__all__ = ["REGISTRY", "algorithms", "choose", "rules_for", "load_table"]
 
 #: collective -> algorithm name -> schedule function. Order is the wire code order.
 REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {
@@ -108,14 +108,3 @@ def choose(ctx: Any, collective: str, nbytes: int) -> str:
                 break
             return name
     return DEFAULT_RULES[collective][-1][1]
-
-
-def fast_limits(ctx: Any) -> tuple[int, int]:
-    """Largest allreduce (bytes) that ``auto`` and ``shm`` finish in one step through the
-    node channel's slots; -1 where they never do."""
-    ch = ctx.chan
-    if ch is None:
-        return -1, -1
-    limit, name = rules_for(ctx, "allreduce")[0]
-    auto = min(ch.small, limit if limit is not None else ch.small) if name == "shm" else -1
-    return auto, ch.small

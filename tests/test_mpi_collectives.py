@@ -161,32 +161,81 @@ def test_shm_one_step_and_chunked_paths_of_every_collective():
     comm.Free()
 
 
-def test_fast_path_meets_general_path_and_nonblocking_peers():
-    # rank 0 takes the one-step fast path; the others reach the same call through out=,
-    # through the nonblocking form, or with non-contiguous input: all must match
+def _forms(r: int) -> str:
+    """How rank ``r`` makes a call: the one-step fast path, or one of the general path's entries."""
+    return ("fast", "nonblocking", "subclass", "out")[r % 4]
+
+
+class Sub(np.ndarray):
+    """An ndarray subclass: the API takes it, but only through the general path."""
+
+
+# each collective: (blocking, nonblocking or None, numpy reference from every rank's input)
+ONE_STEP = {
+    "allreduce": (lambda x, **k: C.allreduce(x, **k), C.iallreduce, lambda xs, r: sum(xs)),
+    "reduce_scatter": (
+        lambda x, **k: C.reduce_scatter(x, **k),
+        C.ireduce_scatter,
+        lambda xs, r: sum(xs).reshape(-1)[offsets(block_counts(xs[0].size, len(xs)))[r] :][
+            : block_counts(xs[0].size, len(xs))[r]
+        ],
+    ),
+    "allgather": (lambda x, **k: C.allgather(x, **k), C.iallgather, lambda xs, r: np.concatenate(xs)),
+    "broadcast": (lambda x, **k: C.broadcast(x, 1, **k), lambda x, **k: C.ibroadcast(x, 1, **k), lambda xs, r: xs[1]),
+    "reduce": (
+        lambda x, **k: C.reduce(x, 0, **k),
+        None,
+        lambda xs, r: sum(xs) if r == 0 else None,
+    ),
+}
+
+
+@pytest.mark.parametrize("coll", list(ONE_STEP))
+def test_fast_path_meets_general_path_and_nonblocking_peers(coll):
+    # rank 0 takes the one-step fast path; the others reach the same call through the
+    # nonblocking form, with an ndarray subclass, or with out=/non-contiguous input: all must match
     comm = fresh()
     n, r = comm.size, comm.rank
-    x = np.arange(12, dtype=np.float32).reshape(3, 4) + r
-    want = sum(np.arange(12, dtype=np.float32).reshape(3, 4) + q for q in range(n))
+    blocking, nonblocking, reference = ONE_STEP[coll]
+    xs = [np.arange(12, dtype=np.float32).reshape(3, 4) * (q + 1) + q for q in range(n)]
+    want = reference(xs, r)
+    x = xs[r]
     for _ in range(3):
-        if r == 0:
-            got = C.allreduce(x, comm=comm)
-        elif r == 1:
-            got = C.iallreduce(x, comm=comm).wait()
-        elif r == 2:
-            got = C.allreduce(np.asfortranarray(x), comm=comm)
-        else:
+        form = _forms(r)
+        if form == "nonblocking" and nonblocking is not None:
+            got = nonblocking(x, comm=comm).wait()
+        elif form == "subclass" or (form == "nonblocking" and nonblocking is None):
+            got = blocking(x.view(Sub), comm=comm)
+        elif form == "out" and coll in ("allreduce", "broadcast"):
             got = np.empty_like(x)
-            C.allreduce(x, out=got, comm=comm)
-        assert np.array_equal(got, want)
-    # a mismatch seen from the fast path raises on every rank and leaves the comm usable
-    y = np.ones(3 + (r == n - 1), np.float32)
-    with pytest.raises(C.CollectiveMismatchError, match="count"):
-        if r == 1:
-            C.iallreduce(y, comm=comm).wait()
+            blocking(x, out=got, comm=comm)
         else:
-            C.allreduce(y, comm=comm)
+            got = blocking(np.asfortranarray(x) if form == "out" else x, comm=comm)
+        if want is None:
+            assert got is None
+        else:
+            assert digest(got) == digest(want.astype(np.float32)), (coll, form)
+    # a mismatch seen from the fast path raises on every rank and leaves the comm usable
+    y = np.ones((3 + (r == n - 1), 2), np.float32)
+    field = "item shape" if coll == "allgather" else "count"
+    y = y.T.copy() if coll == "allgather" else y
+    with pytest.raises(C.CollectiveMismatchError, match=field):
+        if r == 1 and nonblocking is not None:
+            nonblocking(y, comm=comm).wait()
+        else:
+            blocking(y, comm=comm)
     assert np.array_equal(C.allreduce(np.ones(2, np.float32), comm=comm), np.full(2, n, np.float32))
+    comm.Free()
+
+
+def test_fast_allgather_with_uneven_rows_finishes_on_the_general_path():
+    # every rank small, row counts differ: the one-step attempt hands over after agreement
+    comm = fresh()
+    n, r = comm.size, comm.rank
+    parts = [np.full((q + 1, 3), q, np.int16) for q in range(n)]
+    for _ in range(3):
+        assert np.array_equal(C.allgather(parts[r], comm=comm), np.concatenate(parts))
+        assert np.array_equal(C.allgather(parts[0], comm=comm), np.concatenate([parts[0]] * n))
     comm.Free()
 
 
