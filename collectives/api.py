@@ -152,13 +152,13 @@ class _Call:
         ch = self.ctx.chan
         if ch is not None:
             a, b, c = _pack(sig)
-            seq = ch.post(a, b, c, payload if self.error is None else None)
-            ch.wait_posted(seq)
-            self.seq = seq
-            if ch.same(seq, a, b, c, self.collective in _MAY_DIFFER):
+            seq = ch.exchange(a, b, c, payload if self.error is None else None, self.collective in _MAY_DIFFER)
+            self.seq = abs(seq)
+            if seq > 0:
                 if self.error is not None:
                     raise self.error
                 return
+            seq = -seq
             table = np.array([_unpack(w) for w in ch.words(seq)], np.int64)
         else:
             mine = np.array(sig, np.int64)

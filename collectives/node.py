@@ -144,12 +144,21 @@ class Channel:
                         os.sched_yield()
         self.fence()
 
-    def same(self, seq: int, a: int, b: int, c: int, count_may_differ: bool = False) -> bool:
-        """True when every peer posted the signature ``a, b, c`` for call ``seq``."""
+    def exchange(self, a: int, b: int, c: int, payload: np.ndarray | None = None, uneven: bool = False) -> int:
+        """Post a call, wait for every peer's post of it and compare signatures (``b``, the
+        count, may differ when ``uneven``): return the call's sequence number, negated when
+        the signatures differ."""
+        seq = self.post(a, b, c, payload)
+        for v in self._peer_seqs:
+            if v[0] < seq:
+                self.wait_posted(seq)
+                break
+        else:
+            self.fence()
         for h in self._peer_heads[seq & 1]:
-            if h[0] != a or h[2] != c or (h[1] != b and not count_may_differ):
-                return False
-        return True
+            if h[0] != a or h[2] != c or (h[1] != b and not uneven):
+                return -seq
+        return seq
 
     def words(self, seq: int) -> list[tuple[int, int, int]]:
         """Every rank's signature words for call ``seq``, by rank."""
@@ -237,9 +246,8 @@ def small_allreduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, .
     red = _reducer(op, ch.n)
 
     def fn(x: np.ndarray, out: np.ndarray | None = None) -> Any:
-        seq = ch.post(a, count, 0, x)
-        ch.wait_posted(seq)
-        if not ch.same(seq, a, count, 0):
+        seq = ch.exchange(a, count, 0, x)
+        if seq < 0:
             return MISMATCH
         if out is None:
             out = np.empty(shape, dtype)
@@ -258,9 +266,8 @@ def small_reduce_scatter_fn(ch: Channel, a: int, dtype: np.dtype, count: int, op
     red = _reducer(op, ch.n)
 
     def fn(x: np.ndarray) -> Any:
-        seq = ch.post(a, count, 0, x)
-        ch.wait_posted(seq)
-        if not ch.same(seq, a, count, 0):
+        seq = ch.exchange(a, count, 0, x)
+        if seq < 0:
             return MISMATCH
         out = np.empty(hi - lo, dtype)
         if hi > lo:
@@ -279,9 +286,8 @@ def small_reduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, ...]
     is_root = ch.me == root
 
     def fn(x: np.ndarray) -> Any:
-        seq = ch.post(a, count, 0, x)
-        ch.wait_posted(seq)
-        if not ch.same(seq, a, count, 0):
+        seq = ch.exchange(a, count, 0, x)
+        if seq < 0:
             return MISMATCH
         if not is_root:
             return None
@@ -300,9 +306,8 @@ def small_broadcast_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, .
     is_root = ch.me == root
 
     def fn(x: np.ndarray, out: np.ndarray | None = None) -> Any:
-        seq = ch.post(a, count, 0, x if is_root else None)
-        ch.wait_posted(seq)
-        if not ch.same(seq, a, count, 0):
+        seq = ch.exchange(a, count, 0, x if is_root else None)
+        if seq < 0:
             return MISMATCH
         if out is None:
             out = np.empty(shape, dtype)
@@ -321,22 +326,16 @@ def small_allgather_fn(ch: Channel, a: int, c: int, dtype: np.dtype, shape: tupl
     rows = shape[0]
     views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
     heads = ch._peer_heads
-    full = (ch.n * rows, *shape[1:])
-    blocks = [slice(j * rows, (j + 1) * rows) for j in range(ch.n)]
 
     def fn(x: np.ndarray) -> Any:
-        seq = ch.post(a, rows, c, x)
-        ch.wait_posted(seq)
-        p = seq & 1
-        if not ch.same(seq, a, rows, c, True):
+        seq = ch.exchange(a, rows, c, x, True)
+        if seq < 0:
             return MISMATCH
+        p = seq & 1
         for h in heads[p]:
             if h[1] != rows:
                 return UNEVEN
-        out = np.empty(full, dtype)
-        for b, v in zip(blocks, views[p], strict=True):
-            out[b] = v
-        return out
+        return np.concatenate(views[p])
 
     return fn
 
