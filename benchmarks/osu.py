@@ -214,18 +214,18 @@ def make_contender(bench: str, name: str, comm: MPI.Comm, size: int, dtype: np.d
 
 
 def _hpcdl_call(bench, alg, comm, x, out, res) -> Callable[[], Any]:
+    # the same preallocated receive buffers the MPI calls get
     if bench == "allreduce":
         return lambda: C.allreduce(x, algorithm=alg, out=out, comm=comm)
+    if bench == "reduce_scatter":
+        return lambda: C.reduce_scatter(x, algorithm=alg, out=out, comm=comm)
+    if bench == "allgather":
+        return lambda: C.allgather(x, algorithm=alg, out=out, comm=comm)
     if bench == "bcast":
         return lambda: C.broadcast(x, 0, algorithm=alg, out=x, comm=comm)
 
-    def call() -> None:
-        if bench == "reduce_scatter":
-            res["out"] = C.reduce_scatter(x, algorithm=alg, comm=comm)
-        elif bench == "allgather":
-            res["out"] = C.allgather(x, algorithm=alg, comm=comm)
-        else:
-            res["out"] = C.reduce(x, 0, algorithm=alg, comm=comm)
+    def call() -> None:  # reduce has no out=: the result is None off the root
+        res["out"] = C.reduce(x, 0, algorithm=alg, comm=comm)
 
     return call
 

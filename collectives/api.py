@@ -359,7 +359,9 @@ def _fast_fn(ctx: Context, key: tuple) -> Any:
         if not shape or (choose(ctx, coll, nbytes * ch.n) if algorithm == "auto" else "shm") != "shm":
             return fn
         c = zlib.crc32(repr(tuple(shape[1:])).encode()) if len(shape) > 1 else 0
-        fn = node.small_allgather_fn(ch, _word(coll, algorithm, algorithm, None, dtype, None), c, dtype, shape)
+        if shape[0] >= _ROWS:
+            return fn
+        fn = node.small_allgather_fn(ch, _word(coll, algorithm, algorithm, None, dtype, None), c, dtype, shape, _ROWS)
     elif (choose(ctx, coll, nbytes) if algorithm == "auto" else "shm") == "shm":
         a = _word(coll, algorithm, "shm", op, dtype, root)
         if coll == "allreduce":
@@ -374,7 +376,7 @@ def _fast_fn(ctx: Context, key: tuple) -> Any:
     return fn
 
 
-_SLOW = object()
+_SLOW = node.SLOW
 
 
 def _fast(comm: Any, key: tuple, x: np.ndarray, out: np.ndarray | None = None) -> Any:
@@ -403,7 +405,7 @@ def _fast(comm: Any, key: tuple, x: np.ndarray, out: np.ndarray | None = None) -
         call.seq = ctx.chan.seq
         call.mismatch_from_channel()
     if res is node.UNEVEN:
-        return _allgather(x, key[4], comm, True, posted=True)
+        return _allgather(x, key[4], out, comm, True, posted=True)
     return res
 
 
@@ -485,19 +487,20 @@ def iallreduce(
 
 
 # -- reduce_scatter ----------------------------------------------------------------------
-def _reduce_scatter(x, op, algorithm, comm, blocking):
+def _reduce_scatter(x, op, algorithm, out, comm, blocking):
     ctx = get_context(comm)
     call = _Call(ctx, "reduce_scatter", x, algorithm, op)
     x = call.x
-    call.resolve(x.nbytes)
-    small = call.small(x.nbytes)
-    src = np.ascontiguousarray(x) if (small or call.resolved == "shm") and call.error is None else x
-    call.agree(x.size, payload=src if small else None)
     t = ctx.transport
     n, r = t.size, t.rank
     counts = block_counts(x.size, n)
     off = offsets(counts)
-    result = np.empty(counts[r], x.dtype)
+    _check_out(call, out, (counts[r],))
+    call.resolve(x.nbytes)
+    small = call.small(x.nbytes)
+    src = np.ascontiguousarray(x) if (small or call.resolved == "shm") and call.error is None else x
+    call.agree(x.size, payload=src if small else None)
+    result = np.empty(counts[r], x.dtype) if out is None else out
     if n == 1 or x.size == 0:
         result[...] = _flat(x)
         return _done(result, blocking, ctx)
@@ -520,7 +523,9 @@ def _reduce_scatter(x, op, algorithm, comm, blocking):
     return _launch(ctx, gen, blocking, result, on_done)
 
 
-def reduce_scatter(x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", comm: Any = None) -> np.ndarray:
+def reduce_scatter(
+    x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None
+) -> np.ndarray:
     """Reduce ``x`` over all ranks and return this rank's block of the flattened result.
 
     Blocks follow MPICH/OSU: ``count // size`` elements each, one more on the first
@@ -530,25 +535,33 @@ def reduce_scatter(x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", c
         x: this rank's array (any shape; reduced as if flattened).
         op: reduction op name.
         algorithm: a name from ``algorithms("reduce_scatter")`` or ``"auto"``.
+        out: C-contiguous 1-D array of x's dtype and this rank's block size for the result.
         comm: mpi4py communicator (default ``MPI.COMM_WORLD``) or a transport.
 
     Returns:
-        A 1-D array: this rank's block.
+        A 1-D array: this rank's block (``out`` when given).
     """
     if type(x) is np.ndarray:
-        res = _fast(comm, ("reduce_scatter", x.dtype, x.shape, op, algorithm), x)
+        res = _fast(comm, ("reduce_scatter", x.dtype, x.shape, op, algorithm), x, out)
         if res is not _SLOW:
             return res
-    return _reduce_scatter(x, op, algorithm, comm, True)
+    return _reduce_scatter(x, op, algorithm, out, comm, True)
 
 
-def ireduce_scatter(x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", comm: Any = None) -> Request:
+def ireduce_scatter(
+    x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None
+) -> Request:
     """Start :func:`reduce_scatter`; ``wait()`` on the returned request gives the block."""
-    return _reduce_scatter(x, op, algorithm, comm, False)
+    return _reduce_scatter(x, op, algorithm, out, comm, False)
 
 
 # -- allgather ---------------------------------------------------------------------------
-def _allgather(x, algorithm, comm, blocking, posted=False):
+_ROWS = 1 << 31
+"""Allgather's count word carries this rank's rows plus ``(out rows + 1) * _ROWS`` (0: no
+``out``), so every rank can check every rank's ``out`` against the agreed total."""
+
+
+def _allgather(x, algorithm, out, comm, blocking, posted=False):
     ctx = get_context(comm)
     call = _Call(ctx, "allgather", x, algorithm)
     x = call.x
@@ -556,6 +569,14 @@ def _allgather(x, algorithm, comm, blocking, posted=False):
         call.fail(InvalidArgumentError("allgather: x must have at least one dimension to concatenate along"))
     rows = x.shape[0] if x.ndim else 1
     item = x.shape[1:]
+    if call.error is None and rows >= _ROWS:
+        call.fail(InvalidArgumentError(f"allgather: {rows} rows; at most {_ROWS - 1}"))
+    out_rows = -1
+    if out is not None and call.error is None:
+        _check_out(call, out, (out.shape[0] if getattr(out, "ndim", 0) else -1, *item))
+        out_rows = out.shape[0] if call.error is None else -1
+        if out_rows >= _ROWS:
+            out_rows = _ROWS - 2
     t = ctx.transport
     # the algorithm depends on every rank's rows, so it is resolved after agreement; a
     # small payload goes along in case every rank's is small
@@ -565,12 +586,23 @@ def _allgather(x, algorithm, comm, blocking, posted=False):
     if posted:  # a one-step attempt posted and agreed this call already
         call.seq = ch.seq
     else:
-        call.agree(rows, item, payload=src if attach else None)
-    all_rows = call.counts()
+        call.agree((rows % _ROWS) + (out_rows + 1) * _ROWS, item, payload=src if attach else None)
+    words = call.counts()
+    all_rows = [w % _ROWS for w in words]
+    total = sum(all_rows)
+    bad = {q: w // _ROWS - 1 for q, w in enumerate(words) if w >= _ROWS and w // _ROWS - 1 != total}
+    if bad:
+        raise OutputMismatchError(
+            "allgather: out must have "
+            + str(total)
+            + " rows (the sum over ranks); "
+            + "; ".join(f"rank {q} passed {v}" for q, v in bad.items())
+        )
     per_row = math.prod(item)
     counts = tuple(rw * per_row for rw in all_rows)
     call.resolve(sum(counts) * x.itemsize)
-    out = np.empty((sum(all_rows), *item), x.dtype)
+    if out is None:
+        out = np.empty((total, *item), x.dtype)
     buf = _flat(out)
     off = offsets(counts)
     buf[off[t.rank] : off[t.rank + 1]] = _flat(src)
@@ -585,7 +617,7 @@ def _allgather(x, algorithm, comm, blocking, posted=False):
     return _launch(ctx, gen, blocking, out)
 
 
-def allgather(x: np.ndarray, *, algorithm: str = "auto", comm: Any = None) -> np.ndarray:
+def allgather(x: np.ndarray, *, algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None) -> np.ndarray:
     """Concatenate every rank's ``x`` along axis 0, in rank order; every rank gets it.
 
     The first dimension may differ between ranks; the others and the dtype may not.
@@ -593,21 +625,23 @@ def allgather(x: np.ndarray, *, algorithm: str = "auto", comm: Any = None) -> np
     Args:
         x: this rank's array, at least 1-D.
         algorithm: a name from ``algorithms("allgather")`` or ``"auto"``.
+        out: C-contiguous array of x's dtype for the result, with the sum of every rank's
+            rows and x's other dimensions (checked on every rank after agreement).
         comm: mpi4py communicator (default ``MPI.COMM_WORLD``) or a transport.
 
     Returns:
-        The concatenation.
+        The concatenation (``out`` when given).
     """
     if type(x) is np.ndarray:
-        res = _fast(comm, ("allgather", x.dtype, x.shape, None, algorithm), x)
+        res = _fast(comm, ("allgather", x.dtype, x.shape, None, algorithm), x, out)
         if res is not _SLOW:
             return res
-    return _allgather(x, algorithm, comm, True)
+    return _allgather(x, algorithm, out, comm, True)
 
 
-def iallgather(x: np.ndarray, *, algorithm: str = "auto", comm: Any = None) -> Request:
+def iallgather(x: np.ndarray, *, algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None) -> Request:
     """Start :func:`allgather`; ``wait()`` on the returned request gives the result."""
-    return _allgather(x, algorithm, comm, False)
+    return _allgather(x, algorithm, out, comm, False)
 
 
 # -- broadcast ---------------------------------------------------------------------------

@@ -210,6 +210,10 @@ MISMATCH = object()
 """What a one-step function returns when the peers' signatures differ (the caller then
 reports call ``ch.seq``)."""
 
+SLOW = object()
+"""What a one-step function returns, before posting anything, when this call must take the
+general path after all (an ``out`` that is not exactly right)."""
+
 UNEVEN = object()
 """What the one-step allgather returns when the peers' row counts differ from ours: the call
 is posted and agreed, and the caller finishes it on the general path."""
@@ -258,18 +262,22 @@ def small_allreduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, .
 
 
 def small_reduce_scatter_fn(ch: Channel, a: int, dtype: np.dtype, count: int, op: str) -> Callable:
-    """One-step reduce-scatter of ``count`` elements: ``fn(x)`` returns this rank's block
-    (MPICH's block sizes) or :data:`MISMATCH`."""
+    """One-step reduce-scatter of ``count`` elements: ``fn(x, out=None)`` returns this rank's
+    block (MPICH's block sizes; in ``out`` when given), :data:`MISMATCH`, or :data:`SLOW`
+    without posting when ``out`` is not exactly right."""
     off = offsets(block_counts(count, ch.n))
     lo, hi = off[ch.me], off[ch.me + 1]
     views = [[v[lo:hi] for v in ch.slot_views(p, dtype, (count,))] for p in (0, 1)]
     red = _reducer(op, ch.n)
 
-    def fn(x: np.ndarray) -> Any:
+    def fn(x: np.ndarray, out: np.ndarray | None = None) -> Any:
+        if out is None:
+            out = np.empty(hi - lo, dtype)
+        elif type(out) is not np.ndarray or out.shape != (hi - lo,) or out.dtype != dtype or not out.flags.c_contiguous:
+            return SLOW
         seq = ch.exchange(a, count, 0, x)
         if seq < 0:
             return MISMATCH
-        out = np.empty(hi - lo, dtype)
         if hi > lo:
             red(views[seq & 1], out)
         return out
@@ -320,22 +328,34 @@ def small_broadcast_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, .
     return fn
 
 
-def small_allgather_fn(ch: Channel, a: int, c: int, dtype: np.dtype, shape: tuple[int, ...]) -> Callable:
-    """One-step allgather of ``shape`` (rows first) from every rank: ``fn(x)`` returns the
-    concatenation, :data:`MISMATCH`, or :data:`UNEVEN` when a peer has other row counts."""
+def small_allgather_fn(ch: Channel, a: int, c: int, dtype: np.dtype, shape: tuple[int, ...], unit: int) -> Callable:
+    """One-step allgather of ``shape`` (rows first) from every rank: ``fn(x, out=None)``
+    returns the concatenation (in ``out`` when given), :data:`MISMATCH`, :data:`UNEVEN` when
+    a peer's rows differ from ours or its ``out`` does not fit (the general path then says
+    which), or :data:`SLOW` without posting anything when ``out`` is not exactly right.
+    The count word is ``rows + (out rows + 1) * unit``."""
     rows = shape[0]
+    full = (ch.n * rows, *shape[1:])
     views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
     heads = ch._peer_heads
+    plain = rows
+    fits = rows + (full[0] + 1) * unit
 
-    def fn(x: np.ndarray) -> Any:
-        seq = ch.exchange(a, rows, c, x, True)
+    def fn(x: np.ndarray, out: np.ndarray | None = None) -> Any:
+        b = plain
+        if out is not None:
+            if type(out) is not np.ndarray or out.shape != full or out.dtype != dtype or not out.flags.c_contiguous:
+                return SLOW
+            b = fits
+        seq = ch.exchange(a, b, c, x, True)
         if seq < 0:
             return MISMATCH
         p = seq & 1
         for h in heads[p]:
-            if h[1] != rows:
+            w = h[1]
+            if w != plain and w != fits:
                 return UNEVEN
-        return np.concatenate(views[p])
+        return np.concatenate(views[p], out=out)
 
     return fn
 

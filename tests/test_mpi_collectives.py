@@ -50,7 +50,11 @@ def test_reduce_scatter_every_op_dtype_count(alg):
                 inputs = [make_input(q, count, dtype, op) for q in range(n)]
                 got = C.reduce_scatter(inputs[r], op=op, algorithm=alg)
                 off = offsets(block_counts(count, n))
-                check_close(got, expected(inputs, op)[off[r] : off[r + 1]], op, n, f"{alg} {op} {dtype} {count}")
+                want = expected(inputs, op)[off[r] : off[r + 1]]
+                check_close(got, want, op, n, f"{alg} {op} {dtype} {count}")
+                out = np.full(off[r + 1] - off[r], 7, dtype)
+                assert C.reduce_scatter(inputs[r], op=op, algorithm=alg, out=out) is out
+                assert digest(out) == digest(got), f"out= {alg} {op} {dtype} {count}"
 
 
 @pytest.mark.parametrize("alg", C.algorithms("allgather"))
@@ -61,6 +65,9 @@ def test_allgather_uneven_first_dimension(alg):
             inputs = [make_input(q, rows[q] * 3, dtype, "sum").reshape(rows[q], 3) for q in range(n)]
             got = C.allgather(inputs[r], algorithm=alg)
             assert digest(got) == digest(np.concatenate(inputs)) and got.shape == (sum(rows), 3), (alg, dtype, rows)
+            out = np.full((sum(rows), 3), 7, dtype)
+            assert C.allgather(inputs[r], algorithm=alg, out=out) is out
+            assert digest(out) == digest(got), ("out=", alg, dtype, rows)
 
 
 @pytest.mark.parametrize("alg", C.algorithms("broadcast"))

@@ -54,6 +54,11 @@ def test_mismatch_raises_on_every_rank_naming_field_and_ranks(field, call):
         (C.InvalidRootError, lambda bad: C.reduce(np.zeros(4), root=-1 if bad else 0)),
         (C.OutputMismatchError, lambda bad: C.allreduce(np.zeros(4), out=np.zeros(5 if bad else 4))),
         (
+            C.OutputMismatchError,
+            lambda bad: C.reduce_scatter(np.zeros(4 * WORLD.size), out=np.zeros(4, np.float32 if bad else np.float64)),
+        ),
+        (C.OutputMismatchError, lambda bad: C.allgather(np.zeros((2, 3)), out=np.zeros((2 * WORLD.size, 3 + bad)))),
+        (
             C.InvalidArgumentError,
             lambda bad: C.alltoall(np.zeros(WORLD.size * 2), splits=[1] * WORLD.size if bad else None),
         ),
@@ -67,6 +72,24 @@ def test_bad_input_raises_on_every_rank(exc, call, everywhere):
         call(bad)
     if not bad:
         assert "rank 1" in str(info.value)
+    still_usable()
+
+
+@pytest.mark.parametrize("rows", [3, 100000])
+def test_allgather_out_with_wrong_rows_raises_on_every_rank(rows):
+    # the rows are only known after agreement: every rank checks every rank's out, whether
+    # or not it passed one itself, small (one step) or large
+    r, n = WORLD.rank, WORLD.size
+    x = np.ones((rows + r, 2))
+    total = sum(rows + q for q in range(n))
+    out = np.zeros((total + (r == 1), 2)) if r % 2 else None
+    with pytest.raises(C.OutputMismatchError, match=f"rank 1 passed {total + 1}"):
+        C.allgather(x, out=out)
+    still_usable()
+    same = np.ones((rows, 2))
+    out = np.zeros((rows * n - (r == 1), 2)) if r else np.zeros((rows * n, 2))
+    with pytest.raises(C.OutputMismatchError, match=f"rank 1 passed {rows * n - 1}"):
+        C.allgather(same, out=out)
     still_usable()
 
 
