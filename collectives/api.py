@@ -409,15 +409,6 @@ def _fast(comm: Any, key: tuple, x: np.ndarray, out: np.ndarray | None = None) -
     return res
 
 
-def _plain(x: Any, out: Any = None) -> bool:
-    """True when ``x`` (and ``out``, if given) may take a one-step path: numpy arrays, and an
-    ``out`` that is C-contiguous with x's shape and dtype."""
-    return type(x) is np.ndarray and (
-        out is None
-        or (type(out) is np.ndarray and out.shape == x.shape and out.dtype == x.dtype and out.flags.c_contiguous)
-    )
-
-
 # -- allreduce ---------------------------------------------------------------------------
 def _allreduce(x, op, algorithm, out, comm, blocking):
     ctx = get_context(comm)
@@ -471,7 +462,7 @@ def allreduce(
     Returns:
         The reduced array, of x's shape and dtype (``out`` when given).
     """
-    if _plain(x, out):
+    if type(x) is np.ndarray:
         # the common small case on one node: the same posts as the general path, less Python
         res = _fast(comm, ("allreduce", x.dtype, x.shape, op, algorithm), x, out)
         if res is not _SLOW:
@@ -684,7 +675,7 @@ def broadcast(
     Returns:
         The root's data (``out`` when given).
     """
-    if _plain(x, out):
+    if type(x) is np.ndarray:
         res = _fast(comm, ("broadcast", x.dtype, x.shape, root, algorithm), x, out)
         if res is not _SLOW:
             return res

@@ -228,6 +228,9 @@ def _no_sync() -> None:
 
 
 def _delete_context(comm: MPI.Comm, keyval: int, ctx: Context) -> None:
+    global _LAST
+    if _LAST[1] is ctx:
+        _LAST = (None, None)
     if not MPI.Is_finalized():
         ctx.free()
 
@@ -235,6 +238,9 @@ def _delete_context(comm: MPI.Comm, keyval: int, ctx: Context) -> None:
 _KEYVAL: int | None = None
 _WORLD: Context | None = None
 """COMM_WORLD's context, for calls without ``comm`` (it lives until MPI is finalized)."""
+_LAST: tuple[Any, Context | None] = (None, None)
+"""The last communicator object looked up and its context (freeing the communicator clears
+it): the attribute lookup is an MPI call, and small collectives feel it."""
 
 
 def get_context(comm: Any = None, config: Config | None = None) -> Context:
@@ -243,11 +249,13 @@ def get_context(comm: Any = None, config: Config | None = None) -> Context:
     ``config`` applies only when the context is created (the first call on ``comm``);
     by default the configuration comes from the ``HPCDL_*`` environment.
     """
-    global _KEYVAL, _WORLD
+    global _KEYVAL, _WORLD, _LAST
     if comm is None:
         if _WORLD is not None and config is None:
             return _WORLD
         comm = MPI.COMM_WORLD
+    if comm is _LAST[0] and config is None:
+        return _LAST[1]  # type: ignore[return-value]
     if isinstance(comm, MPI.Comm):
         if _KEYVAL is None:
             _KEYVAL = MPI.Comm.Create_keyval(delete_fn=_delete_context)
@@ -257,6 +265,7 @@ def get_context(comm: Any = None, config: Config | None = None) -> Context:
             comm.Set_attr(_KEYVAL, ctx)
         if comm == MPI.COMM_WORLD:
             _WORLD = ctx
+        _LAST = (comm, ctx)
         return ctx
     ctx = getattr(comm, "_collectives_context", None)
     if ctx is None:

@@ -243,18 +243,21 @@ def _reducer(op: str, n: int) -> Callable[[Sequence[np.ndarray], np.ndarray], No
 # their signatures and finishes the call from the slots, reading every rank's data in rank
 # order so results are bitwise equal everywhere.
 def small_allreduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, ...], op: str) -> Callable:
-    """One-step allreduce: ``fn(x, out=None)`` returns the result (in ``out`` when given:
-    C-contiguous, x's shape and dtype) or :data:`MISMATCH`."""
+    """One-step allreduce: ``fn(x, out=None)`` returns the result (in ``out`` when given),
+    :data:`MISMATCH`, or :data:`SLOW` without posting when ``out`` is not C-contiguous
+    with x's shape and dtype."""
     count = math.prod(shape)
     views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
     red = _reducer(op, ch.n)
 
     def fn(x: np.ndarray, out: np.ndarray | None = None) -> Any:
+        if out is None:
+            out = np.empty(shape, dtype)
+        elif type(out) is not np.ndarray or out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
+            return SLOW
         seq = ch.exchange(a, count, 0, x)
         if seq < 0:
             return MISMATCH
-        if out is None:
-            out = np.empty(shape, dtype)
         red(views[seq & 1], out)
         return out
 
@@ -307,18 +310,21 @@ def small_reduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, ...]
 
 
 def small_broadcast_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, ...], root: int) -> Callable:
-    """One-step broadcast: ``fn(x, out=None)`` returns ``root``'s data (in ``out`` when given)
-    or :data:`MISMATCH`; only the root posts data."""
+    """One-step broadcast: ``fn(x, out=None)`` returns ``root``'s data (in ``out`` when given),
+    :data:`MISMATCH`, or :data:`SLOW` without posting when ``out`` is not C-contiguous with
+    x's shape and dtype; only the root posts data."""
     count = math.prod(shape)
     views = [ch.slot_views(p, dtype, shape)[root] for p in (0, 1)]
     is_root = ch.me == root
 
     def fn(x: np.ndarray, out: np.ndarray | None = None) -> Any:
+        if out is None:
+            out = np.empty(shape, dtype)
+        elif type(out) is not np.ndarray or out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
+            return SLOW
         seq = ch.exchange(a, count, 0, x if is_root else None)
         if seq < 0:
             return MISMATCH
-        if out is None:
-            out = np.empty(shape, dtype)
         if not is_root:
             out[...] = views[seq & 1]
         elif out is not x:
