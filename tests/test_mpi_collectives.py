@@ -295,3 +295,16 @@ def test_out_in_place_and_non_contiguous_input():
         assert np.array_equal(got, want.T) and got.shape == (10, 6)
         out = np.empty((10, 6))
         assert C.allreduce(strided, algorithm=alg, out=out) is out and np.array_equal(out, want.T)
+
+
+def test_a_freed_communicators_context_is_never_reused():
+    # get_context remembers the last communicator object; freeing it must forget it
+    a = WORLD.Dup()
+    ctx = get_context(a)
+    assert get_context(a) is ctx
+    assert np.array_equal(C.allreduce(np.ones(2), comm=a), np.full(2, float(a.size)))
+    a.Free()
+    b = WORLD.Dup()
+    assert get_context(b) is not ctx
+    assert np.array_equal(C.allreduce(np.ones(2), comm=b), np.full(2, float(b.size)))
+    b.Free()
