@@ -240,9 +240,13 @@ def test_fast_allgather_with_uneven_rows_finishes_on_the_general_path():
     comm = fresh()
     n, r = comm.size, comm.rank
     parts = [np.full((q + 1, 3), q, np.int16) for q in range(n)]
-    for _ in range(3):
+    out = np.empty((n, 3), np.int16)
+    for k in range(3):
         assert np.array_equal(C.allgather(parts[r], comm=comm), np.concatenate(parts))
         assert np.array_equal(C.allgather(parts[0], comm=comm), np.concatenate([parts[0]] * n))
+        # the same out again and again, with new data each time
+        assert C.allgather(parts[0] + r + k, out=out, comm=comm) is out
+        assert np.array_equal(out, np.concatenate([parts[0] + q + k for q in range(n)]))
     comm.Free()
 
 
