@@ -44,7 +44,18 @@ LINE = 64
 """Bytes per cache line; every separately written field starts on its own line."""
 
 _SPIN = 2000
-"""Polls of a peer's counter before giving the CPU away once (oversubscribed nodes)."""
+"""Polls of a peer's counter before a waiting rank starts giving the CPU away (every 64
+polls from then on), when every rank of the node has a core of its own."""
+
+
+def _spin_budget(ranks: int) -> int:
+    """:data:`_SPIN`, or 0 when the node's ranks outnumber the cores this process may run
+    on: then the peer being waited for is likely not running, and spinning only delays it."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return _SPIN if ranks <= cores else 0
 
 
 def _round_up(n: int, m: int) -> int:
@@ -83,6 +94,7 @@ class Channel:
         self.seq = 0
         self.stage = 0
         self.progress = progress
+        self.spin = _spin_budget(n)
         self.queue: list[object] = []
         """Chunked operations in flight, oldest first: only the first uses the buffers."""
         self._views: dict[tuple, list] = {}
@@ -140,7 +152,7 @@ class Channel:
                 spins += 1
                 if spins % 64 == 0:
                     self.progress()
-                    if spins >= _SPIN:
+                    if spins >= self.spin:
                         os.sched_yield()
         self.fence()
 
@@ -183,7 +195,7 @@ class Channel:
                 spins += 1
                 if spins % 64 == 0:
                     yield []
-                    if spins >= _SPIN:
+                    if spins >= self.spin:
                         os.sched_yield()
         self.fence()
 
@@ -215,8 +227,9 @@ SLOW = object()
 general path after all (an ``out`` that is not exactly right)."""
 
 UNEVEN = object()
-"""What the one-step allgather returns when the peers' row counts differ from ours: the call
-is posted and agreed, and the caller finishes it on the general path."""
+"""What the one-step allgather returns when a peer's rows differ from ours, or its ``out``
+does not fit ours: the call is posted and agreed, and the caller finishes it (or reports
+the bad ``out``) on the general path."""
 
 
 def _reducer(op: str, n: int) -> Callable[[Sequence[np.ndarray], np.ndarray], None]:

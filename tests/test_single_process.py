@@ -174,3 +174,12 @@ def test_uncaught_exception_on_one_rank_aborts_the_whole_job(tmp_path):
     assert time.monotonic() - start < 60
     assert proc.returncode != 0
     assert "rank one gives up" in proc.stderr and "Traceback" in proc.stderr
+
+
+def test_waiting_ranks_yield_at_once_only_when_the_node_is_oversubscribed():
+    from collectives import node
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert node._spin_budget(1) == node._SPIN
+    assert node._spin_budget(cores) == node._SPIN
+    assert node._spin_budget(cores + 1) == 0
