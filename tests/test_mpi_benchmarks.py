@@ -157,3 +157,15 @@ def test_tuner_writes_a_table_that_auto_follows():
         WORLD.Barrier()
         if WORLD.rank == 0 and os.path.exists(path):
             os.remove(path)
+
+
+@pytest.mark.parametrize("coll", ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"])
+def test_profile_reports_on_rank_zero_only(coll):
+    from benchmarks import profile
+
+    text = profile.profile(coll, 64 * WORLD.size, 5, "auto", 5, WORLD)
+    if WORLD.rank == 0:
+        assert text.startswith(f"# {coll} auto, {64 * WORLD.size} B float32, {WORLD.size} ranks")
+        assert "tottime" in text and "us per call unprofiled" in text
+    else:
+        assert text == ""
