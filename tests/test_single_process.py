@@ -183,3 +183,28 @@ def test_waiting_ranks_yield_at_once_only_when_the_node_is_oversubscribed():
     assert node._spin_budget(1) == node._SPIN
     assert node._spin_budget(cores) == node._SPIN
     assert node._spin_budget(cores + 1) == 0
+
+
+def test_hpcdl_basics_on_one_rank():
+    import hpcdl as hvd
+
+    hvd.shutdown()
+    assert not hvd.is_initialized()
+    with pytest.raises(ValueError, match="not been initialized"):
+        hvd.rank()
+    with pytest.raises(hvd.HpcdlError, match="list of ranks"):
+        hvd.init(comm="world")
+    with pytest.raises(hvd.HpcdlError, match=r"distinct world ranks in \[0, 1\)"):
+        hvd.init([0, 1])
+    hvd.init([0])
+    assert (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size()) == (0, 1, 0, 1)
+    assert (hvd.cross_rank(), hvd.cross_size(), hvd.is_homogeneous()) == (0, 1, True)
+    assert hvd.mpi_built() and hvd.mpi_enabled() and not hvd.nccl_built() and not hvd.gloo_built()
+    assert hvd.cuda_built() is False  # the pinned CPU build of torch
+    assert isinstance(hvd.mpi_threads_supported(), bool)
+    assert hvd.HorovodInternalError is hvd.HpcdlError and issubclass(hvd.HpcdlError, RuntimeError)
+    hvd.shutdown()
+    hvd.init()
+    assert hvd.size() == 1
+    hvd.shutdown()
+    assert not hvd.is_initialized()

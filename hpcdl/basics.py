@@ -1,0 +1,198 @@
+"""Horovod's basics: ``init``, ``shutdown`` and what a rank knows about the job.
+
+``init`` takes an mpi4py communicator or a list of ranks of ``MPI.COMM_WORLD`` (default:
+the whole world). Local and cross ranks come from the node split of :mod:`collectives`
+(ranks sharing memory; ``HPCDL_RANKS_PER_NODE`` cuts nodes into smaller simulated ones):
+``local_rank`` is the rank within the node, ``cross_rank`` the rank among the ranks with
+the same local rank (the node's index when every node has the same number of ranks).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from mpi4py import MPI
+
+from collectives.context import get_context
+
+__all__ = [
+    "HpcdlError",
+    "HorovodInternalError",
+    "init",
+    "shutdown",
+    "is_initialized",
+    "size",
+    "rank",
+    "local_size",
+    "local_rank",
+    "cross_size",
+    "cross_rank",
+    "is_homogeneous",
+    "mpi_threads_supported",
+    "mpi_enabled",
+    "mpi_built",
+    "nccl_built",
+    "gloo_built",
+    "cuda_built",
+]
+
+
+class HpcdlError(RuntimeError):
+    """An error of the hpcdl runtime, raised on every rank it concerns."""
+
+
+HorovodInternalError = HpcdlError
+"""Horovod's name for the same error, so ``except hvd.HorovodInternalError`` keeps working."""
+
+
+class _State:
+    """The initialized runtime: its communicator and this rank's place in the job."""
+
+    def __init__(self, comm: MPI.Comm, owned: bool) -> None:
+        self.comm = comm
+        self.owned = owned  # created by init (a list of ranks): freed by shutdown
+        ctx = get_context(comm)
+        lay = ctx.layout()
+        self.rank, self.size = comm.rank, comm.size
+        self.local_rank, self.local_size = lay.node.rank, lay.node.size
+        self.cross_rank, self.cross_size = lay.cross.rank, lay.cross.size
+        self.homogeneous = lay.homogeneous
+
+
+_state: _State | None = None
+_lock = threading.Lock()
+
+
+def init(comm: MPI.Comm | Sequence[int] | None = None, process_sets: Any = None) -> None:
+    """Start the runtime on ``comm`` (an mpi4py communicator, a list of world ranks, or None
+    for ``MPI.COMM_WORLD``). Collective over ``comm``'s ranks; calling it again without
+    :func:`shutdown` in between does nothing, as in Horovod.
+
+    With a list of ranks every world rank must call ``init`` with the same list, and ranks
+    outside it get an :class:`HpcdlError` (they are not part of the job).
+    """
+    global _state
+    if process_sets is not None:
+        raise HpcdlError("init(process_sets=...) is not available yet; call init() without it")
+    with _lock:
+        if _state is not None:
+            return
+        owned = False
+        if comm is None:
+            comm = MPI.COMM_WORLD
+        elif not isinstance(comm, MPI.Comm):
+            ranks = _rank_list(comm)
+            world = MPI.COMM_WORLD
+            # collective over the world, so every rank can check the list and agree on it
+            lists = world.allgather(ranks)
+            if any(other != ranks for other in lists):
+                differ = [r for r, other in enumerate(lists) if other != lists[0]]
+                raise HpcdlError(f"init(comm=<ranks>): ranks {differ} passed a different list than rank 0")
+            sub = world.Create_group(world.group.Incl(ranks)) if world.rank in ranks else MPI.COMM_NULL
+            if world.rank not in ranks:
+                raise HpcdlError(f"init(comm={ranks}): world rank {world.rank} is not in the list")
+            comm, owned = sub, True
+        if comm == MPI.COMM_NULL:
+            raise HpcdlError("init(comm=MPI.COMM_NULL): this process is not part of the communicator")
+        _state = _State(comm, owned)
+
+
+def _rank_list(ranks: Any) -> list[int]:
+    try:
+        out = [int(r) for r in ranks]
+    except (TypeError, ValueError):
+        raise HpcdlError(f"init(comm=...) takes an mpi4py communicator or a list of ranks, not {ranks!r}") from None
+    n = MPI.COMM_WORLD.size
+    if not out or len(set(out)) != len(out) or any(not 0 <= r < n for r in out):
+        raise HpcdlError(f"init(comm={out}): need distinct world ranks in [0, {n})")
+    return out
+
+
+def shutdown() -> None:
+    """Stop the runtime (init may be called again afterwards)."""
+    global _state
+    with _lock:
+        st, _state = _state, None
+    if st is not None and st.owned and not MPI.Is_finalized():
+        st.comm.Free()
+
+
+def is_initialized() -> bool:
+    """True between :func:`init` and :func:`shutdown`."""
+    return _state is not None
+
+
+def _st() -> _State:
+    st = _state
+    if st is None:
+        raise ValueError("hpcdl has not been initialized; use hpcdl.init().")
+    return st
+
+
+def size() -> int:
+    """Number of ranks in the job."""
+    return _st().size
+
+
+def rank() -> int:
+    """This process's rank in the job, ``0 .. size() - 1``."""
+    return _st().rank
+
+
+def local_size() -> int:
+    """Number of ranks on this node."""
+    return _st().local_size
+
+
+def local_rank() -> int:
+    """This process's rank within its node."""
+    return _st().local_rank
+
+
+def cross_size() -> int:
+    """Number of ranks with this rank's local rank (the number of nodes, when homogeneous)."""
+    return _st().cross_size
+
+
+def cross_rank() -> int:
+    """This process's rank among the ranks with its local rank (its node's index, when homogeneous)."""
+    return _st().cross_rank
+
+
+def is_homogeneous() -> bool:
+    """True when every node runs the same number of ranks."""
+    return _st().homogeneous
+
+
+def mpi_threads_supported() -> bool:
+    """True when MPI was initialized with ``MPI_THREAD_MULTIPLE``."""
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def mpi_enabled() -> bool:
+    """True: hpcdl always runs over MPI."""
+    return True
+
+
+def mpi_built() -> bool:
+    """True: hpcdl is built on MPI (mpi4py)."""
+    return True
+
+
+def nccl_built() -> bool:
+    """False: this build moves tensors through MPI and shared memory, not NCCL."""
+    return False
+
+
+def gloo_built() -> bool:
+    """False: hpcdl does not use Gloo."""
+    return False
+
+
+def cuda_built() -> bool:
+    """True when the installed torch was built with CUDA."""
+    import torch
+
+    return torch.version.cuda is not None

@@ -1,0 +1,68 @@
+"""hpcdl's Horovod basics under mpiexec -n 2, 3, 4: ranks, node layout, init on a subset."""
+
+from __future__ import annotations
+
+import pytest
+from mpi4py import MPI
+
+import hpcdl as hvd
+from collectives.config import Config
+from collectives.context import get_context
+
+pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(60)]
+
+WORLD = MPI.COMM_WORLD
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    hvd.shutdown()
+    yield
+    hvd.shutdown()
+
+
+def test_ranks_and_node_layout_match_mpi():
+    hvd.init()
+    assert hvd.is_initialized()
+    assert (hvd.rank(), hvd.size()) == (WORLD.rank, WORLD.size)
+    node = WORLD.Split_type(MPI.COMM_TYPE_SHARED, key=WORLD.rank)
+    assert (hvd.local_rank(), hvd.local_size()) == (node.rank, node.size)
+    # every rank is on this one machine: one node, so cross rank 0 of 1
+    assert (hvd.cross_rank(), hvd.cross_size()) == (0, 1)
+    assert hvd.is_homogeneous()
+    node.Free()
+    hvd.init()  # a second init is a no-op, as in Horovod
+    assert hvd.size() == WORLD.size
+
+
+def test_simulated_nodes_give_local_and_cross_ranks():
+    # two ranks per simulated node: local = rank % 2, cross = rank // 2
+    comm = WORLD.Dup()
+    get_context(comm, Config(ranks_per_node=2))
+    hvd.init(comm)
+    n, r = WORLD.size, WORLD.rank
+    assert (hvd.local_rank(), hvd.local_size()) == (r % 2, 2 if r < n - n % 2 else 1)
+    assert hvd.cross_rank() == r // 2
+    assert hvd.cross_size() == ((n + 1) // 2 if r % 2 == 0 else n // 2)
+    assert hvd.is_homogeneous() == (n % 2 == 0)
+    hvd.shutdown()
+    comm.Free()
+
+
+def test_init_on_a_list_of_ranks():
+    members = list(range(1, WORLD.size))
+    if WORLD.rank == 0:
+        with pytest.raises(hvd.HpcdlError, match="world rank 0 is not in the list"):
+            hvd.init(members)
+        assert not hvd.is_initialized()
+    else:
+        hvd.init(members)
+        assert (hvd.rank(), hvd.size()) == (WORLD.rank - 1, WORLD.size - 1)
+    WORLD.Barrier()
+
+
+def test_init_with_lists_that_differ_raises_on_every_rank():
+    ranks = [0, 1] if WORLD.rank != 1 else [1, 0]
+    with pytest.raises(hvd.HorovodInternalError, match=r"ranks \[1\] passed a different list"):
+        hvd.init(ranks)
+    assert not hvd.is_initialized()
