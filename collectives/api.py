@@ -330,18 +330,15 @@ def _word(collective: str, algorithm: str, resolved: str, op: str | None, dtype:
 
 def _fast_fn(ctx: Context, key: tuple) -> Any:
     """The one-step function for ``key`` = (collective, dtype, shape, op or root, algorithm),
-    or False when such calls take the general path (cached per context in ``ctx.fast``).
+    or False when such calls take the general path (:func:`_fast` caches it in ``ctx.fast``).
 
     It exists exactly when the general path would finish the call in one step through the
     node channel's slots, and it posts the same signature words, so ranks on either path
     match one another.
     """
-    if len(ctx.fast) > 256:
-        ctx.fast.clear()
     coll, dtype, shape, arg, algorithm = key
     ch = ctx.chan
     fn: Any = False
-    ctx.fast[key] = fn
     if ch is None or algorithm not in ("auto", "shm") or dtype_code(dtype) < 0:
         return fn
     nbytes = math.prod(shape) * dtype.itemsize
@@ -372,7 +369,6 @@ def _fast_fn(ctx: Context, key: tuple) -> Any:
             fn = node.small_broadcast_fn(ch, a, dtype, shape, root)
         else:
             fn = node.small_reduce_fn(ch, a, dtype, shape, op, root)
-    ctx.fast[key] = fn
     return fn
 
 
@@ -388,7 +384,9 @@ def _fast(comm: Any, key: tuple, x: np.ndarray, out: np.ndarray | None = None) -
     except TypeError:  # an unhashable argument: the general path says what is wrong with it
         return _SLOW
     if fn is None:
-        fn = _fast_fn(ctx, key)
+        if len(ctx.fast) > 256:
+            ctx.fast.clear()
+        fn = ctx.fast[key] = _fast_fn(ctx, key)
     if not fn:
         return _SLOW
     res = fn(x) if out is None else fn(x, out)

@@ -161,12 +161,7 @@ class Channel:
         count, may differ when ``uneven``): return the call's sequence number, negated when
         the signatures differ."""
         seq = self.post(a, b, c, payload)
-        for v in self._peer_seqs:
-            if v[0] < seq:
-                self.wait_posted(seq)
-                break
-        else:
-            self.fence()
+        self.wait_posted(seq)
         for h in self._peer_heads[seq & 1]:
             if h[0] != a or h[2] != c or (h[1] != b and not uneven):
                 return -seq
@@ -233,8 +228,8 @@ the bad ``out``) on the general path."""
 
 
 def _reducer(op: str, n: int) -> Callable[[Sequence[np.ndarray], np.ndarray], None]:
-    """``red(views, out)``: ``out = views[0] op views[1] op ...`` in rank order, then the op's
-    final step (the average's division)."""
+    """``red(views, out)``: ``out = views[0] op views[1] op ...`` in rank order (so every rank
+    gets the same bits), then the op's final step (the average's division)."""
     f = ufunc(op)
     if op in ("min", "max"):  # numpy wants their out= by keyword; add/multiply are quicker without
         g = f
@@ -388,19 +383,9 @@ def small_allgather_fn(ch: Channel, a: int, c: int, dtype: np.dtype, shape: tupl
 
 
 # -- one-step collectives from the slots (after a successful post/wait/check) ---------------
-def reduce_slots(views: Sequence[np.ndarray], out: np.ndarray, op: str) -> None:
-    """``out = views[0] op views[1] op ...``, in rank order (so every rank gets the same bits)."""
-    f = ufunc(op)
-    f(views[0], views[1], out=out)
-    for v in views[2:]:
-        f(out, v, out=out)
-
-
 def small_allreduce(ch: Channel, seq: int, out: np.ndarray, op: str) -> None:
     """Finish a posted small allreduce into ``out`` (shaped as the input)."""
-    reduce_slots(ch.slot_views(seq & 1, out.dtype, out.shape), out, op)
-    if op == "avg":
-        finalize(out, op, ch.n)
+    _reducer(op, ch.n)(ch.slot_views(seq & 1, out.dtype, out.shape), out)
 
 
 def small_reduce_scatter(ch: Channel, seq: int, counts: tuple[int, ...], out: np.ndarray, op: str) -> None:
@@ -408,9 +393,7 @@ def small_reduce_scatter(ch: Channel, seq: int, counts: tuple[int, ...], out: np
     off = offsets(counts)
     a, z = off[ch.me], off[ch.me + 1]
     if z > a:
-        views = [v[a:z] for v in ch.slot_views(seq & 1, out.dtype, (off[-1],))]
-        reduce_slots(views, out, op)
-        finalize(out, op, ch.n)
+        _reducer(op, ch.n)([v[a:z] for v in ch.slot_views(seq & 1, out.dtype, (off[-1],))], out)
 
 
 def small_allgather(ch: Channel, seq: int, counts: tuple[int, ...], out: np.ndarray) -> None:
@@ -448,6 +431,7 @@ def _allreduce(ch: Channel, out: np.ndarray, src: np.ndarray, op: str, root: int
         total = out.size
         chunks = [(c, min(c + step, total)) for c in range(0, total, step)]
         views = [ch.buf_views(0, dt), ch.buf_views(1, dt)]
+        red = _reducer(op, n)
         gather = root is None or root == me
 
         def stage(i: int) -> None:
@@ -470,9 +454,7 @@ def _allreduce(ch: Channel, out: np.ndarray, src: np.ndarray, op: str, root: int
             parts = [
                 src[c0 + off[me] : c0 + off[me] + m] if j == me else v[lo : lo + m] for j, v in enumerate(views[i & 1])
             ]
-            acc = views[i & 1][me][lo : lo + m]
-            reduce_slots(parts, acc, op)
-            finalize(acc, op, n)
+            red(parts, views[i & 1][me][lo : lo + m])
 
         def gather_out(i: int) -> None:
             c0, c1 = chunks[i]
@@ -515,6 +497,7 @@ def reduce_scatter(
         per = ch.region // dt.itemsize
         pieces = math.ceil(max(counts) / per) if max(counts) else 0
         views = [ch.buf_views(0, dt), ch.buf_views(1, dt)]
+        red = _reducer(op, n)
 
         def stage(i: int) -> None:
             mine = views[i & 1][me]
@@ -529,9 +512,7 @@ def reduce_scatter(
                 return
             m, lo = z - a, me * per
             parts = [buf[a:z] if j == me else v[lo : lo + m] for j, v in enumerate(views[i & 1])]
-            acc = res[i * per : i * per + m]
-            reduce_slots(parts, acc, op)
-            finalize(acc, op, n)
+            red(parts, res[i * per : i * per + m])
 
         # barrier i publishes piece i staged; reducing piece i reads region `me` of every
         # peer's buffer i % 2, which its owner rewrites only after barrier i + 1
