@@ -67,35 +67,46 @@ _lock = threading.Lock()
 
 def init(comm: MPI.Comm | Sequence[int] | None = None, process_sets: Any = None) -> None:
     """Start the runtime on ``comm`` (an mpi4py communicator, a list of world ranks, or None
-    for ``MPI.COMM_WORLD``). Collective over ``comm``'s ranks; calling it again without
-    :func:`shutdown` in between does nothing, as in Horovod.
+    for ``MPI.COMM_WORLD``). Collective over ``comm``'s ranks (over the world for a list);
+    calling it again without :func:`shutdown` in between does nothing, as in Horovod.
 
-    With a list of ranks every world rank must call ``init`` with the same list, and ranks
-    outside it get an :class:`HpcdlError` (they are not part of the job).
+    The ranks first exchange what they were given, so bad arguments on any rank raise
+    :class:`HpcdlError` on every rank instead of leaving the others waiting. With a list of
+    ranks every world rank must pass the same list; ranks outside it get an
+    :class:`HpcdlError` (they are not part of the job).
     """
     global _state
-    if process_sets is not None:
-        raise HpcdlError("init(process_sets=...) is not available yet; call init() without it")
     with _lock:
         if _state is not None:
             return
-        owned = False
-        if comm is None:
-            comm = MPI.COMM_WORLD
-        elif not isinstance(comm, MPI.Comm):
-            ranks = _rank_list(comm)
-            world = MPI.COMM_WORLD
-            # collective over the world, so every rank can check the list and agree on it
-            lists = world.allgather(ranks)
-            if any(other != ranks for other in lists):
-                differ = [r for r, other in enumerate(lists) if other != lists[0]]
-                raise HpcdlError(f"init(comm=<ranks>): ranks {differ} passed a different list than rank 0")
-            sub = world.Create_group(world.group.Incl(ranks)) if world.rank in ranks else MPI.COMM_NULL
-            if world.rank not in ranks:
-                raise HpcdlError(f"init(comm={ranks}): world rank {world.rank} is not in the list")
-            comm, owned = sub, True
-        if comm == MPI.COMM_NULL:
+        listed = comm is not None and not isinstance(comm, MPI.Comm)
+        base = comm if isinstance(comm, MPI.Comm) else MPI.COMM_WORLD
+        if base == MPI.COMM_NULL:
             raise HpcdlError("init(comm=MPI.COMM_NULL): this process is not part of the communicator")
+        problem, ranks = None, None
+        if process_sets is not None:
+            problem = "init(process_sets=...) is not available yet; call init() without it"
+        elif listed:
+            try:
+                ranks = _rank_list(comm)
+            except HpcdlError as exc:
+                problem = str(exc)
+        said = base.allgather((problem, ranks))
+        bad = [f"rank {r}: {p}" for r, (p, _) in enumerate(said) if p is not None]
+        if bad:
+            raise HpcdlError("init failed: " + "; ".join(bad))
+        differ = [r for r, (_, other) in enumerate(said) if other != said[0][1]]
+        if differ:
+            raise HpcdlError(f"init(comm=<ranks>): ranks {differ} passed a different list than rank 0")
+        comm, owned = base, False
+        if listed:
+            if base.rank not in ranks:
+                raise HpcdlError(f"init(comm={ranks}): world rank {base.rank} is not in the list")
+            whole = base.Get_group()
+            group = whole.Incl(ranks)
+            comm, owned = base.Create_group(group), True
+            group.Free()
+            whole.Free()
         _state = _State(comm, owned)
 
 

@@ -66,3 +66,20 @@ def test_init_with_lists_that_differ_raises_on_every_rank():
     with pytest.raises(hvd.HorovodInternalError, match=r"ranks \[1\] passed a different list"):
         hvd.init(ranks)
     assert not hvd.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ({"comm": [0, 10**6]}, r"rank 1: init\(comm=\[0, 1000000\]\): need distinct world ranks"),
+        ({"comm": "world"}, r"rank 1: init\(comm=...\) takes an mpi4py communicator or a list of ranks"),
+        ({"process_sets": [[0, 1]]}, r"rank 1: init\(process_sets=...\) is not available yet"),
+    ],
+)
+def test_bad_init_arguments_on_one_rank_raise_on_every_rank(args, message):
+    # only rank 1 passes something wrong; the others would otherwise wait in the exchange
+    with pytest.raises(hvd.HpcdlError, match=message):
+        hvd.init(**args) if WORLD.rank == 1 else hvd.init()
+    assert not hvd.is_initialized()
+    hvd.init()  # and init works again afterwards
+    assert hvd.size() == WORLD.size
