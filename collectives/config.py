@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 
 from .errors import ConfigError
 
-__all__ = ["Config", "load_config", "register_env_names", "known_env_names"]
+__all__ = ["Config", "load_config", "register_env_names", "known_env_names", "check_unknown", "env_values"]
 
 PREFIX = "HPCDL_"
 _extra_names: set[str] = set()
@@ -79,21 +79,41 @@ def check_unknown(environ: Mapping[str, str]) -> None:
             raise ConfigError(f"unknown environment variable {key}{hint}")
 
 
+def env_values(cls: type, environ: Mapping[str, str]) -> dict[str, object]:
+    """Read the ``HPCDL_<FIELD>`` mirror of each field of the dataclass ``cls`` that is set
+    in ``environ``, converted to the field's type (int, float, bool or str)."""
+    values: dict[str, object] = {}
+    for f in dataclasses.fields(cls):
+        key = PREFIX + f.name.upper()
+        if key not in environ:
+            continue
+        raw = environ[key].strip()
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        try:
+            if kind == "bool":
+                if raw.lower() not in _BOOLS:
+                    raise ValueError
+                values[f.name] = _BOOLS[raw.lower()]
+            elif kind == "int":
+                values[f.name] = int(raw)
+            elif kind == "float":
+                values[f.name] = float(raw)
+            else:
+                values[f.name] = raw
+        except ValueError:
+            if kind == "bool":
+                accepted = "one of " + ", ".join(sorted(_BOOLS))
+            else:
+                accepted = "an integer" if kind == "int" else f"a {kind}"
+            raise ConfigError(f"{key}={raw!r} is not {accepted}") from None
+    return values
+
+
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
 def load_config(environ: Mapping[str, str] | None = None) -> Config:
     """Build a :class:`Config` from ``HPCDL_*`` variables (``os.environ`` by default)."""
     env = os.environ if environ is None else environ
     check_unknown(env)
-    values: dict[str, object] = {}
-    for f in dataclasses.fields(Config):
-        key = PREFIX + f.name.upper()
-        if key not in env:
-            continue
-        raw = env[key]
-        if f.type in ("int", int):
-            try:
-                values[f.name] = int(raw)
-            except ValueError:
-                raise ConfigError(f"{key}={raw!r} is not an integer") from None
-        else:
-            values[f.name] = raw
-    return Config(**values)
+    return Config(**env_values(Config, env))

@@ -254,8 +254,9 @@ def get_context(comm: Any = None, config: Config | None = None) -> Context:
         if _WORLD is not None and config is None:
             return _WORLD
         comm = MPI.COMM_WORLD
-    if comm is _LAST[0] and config is None:
-        return _LAST[1]  # type: ignore[return-value]
+    last = _LAST  # one read: another thread may replace it between two
+    if comm is last[0] and config is None:
+        return last[1]  # type: ignore[return-value]
     if isinstance(comm, MPI.Comm):
         if _KEYVAL is None:
             _KEYVAL = MPI.Comm.Create_keyval(delete_fn=_delete_context)

@@ -1,7 +1,9 @@
 """hpcdl: distributed deep-learning training over MPI with a Horovod-compatible torch API.
 
 The torch layer is built on :mod:`collectives`; nothing happens on import (``init`` starts
-the runtime). So far: Horovod's basics (``init``, ranks, node layout, build queries).
+the runtime and its background engine). ``import hpcdl as hvd`` gives Horovod's PyTorch
+API: ranks and node layout, tensor collectives in their four forms, process sets, join,
+broadcast helpers, compression, ``SyncBatchNorm`` and the timeline.
 """
 
 from __future__ import annotations
@@ -33,6 +35,48 @@ from .basics import (
     shutdown,
     size,
 )
+from .compression import Compression
+from .config import Config
+from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .ops import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    ReduceOp,
+    Sum,
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    join,
+    poll,
+    reducescatter,
+    reducescatter_async,
+    start_timeline,
+    stop_timeline,
+    synchronize,
+)
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .sync_batch_norm import SyncBatchNorm
 
 __all__ = [
     "__version__",
@@ -54,4 +98,50 @@ __all__ = [
     "nccl_built",
     "gloo_built",
     "cuda_built",
+    "Config",
+    "ReduceOp",
+    "Average",
+    "Sum",
+    "Adasum",
+    "Min",
+    "Max",
+    "Product",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "allgather",
+    "allgather_async",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "alltoall",
+    "alltoall_async",
+    "reducescatter",
+    "reducescatter_async",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "poll",
+    "synchronize",
+    "barrier",
+    "join",
+    "start_timeline",
+    "stop_timeline",
+    "ProcessSet",
+    "global_process_set",
+    "add_process_set",
+    "remove_process_set",
+    "broadcast_parameters",
+    "broadcast_optimizer_state",
+    "broadcast_object",
+    "allgather_object",
+    "Compression",
+    "SyncBatchNorm",
 ]

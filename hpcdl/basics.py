@@ -9,6 +9,7 @@ the same local rank (the node's index when every node has the same number of ran
 
 from __future__ import annotations
 
+import atexit
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -48,7 +49,8 @@ HorovodInternalError = HpcdlError
 
 
 class _State:
-    """The initialized runtime: its communicator and this rank's place in the job."""
+    """The initialized runtime: its communicator, this rank's place in the job, the engine
+    and what the torch layer keeps per process (handles, counters of unnamed requests)."""
 
     def __init__(self, comm: MPI.Comm, owned: bool) -> None:
         self.comm = comm
@@ -59,21 +61,33 @@ class _State:
         self.local_rank, self.local_size = lay.node.rank, lay.node.size
         self.cross_rank, self.cross_size = lay.cross.rank, lay.cross.size
         self.homogeneous = lay.homogeneous
+        self.engine: Any = None
+        self.handles: dict[int, Any] = {}
+        self.next_handle = 1
+        self.counters: dict[tuple[str, int], int] = {}
 
 
 _state: _State | None = None
 _lock = threading.Lock()
 
 
-def init(comm: MPI.Comm | Sequence[int] | None = None, process_sets: Any = None) -> None:
+def init(
+    comm: MPI.Comm | Sequence[int] | None = None, process_sets: Sequence[Any] | None = None, *, config: Any = None
+) -> None:
     """Start the runtime on ``comm`` (an mpi4py communicator, a list of world ranks, or None
-    for ``MPI.COMM_WORLD``). Collective over ``comm``'s ranks (over the world for a list);
-    calling it again without :func:`shutdown` in between does nothing, as in Horovod.
+    for ``MPI.COMM_WORLD``) and its background engine. Collective over ``comm``'s ranks
+    (over the world for a list); calling it again without :func:`shutdown` in between does
+    nothing, as in Horovod.
 
     The ranks first exchange what they were given, so bad arguments on any rank raise
     :class:`HpcdlError` on every rank instead of leaving the others waiting. With a list of
     ranks every world rank must pass the same list; ranks outside it get an
     :class:`HpcdlError` (they are not part of the job).
+
+    Args:
+        comm: the communicator or world ranks to run on.
+        process_sets: :class:`~hpcdl.ProcessSet` objects (or rank lists) to register now.
+        config: a :class:`hpcdl.Config`; by default read from the ``HPCDL_*`` environment.
     """
     global _state
     with _lock:
@@ -84,20 +98,41 @@ def init(comm: MPI.Comm | Sequence[int] | None = None, process_sets: Any = None)
         if base == MPI.COMM_NULL:
             raise HpcdlError("init(comm=MPI.COMM_NULL): this process is not part of the communicator")
         problem, ranks = None, None
-        if process_sets is not None:
-            problem = "init(process_sets=...) is not available yet; call init() without it"
-        elif listed:
+        from .config import Config, load_config
+
+        try:
+            if config is None:
+                config = load_config()
+            elif not isinstance(config, Config):
+                raise HpcdlError(f"init(config=...) takes an hpcdl.Config, not {type(config).__name__}")
+            if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+                raise HpcdlError(
+                    "MPI was initialized without thread support; hpcdl's engine thread needs at least "
+                    "MPI_THREAD_SERIALIZED (mpi4py's default is MPI_THREAD_MULTIPLE)"
+                )
+        except HpcdlError as exc:
+            problem = str(exc)
+        if problem is None and listed:
             try:
                 ranks = _rank_list(comm)
             except HpcdlError as exc:
                 problem = str(exc)
-        said = base.allgather((problem, ranks))
-        bad = [f"rank {r}: {p}" for r, (p, _) in enumerate(said) if p is not None]
+        sets = None
+        if problem is None and process_sets:
+            try:
+                sets = [sorted(int(r) for r in getattr(ps, "ranks", ps)) for ps in process_sets]
+            except (TypeError, ValueError):
+                problem = f"init(process_sets=...) takes ProcessSet objects or rank lists, not {process_sets!r}"
+        said = base.allgather((problem, ranks, sets))
+        bad = [f"rank {r}: {p}" for r, (p, _, _) in enumerate(said) if p is not None]
         if bad:
             raise HpcdlError("init failed: " + "; ".join(bad))
-        differ = [r for r, (_, other) in enumerate(said) if other != said[0][1]]
+        differ = [r for r, (_, other, _) in enumerate(said) if other != said[0][1]]
         if differ:
             raise HpcdlError(f"init(comm=<ranks>): ranks {differ} passed a different list than rank 0")
+        differ = [r for r, (_, _, other) in enumerate(said) if other != said[0][2]]
+        if differ:
+            raise HpcdlError(f"init(process_sets=...): ranks {differ} passed different process sets than rank 0")
         comm, owned = base, False
         if listed:
             if base.rank not in ranks:
@@ -107,7 +142,16 @@ def init(comm: MPI.Comm | Sequence[int] | None = None, process_sets: Any = None)
             comm, owned = base.Create_group(group), True
             group.Free()
             whole.Free()
-        _state = _State(comm, owned)
+        from .engine import Engine
+
+        st = _State(comm, owned)
+        st.engine = Engine(comm, config)
+        _state = st
+    if process_sets:
+        from .process_sets import add_process_set
+
+        for ps in process_sets:
+            add_process_set(ps)
 
 
 def _rank_list(ranks: Any) -> list[int]:
@@ -122,12 +166,20 @@ def _rank_list(ranks: Any) -> list[int]:
 
 
 def shutdown() -> None:
-    """Stop the runtime (init may be called again afterwards)."""
+    """Stop the runtime (init may be called again afterwards). Requests still pending on any
+    rank fail with :class:`HpcdlError`; a timeline being recorded is written."""
     global _state
     with _lock:
         st, _state = _state, None
-    if st is not None and st.owned and not MPI.Is_finalized():
+    if st is None or MPI.Is_finalized():
+        return
+    if st.engine is not None:
+        st.engine.stop()
+    if st.owned:
         st.comm.Free()
+
+
+atexit.register(shutdown)
 
 
 def is_initialized() -> bool:

@@ -73,7 +73,8 @@ def test_init_with_lists_that_differ_raises_on_every_rank():
     [
         ({"comm": [0, 10**6]}, r"rank 1: init\(comm=\[0, 1000000\]\): need distinct world ranks"),
         ({"comm": "world"}, r"rank 1: init\(comm=...\) takes an mpi4py communicator or a list of ranks"),
-        ({"process_sets": [[0, 1]]}, r"rank 1: init\(process_sets=...\) is not available yet"),
+        ({"config": 5}, r"rank 1: init\(config=...\) takes an hpcdl.Config, not int"),
+        ({"process_sets": [[0, 1]]}, r"init\(process_sets=...\): ranks \[1\] passed different process sets"),
     ],
 )
 def test_bad_init_arguments_on_one_rank_raise_on_every_rank(args, message):

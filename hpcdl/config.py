@@ -1,0 +1,80 @@
+"""Configuration of the torch runtime: one dataclass, read from ``HPCDL_*`` in one place.
+
+Each field ``name`` has the environment mirror ``HPCDL_<NAME>`` (the names follow
+Horovod's ``HOROVOD_*`` ones). Together with the collectives layer's names they are the
+only valid ``HPCDL_*`` variables: any other is an error naming the closest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+from collectives.config import PREFIX, check_unknown, env_values, register_env_names
+
+from .basics import HpcdlError
+
+__all__ = ["Config", "load_config"]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class Config:
+    """Knobs of the background engine (defaults as in Horovod)."""
+
+    fusion_threshold: int = 128 << 20
+    """Bytes of small allreduce requests packed into one fusion buffer (0: no fusion)."""
+
+    cycle_time: float = 1.0
+    """Milliseconds the engine waits after one negotiation before the next, so requests
+    submitted meanwhile are fused; a rank blocked on an unsent request starts at once."""
+
+    cache_capacity: int = 1024
+    """Request signatures remembered so that steady-state negotiation sends a bit each
+    (0: off)."""
+
+    stall_check_disable: bool = False
+    """Turn the stall inspector off."""
+
+    stall_check_time_seconds: float = 60.0
+    """Seconds a request may wait for other ranks before its name and the missing ranks
+    are logged."""
+
+    stall_shutdown_time_seconds: float = 0.0
+    """Seconds after which such a stall becomes an error on every rank (0: never)."""
+
+    timeline: str = ""
+    """Write a Chrome trace of every rank's requests to this file (empty: off)."""
+
+    timeline_mark_cycles: bool = False
+    """Mark each negotiation cycle in the timeline."""
+
+    def __post_init__(self) -> None:
+        if self.fusion_threshold < 0:
+            raise HpcdlError(f"fusion_threshold={self.fusion_threshold} must be >= 0 (0 turns fusion off)")
+        if not 0 <= self.cycle_time <= 10_000:
+            raise HpcdlError(f"cycle_time={self.cycle_time} ms must be in [0, 10000]")
+        if self.cache_capacity < 0:
+            raise HpcdlError(f"cache_capacity={self.cache_capacity} must be >= 0 (0 turns the cache off)")
+        if self.stall_check_time_seconds <= 0:
+            raise HpcdlError(f"stall_check_time_seconds={self.stall_check_time_seconds} must be > 0")
+        if self.stall_shutdown_time_seconds < 0:
+            raise HpcdlError(
+                f"stall_shutdown_time_seconds={self.stall_shutdown_time_seconds} must be >= 0 (0: never shut down)"
+            )
+
+
+register_env_names(PREFIX + f.name.upper() for f in dataclasses.fields(Config))
+
+
+def load_config(environ: Mapping[str, str] | None = None) -> Config:
+    """Build a :class:`Config` from ``HPCDL_*`` variables (``os.environ`` by default); an
+    unknown ``HPCDL_*`` name or a bad value raises on the spot."""
+    env = os.environ if environ is None else environ
+    try:
+        check_unknown(env)
+        return Config(**env_values(Config, env))
+    except HpcdlError:
+        raise
+    except Exception as exc:  # ConfigError from the shared reader
+        raise HpcdlError(str(exc)) from None

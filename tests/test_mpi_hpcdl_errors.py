@@ -1,0 +1,223 @@
+"""hpcdl's engine under mpiexec -n 2..4: every mismatch raises on every rank (and the runtime
+stays usable), stalls are reported and, with a shutdown time, end in an error on every
+rank; the timeline holds every rank's events; configuration errors are specific."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import hpcdl as hvd
+
+pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(120)]
+
+WORLD = MPI.COMM_WORLD
+
+
+@pytest.fixture(autouse=True)
+def _runtime():
+    hvd.shutdown()
+    yield
+    hvd.shutdown()
+
+
+def usable() -> None:
+    """The runtime still works: a sum over every rank."""
+    out = hvd.allreduce(torch.ones(3), op=hvd.Sum, name="still-usable")
+    assert torch.equal(out, torch.full((3,), float(hvd.size())))
+
+
+@pytest.mark.parametrize(
+    "what, make, pattern",
+    [
+        ("shape", lambda r: hvd.allreduce(torch.ones(3 + (r == 1)), name="x"), r"shape differs: \(3,\) on ranks \[0"),
+        (
+            "dtype",
+            lambda r: hvd.allreduce(torch.ones(3, dtype=torch.float64 if r == 1 else torch.float32), name="x"),
+            r"dtype differs: 'float32' on ranks \[0.*'float64' on ranks \[1\]",
+        ),
+        ("op", lambda r: hvd.allreduce(torch.ones(3), op=hvd.Max if r == 1 else hvd.Sum, name="x"), "op differs"),
+        (
+            "kind",
+            lambda r: hvd.broadcast(torch.ones(3), 0, name="x") if r == 1 else hvd.allreduce(torch.ones(3), name="x"),
+            "operation differs: 'allreduce' on ranks .*'broadcast' on ranks \\[1\\]",
+        ),
+        ("root", lambda r: hvd.broadcast(torch.ones(3), r % 2, name="x"), "root_rank differs"),
+        (
+            "allgather item shape",
+            lambda r: hvd.allgather(torch.ones(2, 3 + (r == 1)), name="x"),
+            "shape after the first dimension differs",
+        ),
+        (
+            "bad input on one rank",
+            lambda r: hvd.allreduce(torch.ones(3, dtype=torch.bool if r == 1 else torch.float32), name="x"),
+            r"rank 1: allreduce does not support dtype bool",
+        ),
+        (
+            "scale factor on ints",
+            lambda r: hvd.allreduce(torch.ones(3, dtype=torch.int32), prescale_factor=2.0 if r == 1 else 1.0, name="x"),
+            "rank 1: prescale_factor/postscale_factor need a floating-point tensor",
+        ),
+    ],
+)
+def test_mismatch_raises_on_every_rank_and_the_runtime_stays_usable(what, make, pattern):
+    hvd.init()
+    with pytest.raises(hvd.HpcdlError, match=pattern):
+        make(hvd.rank())
+    usable()
+    with pytest.raises(hvd.HorovodInternalError):  # Horovod's name for the same error
+        make(hvd.rank())
+    usable()
+
+
+def test_mismatch_after_the_signature_was_cached():
+    hvd.init()
+    for _ in range(3):
+        hvd.allreduce(torch.ones(4), name="cached")
+    # rank 0 sends the cached bit, rank 1 a new descriptor: still compared
+    with pytest.raises(hvd.HpcdlError, match=r"shape differs: \(4,\) on ranks \[0"):
+        hvd.allreduce(torch.ones(4 if hvd.rank() != 1 else 5), name="cached")
+    usable()
+
+
+def test_duplicate_name_in_flight_is_a_local_error():
+    hvd.init()
+    h = hvd.allreduce_async(torch.ones(2), name="dup")
+    with pytest.raises(hvd.HpcdlError, match="already in flight"):
+        hvd.allreduce_async(torch.ones(2), name="dup")
+    hvd.synchronize(h)
+    usable()
+
+
+def test_adasum_and_bad_arguments():
+    hvd.init()
+    with pytest.raises(hvd.HpcdlError, match="Adasum is not supported"):
+        hvd.allreduce(torch.ones(2), op=hvd.Adasum)
+    with pytest.raises(TypeError, match="takes a torch.Tensor"):
+        hvd.allreduce([1.0, 2.0])
+    with pytest.raises(hvd.HpcdlError, match=r"root_rank=\d+ is not a rank"):
+        hvd.broadcast(torch.ones(2), hvd.size())
+    usable()
+
+
+def test_names_that_differ_stall_and_end_in_an_error_on_every_rank():
+    hvd.init(config=hvd.Config(stall_check_time_seconds=0.5, stall_shutdown_time_seconds=1.5))
+    r = hvd.rank()
+    t0 = time.monotonic()
+    with pytest.raises(hvd.HpcdlError) as info:
+        hvd.allreduce(torch.ones(2), name=f"named-by-rank-{r}")
+    msg = str(info.value)
+    assert "HPCDL_STALL_SHUTDOWN_TIME_SECONDS" in msg
+    for q in range(hvd.size()):  # every rank's name, with the ranks missing it
+        others = [p for p in range(hvd.size()) if p != q]
+        assert f"'named-by-rank-{q}' submitted by ranks [{q}], missing on ranks {others}" in msg
+    assert time.monotonic() - t0 < 30
+    with pytest.raises(hvd.HpcdlError, match="stalled"):  # the engine has stopped everywhere
+        usable()
+    hvd.shutdown()
+    hvd.init()
+    usable()
+
+
+def test_a_rank_that_never_submits_is_reported_then_shut_down(caplog):
+    hvd.init(config=hvd.Config(stall_check_time_seconds=0.3, stall_shutdown_time_seconds=1.5))
+    r = hvd.rank()
+    caplog.set_level(logging.WARNING, logger="hpcdl")
+    if r != 1:
+        with pytest.raises(hvd.HpcdlError, match=r"'lonely' submitted by ranks \[0.*missing on ranks \[1\]"):
+            hvd.allreduce(torch.ones(2), name="lonely")
+    else:
+        time.sleep(3.0)  # rank 1 never submits; its engine still takes part in the cycles
+        with pytest.raises(hvd.HpcdlError, match="'lonely'.*missing on ranks \\[1\\]"):
+            hvd.allreduce(torch.ones(2), name="other")
+    if r == 0:
+        warnings = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
+        assert any("'lonely' submitted by ranks" in w and "missing on ranks [1]" in w for w in warnings)
+
+
+def test_a_late_rank_is_only_logged_without_a_shutdown_time(caplog):
+    hvd.init(config=hvd.Config(stall_check_time_seconds=0.3))
+    caplog.set_level(logging.WARNING, logger="hpcdl")
+    if hvd.rank() == 1:
+        time.sleep(1.5)
+    out = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="late")
+    assert torch.equal(out, torch.full((2,), float(hvd.size())))
+    if hvd.rank() == 0:
+        assert any("'late' submitted by ranks" in rec.getMessage() for rec in caplog.records)
+
+
+def test_shutdown_on_one_rank_fails_the_others_pending_requests():
+    hvd.init()
+    if hvd.rank() == 1:
+        hvd.shutdown()
+    else:
+        with pytest.raises(hvd.HpcdlError, match="shut down by rank 1"):
+            hvd.allreduce(torch.ones(2), name="never")
+    with pytest.raises((hvd.HpcdlError, ValueError)):
+        hvd.allreduce(torch.ones(2))
+
+
+def test_timeline_has_every_ranks_events(tmp_path):
+    path = WORLD.bcast(str(tmp_path / "timeline.json"))
+    hvd.init()
+    hvd.start_timeline(path, mark_cycles=True)
+    handles = [hvd.allreduce_async(torch.ones(10 + k), name=f"t.{k}") for k in range(6)]
+    for h in handles:
+        hvd.synchronize(h)
+    hvd.allgather(torch.ones(hvd.rank() + 1, 2), name="gathered")
+    hvd.broadcast(torch.ones(3), 0, name="sent")
+    hvd.stop_timeline()
+    if hvd.rank() == 0:
+        doc = json.load(open(path))
+        events = doc["traceEvents"]
+        spans = [e for e in events if e["ph"] == "X"]
+        assert {e["pid"] for e in spans} == set(range(hvd.size()))
+        for rank in range(hvd.size()):
+            names = {e["name"] for e in spans if e["pid"] == rank}
+            assert {"QUEUE", "NEGOTIATE_ALLREDUCE", "ALLREDUCE", "ALLGATHER", "BROADCAST"} <= names
+            rows = [e for e in events if e["ph"] == "M" and e["pid"] == rank and e["name"] == "process_name"]
+            assert rows[0]["args"]["name"] == f"rank {rank}"
+        algs = {e["args"]["algorithm"] for e in spans if e["name"] == "ALLREDUCE"}
+        assert algs and all(isinstance(a, str) and a for a in algs)
+        assert any(e["name"] == "CYCLE_START" for e in events)
+    usable()
+
+
+def test_timeline_from_the_config_is_written_at_shutdown(tmp_path):
+    path = WORLD.bcast(str(tmp_path / "env-timeline.json"))
+    hvd.init(config=hvd.Config(timeline=path, fusion_threshold=1 << 20))
+    handles = [hvd.allreduce_async(torch.ones(100), name=f"f.{k}") for k in range(8)]
+    for h in handles:
+        hvd.synchronize(h)
+    hvd.shutdown()
+    WORLD.Barrier()
+    if WORLD.rank == 0:
+        spans = [e for e in json.load(open(path))["traceEvents"] if e["ph"] == "X"]
+        assert {e["pid"] for e in spans} == set(range(WORLD.size))
+        fused = [e for e in spans if e["name"] == "ALLREDUCE" and e["args"].get("fused", 1) > 1]
+        assert fused, "eight small tensors submitted together should share a fusion buffer"
+        assert any(e["name"] == "MEMCPY_IN_FUSION_BUFFER" for e in spans)
+
+
+def test_configuration_errors_are_specific():
+    with pytest.raises(hvd.HpcdlError, match="did you mean HPCDL_FUSION_THRESHOLD"):
+        hvd.config.load_config({"HPCDL_FUSION_THRESHOLDS": "1"})
+    with pytest.raises(hvd.HpcdlError, match="HPCDL_CYCLE_TIME='fast' is not a float"):
+        hvd.config.load_config({"HPCDL_CYCLE_TIME": "fast"})
+    with pytest.raises(hvd.HpcdlError, match="HPCDL_STALL_CHECK_DISABLE='maybe' is not one of"):
+        hvd.config.load_config({"HPCDL_STALL_CHECK_DISABLE": "maybe"})
+    with pytest.raises(hvd.HpcdlError, match="stall_shutdown_time_seconds=-1"):
+        hvd.Config(stall_shutdown_time_seconds=-1)
+    cfg = hvd.config.load_config(
+        {"HPCDL_CYCLE_TIME": "2.5", "HPCDL_TIMELINE": "/tmp/x.json", "HPCDL_RANKS_PER_NODE": "0"}
+    )
+    assert (cfg.cycle_time, cfg.timeline) == (2.5, "/tmp/x.json")
+    # a bad environment on one rank only: every rank's init raises, naming it
+    with pytest.raises(hvd.HpcdlError, match="rank 1: init"):
+        hvd.init(config="not a config" if WORLD.rank == 1 else None)
+    assert not hvd.is_initialized()

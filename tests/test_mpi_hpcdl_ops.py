@@ -1,0 +1,403 @@
+"""hpcdl's torch collectives under mpiexec -n 1..4: every form against a local expectation,
+autograd against the analytic gradient, process sets, join, the helpers, SyncBatchNorm.
+
+Every rank builds every rank's input from a shared seed, so each expectation is computed
+locally with plain torch, another way than the collective under test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mpi4py import MPI
+
+import hpcdl as hvd
+
+pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.timeout(120)]
+
+WORLD = MPI.COMM_WORLD
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+INTS = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8]
+TOL = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-5, torch.float64: 1e-12}
+
+
+@pytest.fixture(autouse=True)
+def _runtime():
+    hvd.init()
+    yield
+    hvd.shutdown()
+
+
+def data(r: int, shape, dtype, seed: int = 0) -> torch.Tensor:
+    """Rank ``r``'s input: small values, exact in every dtype (sums of 4 stay in int8)."""
+    g = torch.Generator().manual_seed(seed * 1000 + r)
+    if dtype.is_floating_point:
+        return torch.randint(-8, 9, shape, generator=g).to(dtype) / 4
+    lo = 0 if dtype == torch.uint8 else -8
+    return torch.randint(lo, 9, shape, generator=g).to(dtype)
+
+
+def everyone(shape, dtype, seed=0):
+    return [data(r, shape, dtype, seed) for r in range(hvd.size())]
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    tol = TOL.get(a.dtype, 0)
+    torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol)
+
+
+def expected_reduce(xs, op):
+    stack = torch.stack([x.double() for x in xs])
+    if op == hvd.Sum:
+        out = stack.sum(0)
+    elif op == hvd.Average:
+        out = stack.sum(0) / len(xs)
+        if not xs[0].dtype.is_floating_point:
+            out = torch.trunc(out)
+    elif op == hvd.Min:
+        out = stack.min(0).values
+    elif op == hvd.Max:
+        out = stack.max(0).values
+    else:
+        out = stack.prod(0)
+    return out.to(xs[0].dtype)
+
+
+# -- allreduce ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", FLOATS + INTS, ids=str)
+@pytest.mark.parametrize("op", [hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product], ids=lambda o: o.name)
+def test_allreduce_every_op_and_dtype(dtype, op):
+    if op == hvd.Product and dtype in (torch.int8, torch.uint8):
+        pytest.skip("products of 4 ranks overflow 8 bits")
+    xs = everyone((3, 5), dtype)
+    me = xs[hvd.rank()].clone()
+    want = expected_reduce(xs, op)
+    close(hvd.allreduce(me, op=op, name=f"ar.{dtype}.{op.name}"), want)
+    assert torch.equal(me, xs[hvd.rank()])  # out of place: input untouched
+
+
+def test_allreduce_four_forms_and_scale_factors():
+    r = hvd.rank()
+    xs = everyone((4, 3), torch.float64, seed=1)
+    want = expected_reduce(xs, hvd.Sum)
+    close(hvd.allreduce(xs[r], op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0), want * 1.5)
+    close(hvd.allreduce(xs[r], average=False), want)  # Horovod's deprecated argument
+    t = xs[r].clone()
+    assert hvd.allreduce_(t, op=hvd.Sum) is t
+    close(t, want)
+    h = hvd.allreduce_async(xs[r], op=hvd.Average, name="async")
+    close(hvd.synchronize(h), want / hvd.size())
+    t = xs[r].clone()
+    h = hvd.allreduce_async_(t, op=hvd.Max)
+    while not hvd.poll(h):
+        pass
+    assert hvd.synchronize(h) is t
+    close(t, expected_reduce(xs, hvd.Max))
+    with pytest.raises(hvd.HpcdlError, match="unknown handle"):
+        hvd.synchronize(h)
+
+
+def test_allreduce_non_contiguous_in_place():
+    r = hvd.rank()
+    base = everyone((6, 4), torch.float32, seed=2)
+    t = base[r].clone().t()  # a transposed view: not contiguous
+    assert not t.is_contiguous()
+    hvd.allreduce_(t, op=hvd.Sum)
+    close(t, expected_reduce(base, hvd.Sum).t())
+
+
+def test_many_small_tensors_fuse_and_stay_correct():
+    # submitted together before any synchronize: the engine packs them into one buffer
+    r = hvd.rank()
+    shapes = [(k + 1,) for k in range(40)] + [(3, 7), (0,), (1,)]
+    xs = [everyone(s, torch.float32, seed=10 + i) for i, s in enumerate(shapes)]
+    handles = [hvd.allreduce_async(x[r], op=hvd.Sum, name=f"fuse.{i}") for i, x in enumerate(xs)]
+    for h, x in zip(handles, xs, strict=True):
+        close(hvd.synchronize(h), expected_reduce(x, hvd.Sum))
+    outs = hvd.grouped_allreduce([x[r] for x in xs], op=hvd.Average, name="grouped")
+    for o, x in zip(outs, xs, strict=True):
+        close(o, expected_reduce(x, hvd.Average))
+    ts = [x[r].clone() for x in xs[:5]]
+    assert hvd.grouped_allreduce_(ts, op=hvd.Sum) == ts
+    for t, x in zip(ts, xs[:5], strict=True):
+        close(t, expected_reduce(x, hvd.Sum))
+
+
+def test_steady_state_uses_the_response_cache():
+    r = hvd.rank()
+    engine = hvd.basics._st().engine
+    xs = everyone((8,), torch.float32, seed=3)
+    for _ in range(5):
+        close(hvd.allreduce(xs[r], name="cached", op=hvd.Sum), expected_reduce(xs, hvd.Sum))
+    descs = [d for d in engine.cache if d[0] == "cached"]
+    assert len(descs) == 1  # one signature, remembered after the first negotiation
+
+
+def test_compression_fp16_and_bf16_stay_within_their_precision():
+    r = hvd.rank()
+    xs = [torch.randn(100, dtype=torch.float32, generator=torch.Generator().manual_seed(q)) for q in range(hvd.size())]
+    want = torch.stack(xs).mean(0)
+    for comp, tol in ((hvd.Compression.fp16, 2e-3), (hvd.Compression.bf16, 2e-2)):
+        out = hvd.allreduce(xs[r], compression=comp)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, want, rtol=tol, atol=tol)
+    assert hvd.Compression.none.compress(xs[r])[0] is xs[r]
+
+
+# -- allgather, broadcast, alltoall, reducescatter ----------------------------------------------
+@pytest.mark.parametrize("dtype", [*FLOATS, *INTS, torch.bool], ids=str)
+def test_allgather_uneven_rows(dtype):
+    n, r = hvd.size(), hvd.rank()
+    xs = [data(q, (q + 1, 2), dtype if dtype != torch.bool else torch.int8, seed=4) for q in range(n)]
+    if dtype == torch.bool:
+        xs = [x > 0 for x in xs]
+    out = hvd.allgather(xs[r])
+    assert torch.equal(out, torch.cat(xs))
+    h = hvd.allgather_async(xs[r][:0] if r == 0 else xs[r])
+    assert torch.equal(hvd.synchronize(h), torch.cat([xs[q] for q in range(1, n)] or [xs[0][:0]]))
+    outs = hvd.grouped_allgather([xs[r], xs[r] * 1 if dtype != torch.bool else xs[r]])
+    assert all(torch.equal(o, torch.cat(xs)) for o in outs)
+
+
+@pytest.mark.parametrize("dtype", [*FLOATS, *INTS, torch.bool], ids=str)
+def test_broadcast_forms(dtype):
+    n, r = hvd.size(), hvd.rank()
+    root = n - 1
+    xs = everyone((2, 3), dtype if dtype != torch.bool else torch.int8, seed=5)
+    if dtype == torch.bool:
+        xs = [x > 0 for x in xs]
+    assert torch.equal(hvd.broadcast(xs[r], root), xs[root])
+    t = xs[r].clone()
+    assert hvd.broadcast_(t, 0) is t and torch.equal(t, xs[0])
+    assert torch.equal(hvd.synchronize(hvd.broadcast_async(xs[r], root)), xs[root])
+    t = xs[r].clone()
+    hvd.synchronize(hvd.broadcast_async_(t, root))
+    assert torch.equal(t, xs[root])
+
+
+def test_alltoall_with_and_without_splits():
+    n, r = hvd.size(), hvd.rank()
+
+    # rank q sends (q + j) % 3 rows to rank j, each row tagged with (sender, receiver)
+    def rows(q):
+        sp = [(q + j) % 3 for j in range(n)]
+        t = torch.cat([torch.tensor([[q, j]] * s, dtype=torch.float32).reshape(s, 2) for j, s in enumerate(sp)])
+        return t, sp
+
+    t, sp = rows(r)
+    out, received = hvd.alltoall(t, splits=sp)
+    assert received.tolist() == [(q + r) % 3 for q in range(n)]
+    assert torch.equal(out, torch.cat([rows(q)[0][rows(q)[0][:, 1] == r] for q in range(n)]))
+    even = torch.arange(2 * n, dtype=torch.int32) + 100 * r
+    got = hvd.alltoall(even)
+    assert got.tolist() == [100 * q + 2 * r + k for q in range(n) for k in range(2)]
+    out2, rec2 = hvd.synchronize(hvd.alltoall_async(t, splits=torch.tensor(sp)))
+    assert torch.equal(out2, out) and torch.equal(rec2, received)
+
+
+@pytest.mark.parametrize("rows", [4, 7])
+@pytest.mark.parametrize("op", [hvd.Sum, hvd.Average, hvd.Max], ids=lambda o: o.name)
+def test_reducescatter_even_and_uneven_rows(rows, op):
+    n, r = hvd.size(), hvd.rank()
+    xs = everyone((rows, 3), torch.float64, seed=6)
+    full = expected_reduce(xs, op)
+    counts = [rows // n + (1 if q < rows % n else 0) for q in range(n)]
+    start = sum(counts[:r])
+    mine = full[start : start + counts[r]]
+    close(hvd.reducescatter(xs[r], op=op), mine)
+    close(hvd.synchronize(hvd.reducescatter_async(xs[r], op=op)), mine)
+    outs = hvd.grouped_reducescatter([xs[r], xs[r] * 2], op=op)
+    close(outs[0], mine)
+    close(outs[1], mine * 2)
+    outs = hvd.synchronize(hvd.grouped_reducescatter_async([xs[r]], op=op))
+    close(outs[0], mine)
+
+
+def test_barrier_and_one_rank_results():
+    hvd.barrier()
+    t = torch.arange(3.0)
+    if hvd.size() == 1:
+        assert torch.equal(hvd.allreduce(t), t)
+        assert torch.equal(hvd.allgather(t), t)
+
+
+# -- autograd -------------------------------------------------------------------------------------
+def test_allreduce_gradients_match_the_analytic_ones():
+    n, r = hvd.size(), hvd.rank()
+    xs = [torch.tensor([1.0 + q, -2.0 * q, 0.5 + 0.25 * q], dtype=torch.float64) for q in range(n)]
+    w = [torch.tensor([1.0, 2.0 + q, -1.0], dtype=torch.float64) for q in range(n)]  # loss_q = <w_q, y>
+    wsum = sum(w)
+    for op, grad in (
+        (hvd.Sum, lambda x: wsum),
+        (hvd.Average, lambda x: wsum / n),
+        (hvd.Max, lambda x: wsum * (x == torch.stack(xs).max(0).values)),
+        (hvd.Min, lambda x: wsum * (x == torch.stack(xs).min(0).values)),
+        (
+            hvd.Product,
+            lambda x: (
+                wsum * torch.stack([xs[q] for q in range(n) if q != r] or [torch.ones(3, dtype=torch.float64)]).prod(0)
+            ),
+        ),
+    ):
+        x = xs[r].clone().requires_grad_()
+        y = hvd.allreduce(x, op=op, prescale_factor=1.0)
+        (y * w[r]).sum().backward()
+        close(x.grad, grad(xs[r]).to(torch.float64))
+    x = xs[r].clone().requires_grad_()
+    (hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5) * w[r]).sum().backward()
+    close(x.grad, wsum)
+    xs2 = [x.clone().requires_grad_() for x in (xs[r], xs[r] * 2)]
+    ys = hvd.grouped_allreduce(xs2, op=hvd.Sum)
+    sum((y * w[r]).sum() for y in ys).backward()
+    for x in xs2:
+        close(x.grad, wsum)
+
+
+def test_allgather_broadcast_alltoall_reducescatter_gradients():
+    n, r = hvd.size(), hvd.rank()
+    # allgather: y = cat(x_q); loss_q = <W_q, y>: dL/dx_r = sum_q W_q[rows of r]
+    rows = [q + 1 for q in range(n)]
+    total = sum(rows)
+    wts = [torch.arange(total * 2, dtype=torch.float64).reshape(total, 2) * (q + 1) for q in range(n)]
+    x = torch.ones(rows[r], 2, dtype=torch.float64, requires_grad=True)
+    (hvd.allgather(x) * wts[r]).sum().backward()
+    start = sum(rows[:r])
+    close(x.grad, sum(wts)[start : start + rows[r]])
+    xg = [torch.ones(rows[r], 2, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    sum((y * wts[r]).sum() for y in hvd.grouped_allgather(xg)).backward()
+    close(xg[1].grad, sum(wts)[start : start + rows[r]])
+    # broadcast: y = x_root everywhere: the root's gradient is sum_q W_q, the others' zero
+    root = n - 1
+    vts = [torch.tensor([1.0, q + 2.0], dtype=torch.float64) for q in range(n)]
+    x = torch.tensor([3.0, 4.0], dtype=torch.float64, requires_grad=True)
+    (hvd.broadcast(x, root) * vts[r]).sum().backward()
+    close(x.grad, sum(vts) if r == root else torch.zeros(2, dtype=torch.float64))
+    # alltoall: the gradient of what this rank sent is what its receivers' losses say
+    sp = [1] * n
+    x = (torch.arange(n, dtype=torch.float64) + 10 * r).requires_grad_()
+    out, _ = hvd.alltoall(x, splits=sp)
+    (out * (torch.arange(n, dtype=torch.float64) + 1 + r)).sum().backward()
+    # element j of rank r's input went to rank j, as its row r: weight r + 1 + j
+    close(x.grad, torch.tensor([r + 1.0 + j for j in range(n)], dtype=torch.float64))
+    # reducescatter(Sum) of (2n, 2): rank i gets rows [2i, 2i+2) summed; loss_i = <U_i, y_i>
+    uts = [torch.full((2, 2), q + 1.0, dtype=torch.float64) for q in range(n)]
+    x = torch.zeros(2 * n, 2, dtype=torch.float64, requires_grad=True)
+    (hvd.reducescatter(x, op=hvd.Sum) * uts[r]).sum().backward()
+    close(x.grad, torch.cat(uts))
+    x = torch.zeros(2 * n, 2, dtype=torch.float64, requires_grad=True)
+    (hvd.reducescatter(x, op=hvd.Average) * uts[r]).sum().backward()
+    close(x.grad, torch.cat(uts) / n)
+
+
+# -- helpers --------------------------------------------------------------------------------------
+def test_broadcast_parameters_optimizer_state_and_objects():
+    r = hvd.rank()
+    torch.manual_seed(100 + r)  # different weights on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1 * (r + 1), momentum=0.9)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    flat = torch.cat([v.double().reshape(-1) for v in model.state_dict().values()])
+    states = torch.cat([s["momentum_buffer"].reshape(-1) for s in opt.state.values()])
+    every = hvd.allgather_object((flat, states, opt.param_groups[0]["lr"]))
+    for f, s, lr in every:
+        assert torch.equal(f, every[0][0]) and torch.equal(s, every[0][1])
+        assert lr == pytest.approx(0.1)
+    obj = {"rank": r, "list": list(range(r + 3))}
+    assert hvd.broadcast_object(obj, root_rank=hvd.size() - 1) == {
+        "rank": hvd.size() - 1,
+        "list": list(range(hvd.size() + 2)),
+    }
+    assert hvd.allgather_object(r * 10) == [q * 10 for q in range(hvd.size())]
+
+
+def test_sync_batch_norm_matches_batch_norm_on_the_whole_batch():
+    n, r = hvd.size(), hvd.rank()
+    g = torch.Generator().manual_seed(7)
+    full = torch.randn(3 * n, 4, 5, 5, generator=g, dtype=torch.float64)
+    dy = torch.randn(3 * n, 4, 5, 5, generator=g, dtype=torch.float64)
+    ref = torch.nn.BatchNorm2d(4).double()
+    sync = hvd.SyncBatchNorm(4).double()
+    with torch.no_grad():
+        ref.weight.copy_(torch.linspace(0.5, 2, 4))
+        sync.weight.copy_(ref.weight)
+    xr = full.clone().requires_grad_()
+    yr = ref(xr)  # once: each training-mode call moves the running statistics
+    (yr * dy).sum().backward()
+    mine = slice(3 * r, 3 * r + 3)
+    x = full[mine].clone().requires_grad_()
+    y = sync(x)
+    (y * dy[mine]).sum().backward()
+    close(y.detach(), yr.detach()[mine])
+    close(x.grad, xr.grad[mine])
+    close(sync.running_mean, ref.running_mean)
+    close(sync.running_var, ref.running_var)
+    # weight gradients are per rank (the optimizer averages them): summed they are the full one
+    close(hvd.allreduce(sync.weight.grad, op=hvd.Sum), ref.weight.grad)
+    sync.eval()
+    ref.eval()
+    close(sync(full[mine]).detach(), ref(full[mine]).detach())
+
+
+# -- process sets and join ----------------------------------------------------------------------------
+@pytest.mark.mpi(min_size=2)
+def test_process_sets():
+    n, r = hvd.size(), hvd.rank()
+    evens = hvd.add_process_set(hvd.ProcessSet(range(0, n, 2)))
+    odds = hvd.add_process_set(list(range(1, n, 2)))
+    assert evens.process_set_id != odds.process_set_id
+    mine = evens if r % 2 == 0 else odds
+    xs = everyone((3,), torch.float64, seed=8)
+    members = mine.ranks
+    out = hvd.allreduce(xs[r], op=hvd.Sum, process_set=mine)
+    close(out, sum(xs[q] for q in members))
+    assert torch.equal(hvd.allgather(xs[r][:1], process_set=mine), torch.cat([xs[q][:1] for q in members]))
+    assert torch.equal(hvd.broadcast(xs[r], 0, process_set=mine), xs[members[0]])
+    hvd.barrier(process_set=mine)
+    other = odds if mine is evens else evens
+    with pytest.raises(hvd.HpcdlError, match="not a member"):
+        hvd.allreduce(xs[r], process_set=other)
+    assert mine.rank() == members.index(r) and mine.included() and not other.included()
+    # the global set still works alongside
+    close(hvd.allreduce(xs[r], op=hvd.Sum), expected_reduce(xs, hvd.Sum))
+    assert hvd.remove_process_set(evens) and hvd.remove_process_set(odds)
+    assert evens.process_set_id is None
+
+
+@pytest.mark.mpi(min_size=2)
+def test_process_set_with_different_ranks_raises_on_every_rank():
+    ranks = [0, 1] if hvd.rank() == 0 else [0, hvd.size() - 1] if hvd.size() > 2 else [1]
+    with pytest.raises(hvd.HpcdlError, match="ranks disagree.*ranks differs"):
+        hvd.add_process_set(ranks)
+    close(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(hvd.size())))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_init_registers_process_sets():
+    hvd.shutdown()
+    ps = hvd.ProcessSet([0, 1])
+    hvd.init(process_sets=[ps])
+    if hvd.rank() < 2:
+        close(hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=ps), torch.full((1,), 2.0))
+    hvd.barrier()  # a rank that shuts down ends the job for every rank: wait for the others
+
+
+@pytest.mark.mpi(min_size=2)
+def test_join_with_uneven_work():
+    n, r = hvd.size(), hvd.rank()
+    steps = r + 1  # rank r has r + 1 batches
+    results = []
+    for s in range(steps):
+        results.append(hvd.allreduce(torch.full((2,), float(r + 1)), op=hvd.Sum, name=f"step.{s}"))
+        results.append(hvd.allgather(torch.full((1,), float(r)), name=f"gather.{s}"))
+    last = hvd.join()
+    assert last == n - 1  # the rank with the most work joins last
+    for s in range(steps):
+        active = [q for q in range(n) if q + 1 > s]  # ranks that still had batch s
+        close(results[2 * s], torch.full((2,), float(sum(q + 1 for q in active))))
+        assert results[2 * s + 1].tolist() == [float(q) for q in active]
+    # the runtime is usable afterwards, with everyone back
+    close(hvd.allreduce(torch.ones(1), op=hvd.Sum), torch.full((1,), float(n)))
