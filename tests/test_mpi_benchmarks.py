@@ -169,3 +169,20 @@ def test_profile_reports_on_rank_zero_only(coll):
         assert "tottime" in text and "us per call unprofiled" in text
     else:
         assert text == ""
+
+
+def test_torch_allreduce_benchmark_measures_every_contender():
+    import hpcdl
+    from benchmarks import torch_allreduce
+
+    hpcdl.init()
+    try:
+        rows = torch_allreduce.measure([4, 4096], rounds=1, iters=3)
+    finally:
+        hpcdl.shutdown()
+    assert [r["size"] for r in rows] == [4, 4096]
+    for r in rows:
+        assert set(r["us"]) == set(torch_allreduce.CONTENDERS)
+        assert all(v > 0 for v in r["us"].values())
+    text = torch_allreduce.report(rows, WORLD.size)
+    assert "4 KiB" in text.splitlines()[-1] and "ratio" in text

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
+import tempfile
 import time
 
 import pytest
@@ -162,8 +165,18 @@ def test_shutdown_on_one_rank_fails_the_others_pending_requests():
         hvd.allreduce(torch.ones(2))
 
 
-def test_timeline_has_every_ranks_events(tmp_path):
-    path = WORLD.bcast(str(tmp_path / "timeline.json"))
+@pytest.fixture
+def shared_dir():
+    """A temporary directory named by rank 0 (every rank's pytest tmp_path would race)."""
+    path = WORLD.bcast(tempfile.mkdtemp() if WORLD.rank == 0 else None)
+    yield path
+    WORLD.Barrier()
+    if WORLD.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_timeline_has_every_ranks_events(shared_dir):
+    path = os.path.join(shared_dir, "timeline.json")
     hvd.init()
     hvd.start_timeline(path, mark_cycles=True)
     handles = [hvd.allreduce_async(torch.ones(10 + k), name=f"t.{k}") for k in range(6)]
@@ -188,8 +201,8 @@ def test_timeline_has_every_ranks_events(tmp_path):
     usable()
 
 
-def test_timeline_from_the_config_is_written_at_shutdown(tmp_path):
-    path = WORLD.bcast(str(tmp_path / "env-timeline.json"))
+def test_timeline_from_the_config_is_written_at_shutdown(shared_dir):
+    path = os.path.join(shared_dir, "env-timeline.json")
     hvd.init(config=hvd.Config(timeline=path, fusion_threshold=1 << 20))
     handles = [hvd.allreduce_async(torch.ones(100), name=f"f.{k}") for k in range(8)]
     for h in handles:

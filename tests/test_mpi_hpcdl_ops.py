@@ -176,6 +176,22 @@ def test_broadcast_forms(dtype):
     assert torch.equal(t, xs[root])
 
 
+@pytest.mark.parametrize("dtype", [*FLOATS, *INTS, torch.bool], ids=str)
+def test_alltoall_every_dtype(dtype):
+    n, r = hvd.size(), hvd.rank()
+    xs = everyone((2 * n, 3), dtype if dtype != torch.bool else torch.int8, seed=9)
+    if dtype == torch.bool:
+        xs = [x > 0 for x in xs]
+    want = torch.cat([xs[q][2 * r : 2 * r + 2] for q in range(n)])
+    assert torch.equal(hvd.alltoall(xs[r]), want)
+    sp = [1 + (j == r) for j in range(n)]  # uneven: two rows to itself, one to the others
+    x = xs[r][: n + 1]
+    out, received = hvd.alltoall(x, splits=sp)
+    assert received.tolist() == [1 + (q == r) for q in range(n)]
+    starts = [sum(1 + (j == q) for j in range(r)) for q in range(n)]
+    assert torch.equal(out, torch.cat([xs[q][starts[q] : starts[q] + 1 + (q == r)] for q in range(n)]))
+
+
 def test_alltoall_with_and_without_splits():
     n, r = hvd.size(), hvd.rank()
 
@@ -212,6 +228,20 @@ def test_reducescatter_even_and_uneven_rows(rows, op):
     close(outs[1], mine * 2)
     outs = hvd.synchronize(hvd.grouped_reducescatter_async([xs[r]], op=op))
     close(outs[0], mine)
+
+
+@pytest.mark.parametrize("dtype", FLOATS + INTS, ids=str)
+def test_reducescatter_every_dtype(dtype):
+    n, r = hvd.size(), hvd.rank()
+    rows = 2 * n + 1
+    xs = everyone((rows, 2), dtype, seed=11)
+    for op in (hvd.Sum, hvd.Average):
+        full = expected_reduce(xs, op)
+        counts = [rows // n + (1 if q < rows % n else 0) for q in range(n)]
+        start = sum(counts[:r])
+        close(hvd.reducescatter(xs[r], op=op), full[start : start + counts[r]])
+    even = [x[: 2 * n] for x in xs]
+    close(hvd.reducescatter(even[r], op=hvd.Sum), expected_reduce(even, hvd.Sum)[2 * r : 2 * r + 2])
 
 
 def test_barrier_and_one_rank_results():
