@@ -162,7 +162,7 @@ class _Entry:
 class Engine:
     """The communication thread of one rank (see the module docstring)."""
 
-    def __init__(self, comm: MPI.Comm, config: Config, on_stop: Any = None) -> None:
+    def __init__(self, comm: MPI.Comm, config: Config) -> None:
         self.cfg = config
         self.rank, self.size = comm.rank, comm.size
         self.ecomm = comm.Dup()  # negotiation and doorbells
@@ -209,7 +209,6 @@ class Engine:
         self.bells_sent = [0] * self.size
         self.bells_got = [0] * self.size
         self.max_bell = 0
-        self.on_stop = on_stop
         self.thread = threading.Thread(target=self._main, name="hpcdl-engine", daemon=True)
         self.thread.start()
 
@@ -268,12 +267,6 @@ class Engine:
         if self.thread.is_alive():
             log.warning("hpcdl: the engine did not stop within %.0f s (another rank is not responding)", timeout)
 
-    def set_info(self, set_id: int) -> ProcessSetInfo:
-        info = self.sets.get(set_id)
-        if info is None:
-            raise HpcdlError(f"process set {set_id} is not registered (was it removed?)")
-        return info
-
     def _check_alive(self) -> None:
         if self.error is not None:
             raise self.error
@@ -295,8 +288,6 @@ class Engine:
             self._fail_all(err)
         finally:
             self._fail_all(HpcdlError("hpcdl has been shut down; call hpcdl.init() to start again"), record=False)
-            if self.on_stop is not None:
-                self.on_stop(self)
 
     def _bells(self) -> bool:
         """Drain arrived doorbells; True when some rank has started the next cycle."""
