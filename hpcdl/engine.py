@@ -55,7 +55,7 @@ log = logging.getLogger("hpcdl")
 _TAG_BELL = 17
 _H = 4  # header words of a cycle message: flags, rank clock (us), cache size, uncached count
 _F_SHUTDOWN, _F_JOIN = 1, 2
-_POLL_MIN, _POLL_MAX, _HOT = 50e-6, 2e-3, 0.05
+_POLL_MIN, _POLL_MAX, _HOT = 200e-6, 2e-3, 0.05
 
 #: the compared fields of each kind's signature, for error messages
 SIG_FIELDS: dict[str, tuple[str, ...]] = {
