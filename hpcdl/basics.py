@@ -65,9 +65,18 @@ class _State:
         self.handles: dict[int, Any] = {}
         self.next_handle = 1
         self.counters: dict[tuple[str, int], int] = {}
+        self.process_sets: list[Any] = []  # registered ProcessSet objects (ids reset at shutdown)
 
 
 _state: _State | None = None
+_AGREED = (
+    "fusion_threshold",
+    "cache_capacity",
+    "stall_check_disable",
+    "stall_check_time_seconds",
+    "stall_shutdown_time_seconds",
+)
+"""Config fields that steer decisions every rank's engine must make alike."""
 _lock = threading.Lock()
 
 
@@ -117,22 +126,32 @@ def init(
                 ranks = _rank_list(comm)
             except HpcdlError as exc:
                 problem = str(exc)
+        agreed = None
+        if problem is None:
+            agreed = {f: getattr(config, f) for f in _AGREED}
         sets = None
         if problem is None and process_sets:
             try:
                 sets = [sorted(int(r) for r in getattr(ps, "ranks", ps)) for ps in process_sets]
             except (TypeError, ValueError):
                 problem = f"init(process_sets=...) takes ProcessSet objects or rank lists, not {process_sets!r}"
-        said = base.allgather((problem, ranks, sets))
-        bad = [f"rank {r}: {p}" for r, (p, _, _) in enumerate(said) if p is not None]
+        said = base.allgather((problem, ranks, sets, agreed))
+        bad = [f"rank {r}: {p}" for r, (p, _, _, _) in enumerate(said) if p is not None]
         if bad:
             raise HpcdlError("init failed: " + "; ".join(bad))
-        differ = [r for r, (_, other, _) in enumerate(said) if other != said[0][1]]
+        differ = [r for r, (_, other, _, _) in enumerate(said) if other != said[0][1]]
         if differ:
             raise HpcdlError(f"init(comm=<ranks>): ranks {differ} passed a different list than rank 0")
-        differ = [r for r, (_, _, other) in enumerate(said) if other != said[0][2]]
+        differ = [r for r, (_, _, other, _) in enumerate(said) if other != said[0][2]]
         if differ:
             raise HpcdlError(f"init(process_sets=...): ranks {differ} passed different process sets than rank 0")
+        for f in _AGREED:
+            values = {r: a[f] for r, (_, _, _, a) in enumerate(said)}
+            if len(set(values.values())) > 1:
+                raise HpcdlError(
+                    f"init: every rank needs the same {f} (HPCDL_{f.upper()}); got "
+                    + ", ".join(f"{v!r} on rank {r}" for r, v in values.items())
+                )
         comm, owned = base, False
         if listed:
             if base.rank not in ranks:
@@ -175,6 +194,8 @@ def shutdown() -> None:
         return
     if st.engine is not None:
         st.engine.stop()
+    for ps in st.process_sets:  # their ids mean nothing to a later init
+        ps.process_set_id = None
     if st.owned:
         st.comm.Free()
 

@@ -241,8 +241,10 @@ class Engine:
                     self.urgent = True
                     self.cv.notify()
             while not req.event.wait(0.5):
-                if not self.thread.is_alive():  # stopped without reaching it: never will
-                    self._fail_all(self.error or HpcdlError("hpcdl's engine has stopped"))
+                if not self.thread.is_alive() and not req.event.is_set():  # stopped without reaching it
+                    err = self.error or HpcdlError("hpcdl's engine has stopped")
+                    self._fail_all(err)
+                    req.finish(exc=err)
         if req.exc is not None:
             raise req.exc
         return req.result
@@ -340,6 +342,8 @@ class Engine:
             if self.join_req is not None and not self.join_sent:
                 flags |= _F_JOIN
                 self.join_sent = True
+            for req in new:
+                self.mine[req.name] = req
         if self.tl is not None:
             self.tl.cycle(self.done + 1, t_start)
         # negotiate: cached requests as bits, the rest as descriptors
@@ -362,9 +366,6 @@ class Engine:
         if (table[:, 2] != len(self.cache)).any():
             raise RuntimeError(f"response caches differ between ranks: sizes {table[:, 2].tolist()}")
         now_ref = int(table[0, 1])
-        with self.cv:
-            for req in new:
-                self.mine[req.name] = req
         for r in range(self.size):
             ids = np.flatnonzero(np.unpackbits(table[r, _H:].view(np.uint8), bitorder="little"))
             for d in [self.cache[i] for i in ids] + lists[r]:
@@ -428,7 +429,9 @@ class Engine:
                     open_batch[key] = (group, nbytes)
                     continue
             plan.append([item])
-        for group in plan:
+        # a process set is removed only after this cycle's other requests, which may use it
+        last = [g for g in plan if next(iter(g[0][1].descs.values()))[1] == "remove_process_set"]
+        for group in [g for g in plan if g not in last] + last:
             self._execute(group, t_now)
 
     def _judge(self, name: str, ent: _Entry) -> str | None:
@@ -478,6 +481,9 @@ class Engine:
                 if d not in self.cache_ids and len(self.cache) < self.cfg.cache_capacity:
                     self.cache_ids[d] = len(self.cache)
                     self.cache.append(d)
+        if info is None:  # removed while this was in flight (every rank alike)
+            self._finish(reqs, exc=HpcdlError(f"{kind} '{group[0][0]}': process set {set_id} was removed"))
+            return
         if not member and kind not in ("add_process_set", "remove_process_set", "start_timeline", "stop_timeline"):
             return
         try:
@@ -590,9 +596,9 @@ class Engine:
         d0 = next(iter(ent.descs.values()))
         dtype, shape, root = _DTYPES[d0[3][0]], d0[3][1], d0[3][2]
         out = req.out if req is not None else np.empty(shape, dtype)
-        src = req.x if req is not None and info.ranks.index(self.rank) == root else out
+        src = req.x if req is not None and self.rank == root else out
         t0 = time.perf_counter()
-        collectives.broadcast(src, root, out=out, comm=info.comm)
+        collectives.broadcast(src, info.ranks.index(root), out=out, comm=info.comm)
         alg = self._alg(info.comm, "broadcast", out.nbytes)
         self._span([req], "BROADCAST", t0, algorithm=alg, bytes=int(out.nbytes))
         return out

@@ -65,8 +65,10 @@ def broadcast_optimizer_state(
 def broadcast_object(
     obj: Any, root_rank: int = 0, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> Any:
-    """Return ``root_rank``'s ``obj`` (pickled there, unpickled everywhere) on every rank."""
-    name = name or type(obj).__name__
+    """Return ``root_rank``'s ``obj`` (pickled there, unpickled everywhere) on every rank.
+    Unnamed calls are numbered in call order (not named after the object's type, which
+    differs when the other ranks pass None)."""
+    name = name or _unnamed("broadcast_object", process_set)
     if _my_rank(process_set) == root_rank:
         buf = io.BytesIO()
         torch.save(obj, buf, pickle_protocol=pickle.HIGHEST_PROTOCOL)
@@ -83,7 +85,7 @@ def broadcast_object(
 
 def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
     """Return the list of every rank's ``obj``, in rank order, on every rank."""
-    name = name or type(obj).__name__
+    name = name or _unnamed("allgather_object", process_set)
     buf = io.BytesIO()
     torch.save(obj, buf, pickle_protocol=pickle.HIGHEST_PROTOCOL)
     data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
@@ -97,6 +99,15 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
 
 
 def _my_rank(process_set: ProcessSet) -> int:
+    """This rank's global rank (broadcast roots are global ranks, as in Horovod)."""
     from . import basics
 
-    return process_set.rank() if process_set.process_set_id else basics.rank()
+    return basics.rank()
+
+
+def _unnamed(kind: str, process_set: ProcessSet) -> str:
+    from .ops import _name, _rt
+    from .process_sets import _set_id
+
+    sid = _set_id(process_set)
+    return _name(_rt(), kind, sid, None)

@@ -5,8 +5,9 @@
 Every call becomes a named request to the background engine (unnamed calls are numbered
 per kind and process set, so ranks calling in the same order match). CPU tensors reach
 the array layer without a copy when contiguous (bfloat16 and bool through a view of the
-same memory). Problems with the arguments (an unsupported dtype, a bad root) travel with
-the request, so they raise on every rank, not only where they were made.
+same memory). Problems with the arguments (an unsupported dtype or op, a bad root) travel
+with the request, so they raise on every rank, not only where they were made; passing
+something that is not a tensor raises ``TypeError`` at once, before a name is taken.
 """
 
 from __future__ import annotations
@@ -198,19 +199,34 @@ def synchronize(handle: int) -> Any:
     return hd.post(results)
 
 
-def _op_of(op: Any, average: bool | None) -> ReduceOp:
+def _op_of(op: Any, average: bool | None) -> Any:
+    """The ReduceOp, or the text of what is wrong with it (sent with the request, so that
+    every rank raises, not only this one)."""
+    if isinstance(op, str):  # already a problem
+        return op
     if average is not None:
         if op is not None:
-            raise ValueError("pass op= or the deprecated average=, not both")
+            return "pass op= or the deprecated average=, not both"
         return Average if average else Sum
     op = Average if op is None else op
     try:
         op = ReduceOp(op)
     except ValueError:
-        raise ValueError(f"op={op!r} is not one of hpcdl.Average, Sum, Min, Max, Product") from None
+        return f"op={op!r} is not one of hpcdl.Average, Sum, Min, Max, Product"
     if op == Adasum:
-        raise HpcdlError("op=Adasum is not supported by hpcdl; use Average or Sum")
+        return "op=Adasum is not supported by hpcdl; use Average or Sum"
     return op
+
+
+def _tensors(tensors: Any, what: str) -> list[torch.Tensor]:
+    """Check (before any name is taken) that ``tensors`` is a non-empty list of tensors."""
+    ts = list(tensors)
+    if not ts:
+        raise ValueError(f"{what} needs at least one tensor")
+    for t in ts:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what} takes torch.Tensor arguments, not {type(t).__name__}")
+    return ts
 
 
 def _scales(t: torch.Tensor, pre: float, post: float) -> str | None:
@@ -232,10 +248,12 @@ def _allreduce_reqs(
     kind_name: str,
 ) -> tuple[list[Request], list[torch.Tensor], list[Callable[[], None]]]:
     reqs, outs, fixups = [], [], []
+    tensors = _tensors(tensors, kind_name)
     base = _name(st, "allreduce", sid, name)
+    bad_op = op if isinstance(op, str) else None
     for i, t in enumerate(tensors):
         src = _source(t, kind_name)
-        problem = _check(src, "allreduce", _REDUCIBLE) or _scales(src, pre, post)
+        problem = bad_op or _check(src, "allreduce", _REDUCIBLE) or _scales(src, pre, post)
         if inplace and src.data_ptr() == t.data_ptr():
             out = src  # t itself: contiguous
         else:
@@ -247,7 +265,7 @@ def _allreduce_reqs(
             base if len(tensors) == 1 else f"{base}.{i}",
             "allreduce",
             sid,
-            (_dtype_name(src), tuple(src.shape), _OP_NAMES[op], float(pre), float(post)),
+            (_dtype_name(src), tuple(src.shape), _OP_NAMES.get(op, "invalid"), float(pre), float(post)),
             error=problem,
             x=x,
             out=_np(out) if problem is None else None,
@@ -332,10 +350,13 @@ class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, op, pre, post, name, process_set):
         ctx.op, ctx.pre, ctx.post, ctx.process_set = op, pre, post, process_set
-        out = synchronize(_allreduce_async(tensor, None, name, op, pre, post, process_set, False))
-        if op in (Min, Max, Product):
-            ctx.save_for_backward(tensor, out)
-        return out
+        if op in (Sum, Average):
+            return synchronize(_allreduce_async(tensor, None, name, op, pre, post, process_set, False))
+        # z = op_r(pre * x_r) unscaled, y = post * z: the backward needs z and pre * x exactly
+        scaled = tensor * pre if pre != 1.0 else tensor
+        z = synchronize(_allreduce_async(scaled, None, name, op, 1.0, 1.0, process_set, False))
+        ctx.save_for_backward(scaled, z)
+        return z * post if post != 1.0 else z
 
     @staticmethod
     def backward(ctx, grad):
@@ -343,15 +364,15 @@ class _Allreduce(torch.autograd.Function):
         if op in (Sum, Average):
             g = synchronize(_allreduce_async(grad, None, None, op, ctx.pre, ctx.post, ps, False))
         else:
-            x, y = ctx.saved_tensors
+            scaled, z = ctx.saved_tensors
             total = synchronize(_allreduce_async(grad, None, None, Sum, 1.0, 1.0, ps, False))
             if op == Product:
-                everyone = synchronize(allgather_async(x.unsqueeze(0), process_set=ps))
+                everyone = synchronize(allgather_async(scaled.unsqueeze(0), process_set=ps))
                 me = ps.rank() if ps.process_set_id else basics.rank()
                 others = torch.cat([everyone[:me], everyone[me + 1 :]])
                 g = total * others.prod(dim=0)
             else:
-                g = total * (x == y).to(grad.dtype)
+                g = total * (scaled == z).to(grad.dtype)
             g = g * (ctx.pre * ctx.post)
         return g, None, None, None, None, None
 
@@ -383,8 +404,6 @@ def _grouped_allreduce_async(tensors, average, name, op, pre, post, process_set,
     st = _rt()
     op = _op_of(op, average)
     sid = _set_id(process_set)
-    if not tensors:
-        raise ValueError("grouped_allreduce needs at least one tensor")
     reqs, outs, fixups = _allreduce_reqs(st, list(tensors), name, op, pre, post, sid, inplace, "grouped_allreduce")
     return _handle(st, reqs, _post_outs(outs, fixups, False))
 
@@ -475,6 +494,7 @@ def grouped_allreduce(
 # -- allgather -----------------------------------------------------------------------------
 def _allgather_reqs(st, tensors, name, sid, what):
     reqs = []
+    tensors = _tensors(tensors, what)
     base = _name(st, "allgather", sid, name)
     for i, t in enumerate(tensors):
         src = _source(t, what)
@@ -510,8 +530,6 @@ def grouped_allgather_async(
 ) -> int:
     """Start allgathering every tensor of ``tensors``; :func:`synchronize` gives a list."""
     st = _rt()
-    if not tensors:
-        raise ValueError("grouped_allgather needs at least one tensor")
     reqs, conv = _allgather_reqs(st, list(tensors), name, _set_id(process_set), "grouped_allgather")
     return _handle(st, reqs, conv)
 
@@ -568,11 +586,12 @@ def grouped_allgather(
 def _broadcast_async(tensor, root_rank, name, process_set, inplace):
     st = _rt()
     sid = _set_id(process_set)
+    _tensors([tensor], "broadcast")
     src = _source(tensor, "broadcast")
     problem = _check(src, "broadcast", _MOVABLE)
-    n = len(process_set.ranks)
-    if problem is None and not (isinstance(root_rank, int) and 0 <= root_rank < n):
-        problem = f"root_rank={root_rank!r} is not a rank of the {n}-rank process set"
+    members = process_set.ranks
+    if problem is None and not (isinstance(root_rank, int) and root_rank in members):
+        problem = f"root_rank={root_rank!r} is not a rank of the process set (ranks {members})"
     if inplace and src.data_ptr() == tensor.data_ptr():
         out, fix = src, None
     else:
@@ -594,7 +613,8 @@ def broadcast_async(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> int:
     """Start sending ``root_rank``'s ``tensor`` to every rank; :func:`synchronize` gives a
-    new tensor with it (``root_rank`` counts within the process set)."""
+    new tensor with it (``root_rank`` is a rank of the job, as in Horovod, and must be a
+    member of ``process_set``)."""
     return _broadcast_async(tensor, root_rank, name, process_set, False)
 
 
@@ -623,10 +643,8 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ps = ctx.process_set
-        summed = synchronize(_allreduce_async(grad, None, None, Sum, 1.0, 1.0, ps, False))
-        me = ps.rank() if ps.process_set_id else basics.rank()
-        if me != ctx.root:
+        summed = synchronize(_allreduce_async(grad, None, None, Sum, 1.0, 1.0, ctx.process_set, False))
+        if basics.rank() != ctx.root:
             summed = torch.zeros_like(summed)
         return summed, None, None, None
 
@@ -649,6 +667,7 @@ def alltoall_async(
     default an even split); :func:`synchronize` gives ``(received rows, received splits)``."""
     st = _rt()
     sid = _set_id(process_set)
+    _tensors([tensor], "alltoall")
     src = _source(tensor, "alltoall")
     problem = _check(src, "alltoall", _MOVABLE)
     if problem is None and src.dim() == 0:
@@ -700,10 +719,12 @@ def alltoall(
 # -- reducescatter -------------------------------------------------------------------------
 def _reducescatter_reqs(st, tensors, name, op, pre, post, sid, n, me, what):
     reqs, outs = [], []
+    tensors = _tensors(tensors, what)
     base = _name(st, "reducescatter", sid, name)
+    bad_op = op if isinstance(op, str) else None
     for i, t in enumerate(tensors):
         src = _source(t, what)
-        problem = _check(src, "reducescatter", _REDUCIBLE) or _scales(src, pre, post)
+        problem = bad_op or _check(src, "reducescatter", _REDUCIBLE) or _scales(src, pre, post)
         if problem is None and src.dim() == 0:
             problem = "reducescatter needs a tensor with at least one dimension"
         rows = block_counts(src.shape[0], n)[me] if src.dim() else 0
@@ -713,7 +734,7 @@ def _reducescatter_reqs(st, tensors, name, op, pre, post, sid, n, me, what):
                 base if len(tensors) == 1 else f"{base}.{i}",
                 "reducescatter",
                 sid,
-                (_dtype_name(src), tuple(src.shape), _OP_NAMES[op], float(pre), float(post)),
+                (_dtype_name(src), tuple(src.shape), _OP_NAMES.get(op, "invalid"), float(pre), float(post)),
                 error=problem,
                 x=_np(src) if problem is None else None,
                 out=_np(out) if problem is None else None,
@@ -727,8 +748,6 @@ def _rs_async(tensors, name, op, pre, post, process_set, single):
     st = _rt()
     op = _op_of(op, None)
     sid = _set_id(process_set)
-    if not tensors:
-        raise ValueError("grouped_reducescatter needs at least one tensor")
     n = len(process_set.ranks)
     me = process_set.rank() if sid else basics.rank()
     reqs, outs = _reducescatter_reqs(st, list(tensors), name, op, pre, post, sid, n, me, "reducescatter")

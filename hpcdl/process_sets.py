@@ -98,6 +98,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < n for r in ranks):
         problem = f"process set ranks {ranks} must be distinct ranks in [0, {n})"
     ps.process_set_id = _control("add_process_set", (tuple(ranks),), error=problem)
+    basics._st().process_sets.append(ps)  # shutdown unregisters it
     return ps
 
 

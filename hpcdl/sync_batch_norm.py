@@ -1,9 +1,10 @@
 """Batch normalization with statistics over every rank's batch (a drop-in for
 ``torch.nn.BatchNorm1d/2d/3d``), as Horovod's ``SyncBatchNorm``.
 
-In training, each rank reduces its per-channel count, sum and sum of squares with one
-allreduce, so every rank normalizes with the mean and variance of the global batch and
-updates the same running statistics. The backward pass reduces the two per-channel sums
+In training, each rank allgathers its per-channel count, mean and sum of squared
+deviations (float64), and every rank combines them with Chan et al.'s parallel variance
+formula (no E[x^2] - E[x]^2 cancellation), so every rank normalizes with the mean and
+variance of the global batch and updates the same running statistics. The backward pass reduces the two per-channel sums
 the input gradient needs. In evaluation it is plain batch norm with the running stats.
 """
 
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import basics
-from .ops import Sum, allreduce_async, synchronize
+from .ops import Sum, allgather_async, allreduce_async, synchronize
 from .process_sets import ProcessSet, global_process_set
 
 __all__ = ["SyncBatchNorm"]
@@ -75,20 +76,29 @@ class _SyncBN(torch.autograd.Function):
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, process_set):
         c = x.shape[1]
         dims = [0] + list(range(2, x.dim()))
+        shape = [1, c] + [1] * (x.dim() - 2)
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        count = torch.tensor([x.numel() // c], dtype=xf.dtype)
-        stats = _reduce(torch.cat([count, xf.sum(dims), (xf * xf).sum(dims)]), process_set)
-        n = stats[0]
+        k = x.numel() // c
+        mine = torch.zeros(1, 2 * c + 1, dtype=torch.float64)
+        mine[0, 0] = k
+        if k:
+            xd = xf.double()
+            m = xd.mean(dims)
+            mine[0, 1 : 1 + c] = m
+            mine[0, 1 + c :] = ((xd - m.view(shape)) ** 2).sum(dims)
+        rows = synchronize(allgather_async(mine, process_set=process_set))
+        counts, means, m2s = rows[:, :1], rows[:, 1 : 1 + c], rows[:, 1 + c :]
+        n = float(counts.sum())
         if n <= 1:
             raise ValueError(f"SyncBatchNorm needs more than 1 value per channel over all ranks, got {int(n)}")
-        mean = stats[1 : 1 + c] / n
-        var = (stats[1 + c :] / n - mean * mean).clamp_min(0)
+        mean64 = (counts * means).sum(0) / n
+        var64 = (m2s + counts * (means - mean64) ** 2).sum(0) / n
+        mean, var = mean64.to(xf.dtype), var64.to(xf.dtype)
         invstd = torch.rsqrt(var + eps)
         if running_mean is not None:
             with torch.no_grad():
                 running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
                 running_var.mul_(1 - momentum).add_((var * n / (n - 1)).to(running_var.dtype), alpha=momentum)
-        shape = [1, c] + [1] * (x.dim() - 2)
         xhat = (xf - mean.view(shape)) * invstd.view(shape)
         y = xhat
         if weight is not None:

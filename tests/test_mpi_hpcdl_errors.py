@@ -101,7 +101,10 @@ def test_adasum_and_bad_arguments():
     hvd.init()
     with pytest.raises(hvd.HpcdlError, match="Adasum is not supported"):
         hvd.allreduce(torch.ones(2), op=hvd.Adasum)
-    with pytest.raises(TypeError, match="takes a torch.Tensor"):
+    # on one rank only: it travels with the request, so every rank raises
+    with pytest.raises(hvd.HpcdlError, match="rank 1: op=Adasum is not supported"):
+        hvd.allreduce(torch.ones(2), op=hvd.Adasum if hvd.rank() == 1 else hvd.Sum, name="ada")
+    with pytest.raises(TypeError, match="takes torch.Tensor arguments"):
         hvd.allreduce([1.0, 2.0])
     with pytest.raises(hvd.HpcdlError, match=r"root_rank=\d+ is not a rank"):
         hvd.broadcast(torch.ones(2), hvd.size())
@@ -234,3 +237,12 @@ def test_configuration_errors_are_specific():
     with pytest.raises(hvd.HpcdlError, match="rank 1: init"):
         hvd.init(config="not a config" if WORLD.rank == 1 else None)
     assert not hvd.is_initialized()
+
+
+def test_engine_settings_that_steer_decisions_must_agree():
+    cfg = hvd.Config(fusion_threshold=0) if WORLD.rank == 1 else hvd.Config()
+    with pytest.raises(hvd.HpcdlError, match=r"same fusion_threshold \(HPCDL_FUSION_THRESHOLD\).*0 on rank 1"):
+        hvd.init(config=cfg)
+    assert not hvd.is_initialized()
+    hvd.init(config=hvd.Config(cycle_time=5.0 if WORLD.rank == 1 else 1.0))  # local only: fine
+    usable()

@@ -277,6 +277,16 @@ def test_allreduce_gradients_match_the_analytic_ones():
     x = xs[r].clone().requires_grad_()
     (hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5) * w[r]).sum().backward()
     close(x.grad, wsum)
+    # scale factors with Max and Product: y = 0.5 * op(3 x_q)
+    x = xs[r].clone().requires_grad_()
+    (hvd.allreduce(x, op=hvd.Max, prescale_factor=3.0, postscale_factor=0.5) * w[r]).sum().backward()
+    close(x.grad, wsum * 1.5 * (xs[r] == torch.stack(xs).max(0).values))
+    x = xs[r].clone().requires_grad_()
+    y = hvd.allreduce(x, op=hvd.Product, prescale_factor=3.0, postscale_factor=0.5)
+    close(y.detach(), 0.5 * torch.stack([3 * q for q in xs]).prod(0))
+    (y * w[r]).sum().backward()
+    others = [3 * xs[q] for q in range(n) if q != r] or [torch.ones(3, dtype=torch.float64)]
+    close(x.grad, wsum * 1.5 * torch.stack(others).prod(0))
     xs2 = [x.clone().requires_grad_() for x in (xs[r], xs[r] * 2)]
     ys = hvd.grouped_allreduce(xs2, op=hvd.Sum)
     sum((y * w[r]).sum() for y in ys).backward()
@@ -342,6 +352,8 @@ def test_broadcast_parameters_optimizer_state_and_objects():
         "list": list(range(hvd.size() + 2)),
     }
     assert hvd.allgather_object(r * 10) == [q * 10 for q in range(hvd.size())]
+    # the usual pattern: only the root has the object (the others' None has another type)
+    assert hvd.broadcast_object({"lr": 0.1} if r == 0 else None, root_rank=0) == {"lr": 0.1}
 
 
 def test_sync_batch_norm_matches_batch_norm_on_the_whole_batch():
@@ -372,6 +384,17 @@ def test_sync_batch_norm_matches_batch_norm_on_the_whole_batch():
     close(sync(full[mine]).detach(), ref(full[mine]).detach())
 
 
+def test_sync_batch_norm_statistics_do_not_cancel_on_a_large_mean():
+    # float32 around 3000: E[x^2] - E[x]^2 would lose the variance entirely
+    n, r = hvd.size(), hvd.rank()
+    full = 3000 + torch.randn(8 * n, 3, generator=torch.Generator().manual_seed(12))
+    ref, sync = torch.nn.BatchNorm1d(3), hvd.SyncBatchNorm(3)
+    want = ref(full)[8 * r : 8 * r + 8]
+    got = sync(full[8 * r : 8 * r + 8])
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(sync.running_var, ref.running_var, rtol=1e-3, atol=1e-4)
+
+
 # -- process sets and join ----------------------------------------------------------------------------
 @pytest.mark.mpi(min_size=2)
 def test_process_sets():
@@ -385,7 +408,12 @@ def test_process_sets():
     out = hvd.allreduce(xs[r], op=hvd.Sum, process_set=mine)
     close(out, sum(xs[q] for q in members))
     assert torch.equal(hvd.allgather(xs[r][:1], process_set=mine), torch.cat([xs[q][:1] for q in members]))
-    assert torch.equal(hvd.broadcast(xs[r], 0, process_set=mine), xs[members[0]])
+    # roots are ranks of the job, as in Horovod
+    assert torch.equal(hvd.broadcast(xs[r], members[-1], process_set=mine), xs[members[-1]])
+    assert torch.equal(hvd.broadcast(xs[r], members[0], process_set=mine), xs[members[0]])
+    x = xs[r].clone().requires_grad_()
+    (hvd.broadcast(x, members[-1], process_set=mine) * 2).sum().backward()
+    close(x.grad, torch.full((3,), 2.0 * len(members) if r == members[-1] else 0.0, dtype=torch.float64))
     hvd.barrier(process_set=mine)
     other = odds if mine is evens else evens
     with pytest.raises(hvd.HpcdlError, match="not a member"):
@@ -395,6 +423,23 @@ def test_process_sets():
     close(hvd.allreduce(xs[r], op=hvd.Sum), expected_reduce(xs, hvd.Sum))
     assert hvd.remove_process_set(evens) and hvd.remove_process_set(odds)
     assert evens.process_set_id is None
+    again = hvd.add_process_set([0, 1])
+    hvd.shutdown()
+    assert again.process_set_id is None  # ids mean nothing to a later init
+
+
+@pytest.mark.mpi(min_size=2)
+def test_requests_on_a_set_removed_in_the_same_cycle_still_finish():
+    hvd.shutdown()
+    hvd.init(config=hvd.Config(cycle_time=200))  # a long fusion window: both land in one cycle
+    s = hvd.add_process_set([1])
+    if hvd.rank() == 1:
+        h = hvd.allreduce_async(torch.ones(2), name="on-s", op=hvd.Sum, process_set=s)
+        hvd.remove_process_set(s)
+        assert torch.equal(hvd.synchronize(h), torch.ones(2))
+    else:
+        hvd.remove_process_set(s)
+    hvd.barrier()
 
 
 @pytest.mark.mpi(min_size=2)
@@ -431,3 +476,17 @@ def test_join_with_uneven_work():
         assert results[2 * s + 1].tolist() == [float(q) for q in active]
     # the runtime is usable afterwards, with everyone back
     close(hvd.allreduce(torch.ones(1), op=hvd.Sum), torch.full((1,), float(n)))
+
+
+@pytest.mark.mpi(min_size=3)
+def test_join_with_a_broadcast_on_a_process_set():
+    r = hvd.rank()
+    s = hvd.add_process_set([1, 2])
+    x = torch.arange(4.0) + 100
+    if r == 2:
+        # rank 1 (a member) has joined: it takes part with a receive buffer; root 2 is active
+        assert torch.equal(hvd.broadcast(x, 2, process_set=s), x)
+        with pytest.raises(hvd.HpcdlError, match="root rank 1 has joined"):
+            hvd.broadcast(x, 1, process_set=s)
+    assert hvd.join() == 2
+    hvd.remove_process_set(s)
