@@ -75,6 +75,7 @@ from .ops import (
     stop_timeline,
     synchronize,
 )
+from .optim import DistributedOptimizer
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .sync_batch_norm import SyncBatchNorm
 
@@ -144,4 +145,5 @@ __all__ = [
     "allgather_object",
     "Compression",
     "SyncBatchNorm",
+    "DistributedOptimizer",
 ]

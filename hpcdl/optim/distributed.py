@@ -1,0 +1,265 @@
+"""``DistributedOptimizer``: data-parallel training by wrapping the optimizer a script has.
+
+A hook on every parameter fires when its gradient has been accumulated. Parameters are
+grouped into buckets, size-capped and in reverse registration order (about the order
+backward produces gradients), the same on every rank; as soon as every gradient of a
+bucket is ready, the bucket's gradients are submitted to the engine as one grouped
+allreduce, in place, so communication overlaps the rest of backward. ``step()`` (or
+``synchronize()``) waits for the reductions and then runs the wrapped optimizer's own
+``step``. Buckets whose hooks did not all fire (unused parameters) are submitted then,
+with zeros for the missing gradients, so ranks never hang; a gradient missing on some
+ranks but not others is an error naming the parameter, on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+
+from .. import basics
+from ..basics import HpcdlError
+from ..compression import Compression, Compressor
+from ..ops import Average, ReduceOp, Sum, allreduce_async, grouped_allreduce_async_, synchronize
+from ..process_sets import ProcessSet, global_process_set
+
+__all__ = ["DistributedOptimizer"]
+
+_BUCKET_BYTES = 25 << 20
+
+
+class _Bucket:
+    __slots__ = ("index", "params", "names", "ready", "handle", "sent")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.params: list[torch.nn.Parameter] = []
+        self.names: list[str] = []
+        self.ready = 0
+        self.handle: int | None = None
+        self.sent: list[tuple[torch.Tensor, Any, torch.nn.Parameter]] = []
+
+
+class _DistributedMixin:
+    """Methods added in front of the wrapped optimizer's class (plain ``super()`` reaches it)."""
+
+    def _hpcdl_setup(
+        self,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None,
+        compression: type[Compressor],
+        backward_passes_per_step: int,
+        op: ReduceOp,
+        gradient_predivide_factor: float,
+        process_set: ProcessSet,
+        bucket_bytes: int,
+    ) -> None:
+        if op not in (Average, Sum):
+            raise HpcdlError(f"DistributedOptimizer: op must be hpcdl.Average or hpcdl.Sum, not {op!r}")
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise HpcdlError("DistributedOptimizer: gradient_predivide_factor needs op=Average")
+        if bucket_bytes <= 0:
+            raise HpcdlError(f"DistributedOptimizer: bucket_bytes={bucket_bytes} must be > 0")
+        params = [p for g in self.param_groups for p in g["params"]]
+        if named_parameters is None:
+            names = {p: f"param.{i}" for i, p in enumerate(params)}
+        else:
+            pairs = list(named_parameters)
+            if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in pairs):
+                raise HpcdlError("named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()")
+            dupes = sorted({n for n, _ in pairs if sum(1 for m, _ in pairs if m == n) > 1})
+            if dupes:
+                raise HpcdlError(f"named_parameters has duplicate names: {dupes}")
+            names = {p: n for n, p in pairs}
+            unnamed = [i for i, p in enumerate(params) if p not in names]
+            if unnamed:
+                raise HpcdlError(f"named_parameters misses optimizer parameters at positions {unnamed}")
+        self._compression = compression
+        self._op = op
+        self._predivide = float(gradient_predivide_factor)
+        self._process_set = process_set
+        self._passes_per_step = 0
+        self.set_backward_passes_per_step(backward_passes_per_step)
+        self._passes: dict[torch.nn.Parameter, int] = {}
+        self._bucket_of: dict[torch.nn.Parameter, _Bucket] = {}
+        self._buckets: list[_Bucket] = []
+        self._synchronized = False
+        self._skip = False
+        size = 0
+        for p in reversed(params):  # backward produces the last layers' gradients first
+            if not p.requires_grad:
+                continue
+            nbytes = p.numel() * p.element_size()
+            if not self._buckets or (size + nbytes > bucket_bytes and self._buckets[-1].params):
+                self._buckets.append(_Bucket(len(self._buckets)))
+                size = 0
+            b = self._buckets[-1]
+            b.params.append(p)
+            b.names.append(names[p])
+            size += nbytes
+            self._bucket_of[p] = b
+            self._passes[p] = 0
+        self._index = {p: i for i, p in enumerate(self._bucket_of)}
+        self._names = {p: names[p] for p in self._bucket_of}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in self._bucket_of]
+
+    # -- the public additions ----------------------------------------------------------------
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Communicate once every ``passes`` backward passes (gradient accumulation); the
+        reduced gradient is the mean over the passes, so it equals one pass over a batch
+        ``passes`` times larger."""
+        if not isinstance(passes, int) or passes < 1:
+            raise HpcdlError(f"backward_passes_per_step={passes!r} must be a positive integer")
+        if any(b.handle is not None for b in getattr(self, "_buckets", [])):
+            raise HpcdlError("set_backward_passes_per_step() while gradient reductions are in flight")
+        self._passes_per_step = passes
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        return self._passes_per_step
+
+    def synchronize(self) -> None:
+        """Finish every gradient reduction of this step (submitting buckets whose hooks did not
+        all fire, with zeros for missing gradients); afterwards ``p.grad`` holds the result."""
+        missing: list[int] = []
+        for b in self._buckets:
+            if b.handle is None:
+                missing.extend(self._index[p] for p in b.params if p.grad is None)
+                self._submit(b)
+        # gradients missing on some ranks only would be silently zero there: check, on every rank
+        flags = torch.zeros(len(self._bucket_of), dtype=torch.int32)
+        flags[missing] = 1
+        h = allreduce_async(flags, name="DistributedOptimizer.missing", op=Sum, process_set=self._process_set)
+        for b in self._buckets:
+            self._finish(b)
+        counts = synchronize(h)
+        n = self._process_set.size() if self._process_set.process_set_id else basics.size()
+        partial = [self._name_at(i) for i, c in enumerate(counts.tolist()) if 0 < c < n]
+        for p in self._passes:
+            self._passes[p] = 0
+        self._synchronized = True
+        if partial:
+            raise HpcdlError(
+                f"gradients of {partial} are missing on some ranks but not others (a branch used by some "
+                "ranks only?); they were reduced as zeros where missing"
+            )
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside, ``step()`` does not synchronize (call ``synchronize()`` first, e.g. to clip
+        the reduced gradients in between)."""
+        self._skip = True
+        try:
+            yield
+        finally:
+            self._skip = False
+
+    def step(self, closure: Any = None) -> Any:
+        """Synchronize the gradients (unless already done or skipped), then step."""
+        if not self._synchronized and not self._skip:
+            self.synchronize()
+        self._synchronized = False
+        return super().step(closure)  # type: ignore[misc]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As the optimizer's, but refused while reductions are in flight."""
+        if any(b.handle is not None for b in self._buckets):
+            raise HpcdlError("zero_grad() while gradient reductions are in flight; call step() or synchronize() first")
+        super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
+
+    # -- internals -----------------------------------------------------------------------------
+    def _name_at(self, i: int) -> str:
+        return self._names[list(self._bucket_of)[i]]
+
+    def _hook(self, p: torch.nn.Parameter) -> None:
+        self._passes[p] += 1
+        k = self._passes[p]
+        if k > self._passes_per_step:
+            raise HpcdlError(
+                f"the gradient of {self._names[p]} was computed "
+                f"{k} times before step(); raise backward_passes_per_step ({self._passes_per_step}) or call step()"
+            )
+        if k == self._passes_per_step:
+            b = self._bucket_of[p]
+            b.ready += 1
+            if b.ready == len(b.params) and b.handle is None:
+                self._submit(b)
+
+    def _submit(self, b: _Bucket) -> None:
+        sent = []
+        for p in b.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            t, ctx = self._compression.compress(p.grad)
+            sent.append((t, ctx, p))
+        pre = 1.0 / (self._passes_per_step * self._predivide)
+        post = self._predivide if self._op == Average else 1.0
+        b.sent = sent
+        b.handle = grouped_allreduce_async_(
+            [t for t, _, _ in sent],
+            name=f"DistributedOptimizer.bucket{b.index}",
+            op=self._op,
+            prescale_factor=pre,
+            postscale_factor=post,
+            process_set=self._process_set,
+        )
+
+    def _finish(self, b: _Bucket) -> None:
+        if b.handle is None:
+            return
+        h, b.handle = b.handle, None
+        synchronize(h)
+        for t, ctx, p in b.sent:
+            if ctx is not None or t is not p.grad:
+                p.grad.copy_(self._compression.decompress(t, ctx))
+        b.sent = []
+        b.ready = 0
+
+
+def DistributedOptimizer(  # noqa: N802 - Horovod's name: a factory that looks like a class
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+    compression: type[Compressor] = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: ReduceOp = Average,
+    gradient_predivide_factor: float = 1.0,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+    bucket_bytes: int = _BUCKET_BYTES,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` for data-parallel training (Horovod's arguments).
+
+    Returns an instance of a subclass of the optimizer's class (``isinstance`` holds, its own
+    ``step`` runs after the gradients are reduced) over the same parameter groups, keeping
+    the optimizer's existing state.
+
+    Args:
+        optimizer: the optimizer to wrap.
+        named_parameters: ``model.named_parameters()``, so requests carry parameter names.
+        compression: ``Compression.none``, ``fp16`` or ``bf16`` on the wire.
+        backward_passes_per_step: communicate once every this many backward passes.
+        op: ``Average`` (default) or ``Sum`` over ranks.
+        gradient_predivide_factor: divide by this before the sum and by ``size / factor``
+            after it (``Average`` only).
+        groups: Horovod's explicit grouping; hpcdl buckets by size instead (must be None).
+        process_set: the ranks that train together.
+        bucket_bytes: the most gradient bytes in one bucket.
+    """
+    if groups is not None:
+        raise HpcdlError("DistributedOptimizer(groups=...) is not supported; gradients are bucketed by bucket_bytes")
+    base = type(optimizer)
+    cls = type(base.__name__, (_DistributedMixin, base), {"__module__": base.__module__})
+    obj = cls(optimizer.param_groups)
+    if optimizer.state:
+        obj.load_state_dict(optimizer.state_dict())
+    obj._hpcdl_setup(
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        process_set,
+        bucket_bytes,
+    )
+    return obj
