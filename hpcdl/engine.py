@@ -186,6 +186,7 @@ class Engine:
         self.join_req: Request | None = None
         self.join_sent = False
         self.error: HpcdlError | None = None
+        self.stop_reason: HpcdlError | None = None  # who shut the runtime down, for later calls
         self.running = True
         # engine side (identical on every rank, except ``mine``)
         self.done = 0
@@ -242,7 +243,7 @@ class Engine:
                     self.cv.notify()
             while not req.event.wait(0.5):
                 if not self.thread.is_alive() and not req.event.is_set():  # stopped without reaching it
-                    err = self.error or HpcdlError("hpcdl's engine has stopped")
+                    err = self.error or self.stop_reason or HpcdlError("hpcdl's engine has stopped")
                     self._fail_all(err)
                     req.finish(exc=err)
         if req.exc is not None:
@@ -273,7 +274,7 @@ class Engine:
         if self.error is not None:
             raise self.error
         if not self.running or self.stop_requested:
-            raise HpcdlError("hpcdl has been shut down; call hpcdl.init() to start again")
+            raise self.stop_reason or HpcdlError("hpcdl has been shut down; call hpcdl.init() to start again")
 
     # -- engine thread -----------------------------------------------------------------------
     def _main(self) -> None:
@@ -379,7 +380,8 @@ class Engine:
         stoppers = [r for r in range(self.size) if table[r, 0] & _F_SHUTDOWN]
         if stoppers:
             who = "this rank" if stoppers == [self.rank] else f"rank {stoppers[0]}"
-            self._teardown(HpcdlError(f"hpcdl was shut down by {who} while this request was pending"))
+            self.stop_reason = HpcdlError(f"hpcdl was shut down by {who}; call hpcdl.init() to start again")
+            self._teardown(self.stop_reason)
             return True
         self._respond(time.perf_counter())
         if self.joined and len(self.joined) == self.size:

@@ -157,14 +157,19 @@ def test_a_late_rank_is_only_logged_without_a_shutdown_time(caplog):
         assert any("'late' submitted by ranks" in rec.getMessage() for rec in caplog.records)
 
 
-def test_shutdown_on_one_rank_fails_the_others_pending_requests():
+@pytest.mark.parametrize("late", [False, True], ids=["pending", "submitted-after"])
+def test_shutdown_on_one_rank_fails_the_others_requests(late):
     hvd.init()
     if hvd.rank() == 1:
         hvd.shutdown()
-    else:
-        with pytest.raises(hvd.HpcdlError, match="shut down by rank 1"):
-            hvd.allreduce(torch.ones(2), name="never")
-    with pytest.raises((hvd.HpcdlError, ValueError)):
+        with pytest.raises(ValueError, match="not been initialized"):
+            hvd.allreduce(torch.ones(2))
+        return
+    if late:
+        time.sleep(1.0)  # rank 1's shutdown has certainly gone through every engine by now
+    with pytest.raises(hvd.HpcdlError, match="shut down by rank 1"):
+        hvd.allreduce(torch.ones(2), name="never")
+    with pytest.raises(hvd.HpcdlError, match="shut down by rank 1"):  # and it stays so
         hvd.allreduce(torch.ones(2))
 
 

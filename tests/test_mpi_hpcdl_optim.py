@@ -146,3 +146,15 @@ def test_a_gradient_missing_on_some_ranks_only_names_the_parameter_on_every_rank
     out.backward()
     with pytest.raises(hvd.HpcdlError, match=r"gradients of \['b.bias', 'b.weight'\] are missing on some ranks"):
         opt.step()
+
+
+def test_two_wrapped_optimizers_in_flight_together():
+    g, d = model(1), model(2)  # a GAN's two networks, each with its own optimizer
+    opt_g = hvd.DistributedOptimizer(torch.optim.SGD(g.parameters(), lr=0.1), named_parameters=g.named_parameters())
+    opt_d = hvd.DistributedOptimizer(torch.optim.SGD(d.parameters(), lr=0.1), named_parameters=d.named_parameters())
+    x = torch.ones(2, 6, dtype=torch.float64) * (hvd.rank() + 1)
+    (g(x).sum() + d(x).sum()).backward()  # both optimizers' buckets are in flight now
+    opt_g.step()
+    opt_d.step()
+    every = hvd.allgather_object((flat(g), flat(d)))
+    assert all(torch.equal(e[0], every[0][0]) and torch.equal(e[1], every[0][1]) for e in every)

@@ -22,7 +22,7 @@ import torch
 from .. import basics
 from ..basics import HpcdlError
 from ..compression import Compression, Compressor
-from ..ops import Average, ReduceOp, Sum, allreduce_async, grouped_allreduce_async_, synchronize
+from ..ops import Average, ReduceOp, Sum, _name, allreduce_async, grouped_allreduce_async_, synchronize
 from ..process_sets import ProcessSet, global_process_set
 
 __all__ = ["DistributedOptimizer"]
@@ -31,12 +31,11 @@ _BUCKET_BYTES = 25 << 20
 
 
 class _Bucket:
-    __slots__ = ("index", "params", "names", "ready", "handle", "sent")
+    __slots__ = ("index", "params", "ready", "handle", "sent")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.params: list[torch.nn.Parameter] = []
-        self.names: list[str] = []
         self.ready = 0
         self.handle: int | None = None
         self.sent: list[tuple[torch.Tensor, Any, torch.nn.Parameter]] = []
@@ -75,6 +74,9 @@ class _DistributedMixin:
             unnamed = [i for i, p in enumerate(params) if p not in names]
             if unnamed:
                 raise HpcdlError(f"named_parameters misses optimizer parameters at positions {unnamed}")
+        # requests are named per optimizer (numbered in construction order, alike on every
+        # rank), so two wrapped optimizers can be in flight together
+        self._prefix = _name(basics._st(), "DistributedOptimizer", 0, None)
         self._compression = compression
         self._op = op
         self._predivide = float(gradient_predivide_factor)
@@ -96,7 +98,6 @@ class _DistributedMixin:
                 size = 0
             b = self._buckets[-1]
             b.params.append(p)
-            b.names.append(names[p])
             size += nbytes
             self._bucket_of[p] = b
             self._passes[p] = 0
@@ -130,7 +131,7 @@ class _DistributedMixin:
         # gradients missing on some ranks only would be silently zero there: check, on every rank
         flags = torch.zeros(len(self._bucket_of), dtype=torch.int32)
         flags[missing] = 1
-        h = allreduce_async(flags, name="DistributedOptimizer.missing", op=Sum, process_set=self._process_set)
+        h = allreduce_async(flags, name=f"{self._prefix}.missing", op=Sum, process_set=self._process_set)
         for b in self._buckets:
             self._finish(b)
         counts = synchronize(h)
@@ -198,7 +199,7 @@ class _DistributedMixin:
         b.sent = sent
         b.handle = grouped_allreduce_async_(
             [t for t, _, _ in sent],
-            name=f"DistributedOptimizer.bucket{b.index}",
+            name=f"{self._prefix}.bucket{b.index}",
             op=self._op,
             prescale_factor=pre,
             postscale_factor=post,
