@@ -156,7 +156,6 @@ class _Entry:
 
     descs: dict[int, tuple]
     first: int  # rank 0's clock (us) in the cycle it was first announced
-    t_first: float  # this rank's clock then
 
 
 class Engine:
@@ -372,7 +371,7 @@ class Engine:
             for d in [self.cache[i] for i in ids] + lists[r]:
                 ent = self.table.get(d[0])
                 if ent is None:
-                    ent = self.table[d[0]] = _Entry({}, now_ref, t_start)
+                    ent = self.table[d[0]] = _Entry({}, now_ref)
                 ent.descs[r] = d
             if table[r, 0] & _F_JOIN:
                 self.joined.add(r)
@@ -393,17 +392,20 @@ class Engine:
         return self._stall_check(now_ref)
 
     # -- responses ---------------------------------------------------------------------------
-    def _members(self, set_id: int) -> tuple[int, ...]:
-        info = self.sets.get(set_id)
-        return info.ranks if info is not None else ()
+    def _members(self, ent: _Entry) -> set[int]:
+        """The ranks that must submit ``ent``: those that did, and every member of each process
+        set their descriptors name (a set not registered has no members)."""
+        members = set(ent.descs)
+        for d in ent.descs.values():
+            info = self.sets.get(d[2])
+            if info is not None:
+                members.update(info.ranks)
+        return members
 
     def _respond(self, t_now: float) -> None:
         ready: list[tuple[str, _Entry, str | None]] = []
         for name, ent in self.table.items():
-            members: set[int] = set(ent.descs)
-            for d in ent.descs.values():
-                members.update(self._members(d[2]))
-            if all(r in ent.descs or r in self.joined for r in members):
+            if all(r in ent.descs or r in self.joined for r in self._members(ent)):
                 ready.append((name, ent, self._judge(name, ent)))
         if not ready:
             return
@@ -446,17 +448,18 @@ class Engine:
             text = _differs(descs, lambda d, i=idx: d[i], field)
             if text:
                 return f"ranks disagree on request '{name}': {text}"
-        kind = next(iter(descs.values()))[1]
+        d0 = next(iter(descs.values()))  # all agree from here on
+        kind = d0[1]
         for i, field in enumerate(SIG_FIELDS.get(kind, ())):
             text = _differs(descs, lambda d, i=i: d[3][i], field)
             if text:
                 return f"ranks disagree on {kind} '{name}': {text}"
-        joined = sorted(self.joined & set(self._members(next(iter(descs.values()))[2])))
+        joined = sorted(self.joined & self._members(ent))
         if joined:
             if kind not in _JOIN_OK:
                 return f"{kind} '{name}' cannot run while ranks {joined} have joined"
-            if kind == "broadcast" and next(iter(descs.values()))[3][2] in joined:
-                return f"broadcast '{name}': root rank {next(iter(descs.values()))[3][2]} has joined"
+            if kind == "broadcast" and d0[3][2] in joined:
+                return f"broadcast '{name}': root rank {d0[3][2]} has joined"
         return None
 
     def _execute(self, group: list[tuple[str, _Entry, str | None]], t_now: float) -> None:
@@ -696,10 +699,7 @@ class Engine:
         for name, ent in self.table.items():
             age = (now_ref - ent.first) / 1e6
             if age >= min(cfg.stall_check_time_seconds, cfg.stall_shutdown_time_seconds or math.inf):
-                members: set[int] = set()
-                for d in ent.descs.values():
-                    members.update(self._members(d[2]))
-                missing = sorted(members - set(ent.descs) - self.joined)
+                missing = sorted(self._members(ent) - set(ent.descs) - self.joined)
                 stalled.append((age, f"'{name}' submitted by ranks {sorted(ent.descs)}, missing on ranks {missing}"))
         if not stalled:
             return False

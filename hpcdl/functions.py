@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from . import basics
 from .basics import HpcdlError
 from .ops import allgather, broadcast_, broadcast_async_, synchronize
 from .process_sets import ProcessSet, global_process_set
@@ -69,7 +70,7 @@ def broadcast_object(
     Unnamed calls are numbered in call order (not named after the object's type, which
     differs when the other ranks pass None)."""
     name = name or _unnamed("broadcast_object", process_set)
-    if _my_rank(process_set) == root_rank:
+    if basics.rank() == root_rank:  # roots are global ranks, as in Horovod
         buf = io.BytesIO()
         torch.save(obj, buf, pickle_protocol=pickle.HIGHEST_PROTOCOL)
         data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
@@ -96,13 +97,6 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
         out.append(torch.load(io.BytesIO(blob[off : off + n]), weights_only=False))
         off += n
     return out
-
-
-def _my_rank(process_set: ProcessSet) -> int:
-    """This rank's global rank (broadcast roots are global ranks, as in Horovod)."""
-    from . import basics
-
-    return basics.rank()
 
 
 def _unnamed(kind: str, process_set: ProcessSet) -> str:

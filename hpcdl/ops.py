@@ -323,11 +323,7 @@ def allreduce_async_(
 
 
 def _allreduce_async(tensor, average, name, op, pre, post, process_set, inplace):
-    st = _rt()
-    op = _op_of(op, average)
-    sid = _set_id(process_set)
-    reqs, outs, fixups = _allreduce_reqs(st, [tensor], name, op, pre, post, sid, inplace, "allreduce")
-    return _handle(st, reqs, _post_outs(outs, fixups, True))
+    return _grouped_allreduce_async([tensor], average, name, op, pre, post, process_set, inplace, single=True)
 
 
 def allreduce_(
@@ -368,7 +364,7 @@ class _Allreduce(torch.autograd.Function):
             total = synchronize(_allreduce_async(grad, None, None, Sum, 1.0, 1.0, ps, False))
             if op == Product:
                 everyone = synchronize(allgather_async(scaled.unsqueeze(0), process_set=ps))
-                me = ps.rank() if ps.process_set_id else basics.rank()
+                me = ps.rank()
                 others = torch.cat([everyone[:me], everyone[me + 1 :]])
                 g = total * others.prod(dim=0)
             else:
@@ -400,12 +396,13 @@ def allreduce(
 
 
 # -- grouped allreduce ---------------------------------------------------------------------
-def _grouped_allreduce_async(tensors, average, name, op, pre, post, process_set, inplace):
+def _grouped_allreduce_async(tensors, average, name, op, pre, post, process_set, inplace, single=False):
     st = _rt()
     op = _op_of(op, average)
     sid = _set_id(process_set)
-    reqs, outs, fixups = _allreduce_reqs(st, list(tensors), name, op, pre, post, sid, inplace, "grouped_allreduce")
-    return _handle(st, reqs, _post_outs(outs, fixups, False))
+    what = "allreduce" if single else "grouped_allreduce"
+    reqs, outs, fixups = _allreduce_reqs(st, list(tensors), name, op, pre, post, sid, inplace, what)
+    return _handle(st, reqs, _post_outs(outs, fixups, single))
 
 
 def grouped_allreduce_async(
@@ -538,7 +535,7 @@ def _slice_rows(grad: torch.Tensor, rows: int, process_set: ProcessSet) -> torch
     """This rank's rows of the summed gradient of an allgather (allgather of dim 0 first)."""
     summed = synchronize(_allreduce_async(grad, None, None, Sum, 1.0, 1.0, process_set, False))
     dims = synchronize(allgather_async(torch.tensor([rows], dtype=torch.int64), process_set=process_set))
-    me = process_set.rank() if process_set.process_set_id else basics.rank()
+    me = process_set.rank()
     start = int(dims[:me].sum())
     return summed[start : start + rows]
 
@@ -749,7 +746,7 @@ def _rs_async(tensors, name, op, pre, post, process_set, single):
     op = _op_of(op, None)
     sid = _set_id(process_set)
     n = len(process_set.ranks)
-    me = process_set.rank() if sid else basics.rank()
+    me = process_set.rank()
     reqs, outs = _reducescatter_reqs(st, list(tensors), name, op, pre, post, sid, n, me, "reducescatter")
     return _handle(st, reqs, _post_outs(outs, [], single))
 

@@ -135,7 +135,7 @@ class _DistributedMixin:
         for b in self._buckets:
             self._finish(b)
         counts = synchronize(h)
-        n = self._process_set.size() if self._process_set.process_set_id else basics.size()
+        n = self._process_set.size()
         partial = [self._name_at(i) for i, c in enumerate(counts.tolist()) if 0 < c < n]
         for p in self._passes:
             self._passes[p] = 0
