@@ -251,3 +251,50 @@ def test_engine_settings_that_steer_decisions_must_agree():
     assert not hvd.is_initialized()
     hvd.init(config=hvd.Config(cycle_time=5.0 if WORLD.rank == 1 else 1.0))  # local only: fine
     usable()
+
+
+def test_timeline_started_twice_raises_on_every_rank(shared_dir):
+    hvd.init()
+    path = os.path.join(shared_dir, "twice.json")
+    hvd.start_timeline(path)
+    with pytest.raises(hvd.HpcdlError, match="already being written"):
+        hvd.start_timeline(path)
+    hvd.stop_timeline()
+    usable()
+
+
+def test_removing_a_process_set_with_a_request_pending_raises_on_every_rank():
+    hvd.init()
+    ps = hvd.add_process_set([0, 1])
+    x = torch.ones(2)
+    h = hvd.allreduce_async(x, name="pending", op=hvd.Sum, process_set=ps) if hvd.rank() == 0 else None
+    with pytest.raises(hvd.HpcdlError, match=r"still has requests in flight: \['pending'\]"):
+        hvd.remove_process_set(ps)
+    if hvd.rank() == 1:  # the missing member catches up; then removal works
+        assert torch.equal(hvd.allreduce(x, name="pending", op=hvd.Sum, process_set=ps), x * 2)
+    if h is not None:
+        assert torch.equal(hvd.synchronize(h), x * 2)
+    assert hvd.remove_process_set(ps)
+    usable()
+
+
+def test_distributed_optimizer_arguments_raise_on_every_rank():
+    hvd.init()
+    lin = torch.nn.Linear(2, 2)
+    sgd = torch.optim.SGD(lin.parameters(), lr=0.1)
+    with pytest.raises(hvd.HpcdlError, match="op must be hpcdl.Average or hpcdl.Sum"):
+        hvd.DistributedOptimizer(sgd, op=hvd.Max)
+    with pytest.raises(hvd.HpcdlError, match=r"DistributedOptimizer\(groups=\.\.\.\) is not supported"):
+        hvd.DistributedOptimizer(sgd, groups=2)
+    with pytest.raises(hvd.HpcdlError, match=r"duplicate names: \['w'\]"):
+        hvd.DistributedOptimizer(sgd, named_parameters=[("w", lin.weight), ("w", lin.bias)])
+    with pytest.raises(hvd.HpcdlError, match=r"misses optimizer parameters at positions \[1\]"):
+        hvd.DistributedOptimizer(sgd, named_parameters=[("w", lin.weight)])
+    with pytest.raises(hvd.HpcdlError, match="backward_passes_per_step=0 must be a positive integer"):
+        hvd.DistributedOptimizer(sgd, backward_passes_per_step=0)
+    opt = hvd.DistributedOptimizer(sgd, named_parameters=lin.named_parameters())
+    lin(torch.ones(1, 2)).sum().backward()  # the bucket is in flight
+    with pytest.raises(hvd.HpcdlError, match="set_backward_passes_per_step.*in flight"):
+        opt.set_backward_passes_per_step(2)
+    opt.step()
+    usable()
