@@ -3,6 +3,10 @@ process training on the concatenated batches ends (float64), bitwise alike on ev
 
 from __future__ import annotations
 
+import copy
+import gc
+import io
+
 import pytest
 import torch
 
@@ -40,14 +44,29 @@ def flat(m: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
 
 
-def train(make_opt, distributed: bool, passes: int = 1, clip: float | None = None) -> torch.Tensor:
+def distributed_optimizer(opt, m, passes, **kw):
+    return hvd.DistributedOptimizer(
+        opt, named_parameters=m.named_parameters(), backward_passes_per_step=passes, bucket_bytes=512, **kw
+    )
+
+
+def zero(stage: int, **kw):
+    def wrap(opt, m, passes):
+        return hvd.ZeroOptimizer(
+            opt, stage, named_parameters=m.named_parameters(), backward_passes_per_step=passes, bucket_bytes=512, **kw
+        )
+
+    return wrap
+
+
+def train(
+    make_opt, distributed: bool, passes: int = 1, clip: float | None = None, wrap=distributed_optimizer
+) -> torch.Tensor:
     n, r = hvd.size(), hvd.rank()
     m = model()
     opt = make_opt(m.parameters())
     if distributed:
-        opt = hvd.DistributedOptimizer(
-            opt, named_parameters=m.named_parameters(), backward_passes_per_step=passes, bucket_bytes=512
-        )
+        opt = wrap(opt, m, passes)
     for step in range(STEPS):
         x, y = batch(step, n)
         if distributed:
@@ -60,7 +79,10 @@ def train(make_opt, distributed: bool, passes: int = 1, clip: float | None = Non
         if clip is not None:
             if distributed:
                 opt.synchronize()
-            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+            if isinstance(opt, hvd.ZeroOptimizer):
+                opt.clip_grad_norm_(clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
             if distributed:
                 with opt.skip_synchronize():
                     opt.step()
@@ -158,3 +180,208 @@ def test_two_wrapped_optimizers_in_flight_together():
     opt_d.step()
     every = hvd.allgather_object((flat(g), flat(d)))
     assert all(torch.equal(e[0], every[0][0]) and torch.equal(e[1], every[0][1]) for e in every)
+
+
+# -- ZeroOptimizer ----------------------------------------------------------------------------
+def two_groups(params):
+    """Adam with two parameter groups (different learning rates, weight decay on one)."""
+    params = list(params)
+    return torch.optim.Adam([{"params": params[:2], "lr": 0.02, "weight_decay": 0.01}, {"params": params[2:]}], lr=0.01)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("make_opt", [sgd, adam, two_groups], ids=["sgd-momentum", "adam", "adam-two-groups"])
+def test_zero_matches_distributed_optimizer(stage, make_opt):
+    # bucket_bytes=512 cuts the 6-16-8-3 model into several buckets, most split across ranks
+    check_equal(train(make_opt, True, wrap=zero(stage)), train(make_opt, True))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_with_accumulation_and_clipping(stage):
+    check_equal(train(sgd, True, passes=2, wrap=zero(stage)), train(sgd, True, passes=2))
+    check_equal(train(adam, True, clip=0.05, wrap=zero(stage)), train(adam, True, clip=0.05))
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+@pytest.mark.parametrize("wrap", ["distributed", "zero2"])
+def test_compression_stays_within_its_precision(compression, wrap):
+    """Gradients cross the wire as 16-bit floats: after 20 SGD steps the weights differ from
+    the uncompressed run by about the format's rounding (2^-11 fp16, 2^-8 bf16) times the
+    step sizes, and not by more; float64 training, so the difference is the compression's."""
+    comp = getattr(hvd.Compression, compression)
+    if wrap == "zero2":
+        got = train(sgd, True, wrap=zero(2, compression=comp))
+    else:
+        got = train(sgd, True, wrap=lambda o, m, k: distributed_optimizer(o, m, k, compression=comp))
+    want = train(sgd, True)
+    start = flat(model())
+    rel = ((got - want).norm() / (want - start).norm()).item()  # relative to how far training moved
+    eps = {"fp16": 2.0**-11, "bf16": 2.0**-8}[compression]
+    assert 0 < rel <= 4 * eps, (rel, eps)  # compression did happen, within its precision
+    every = hvd.allgather_object(got)
+    assert all(torch.equal(e, every[0]) for e in every)
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values() if torch.is_tensor(v))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_holds_one_nth_of_the_state_plus_at_most_one_bucket(stage):
+    torch.manual_seed(5)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 40)).double()
+    ref = copy.deepcopy(m)
+    bucket = 8192
+    plain = torch.optim.Adam(ref.parameters(), lr=0.01)
+    opt = hvd.ZeroOptimizer(
+        torch.optim.Adam(m.parameters(), lr=0.01), stage, named_parameters=m.named_parameters(), bucket_bytes=bucket
+    )
+    x = torch.randn(8, 64, dtype=torch.float64)
+    m(x).pow(2).mean().backward()
+    ref(x).pow(2).mean().backward()
+    plain.step()
+    full_grad = sum(p.numel() * p.element_size() for p in m.parameters())
+    opt.synchronize()
+    if stage == 2:  # the reduced gradient is held as shards only
+        assert all(p.grad is None for p in m.parameters())
+        shard_grad = sum(b.zero.shard.grad.numel() * 8 for b in opt._buckets)
+        assert full_grad / hvd.size() <= shard_grad <= full_grad / hvd.size() + bucket
+    with opt.skip_synchronize():
+        opt.step()
+    full, mine = state_bytes(plain), state_bytes(opt.optim)
+    n = hvd.size()
+    every = hvd.allgather_object(mine)
+    assert sum(every) >= full  # the shards cover the whole state (plus padding)
+    assert all(full / n - bucket <= b <= full / n + bucket for b in every), (full, every)
+    if n > 1:
+        assert max(every) < full / n * 1.25  # and really are a 1/n share, not a copy
+
+
+def test_zero_state_dict_is_the_plain_optimizers_state():
+    """The consolidated state equals the state of one unsharded Adam on the concatenated
+    batches, in Adam's own format, which a plain Adam loads."""
+    n, r = hvd.size(), hvd.rank()
+    m, ref = model(), model()
+    opt = hvd.ZeroOptimizer(torch.optim.Adam(m.parameters(), lr=0.01), 2, bucket_bytes=512)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    for step in range(3):
+        x, y = batch(step, n)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(
+            m(x[r * PER_RANK : (r + 1) * PER_RANK]), y[r * PER_RANK : (r + 1) * PER_RANK]
+        ).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    got, want = opt.state_dict(), ref_opt.state_dict()
+    assert got["param_groups"] == want["param_groups"]
+    assert sorted(got["state"]) == sorted(want["state"])
+    for i, st in want["state"].items():
+        assert sorted(got["state"][i]) == sorted(st)
+        for k, v in st.items():
+            torch.testing.assert_close(got["state"][i][k], v, rtol=1e-10, atol=1e-14)
+    plain = torch.optim.Adam(model().parameters(), lr=0.01)
+    plain.load_state_dict(got)
+    assert plain.state_dict()["param_groups"] == want["param_groups"]
+
+
+GLOBAL = 12  # rows per step, divisible by 1, 2, 3 and 4 ranks
+
+
+def fixed_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + step)
+    return torch.randn(GLOBAL, 6, generator=g, dtype=torch.float64), torch.randn(
+        GLOBAL, 3, generator=g, dtype=torch.float64
+    )
+
+
+def zero_phase(m, state, steps, ps, stage):
+    """Train ``m`` for ``steps`` on the ranks of ``ps`` with ZeroOptimizer(stage), starting from
+    the consolidated ``state`` (if any); return the new consolidated state."""
+    opt = hvd.ZeroOptimizer(torch.optim.Adam(m.parameters(), lr=0.01), stage, process_set=ps, bucket_bytes=512)
+    if state is not None:
+        opt.load_state_dict(state)
+    k, me = ps.size(), ps.rank()
+    rows = slice(me * GLOBAL // k, (me + 1) * GLOBAL // k)
+    for step in steps:
+        x, y = fixed_batch(step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(m(x[rows]), y[rows]).backward()
+        opt.step()
+    return opt.state_dict()
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_checkpoint_moves_between_rank_counts(stage):
+    """Train 5 steps on n-1 ranks, save, load on n ranks, train 5 more (and the other way
+    round): the weights equal 10 uninterrupted steps of one unsharded Adam on the whole batch."""
+    n = hvd.size()
+    fewer = hvd.add_process_set(list(range(max(1, n - 1)))) if n > 1 else hvd.global_process_set
+    try:
+        ref = model()
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+        for step in range(10):
+            x, y = fixed_batch(step)
+            ref_opt.zero_grad()
+            torch.nn.functional.mse_loss(ref(x), y).backward()
+            ref_opt.step()
+        for first, second in ((fewer, hvd.global_process_set), (hvd.global_process_set, fewer)):
+            m = model()
+            saved = None
+            if first.included():
+                state = zero_phase(m, None, range(5), first, stage)
+                if first.rank() == 0:  # a real checkpoint: bytes that torch.load reads without unpickling code
+                    buf = io.BytesIO()
+                    torch.save({"model": m.state_dict(), "optim": state}, buf)
+                    saved = buf.getvalue()
+            saved = hvd.broadcast_object(saved, root_rank=0)
+            ckpt = torch.load(io.BytesIO(saved), weights_only=True)
+            m = model()  # as a fresh job would
+            m.load_state_dict(ckpt["model"])
+            if second.included():
+                zero_phase(m, ckpt["optim"], range(5, 10), second, stage)
+                rel = ((flat(m) - flat(ref)).norm() / flat(ref).norm()).item()
+                assert rel <= 1e-10, (first.ranks, second.ranks, rel)
+    finally:
+        if n > 1:
+            hvd.remove_process_set(fewer)
+
+
+def test_zero_refuses_bad_arguments():
+    m = model()
+    with pytest.raises(hvd.HpcdlError, match="stage=3 must be 1"):
+        hvd.ZeroOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), stage=3)
+    with pytest.raises(hvd.HpcdlError, match="cannot shard LBFGS"):
+        hvd.ZeroOptimizer(torch.optim.LBFGS(m.parameters()))
+    opt = hvd.ZeroOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+    with pytest.raises(hvd.HpcdlError, match="saved parameter groups have"):
+        opt.load_state_dict(torch.optim.SGD(list(m.parameters())[:2], lr=0.1).state_dict())
+    with pytest.raises(hvd.HpcdlError, match="call synchronize"):
+        opt.clip_grad_norm_(1.0)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero_stage_differing_between_ranks_raises_on_every_rank():
+    m = model()
+    with pytest.raises(hvd.HpcdlError, match=r"ranks disagree on stage: \{0: 1, 1: 2"):
+        hvd.ZeroOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), stage=1 if hvd.rank() == 0 else 2)
+    with pytest.raises(hvd.HpcdlError, match=r"ranks disagree on buckets \(the models or bucket_bytes differ\)"):
+        hvd.ZeroOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), bucket_bytes=512 if hvd.rank() == 0 else 1024)
+    opt = hvd.ZeroOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))  # and the runtime goes on
+    m(torch.ones(2, 6, dtype=torch.float64)).sum().backward()
+    opt.step()
+
+
+def test_a_dropped_optimizer_stops_hooking_its_parameters():
+    m = model()
+    x = torch.ones(2, 6, dtype=torch.float64)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))
+    m(x).sum().backward()
+    opt.step()
+    del opt
+    gc.collect()
+    opt = hvd.ZeroOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), stage=2)  # a new wrapper, same parameters
+    opt.zero_grad()
+    m(x).sum().backward()  # only the new optimizer's hooks fire (else: "computed 2 times")
+    opt.step()

@@ -14,6 +14,7 @@ ranks but not others is an error naming the parameter, on every rank.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -23,7 +24,7 @@ from .. import basics
 from ..basics import HpcdlError
 from ..compression import Compression, Compressor
 from ..ops import Average, ReduceOp, Sum, _name, allreduce_async, grouped_allreduce_async_, synchronize
-from ..process_sets import ProcessSet, global_process_set
+from ..process_sets import ProcessSet, _set_id, global_process_set
 
 __all__ = ["DistributedOptimizer"]
 
@@ -31,18 +32,29 @@ _BUCKET_BYTES = 25 << 20
 
 
 class _Bucket:
-    __slots__ = ("index", "params", "ready", "handle", "sent")
+    __slots__ = ("index", "group", "params", "ready", "handle", "sent", "zero")
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, group: int) -> None:
         self.index = index
+        self.group = group  # the parameter group its parameters belong to
         self.params: list[torch.nn.Parameter] = []
         self.ready = 0
         self.handle: int | None = None
         self.sent: list[tuple[torch.Tensor, Any, torch.nn.Parameter]] = []
+        self.zero: Any = None  # ZeroOptimizer's shard layout
 
 
-class _DistributedMixin:
-    """Methods added in front of the wrapped optimizer's class (plain ``super()`` reaches it)."""
+def _remove(hooks: list[Any]) -> None:
+    for h in hooks:
+        h.remove()
+
+
+class _Reducer:
+    """The gradient side shared by :func:`DistributedOptimizer` and ``ZeroOptimizer``:
+    hooks, buckets, accumulation, the missing-gradient check and the step protocol. A
+    subclass says how a bucket is sent (``_submit``) and finished (``_finish``)."""
+
+    _kind = "DistributedOptimizer"
 
     def _hpcdl_setup(
         self,
@@ -55,11 +67,11 @@ class _DistributedMixin:
         bucket_bytes: int,
     ) -> None:
         if op not in (Average, Sum):
-            raise HpcdlError(f"DistributedOptimizer: op must be hpcdl.Average or hpcdl.Sum, not {op!r}")
+            raise HpcdlError(f"{self._kind}: op must be hpcdl.Average or hpcdl.Sum, not {op!r}")
         if gradient_predivide_factor != 1.0 and op != Average:
-            raise HpcdlError("DistributedOptimizer: gradient_predivide_factor needs op=Average")
+            raise HpcdlError(f"{self._kind}: gradient_predivide_factor needs op=Average")
         if bucket_bytes <= 0:
-            raise HpcdlError(f"DistributedOptimizer: bucket_bytes={bucket_bytes} must be > 0")
+            raise HpcdlError(f"{self._kind}: bucket_bytes={bucket_bytes} must be > 0")
         params = [p for g in self.param_groups for p in g["params"]]
         if named_parameters is None:
             names = {p: f"param.{i}" for i, p in enumerate(params)}
@@ -74,9 +86,9 @@ class _DistributedMixin:
             unnamed = [i for i, p in enumerate(params) if p not in names]
             if unnamed:
                 raise HpcdlError(f"named_parameters misses optimizer parameters at positions {unnamed}")
-        # requests are named per optimizer (numbered in construction order, alike on every
-        # rank), so two wrapped optimizers can be in flight together
-        self._prefix = _name(basics._st(), "DistributedOptimizer", 0, None)
+        # requests are named per optimizer (numbered in construction order per process set,
+        # alike on the set's ranks), so two wrapped optimizers can be in flight together
+        self._prefix = _name(basics._st(), self._kind, _set_id(process_set), None)
         self._compression = compression
         self._op = op
         self._predivide = float(gradient_predivide_factor)
@@ -89,12 +101,16 @@ class _DistributedMixin:
         self._synchronized = False
         self._skip = False
         size = 0
-        for p in reversed(params):  # backward produces the last layers' gradients first
+        # backward produces the last layers' gradients first; a bucket holds one group's
+        # parameters of one dtype (a flat shard for ZeroOptimizer)
+        owned = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
+        for gi, p in reversed(owned):
             if not p.requires_grad:
                 continue
             nbytes = p.numel() * p.element_size()
-            if not self._buckets or (size + nbytes > bucket_bytes and self._buckets[-1].params):
-                self._buckets.append(_Bucket(len(self._buckets)))
+            last = self._buckets[-1] if self._buckets else None
+            if last is None or last.group != gi or last.params[0].dtype != p.dtype or size + nbytes > bucket_bytes:
+                self._buckets.append(_Bucket(len(self._buckets), gi))
                 size = 0
             b = self._buckets[-1]
             b.params.append(p)
@@ -103,7 +119,17 @@ class _DistributedMixin:
             self._passes[p] = 0
         self._index = {p: i for i, p in enumerate(self._bucket_of)}
         self._names = {p: names[p] for p in self._bucket_of}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in self._bucket_of]
+        # the hooks reach the optimizer through a weak reference, so an optimizer the script
+        # drops stops reducing (and is freed) instead of hooking its parameters for ever
+        me = weakref.ref(self)
+
+        def hook(p: torch.nn.Parameter) -> None:
+            opt = me()
+            if opt is not None:
+                opt._hook(p)
+
+        hooks = [p.register_post_accumulate_grad_hook(hook) for p in self._bucket_of]
+        weakref.finalize(self, _remove, hooks)
 
     # -- the public additions ----------------------------------------------------------------
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -186,6 +212,17 @@ class _DistributedMixin:
             b.ready += 1
             if b.ready == len(b.params) and b.handle is None:
                 self._submit(b)
+
+    def _submit(self, b: _Bucket) -> None:
+        raise NotImplementedError
+
+    def _finish(self, b: _Bucket) -> None:
+        raise NotImplementedError
+
+
+class _DistributedMixin(_Reducer):
+    """Methods added in front of the wrapped optimizer's class (plain ``super()`` reaches it):
+    each bucket's gradients are allreduced in place."""
 
     def _submit(self, b: _Bucket) -> None:
         sent = []

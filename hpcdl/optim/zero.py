@@ -1,0 +1,402 @@
+"""``ZeroOptimizer``: data-parallel training with the optimizer state sharded over the ranks
+(ZeRO stage 1) and, at stage 2, the reduced gradients too.
+
+The gradient buckets are those of :func:`DistributedOptimizer` (one parameter group and one
+dtype each). Each bucket is laid out flat, padded to a multiple of the rank count ``N`` and
+cut into ``N`` equal shards; rank ``r`` owns shard ``r`` of every bucket. The wrapped
+optimizer's class steps flat shard tensors instead of the parameters, so its state (momentum,
+Adam's moments) exists for ``1/N`` of the elements on each rank. That is exact for optimizers
+whose update is element-wise (SGD, Adam, AdamW, RMSprop, Adagrad, ...); ones that look at
+whole tensors (LBFGS, Adafactor, SparseAdam, Muon) are refused.
+
+One step:
+
+- stage 1: each bucket's gradients are allreduced in place as soon as they are ready
+  (overlapping backward), so ``p.grad`` holds the full reduced gradient as with
+  ``DistributedOptimizer``; ``step()`` takes this rank's shard of it.
+- stage 2: each ready bucket is copied into a flat buffer, the gradients are released
+  (``p.grad`` becomes None) and the buffer is reduce-scattered, so a rank keeps only its
+  shard of the reduced gradient.
+- then the shards step, and every bucket's updated shards are allgathered into the
+  parameters, so parameters stay bitwise alike on every rank.
+
+``state_dict()`` (collective: call it on every rank of the process set) returns the state
+consolidated into the wrapped optimizer's own format, as if one unsharded optimizer had
+taken the steps; ``load_state_dict()`` accepts that format from any rank count, or from a
+plain optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ..basics import HpcdlError
+from ..compression import Compression, Compressor
+from ..functions import allgather_object
+from ..ops import (
+    Average,
+    Max,
+    ReduceOp,
+    Sum,
+    allgather_async,
+    allreduce,
+    grouped_allgather_async,
+    reducescatter_async,
+    synchronize,
+)
+from ..process_sets import ProcessSet, global_process_set
+from .distributed import _BUCKET_BYTES, _Bucket, _DistributedMixin, _Reducer
+
+__all__ = ["ZeroOptimizer"]
+
+# optimizers whose update of an element depends on other elements: sharding would change it
+_NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+# per-parameter entries of an optimizer's state that are not per element (Adam's step count)
+_SCALAR_KEYS = ("step",)
+
+
+class _Layout:
+    """Where a bucket's parameters sit in its flat, padded buffer, and this rank's shard."""
+
+    __slots__ = ("offsets", "numel", "shard_numel", "lo", "shard")
+
+    def __init__(self, params: list[torch.nn.Parameter], n: int, r: int) -> None:
+        self.offsets = []
+        total = 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.numel = total
+        self.shard_numel = max(1, math.ceil(total / n))
+        self.lo = r * self.shard_numel  # this rank's shard is [lo, lo + shard_numel) of the flat buffer
+        self.shard = torch.zeros(self.shard_numel, dtype=params[0].dtype)
+
+    def take(self, params: list[torch.nn.Parameter], tensors: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's shard of the concatenation of ``tensors`` (shaped like ``params``),
+        zero where it covers padding."""
+        out = torch.zeros(self.shard_numel, dtype=self.shard.dtype)
+        hi = self.lo + self.shard_numel
+        for p, o, t in zip(params, self.offsets, tensors, strict=True):
+            a, b = max(o, self.lo), min(o + p.numel(), hi)
+            if a < b:
+                out[a - self.lo : b - self.lo] = t.reshape(-1)[a - o : b - o]
+        return out
+
+    def flat(self, tensors: list[torch.Tensor], n: int) -> torch.Tensor:
+        """The concatenation of ``tensors``, padded with zeros to ``n`` shards."""
+        out = torch.zeros(n * self.shard_numel, dtype=self.shard.dtype)
+        for o, t in zip(self.offsets, tensors, strict=True):
+            out[o : o + t.numel()] = t.reshape(-1)
+        return out
+
+    def pieces(self, params: list[torch.nn.Parameter], full: torch.Tensor) -> list[torch.Tensor]:
+        """Views of the full flat buffer ``full`` shaped like each parameter."""
+        return [full[o : o + p.numel()].view_as(p) for p, o in zip(params, self.offsets, strict=True)]
+
+
+class ZeroOptimizer(_Reducer, torch.optim.Optimizer):
+    """Shard ``optimizer``'s state (``stage=1``) and the reduced gradients (``stage=2``) over
+    the ranks of ``process_set``; otherwise used like :func:`DistributedOptimizer`.
+
+    ``param_groups`` are the wrapped optimizer's groups over the model's parameters (so
+    learning-rate schedulers work); ``optim`` is the optimizer of the same class over this
+    rank's shards. Existing state of ``optimizer`` is kept (sharded).
+
+    Args:
+        optimizer: the optimizer to shard (an element-wise one: SGD, Adam, AdamW, ...).
+        stage: 1 (optimizer state) or 2 (also gradients).
+        named_parameters, compression, backward_passes_per_step, op,
+            gradient_predivide_factor, process_set, bucket_bytes: as for
+            :func:`DistributedOptimizer`.
+    """
+
+    _kind = "ZeroOptimizer"
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        stage: int = 1,
+        named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        compression: type[Compressor] = Compression.none,
+        backward_passes_per_step: int = 1,
+        op: ReduceOp = Average,
+        gradient_predivide_factor: float = 1.0,
+        process_set: ProcessSet = global_process_set,
+        bucket_bytes: int = _BUCKET_BYTES,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise HpcdlError(f"ZeroOptimizer needs a torch.optim.Optimizer, not {type(optimizer).__name__}")
+        if isinstance(optimizer, _Reducer):
+            raise HpcdlError("ZeroOptimizer wraps a plain optimizer, not a DistributedOptimizer or ZeroOptimizer")
+        if stage not in (1, 2):
+            raise HpcdlError(f"ZeroOptimizer: stage={stage!r} must be 1 (optimizer state) or 2 (also gradients)")
+        if type(optimizer).__name__ in _NOT_ELEMENTWISE:
+            raise HpcdlError(
+                f"ZeroOptimizer cannot shard {type(optimizer).__name__}: its update of an element depends on "
+                "other elements; use an element-wise optimizer (SGD, Adam, AdamW, RMSprop, ...) or "
+                "DistributedOptimizer"
+            )
+        torch.optim.Optimizer.__init__(self, [dict(g) for g in optimizer.param_groups], optimizer.defaults)
+        self.stage = stage
+        self._hpcdl_setup(
+            named_parameters,
+            compression,
+            backward_passes_per_step,
+            op,
+            gradient_predivide_factor,
+            process_set,
+            bucket_bytes,
+        )
+        self._check_agreement(type(optimizer).__name__)
+        n, r = process_set.size(), process_set.rank()
+        self._n = n
+        for b in self._buckets:
+            b.zero = _Layout(b.params, n, r)
+        # the inner optimizer: one group per parameter group that has buckets, over the shards
+        self._inner_group: dict[int, int] = {}
+        groups = []
+        for gi, g in enumerate(self.param_groups):
+            shards = [b.zero.shard for b in self._buckets if b.group == gi]
+            if shards:
+                self._inner_group[gi] = len(groups)
+                groups.append({**self._hyper(g), "params": shards})
+        if not groups:
+            raise HpcdlError("ZeroOptimizer: no parameter requires a gradient")
+        self.optim = type(optimizer)(groups)
+        if optimizer.state:
+            self.load_state_dict(optimizer.state_dict())
+
+    def _check_agreement(self, optimizer: str) -> None:
+        """Shards only line up when every rank cuts the same buckets: compare once, here
+        (collective over the process set), and raise on every rank naming what differs."""
+        mine = {
+            "stage": self.stage,
+            "optimizer": optimizer,
+            "buckets": [[(tuple(p.shape), str(p.dtype)) for p in b.params] for b in self._buckets],
+        }
+        every = allgather_object(mine, name=f"{self._prefix}.layout", process_set=self._process_set)
+        for key in mine:
+            values = [e[key] for e in every]
+            if any(v != values[0] for v in values):
+                ranks = self._process_set.ranks
+                if key == "buckets":
+                    shown = {
+                        ranks[i]: f"{len(v)} buckets of {[len(b) for b in v]} parameters" for i, v in enumerate(values)
+                    }
+                    why = " (the models or bucket_bytes differ)"
+                else:
+                    shown, why = {ranks[i]: v for i, v in enumerate(values)}, ""
+                raise HpcdlError(f"ZeroOptimizer: ranks disagree on {key}{why}: {shown}")
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer(stage={self.stage}, ranks={self._n}, optim={self.optim!r})"
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self, closure: Any = None) -> Any:
+        """Synchronize the gradients (unless already done or skipped), step this rank's
+        shards with the wrapped optimizer, and allgather the updated parameters."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._synchronized and not self._skip:
+            self.synchronize()
+        self._synchronized = False
+        for gi, g in enumerate(self.param_groups):  # hyperparameters a scheduler may have changed
+            if gi in self._inner_group:
+                self.optim.param_groups[self._inner_group[gi]].update(self._hyper(g))
+        with torch.no_grad():
+            for b in self._buckets:
+                lay = b.zero
+                # the parameters may have been set since the last step (broadcast, load)
+                lay.shard.copy_(lay.take(b.params, [p.detach() for p in b.params]))
+                if self.stage == 1:
+                    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+                    lay.shard.grad = lay.take(b.params, grads)
+        self.optim.step()
+        handles = [
+            allgather_async(
+                b.zero.shard.detach(), name=f"{self._prefix}.params{b.index}", process_set=self._process_set
+            )
+            for b in self._buckets
+        ]
+        with torch.no_grad():
+            for b, h in zip(self._buckets, handles, strict=True):
+                full = synchronize(h)
+                for p, piece in zip(b.params, b.zero.pieces(b.params, full), strict=True):
+                    p.copy_(piece)
+                b.zero.shard.grad = None
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As the optimizer's, but refused while reductions are in flight; also clears the shards' gradients."""
+        super().zero_grad(set_to_none=set_to_none)
+        for b in self._buckets:
+            b.zero.shard.grad = None
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the reduced gradients so their total norm is at most ``max_norm`` (after
+        :meth:`synchronize`, inside :meth:`skip_synchronize`); returns the total norm before
+        clipping. At stage 2 the gradients exist only as shards, so this is the way to clip."""
+        if not self._synchronized:
+            raise HpcdlError("clip_grad_norm_() needs the reduced gradients: call synchronize() first")
+        if self.stage == 1:  # every rank holds the whole reduced gradient
+            params = [p for b in self._buckets for p in b.params]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        shards = [b.zero.shard.grad for b in self._buckets]
+        if math.isinf(norm_type):
+            local = torch.stack([g.abs().max().double() for g in shards]).max().reshape(1)
+            total = allreduce(local, name=f"{self._prefix}.norm", op=Max, process_set=self._process_set)[0]
+        else:
+            local = sum(g.double().abs().pow(norm_type).sum() for g in shards).reshape(1)
+            total = allreduce(local, name=f"{self._prefix}.norm", op=Sum, process_set=self._process_set)[0]
+            total = total ** (1.0 / norm_type)
+        coef = float(max_norm) / (float(total) + 1e-6)
+        if coef < 1.0:
+            for g in shards:
+                g.mul_(coef)
+        return total.to(shards[0].dtype)
+
+    # -- gradients: per-bucket sending ---------------------------------------------------------
+    def _submit(self, b: _Bucket) -> None:
+        if self.stage == 1:  # allreduce in place, as DistributedOptimizer
+            _DistributedMixin._submit(self, b)
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        pre = 1.0 / (self._passes_per_step * self._predivide)
+        post = self._predivide if self._op == Average else 1.0
+        flat = b.zero.flat(grads, self._n)
+        for p in b.params:  # this rank keeps only its shard of the reduced gradient
+            p.grad = None
+        t, ctx = self._compression.compress(flat)
+        b.sent = [(t, ctx, None)]
+        b.handle = reducescatter_async(
+            t,
+            name=f"{self._prefix}.bucket{b.index}",
+            op=self._op,
+            prescale_factor=pre,
+            postscale_factor=post,
+            process_set=self._process_set,
+        )
+
+    def _finish(self, b: _Bucket) -> None:
+        if self.stage == 1 or b.handle is None:
+            _DistributedMixin._finish(self, b)
+            return
+        h, b.handle = b.handle, None
+        out = synchronize(h)
+        b.zero.shard.grad = self._compression.decompress(out, b.sent[0][1]).to(b.zero.shard.dtype)
+        b.sent = []
+        b.ready = 0
+
+    # -- consolidated state ------------------------------------------------------------------
+    @staticmethod
+    def _hyper(group: dict) -> dict:
+        return {k: v for k, v in group.items() if k != "params"}
+
+    def _all_params(self) -> list[torch.nn.Parameter]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state of every parameter, gathered from the shards into the wrapped optimizer's
+        own format (as if one unsharded optimizer had stepped). Collective: call it on every
+        rank of the process set; every rank gets the whole state."""
+        inner = self.optim.state
+        index = {p: i for i, p in enumerate(self._all_params())}
+        state: dict[int, dict[str, Any]] = {}
+        for b in self._buckets:
+            st = inner.get(b.zero.shard, {})
+            elementwise = [k for k, v in st.items() if self._is_elementwise(k, v, b.zero.shard)]
+            if not st:
+                continue
+            pieces: dict[str, list[torch.Tensor]] = {}
+            if elementwise:
+                fulls = synchronize(
+                    grouped_allgather_async(
+                        [st[k].detach().reshape(-1) for k in elementwise],
+                        name=f"{self._prefix}.state{b.index}",
+                        process_set=self._process_set,
+                    )
+                )
+                pieces = {k: b.zero.pieces(b.params, full) for k, full in zip(elementwise, fulls, strict=True)}
+            for j, p in enumerate(b.params):
+                state[index[p]] = {
+                    k: pieces[k][j].clone() if k in pieces else (v.clone() if torch.is_tensor(v) else v)
+                    for k, v in st.items()
+                }
+        groups = []
+        start = 0
+        for g in self.param_groups:
+            groups.append({**self._hyper(g), "params": list(range(start, start + len(g["params"])))})
+            start += len(g["params"])
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a consolidated state (from :meth:`state_dict` on any rank count, or from the
+        unsharded optimizer's ``state_dict()``); each rank keeps its shard of it."""
+        if not isinstance(state_dict, dict) or set(state_dict) < {"state", "param_groups"}:
+            raise HpcdlError("ZeroOptimizer.load_state_dict needs a dict with 'state' and 'param_groups'")
+        saved = state_dict["param_groups"]
+        ours = [len(g["params"]) for g in self.param_groups]
+        theirs = [len(g["params"]) for g in saved]
+        if ours != theirs:
+            raise HpcdlError(
+                f"ZeroOptimizer.load_state_dict: the saved parameter groups have {theirs} parameters, "
+                f"this optimizer's have {ours}"
+            )
+        index = {p: i for i, p in enumerate(self._all_params())}
+        ids = [i for g in saved for i in g["params"]]  # saved ids, in our parameter order
+        names = {p: self._names.get(p, f"parameter {index[p]}") for p in index}
+        for g, s in zip(self.param_groups, saved, strict=True):
+            g.update(self._hyper(s))
+        inner_sd = self.optim.state_dict()
+        inner_state: dict[int, dict[str, Any]] = {}
+        for j, b in enumerate(self._buckets_in_inner_order()):
+            sts = [state_dict["state"].get(ids[index[p]]) for p in b.params]
+            if all(s is None for s in sts):
+                continue
+            if any(s is None for s in sts) or any(set(s) != set(sts[0]) for s in sts):
+                raise HpcdlError(
+                    f"ZeroOptimizer.load_state_dict: parameters {[names[p] for p in b.params]} share a shard "
+                    "but the saved state has different entries for them (some have no state?)"
+                )
+            st: dict[str, Any] = {}
+            for k, v0 in sts[0].items():
+                if all(
+                    torch.is_tensor(s[k]) and s[k].shape == p.shape for s, p in zip(sts, b.params, strict=True)
+                ) and (k not in _SCALAR_KEYS):
+                    st[k] = b.zero.take(b.params, [s[k].to(p.dtype) for s, p in zip(sts, b.params, strict=True)])
+                    continue
+                same = all(
+                    (torch.is_tensor(s[k]) and torch.is_tensor(v0) and torch.equal(s[k], v0))
+                    or s[k] is v0
+                    or s[k] == v0
+                    for s in sts
+                )
+                if not same:
+                    raise HpcdlError(
+                        f"ZeroOptimizer.load_state_dict: {k!r} differs between {[names[p] for p in b.params]}, "
+                        "which share a shard"
+                    )
+                st[k] = v0.clone() if torch.is_tensor(v0) else v0
+            inner_state[j] = st
+        for gi, g in enumerate(self.param_groups):
+            if gi in self._inner_group:
+                inner_sd["param_groups"][self._inner_group[gi]].update(self._hyper(g))
+        self.optim.load_state_dict({"state": inner_state, "param_groups": inner_sd["param_groups"]})
+
+    def _buckets_in_inner_order(self) -> list[_Bucket]:
+        """The buckets in the order of the inner optimizer's parameters (its state ids)."""
+        shards = [p for g in self.optim.param_groups for p in g["params"]]
+        by_shard = {b.zero.shard: b for b in self._buckets}
+        return [by_shard[s] for s in shards]
+
+    @staticmethod
+    def _is_elementwise(key: str, value: Any, shard: torch.Tensor) -> bool:
+        return (
+            key not in _SCALAR_KEYS and torch.is_tensor(value) and value.dim() == 1 and value.numel() == shard.numel()
+        )
