@@ -18,7 +18,8 @@ cycles on every rank:
    runtime stays usable.
 4. **Execute.** Ready requests run in the same order everywhere; small allreduces of the
    same dtype, op, scale factors and process set are packed into one persistent fusion
-   buffer (up to ``fusion_threshold`` bytes) and reduced with one ``collectives`` call.
+   buffer (up to ``fusion_threshold`` bytes) and reduced with one ``collectives`` call; a
+   tensor of 1 MiB or more is reduced alone where it lies (fusion would only copy it).
 
 The stall inspector looks at the same table: a request some ranks submitted and others
 not for ``stall_check_time_seconds`` is logged (rank 0) with the missing ranks; after
@@ -55,6 +56,7 @@ log = logging.getLogger("hpcdl")
 _TAG_BELL = 17
 _H = 4  # header words of a cycle message: flags, rank clock (us), cache size, uncached count
 _F_SHUTDOWN, _F_JOIN = 1, 2
+_UNFUSED_BYTES = 1 << 20  # tensors this large are reduced alone, in place
 _POLL_MIN, _POLL_MAX, _HOT = 200e-6, 2e-3, 0.05
 
 #: the compared fields of each kind's signature, for error messages
@@ -541,14 +543,17 @@ class Engine:
         xs = []
         for (_, ent, _), req in zip(group, reqs, strict=True):
             if req is not None:
-                xs.append((req.x, req.out))
+                xs.append((req.x, req.out, req))
             else:  # joined: the op's identity, result discarded
                 shape = next(iter(ent.descs.values()))[3][1]
-                xs.append((np.full(shape, _identity(op, dtype), dtype), np.empty(shape, dtype)))
-        total = sum(x.size for x, _ in xs)
-        alg = self._alg(comm, "allreduce", total * dtype.itemsize)
-        if len(xs) == 1:
-            x, out = xs[0]
+                xs.append((np.full(shape, _identity(op, dtype), dtype), np.empty(shape, dtype), None))
+        # fusion amortises the per-call cost over small tensors; a large tensor gains nothing
+        # from it, so it is reduced where it lies, without the copies into and out of the buffer
+        small = [e for e in xs if e[0].nbytes < _UNFUSED_BYTES]
+        alone = [e for e in xs if e[0].nbytes >= _UNFUSED_BYTES]
+        if len(small) == 1:
+            alone, small = alone + small, []
+        for x, out, req in alone:
             t0 = time.perf_counter()
             src = x
             if pre != 1.0:
@@ -557,35 +562,40 @@ class Engine:
             collectives.allreduce(src, op=op, out=out, comm=comm)
             if post != 1.0:
                 np.multiply(out, post, out=out)
-            self._span(reqs, "ALLREDUCE", t0, algorithm=alg, bytes=int(out.nbytes))
-        else:
-            nbytes = total * dtype.itemsize
-            if self.fusion.nbytes < nbytes:
-                self.fusion = np.empty(max(nbytes, min(2 * self.fusion.nbytes, self.cfg.fusion_threshold)), np.uint8)
-            buf = self.fusion[:nbytes].view(dtype)
-            t0 = time.perf_counter()
-            off = 0
-            for x, _ in xs:
-                seg = buf[off : off + x.size]
-                if pre != 1.0:
-                    np.multiply(x.reshape(-1), pre, out=seg)
-                else:
-                    seg[...] = x.reshape(-1)
-                off += x.size
-            t1 = time.perf_counter()
-            self._span(reqs, "MEMCPY_IN_FUSION_BUFFER", t0)
-            collectives.allreduce(buf, op=op, out=buf, comm=comm)
-            self._span(reqs, "ALLREDUCE", t1, algorithm=alg, bytes=int(nbytes), fused=len(xs))
-            t2 = time.perf_counter()
-            off = 0
-            for _, out in xs:
-                seg = buf[off : off + out.size]
-                if post != 1.0:
-                    np.multiply(seg, post, out=out.reshape(-1))
-                else:
-                    out.reshape(-1)[...] = seg
-                off += out.size
-            self._span(reqs, "MEMCPY_OUT_FUSION_BUFFER", t2)
+            alg = self._alg(comm, "allreduce", out.nbytes)
+            self._span([req], "ALLREDUCE", t0, algorithm=alg, bytes=int(out.nbytes))
+        if not small:
+            return
+        reqs = [req for _, _, req in small]
+        total = sum(x.size for x, _, _ in small)
+        nbytes = total * dtype.itemsize
+        alg = self._alg(comm, "allreduce", nbytes)
+        if self.fusion.nbytes < nbytes:
+            self.fusion = np.empty(max(nbytes, min(2 * self.fusion.nbytes, self.cfg.fusion_threshold)), np.uint8)
+        buf = self.fusion[:nbytes].view(dtype)
+        t0 = time.perf_counter()
+        off = 0
+        for x, _, _ in small:
+            seg = buf[off : off + x.size]
+            if pre != 1.0:
+                np.multiply(x.reshape(-1), pre, out=seg)
+            else:
+                seg[...] = x.reshape(-1)
+            off += x.size
+        t1 = time.perf_counter()
+        self._span(reqs, "MEMCPY_IN_FUSION_BUFFER", t0)
+        collectives.allreduce(buf, op=op, out=buf, comm=comm)
+        self._span(reqs, "ALLREDUCE", t1, algorithm=alg, bytes=int(nbytes), fused=len(small))
+        t2 = time.perf_counter()
+        off = 0
+        for _, out, _ in small:
+            seg = buf[off : off + out.size]
+            if post != 1.0:
+                np.multiply(seg, post, out=out.reshape(-1))
+            else:
+                out.reshape(-1)[...] = seg
+            off += out.size
+        self._span(reqs, "MEMCPY_OUT_FUSION_BUFFER", t2)
 
     def _run_allgather(self, ent: _Entry, req: Request | None, info: ProcessSetInfo) -> Any:
         d0 = next(iter(ent.descs.values()))

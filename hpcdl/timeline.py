@@ -6,6 +6,10 @@ ranks), MEMCPY_IN_FUSION_BUFFER, the collective itself (named after it, with the
 algorithm in ``args``) and MEMCPY_OUT_FUSION_BUFFER. The process row is the rank
 (``pid``); each tensor name gets its own thread row within it. When the timeline stops,
 the engine gathers every rank's events on rank 0, which writes one JSON file.
+
+Each rank's metadata also has a ``clock`` event whose ``perf_counter_at_ts0`` is that rank's
+``time.perf_counter()`` at ``ts`` 0, so a script can place its own timestamps (say, the
+backward pass) on the trace's time axis.
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ class Timeline:
             {"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank}"}},
             {"name": "process_sort_index", "ph": "M", "pid": self.rank, "args": {"sort_index": self.rank}},
             {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": 0, "args": {"name": "cycles"}},
+            {"name": "clock", "ph": "M", "pid": self.rank, "args": {"perf_counter_at_ts0": self.t0}},
         ]
         for name, tid in self._tids.items():
             meta.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": name}})

@@ -186,3 +186,43 @@ def test_torch_allreduce_benchmark_measures_every_contender():
         assert all(v > 0 for v in r["us"].values())
     text = torch_allreduce.report(rows, WORLD.size)
     assert "4 KiB" in text.splitlines()[-1] and "ratio" in text
+
+
+def test_hidden_share_counts_communication_inside_backward():
+    from benchmarks.train_throughput import hidden_share
+
+    t0 = 100.0  # rank 0's perf_counter at ts 0
+    trace = {
+        "traceEvents": [
+            {"name": "clock", "ph": "M", "pid": 0, "args": {"perf_counter_at_ts0": t0}},
+            # 4 ms of communication of "opt.": 3 ms inside backward [100.000, 100.010]
+            {"name": "NEGOTIATE_ALLREDUCE", "ph": "X", "pid": 0, "ts": 7000, "dur": 2000, "args": {"tensor": "opt.b0"}},
+            {"name": "ALLREDUCE", "ph": "X", "pid": 0, "ts": 8000, "dur": 3000, "args": {"tensor": "opt.b0"}},
+            {"name": "QUEUE", "ph": "X", "pid": 0, "ts": 0, "dur": 9000, "args": {"tensor": "opt.b0"}},  # not comm
+            {"name": "ALLREDUCE", "ph": "X", "pid": 0, "ts": 0, "dur": 9000, "args": {"tensor": "other"}},
+        ]
+    }
+    assert hidden_share(trace, [[(t0, t0 + 0.010)]], "opt.") == pytest.approx(3 / 4)
+    assert hidden_share(trace, [[(t0 + 0.020, t0 + 0.030)]], "opt.") == 0.0
+
+
+def test_train_throughput_benchmark_measures_every_row():
+    import hpcdl
+    from benchmarks import train_throughput as tt
+    from benchmarks.osu import gloo_init
+
+    hpcdl.init()
+    gloo_init(WORLD)
+    try:
+        res = tt.measure("cnn", rounds=1, steps=2, timeline_steps=2, horovod=None)
+    finally:
+        hpcdl.shutdown()
+    assert set(res["rows"]) == {tt.NO_COMM, tt.HPCDL, tt.ZERO, tt.DDP}
+    for name, row in res["rows"].items():
+        assert row["step_ms"] > 0 and row["samples_per_s"] == pytest.approx(
+            WORLD.size * tt.BATCH / row["step_ms"] * 1e3
+        )
+        if name in (tt.HPCDL, tt.ZERO):
+            assert 0.0 <= row["hidden"] <= 1.0
+    text = tt.report([res], "cmd")
+    assert "bars: hpcdl <= 1.10 x no comm" in text and "no Horovod row" in text

@@ -29,6 +29,9 @@ from ..process_sets import ProcessSet, _set_id, global_process_set
 __all__ = ["DistributedOptimizer"]
 
 _BUCKET_BYTES = 25 << 20
+# the first bucket (the last layers' gradients, ready first) is small, so communication
+# starts early in backward (as DDP's first bucket)
+_FIRST_BUCKET_BYTES = 1 << 20
 
 
 class _Bucket:
@@ -109,7 +112,8 @@ class _Reducer:
                 continue
             nbytes = p.numel() * p.element_size()
             last = self._buckets[-1] if self._buckets else None
-            if last is None or last.group != gi or last.params[0].dtype != p.dtype or size + nbytes > bucket_bytes:
+            cap = min(bucket_bytes, _FIRST_BUCKET_BYTES) if len(self._buckets) == 1 else bucket_bytes
+            if last is None or last.group != gi or last.params[0].dtype != p.dtype or size + nbytes > cap:
                 self._buckets.append(_Bucket(len(self._buckets), gi))
                 size = 0
             b = self._buckets[-1]
