@@ -408,6 +408,16 @@ def _fast(comm: Any, key: tuple, x: np.ndarray, out: np.ndarray | None = None) -
 
 
 # -- allreduce ---------------------------------------------------------------------------
+def _aliases(a: np.ndarray, b: np.ndarray) -> bool:
+    """True when ``a`` and ``b`` are the same elements (equal views of one buffer)."""
+    return (
+        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and a.shape == b.shape
+        and a.strides == b.strides
+        and a.dtype == b.dtype
+    )
+
+
 def _allreduce(x, op, algorithm, out, comm, blocking):
     ctx = get_context(comm)
     call = _Call(ctx, "allreduce", x, algorithm, op)
@@ -418,6 +428,10 @@ def _allreduce(x, op, algorithm, out, comm, blocking):
     call.agree(x.size, payload=np.ascontiguousarray(x) if small else None)
     if out is None:
         out = np.empty(x.shape, x.dtype)
+    elif out is not x and _aliases(out, x):
+        x = out  # two views of the same memory: in place (MPI refuses aliased buffers)
+    elif out is not x and np.may_share_memory(out, x):
+        x = x.copy()  # overlapping differently: the input must survive the writes to out
     n = ctx.transport.size
     if n == 1 or x.size == 0:
         if out is not x:

@@ -217,6 +217,17 @@ class _Reducer:
             if b.ready == len(b.params) and b.handle is None:
                 self._submit(b)
 
+    def _request_args(self, b: _Bucket) -> dict[str, Any]:
+        """Name, op and scale factors of bucket ``b``'s reduction: the prescale averages over
+        the accumulated passes (and predivides); Average divides by the ranks."""
+        return {
+            "name": f"{self._prefix}.bucket{b.index}",
+            "op": self._op,
+            "prescale_factor": 1.0 / (self._passes_per_step * self._predivide),
+            "postscale_factor": self._predivide if self._op == Average else 1.0,
+            "process_set": self._process_set,
+        }
+
     def _submit(self, b: _Bucket) -> None:
         raise NotImplementedError
 
@@ -235,17 +246,8 @@ class _DistributedMixin(_Reducer):
                 p.grad = torch.zeros_like(p)
             t, ctx = self._compression.compress(p.grad)
             sent.append((t, ctx, p))
-        pre = 1.0 / (self._passes_per_step * self._predivide)
-        post = self._predivide if self._op == Average else 1.0
         b.sent = sent
-        b.handle = grouped_allreduce_async_(
-            [t for t, _, _ in sent],
-            name=f"{self._prefix}.bucket{b.index}",
-            op=self._op,
-            prescale_factor=pre,
-            postscale_factor=post,
-            process_set=self._process_set,
-        )
+        b.handle = grouped_allreduce_async_([t for t, _, _ in sent], **self._request_args(b))
 
     def _finish(self, b: _Bucket) -> None:
         if b.handle is None:

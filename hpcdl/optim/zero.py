@@ -267,21 +267,12 @@ class ZeroOptimizer(_Reducer, torch.optim.Optimizer):
             _DistributedMixin._submit(self, b)
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        pre = 1.0 / (self._passes_per_step * self._predivide)
-        post = self._predivide if self._op == Average else 1.0
         flat = b.zero.flat(grads, self._n)
         for p in b.params:  # this rank keeps only its shard of the reduced gradient
             p.grad = None
         t, ctx = self._compression.compress(flat)
         b.sent = [(t, ctx, None)]
-        b.handle = reducescatter_async(
-            t,
-            name=f"{self._prefix}.bucket{b.index}",
-            op=self._op,
-            prescale_factor=pre,
-            postscale_factor=post,
-            process_set=self._process_set,
-        )
+        b.handle = reducescatter_async(t, **self._request_args(b))
 
     def _finish(self, b: _Bucket) -> None:
         if self.stage == 1 or b.handle is None:
