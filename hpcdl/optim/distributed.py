@@ -54,8 +54,12 @@ def _remove(hooks: list[Any]) -> None:
 
 class _Reducer:
     """The gradient side shared by :func:`DistributedOptimizer` and ``ZeroOptimizer``:
-    hooks, buckets, accumulation, the missing-gradient check and the step protocol. A
-    subclass says how a bucket is sent (``_submit``) and finished (``_finish``)."""
+    hooks, buckets, accumulation, the missing-gradient check and the step protocol.
+
+    ``DistributedOptimizer`` puts it in front of the wrapped optimizer's class (plain
+    ``super()`` reaches that class) and uses the defaults: each bucket's gradients are
+    allreduced in place. ``ZeroOptimizer`` changes how a bucket is sent (``_submit``) and
+    its result put in place (``_unpack``)."""
 
     _kind = "DistributedOptimizer"
 
@@ -229,17 +233,8 @@ class _Reducer:
         }
 
     def _submit(self, b: _Bucket) -> None:
-        raise NotImplementedError
-
-    def _finish(self, b: _Bucket) -> None:
-        raise NotImplementedError
-
-
-class _DistributedMixin(_Reducer):
-    """Methods added in front of the wrapped optimizer's class (plain ``super()`` reaches it):
-    each bucket's gradients are allreduced in place."""
-
-    def _submit(self, b: _Bucket) -> None:
+        """Start bucket ``b``'s reduction: by default, an in-place grouped allreduce of its
+        gradients (zeros for the ones missing)."""
         sent = []
         for p in b.params:
             if p.grad is None:
@@ -250,15 +245,20 @@ class _DistributedMixin(_Reducer):
         b.handle = grouped_allreduce_async_([t for t, _, _ in sent], **self._request_args(b))
 
     def _finish(self, b: _Bucket) -> None:
+        """Wait for bucket ``b``'s reduction (if started) and put its result in place."""
         if b.handle is None:
             return
         h, b.handle = b.handle, None
-        synchronize(h)
+        self._unpack(b, synchronize(h))
+        b.sent = []
+        b.ready = 0
+
+    def _unpack(self, b: _Bucket, result: Any) -> None:
+        """Put the result of :meth:`_submit`'s request in place: by default, the reduced
+        gradients back into ``p.grad`` (a no-op where they were reduced in place)."""
         for t, ctx, p in b.sent:
             if ctx is not None or t is not p.grad:
                 p.grad.copy_(self._compression.decompress(t, ctx))
-        b.sent = []
-        b.ready = 0
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name: a factory that looks like a class
@@ -293,7 +293,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name: a factory that looks l
     if groups is not None:
         raise HpcdlError("DistributedOptimizer(groups=...) is not supported; gradients are bucketed by bucket_bytes")
     base = type(optimizer)
-    cls = type(base.__name__, (_DistributedMixin, base), {"__module__": base.__module__})
+    cls = type(base.__name__, (_Reducer, base), {"__module__": base.__module__})
     obj = cls(optimizer.param_groups)
     if optimizer.state:
         obj.load_state_dict(optimizer.state_dict())

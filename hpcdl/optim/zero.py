@@ -49,7 +49,7 @@ from ..ops import (
     synchronize,
 )
 from ..process_sets import ProcessSet, global_process_set
-from .distributed import _BUCKET_BYTES, _Bucket, _DistributedMixin, _Reducer
+from .distributed import _BUCKET_BYTES, _Bucket, _Reducer
 
 __all__ = ["ZeroOptimizer"]
 
@@ -264,7 +264,7 @@ class ZeroOptimizer(_Reducer, torch.optim.Optimizer):
     # -- gradients: per-bucket sending ---------------------------------------------------------
     def _submit(self, b: _Bucket) -> None:
         if self.stage == 1:  # allreduce in place, as DistributedOptimizer
-            _DistributedMixin._submit(self, b)
+            super()._submit(b)
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
         flat = b.zero.flat(grads, self._n)
@@ -274,15 +274,11 @@ class ZeroOptimizer(_Reducer, torch.optim.Optimizer):
         b.sent = [(t, ctx, None)]
         b.handle = reducescatter_async(t, **self._request_args(b))
 
-    def _finish(self, b: _Bucket) -> None:
-        if self.stage == 1 or b.handle is None:
-            _DistributedMixin._finish(self, b)
+    def _unpack(self, b: _Bucket, result: Any) -> None:
+        if self.stage == 1:
+            super()._unpack(b, result)
             return
-        h, b.handle = b.handle, None
-        out = synchronize(h)
-        b.zero.shard.grad = self._compression.decompress(out, b.sent[0][1]).to(b.zero.shard.dtype)
-        b.sent = []
-        b.ready = 0
+        b.zero.shard.grad = self._compression.decompress(result, b.sent[0][1]).to(b.zero.shard.dtype)
 
     # -- consolidated state ------------------------------------------------------------------
     @staticmethod
