@@ -90,10 +90,20 @@ def test_mismatch_after_the_signature_was_cached():
 
 def test_duplicate_name_in_flight_is_a_local_error():
     hvd.init()
-    h = hvd.allreduce_async(torch.ones(2), name="dup")
-    with pytest.raises(hvd.HpcdlError, match="already in flight"):
-        hvd.allreduce_async(torch.ones(2), name="dup")
-    hvd.synchronize(h)
+    r, n = hvd.rank(), hvd.size()
+    # rank r's own name "dup-r" cannot complete before the other ranks submit it, which they
+    # do only after the out-of-band barrier: so it is surely still in flight when rank r
+    # submits it again (a single shared name could complete in between)
+    own = hvd.allreduce_async(torch.full((2,), float(r)), op=hvd.Sum, name=f"dup-{r}")
+    with pytest.raises(hvd.HpcdlError, match=f"'dup-{r}': a request with this name is already in flight"):
+        hvd.allreduce_async(torch.ones(2), name=f"dup-{r}")
+    WORLD.Barrier()
+    others = {
+        q: hvd.allreduce_async(torch.full((2,), float(q)), op=hvd.Sum, name=f"dup-{q}") for q in range(n) if q != r
+    }
+    assert torch.equal(hvd.synchronize(own), torch.full((2,), float(r * n)))
+    for q, h in others.items():
+        assert torch.equal(hvd.synchronize(h), torch.full((2,), float(q * n)))
     usable()
 
 
