@@ -226,3 +226,18 @@ def test_train_throughput_benchmark_measures_every_row():
             assert 0.0 <= row["hidden"] <= 1.0
     text = tt.report([res], "cmd")
     assert "bars: hpcdl <= 1.10 x no comm" in text and "no Horovod row" in text
+
+
+def test_train_throughput_report_says_when_the_ddp_bar_is_below_no_communication():
+    from benchmarks import train_throughput as tt
+
+    def res(no_comm, ddp):
+        rows = {
+            c: {"step_ms": ms, "samples_per_s": 1.0, "exposed_ms": 0.0, "hidden": None}
+            for c, ms in [(tt.NO_COMM, no_comm), (tt.HPCDL, 66.0), (tt.ZERO, 66.0), (tt.DDP, ddp)]
+        }
+        return {"model": "cnn", "params": 1e6, "batch_per_rank": 64, "ranks": 2, "rows": rows}
+
+    text = tt.report([res(60.0, 65.0)], "cmd")  # 0.85 x 65 = 55.25 < 60
+    assert "0.85 x DDP-gloo = 55.2 ms is below the no-communication step, 60.0 ms" in text
+    assert "below the no-communication" not in tt.report([res(60.0, 80.0)], "cmd")  # 68 >= 60
