@@ -1,0 +1,3 @@
+from hpcdl.train.cli import console_main
+
+console_main()

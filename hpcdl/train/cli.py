@@ -1,0 +1,73 @@
+"""``python -m hpcdl.train`` / ``hpcdl-train``: parse, build, run, clean up."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _say_once(text: str) -> None:
+    """Print on world rank 0 only (MPI is initialized when hpcdl is imported)."""
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print(text, file=sys.stderr, flush=True)
+
+
+def _dry_run(cfg) -> None:
+    import hpcdl as hvd
+
+    from .launch import check_world, launcher, layout
+
+    hvd.init()
+    check_world(hvd.size())
+    ranks = layout(hvd)
+    if hvd.rank() == 0:
+        print("# resolved configuration")
+        print(json.dumps(cfg.to_dict(), indent=1))
+        print(f"# rank layout: {hvd.size()} ranks on {len({r['host'] for r in ranks})} node(s), launcher {launcher()}")
+        print(f"{'rank':>5} {'local':>6} {'node':>5}  host (pid)")
+        for r in ranks:
+            print(f"{r['rank']:>5} {r['local_rank']:>4}/{r['local_size']:<1} {r['node']:>5}  {r['host']} ({r['pid']})")
+    hvd.shutdown()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from collectives.cli import run_main
+
+    from .config import ConfigError, parse_config
+
+    try:
+        cfg = parse_config(argv)
+    except ConfigError as exc:  # the same on every rank: each exits, none has started work
+        _say_once(f"hpcdl.train: error: {exc}\n(see python -m hpcdl.train --help)")
+        return 2
+    if cfg.dry_run:
+        run_main(lambda: _dry_run(cfg))
+        return 0
+
+    def train() -> None:
+        import hpcdl as hvd
+
+        from .loop import run
+
+        summary = run(cfg)
+        if hvd.rank() == 0:
+            final = ", ".join(f"{k} {v:.4f}" for k, v in summary["final"].items())
+            print(
+                f"hpcdl.train: {summary['steps']} steps on {summary['world_size']} ranks in "
+                f"{summary['wall_time_s']:.1f} s ({summary['samples_per_s']:.0f} samples/s); held-out {final}; "
+                f"run directory {summary['run_dir']}",
+                flush=True,
+            )
+        hvd.shutdown()
+
+    run_main(train)
+    return 0
+
+
+def console_main() -> None:
+    sys.exit(main())

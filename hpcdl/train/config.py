@@ -1,0 +1,266 @@
+"""The training job's configuration: one dataclass, filled from (lowest to highest
+precedence) its defaults, an optional TOML or YAML file, ``HPCDL_TRAIN_<FIELD>``
+environment variables and command-line flags ``--<field-with-dashes>``.
+
+Every value is checked before any rank starts work; a bad one raises :class:`ConfigError`
+naming the field (or flag, variable, file key) and the values it accepts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+import sys
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from collectives.config import register_env_names
+
+__all__ = ["TrainConfig", "ConfigError", "parse_config", "ENV_PREFIX"]
+
+ENV_PREFIX = "HPCDL_TRAIN_"
+
+
+class ConfigError(ValueError):
+    """A configuration value that the training job does not accept."""
+
+
+def _field(default: Any, help: str, **meta: Any) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainConfig:
+    """Everything ``python -m hpcdl.train`` needs; ``--help`` lists the fields."""
+
+    # what to train
+    model: Literal["cnn", "mlp", "gpt"] = _field(
+        "cnn",
+        "cnn or mlp: classifiers of scikit-learn's handwritten digits; gpt: a byte-level decoder on "
+        "the Python documentation text that ships with CPython (pydoc_data.topics)",
+    )
+    epochs: int = _field(20, "passes over the training split", min=1)
+    max_steps: int = _field(0, "stop after this many optimizer steps (0: run every epoch)", min=0)
+    batch_size: int = _field(32, "samples per rank per backward pass", min=1)
+    grad_accum: int = _field(1, "backward passes per optimizer step (gradient accumulation)", min=1)
+    # optimizer
+    optimizer: Literal["sgd", "adam", "adamw"] = _field("adam", "the torch optimizer")
+    lr: float = _field(2e-3, "learning rate for one rank (see lr_scaling)", gt=0.0)
+    lr_scaling: Literal["linear", "none"] = _field("linear", "linear: the rate is lr x world size")
+    warmup_steps: int = _field(20, "steps of linear warm-up from lr/steps to the full rate", min=0)
+    lr_schedule: Literal["cosine", "constant"] = _field("cosine", "after warm-up: cosine decay to 0, or constant")
+    momentum: float = _field(0.9, "SGD momentum", min=0.0)
+    weight_decay: float = _field(0.0, "weight decay (decoupled for adamw)", min=0.0)
+    zero: Literal[0, 1, 2] = _field(0, "0: DistributedOptimizer; 1 or 2: ZeroOptimizer of that stage")
+    fusion_threshold: int = _field(
+        -1, "engine fusion buffer in bytes (-1: the runtime's, HPCDL_FUSION_THRESHOLD)", min=-1
+    )
+    # numerics
+    precision: Literal["fp32", "bf16", "fp16"] = _field(
+        "fp32", "bf16: autocast to bfloat16; fp16: autocast to float16 with dynamic loss scaling"
+    )
+    activation_checkpointing: bool = _field(False, "recompute the transformer blocks in backward (gpt)")
+    seed: int = _field(0, "seed of initial weights, data order and dropout", min=0)
+    threads: int = _field(1, "torch intra-op threads per rank", min=1)
+    # gpt size
+    block_size: int = _field(64, "gpt: context length in bytes", min=2)
+    n_layer: int = _field(2, "gpt: transformer blocks", min=1)
+    n_head: int = _field(4, "gpt: attention heads", min=1)
+    d_model: int = _field(128, "gpt: width (a multiple of n_head)", min=1)
+    dropout: float = _field(0.0, "gpt: dropout probability", min=0.0, lt=1.0)
+    # output, checkpoints
+    run_dir: str = _field("", "where metrics, plot, summary and checkpoints go (empty: runs/<model>-<time>)")
+    checkpoint_every: int = _field(50, "write a checkpoint every this many steps, and at the end (0: end only)", min=0)
+    keep_checkpoints: int = _field(2, "checkpoints kept in run_dir/checkpoints", min=1)
+    resume: bool = _field(False, "continue from the newest checkpoint in run_dir")
+    timeline: str = _field("", "write hpcdl's Chrome-trace timeline to this file (empty: off)")
+    progress: bool = _field(True, "a progress bar on rank 0")
+    dry_run: bool = _field(False, "print the resolved configuration and the rank layout, then exit")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field's type, range and choices, then the relations between them."""
+        hints = typing.get_type_hints(TrainConfig)
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            kind = hints[f.name]
+            if typing.get_origin(kind) is Literal:
+                if value not in typing.get_args(kind) or type(value) is bool:
+                    raise ConfigError(f"{f.name}={value!r} is not accepted; choose one of {_choices(kind)}")
+                continue
+            if kind is float and type(value) is int:
+                value = float(value)
+                setattr(self, f.name, value)
+            if type(value) is not kind:
+                raise ConfigError(f"{f.name}={value!r} must be {_kind_words(kind)}")
+            m = f.metadata
+            if "min" in m and value < m["min"]:
+                raise ConfigError(f"{f.name}={value!r} must be >= {m['min']}")
+            if "gt" in m and not value > m["gt"]:
+                raise ConfigError(f"{f.name}={value!r} must be > {m['gt']}")
+            if "lt" in m and not value < m["lt"]:
+                raise ConfigError(f"{f.name}={value!r} must be < {m['lt']}")
+        if self.d_model % self.n_head:
+            raise ConfigError(f"d_model={self.d_model} must be a multiple of n_head={self.n_head}")
+        if self.activation_checkpointing and self.model != "gpt":
+            raise ConfigError(
+                f"activation_checkpointing applies to the transformer blocks of model='gpt', not model={self.model!r}"
+            )
+        if self.precision == "fp16" and self.zero == 2:
+            raise ConfigError(
+                "precision='fp16' needs the full gradients to unscale them, which zero=2 does not keep; "
+                "use zero=0 or 1, or precision='bf16'"
+            )
+        if self.resume and not self.run_dir:
+            raise ConfigError("resume needs run_dir: the run directory whose newest checkpoint to continue from")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _choices(kind: Any) -> str:
+    return ", ".join(repr(c) for c in typing.get_args(kind))
+
+
+def _kind_words(kind: type) -> str:
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[kind]
+
+
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_HINTS = typing.get_type_hints(TrainConfig)
+register_env_names(ENV_PREFIX + name.upper() for name in _FIELDS)
+
+
+def _convert(name: str, raw: Any, where: str) -> Any:
+    """``raw`` (text from a flag or variable, or a value from a file) as field ``name``'s type."""
+    kind = _HINTS[name]
+    if typing.get_origin(kind) is Literal:
+        choices = typing.get_args(kind)
+        for c in choices:
+            if (raw == c and type(raw) is not bool) or (isinstance(raw, str) and raw.strip().lower() == str(c)):
+                return c
+        raise ConfigError(f"{where}={raw!r} is not accepted for {name}; choose one of {_choices(kind)}")
+    if not isinstance(raw, str):
+        if kind is float and type(raw) is int:
+            return float(raw)
+        if type(raw) is not kind:
+            raise ConfigError(f"{where}={raw!r}: {name} must be {_kind_words(kind)}")
+        return raw
+    text = raw.strip()
+    try:
+        if kind is bool:
+            return _BOOLS[text.lower()]
+        return kind(text)
+    except (KeyError, ValueError):
+        accepted = "one of " + ", ".join(sorted(_BOOLS)) if kind is bool else _kind_words(kind)
+        raise ConfigError(f"{where}={raw!r}: {name} must be {accepted}") from None
+
+
+def _unknown(name: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(name, sorted(_FIELDS), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(sorted(_FIELDS))}"
+    return ConfigError(f"{where}: unknown field {name!r}{hint}")
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    ext = os.path.splitext(path)[1].lower()
+    try:
+        if ext == ".toml":
+            import tomllib
+
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        elif ext in (".yaml", ".yml"):
+            import yaml
+
+            with open(path) as fh:
+                data = yaml.safe_load(fh) or {}
+        else:
+            raise ConfigError(f"config file {path!r}: use a .toml, .yaml or .yml file")
+    except ConfigError:
+        raise
+    except Exception as exc:  # the parser's own message says where
+        raise ConfigError(f"config file {path!r} does not parse: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path!r} must hold a table of field = value")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hpcdl.train",
+        description="Train a model data-parallel over the ranks of an mpiexec or srun job.",
+        epilog=f"Every field also reads {ENV_PREFIX}<FIELD> (e.g. {ENV_PREFIX}LR=0.01); flags win over "
+        "variables, variables over the config file.",
+        allow_abbrev=False,
+    )
+    p.add_argument("--config", metavar="FILE", help="a .toml or .yaml file of field = value")
+    for name, f in _FIELDS.items():
+        flag = "--" + name.replace("_", "-")
+        kind = _HINTS[name]
+        default = f.default
+        text = f"{f.metadata['help']} (default: {default!r})"
+        if kind is bool:
+            p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            metavar = "{" + ",".join(str(c) for c in typing.get_args(kind)) + "}" if typing.get_origin(kind) else None
+            p.add_argument(flag, dest=name, default=None, metavar=metavar, help=text)
+    return p
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        raise ConfigError(message)
+
+
+def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> TrainConfig:
+    """Resolve the configuration from defaults, ``--config`` file, ``HPCDL_TRAIN_*`` and flags."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    env = os.environ if environ is None else environ
+    p = _parser()
+    p.__class__ = _Parser  # errors raise ConfigError instead of exiting
+    ns = p.parse_args(argv)
+    values: dict[str, Any] = {}
+    if ns.config:
+        for key, raw in _read_file(ns.config).items():
+            if key not in _FIELDS:
+                raise _unknown(key, f"config file {ns.config!r}")
+            values[key] = _convert(key, raw, f"{key} in {ns.config}")
+    for key in sorted(env):
+        if key.startswith(ENV_PREFIX):
+            name = key[len(ENV_PREFIX) :].lower()
+            if name not in _FIELDS:
+                raise _unknown(name, f"environment variable {key}")
+            values[name] = _convert(name, env[key], key)
+    for name in _FIELDS:
+        raw = getattr(ns, name)
+        if raw is not None:
+            values[name] = _convert(name, raw, "--" + name.replace("_", "-"))
+    try:
+        return TrainConfig(**values)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (from {_origin(exc, values, ns)})") from None
+
+
+def _origin(exc: ConfigError, values: dict[str, Any], ns: argparse.Namespace) -> str:
+    """Where the offending field's value came from, for the message."""
+    name = str(exc).split("=", 1)[0]
+    if name not in _FIELDS:
+        return "the combination of fields"
+    if getattr(ns, name) is not None:
+        return "--" + name.replace("_", "-")
+    if name in values:
+        return f"{ENV_PREFIX}{name.upper()} or the config file"
+    return "the default"
+
+
+def help_text() -> str:
+    return _parser().format_help()

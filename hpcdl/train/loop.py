@@ -1,0 +1,347 @@
+"""The training run: build the model, data and optimizer from a :class:`TrainConfig`, train
+data-parallel over the world, evaluate, checkpoint, and write the run directory."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import math
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import hpcdl as hvd
+from hpcdl.config import load_config
+
+from . import checkpoint as ckpt
+from .config import TrainConfig
+from .data import ShardedOrder, corpus, digits, eval_indices
+from .launch import check_world, launcher, layout
+from .models import GPT, DigitsCNN, DigitsMLP
+from .report import Metrics, plot, write_json
+
+__all__ = ["run", "Trainer"]
+
+_OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+def _init_runtime(cfg: TrainConfig) -> None:
+    config = load_config()
+    if cfg.fusion_threshold >= 0:
+        config = dataclasses.replace(config, fusion_threshold=cfg.fusion_threshold)
+    hvd.init(config=config)
+    check_world(hvd.size())
+
+
+def _resolve_run_dir(cfg: TrainConfig) -> str:
+    """Rank 0 picks (and creates) the run directory; every rank gets its absolute path."""
+    path = None
+    if hvd.rank() == 0:
+        path = cfg.run_dir or os.path.join("runs", f"{cfg.model}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+        path = os.path.abspath(path)
+        os.makedirs(os.path.join(path, "checkpoints"), exist_ok=True)
+    return hvd.broadcast_object(path, root_rank=0, name="train.run_dir")
+
+
+class Trainer:
+    """One training run. ``run()`` does it all; the pieces are methods so tests can use them."""
+
+    def __init__(self, cfg: TrainConfig, on_step: Callable[[int], None] | None = None) -> None:
+        self.cfg, self.on_step = cfg, on_step
+        self.rank, self.world = hvd.rank(), hvd.size()
+        torch.set_num_threads(cfg.threads)
+        # data
+        if cfg.model == "gpt":
+            self.train_set, self.test_set = corpus(cfg.block_size)
+        else:
+            self.train_set, self.test_set = digits(image=cfg.model == "cnn")
+        self.order = ShardedOrder(len(self.train_set), self.world, self.rank, cfg.seed, cfg.batch_size)
+        # model: the same initial weights on every rank (seeded, then broadcast from rank 0)
+        torch.manual_seed(cfg.seed)
+        if cfg.model == "gpt":
+            self.model: torch.nn.Module = GPT(
+                cfg.block_size, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.dropout, cfg.activation_checkpointing
+            )
+        else:
+            self.model = DigitsCNN() if cfg.model == "cnn" else DigitsMLP()
+        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        # each rank its own dropout stream
+        torch.manual_seed(cfg.seed * 1_000_003 + 7919 * (self.rank + 1))
+        # optimizer
+        self.base_lr = cfg.lr * (self.world if cfg.lr_scaling == "linear" else 1)
+        kwargs: dict[str, Any] = {"lr": self.base_lr, "weight_decay": cfg.weight_decay}
+        if cfg.optimizer == "sgd":
+            kwargs["momentum"] = cfg.momentum
+        inner = _OPTIMIZERS[cfg.optimizer](self.model.parameters(), **kwargs)
+        common = dict(named_parameters=self.model.named_parameters(), backward_passes_per_step=cfg.grad_accum)
+        if cfg.zero:
+            self.opt = hvd.ZeroOptimizer(inner, stage=cfg.zero, **common)
+        else:
+            self.opt = hvd.DistributedOptimizer(inner, **common)
+        self.scaler = torch.amp.GradScaler("cpu") if cfg.precision == "fp16" else None
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+        # progress through the data
+        batches = self.order.batches_per_epoch()
+        self.steps_per_epoch = math.ceil(batches / cfg.grad_accum)
+        self.total_steps = self.steps_per_epoch * cfg.epochs
+        if cfg.max_steps:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
+        self.step = 0
+        self.epoch = 0
+        self.step_in_epoch = 0  # optimizer steps already taken in self.epoch
+        self.sync_s = 0.0
+        self.train_s = 0.0
+        self.samples = 0
+
+    # -- the pieces ---------------------------------------------------------------------------
+    def lr_at(self, step: int) -> float:
+        """Learning rate of optimizer step ``step`` (0-based): linear warm-up, then constant
+        or a cosine decay that reaches 0 after the last step."""
+        w = self.cfg.warmup_steps
+        if step < w:
+            return self.base_lr * (step + 1) / w
+        if self.cfg.lr_schedule == "constant":
+            return self.base_lr
+        return self.base_lr * 0.5 * (1.0 + math.cos(math.pi * (step - w) / max(1, self.total_steps - w)))
+
+    def _autocast(self) -> Any:
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=self.autocast_dtype)
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self._autocast():
+            out = self.model(x)
+            return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+
+    def train_step(self, group: list[torch.Tensor]) -> float:
+        """One optimizer step over the batches in ``group`` (gradient accumulation: their
+        mean loss, weighted by batch size); returns the loss averaged over the ranks."""
+        for g in self.opt.param_groups:
+            g["lr"] = self.lr_at(self.step)
+        if self.opt.backward_passes_per_step != len(group):  # a short last group of the epoch
+            self.opt.set_backward_passes_per_step(len(group))
+        self.opt.zero_grad()
+        total = sum(len(b) for b in group)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        self.model.train()
+        for idx in group:
+            x, y = self.train_set.batch(idx)
+            loss = self.loss(x, y)
+            # the optimizer averages the passes' gradients; weighting each by its share of the
+            # samples makes that the mean over the group's samples when batch sizes differ
+            scaled = loss * (len(idx) * len(group) / total)
+            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            loss_sum += loss.detach().double() * len(idx)
+        mean = hvd.allreduce_async(loss_sum / total, op=hvd.Average, name="train.loss")
+        t = time.perf_counter()
+        self.opt.synchronize()
+        self.sync_s += time.perf_counter() - t
+        with self.opt.skip_synchronize():
+            if self.scaler:
+                self.scaler.unscale_(self.opt)
+                self.scaler.step(self.opt)
+                self.scaler.update()
+            else:
+                self.opt.step()
+        if self.opt.backward_passes_per_step != self.cfg.grad_accum:
+            self.opt.set_backward_passes_per_step(self.cfg.grad_accum)
+        self.samples += total * self.world
+        return float(hvd.synchronize(mean))
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Loss (and accuracy for digits) over the whole held-out split, shared by the ranks."""
+        self.model.eval()
+        idx = eval_indices(len(self.test_set), self.world, self.rank)
+        sums = torch.zeros(3, dtype=torch.float64)  # loss x targets, correct, targets
+        for part in torch.split(idx, 256):
+            x, y = self.test_set.batch(part)
+            with self._autocast():
+                out = self.model(x).float()
+            out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
+            sums += torch.tensor(
+                [F.cross_entropy(out, y, reduction="sum").item(), (out.argmax(-1) == y).sum().item(), len(y)],
+                dtype=torch.float64,
+            )
+        loss_sum, correct, n = hvd.allreduce(sums, op=hvd.Sum, name="train.eval").tolist()
+        res = {"loss": loss_sum / n}
+        if self.cfg.model == "gpt":
+            res["perplexity"] = math.exp(res["loss"])
+        else:
+            res["accuracy"] = correct / n
+        return res
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def state(self) -> dict[str, Any] | None:
+        """The checkpoint (collective: ZeroOptimizer consolidates its shards); None off rank 0."""
+        opt_state = self.opt.state_dict()
+        rngs = hvd.allgather_object(torch.get_rng_state(), name="train.rng")
+        if self.rank != 0:
+            return None
+        return {
+            "format": ckpt.FORMAT,
+            "step": self.step,
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "world_size": self.world,
+            "model": self.model.state_dict(),
+            "optimizer": opt_state,
+            "scaler": self.scaler.state_dict() if self.scaler else {},
+            "rng": rngs,
+            "config": self.cfg.to_dict(),
+            "counters": {"samples": self.samples, "train_s": self.train_s, "sync_s": self.sync_s},
+        }
+
+    def save(self, directory: str) -> str:
+        state = self.state()
+        path = ckpt.path_for(directory, self.step)
+        if self.rank == 0:
+            ckpt.save_atomic(state, path)
+            ckpt.prune(directory, self.cfg.keep_checkpoints)
+        return path
+
+    def restore(self, path: str) -> None:
+        st = ckpt.load(path)
+        self.model.load_state_dict(st["model"])
+        self.opt.load_state_dict(st["optimizer"])
+        if self.scaler and st["scaler"]:
+            self.scaler.load_state_dict(st["scaler"])
+        if st["world_size"] == self.world:
+            torch.set_rng_state(st["rng"][self.rank])
+        self.step, self.epoch, self.step_in_epoch = st["step"], st["epoch"], st["step_in_epoch"]
+        c = st["counters"]
+        self.samples, self.train_s, self.sync_s = c["samples"], c["train_s"], c["sync_s"]
+
+    # -- the run ------------------------------------------------------------------------------
+    def run(self, run_dir: str) -> dict[str, Any]:
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        ck_dir = os.path.join(run_dir, "checkpoints")
+        resumed_from = None
+        if cfg.resume:
+            path = hvd.broadcast_object(ckpt.latest(ck_dir) if self.rank == 0 else None, 0, name="train.resume")
+            if path is None:
+                raise FileNotFoundError(f"resume: no checkpoint in {ck_dir}")
+            self.restore(path)
+            resumed_from = path
+        ranks = layout(hvd)
+        metrics = None
+        if self.rank == 0:
+            ckpt.remove_partial(ck_dir)
+            write_json(os.path.join(run_dir, "config.json"), cfg.to_dict())
+            write_json(os.path.join(run_dir, "ranks.json"), {"launcher": launcher(), "ranks": ranks})
+            metrics = Metrics(os.path.join(run_dir, "metrics.jsonl"), self.step if resumed_from else None)
+        if cfg.timeline:
+            hvd.start_timeline(cfg.timeline)
+        bar = self._progress(resumed_from)
+        last_eval: dict[str, float] = {}
+        last_saved = self.step if resumed_from else -1
+        try:
+            while self.step < self.total_steps:
+                batches = self.order.batches(self.epoch)
+                groups = [batches[i : i + cfg.grad_accum] for i in range(0, len(batches), cfg.grad_accum)]
+                while self.step_in_epoch < len(groups) and self.step < self.total_steps:
+                    t0 = time.perf_counter()
+                    loss = self.train_step(groups[self.step_in_epoch])
+                    dt = time.perf_counter() - t0
+                    self.train_s += dt
+                    self.step += 1
+                    self.step_in_epoch += 1
+                    samples_s = sum(len(b) for b in groups[self.step_in_epoch - 1]) * self.world / dt
+                    if metrics:
+                        metrics.write(
+                            {
+                                "kind": "train",
+                                "step": self.step,
+                                "epoch": self.epoch,
+                                "loss": loss,
+                                "lr": self.lr_at(self.step - 1),
+                                "samples_per_s": samples_s,
+                                "step_s": dt,
+                            }
+                        )
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_s:.0f}", refresh=False)
+                        bar.update(1)
+                    if self.on_step:
+                        self.on_step(self.step)
+                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
+                        self.save(ck_dir)
+                        last_saved = self.step
+                if self.step_in_epoch >= len(groups):  # the epoch is complete
+                    last_eval = self.evaluate()
+                    if metrics:
+                        metrics.write({"kind": "eval", "step": self.step, "epoch": self.epoch, **last_eval})
+                    if bar is not None:
+                        bar.write(f"epoch {self.epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items()))
+                    self.epoch += 1
+                    self.step_in_epoch = 0
+            if not last_eval:  # stopped by max_steps inside an epoch
+                last_eval = self.evaluate()
+                if metrics:
+                    metrics.write({"kind": "eval", "step": self.step, "epoch": self.epoch, **last_eval})
+            if last_saved != self.step:
+                self.save(ck_dir)
+        finally:
+            if bar is not None:
+                bar.close()
+            if cfg.timeline:
+                hvd.stop_timeline()
+            if metrics:
+                metrics.close()
+        summary = {
+            "model": cfg.model,
+            "world_size": self.world,
+            "steps": self.step,
+            "epochs": self.epoch,
+            "final": last_eval,
+            "wall_time_s": time.perf_counter() - t_start,
+            "train_time_s": self.train_s,
+            "samples_per_s": self.samples / self.train_s if self.train_s else 0.0,
+            "exposed_comm_share": self.sync_s / self.train_s if self.train_s else 0.0,
+            "resumed_from": resumed_from,
+            "checkpoint": ckpt.latest(ck_dir) if self.rank == 0 else None,
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+        }
+        if cfg.model == "gpt":  # what the model learned to write
+            prompt = b"The "
+            summary["sample"] = (prompt + self.model.generate(prompt, 120)).decode("utf-8", "replace")
+        if self.rank == 0:
+            write_json(os.path.join(run_dir, "summary.json"), summary)
+            plot(
+                os.path.join(run_dir, "metrics.jsonl"),
+                os.path.join(run_dir, "curves.png"),
+                f"hpcdl.train: {cfg.model}, {self.world} ranks",
+            )
+        return summary
+
+    def _progress(self, resumed_from: str | None) -> Any:
+        if self.rank != 0 or not self.cfg.progress:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(
+            total=self.total_steps,
+            initial=self.step,
+            unit="step",
+            mininterval=0.5,
+            dynamic_ncols=True,
+            desc=f"{self.cfg.model} x{self.world}" + (" (resumed)" if resumed_from else ""),
+        )
+
+
+def run(cfg: TrainConfig, on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Train as ``cfg`` says over the world (initializing hpcdl if needed); returns the
+    summary (the same on every rank but for ``checkpoint``)."""
+    _init_runtime(cfg)
+    run_dir = _resolve_run_dir(cfg)
+    trainer = Trainer(cfg, on_step)
+    summary = trainer.run(run_dir)
+    summary["run_dir"] = run_dir
+    return summary

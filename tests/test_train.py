@@ -1,0 +1,308 @@
+"""hpcdl.train in one process, and whole jobs launched with mpiexec from here: the
+configuration's sources and errors, data sharding, the learning-rate schedule, atomic
+checkpoints, the models, and how a job ends when a rank fails or is killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from hpcdl.train import checkpoint as ckpt
+from hpcdl.train.config import ConfigError, TrainConfig, parse_config
+from hpcdl.train.data import ShardedOrder, corpus, digits, eval_indices
+from hpcdl.train.launch import check_world, launcher
+from hpcdl.train.models import GPT
+
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _job(args: list[str], n: int = 2, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [MPIEXEC, "-n", str(n), sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+        **kw,
+    )
+
+
+# -- configuration -------------------------------------------------------------------------------
+def test_precedence_defaults_file_environment_flags(tmp_path):
+    toml = tmp_path / "c.toml"
+    toml.write_text('model = "mlp"\nlr = 0.5\nepochs = 3\nzero = 1\nactivation-checkpointing = false\n')
+    cfg = parse_config(["--config", str(toml)], environ={})
+    assert (cfg.model, cfg.lr, cfg.epochs, cfg.zero, cfg.batch_size) == ("mlp", 0.5, 3, 1, 32)
+    env = {"HPCDL_TRAIN_LR": "0.25", "HPCDL_TRAIN_PROGRESS": "off", "HPCDL_TRAIN_ZERO": "2"}
+    cfg = parse_config(["--config", str(toml)], environ=env)
+    assert (cfg.lr, cfg.progress, cfg.zero, cfg.epochs) == (0.25, False, 2, 3)
+    cfg = parse_config(["--config", str(toml), "--lr", "0.125", "--progress", "--zero", "0"], environ=env)
+    assert (cfg.lr, cfg.progress, cfg.zero, cfg.model) == (0.125, True, 0, "mlp")
+    yml = tmp_path / "c.yaml"
+    yml.write_text("model: gpt\nn_layer: 3\nprecision: bf16\nlr: 1\n")
+    cfg = parse_config(["--config", str(yml)], environ={})
+    assert (cfg.model, cfg.n_layer, cfg.precision, cfg.lr) == ("gpt", 3, "bf16", 1.0)
+    assert cfg == TrainConfig(model="gpt", n_layer=3, precision="bf16", lr=1.0)
+
+
+@pytest.mark.parametrize(
+    "argv, environ, text, pattern",
+    [
+        (
+            ["--optimizer", "rmsprop"],
+            {},
+            None,
+            r"--optimizer='rmsprop' is not accepted for optimizer; choose one of 'sgd', 'adam', 'adamw'",
+        ),
+        (["--batch-size", "0"], {}, None, r"batch_size=0 must be >= 1 \(from --batch-size\)"),
+        (["--lr", "fast"], {}, None, r"--lr='fast': lr must be a number"),
+        ([], {"HPCDL_TRAIN_ZERO": "3"}, None, r"HPCDL_TRAIN_ZERO='3' is not accepted for zero; choose one of 0, 1, 2"),
+        (
+            [],
+            {"HPCDL_TRAIN_EPOCHZ": "3"},
+            None,
+            r"environment variable HPCDL_TRAIN_EPOCHZ: unknown field 'epochz'; did you mean 'epochs'",
+        ),
+        ([], {}, 'modle = "cnn"\n', r"unknown field 'modle'; did you mean 'model'"),
+        ([], {}, "epochs = 1.5\n", r"epochs must be an integer"),
+        ([], {}, "epochs = [\n", r"does not parse"),
+        (["--zero", "2", "--precision", "fp16"], {}, None, r"precision='fp16' needs the full gradients"),
+        (["--d-model", "30", "--model", "gpt"], {}, None, r"d_model=30 must be a multiple of n_head=4"),
+        (["--activation-checkpointing"], {}, None, r"activation_checkpointing applies to .*model='gpt'"),
+        (["--resume"], {}, None, r"resume needs run_dir"),
+        (["--dropout", "1"], {}, None, r"dropout=1.0 must be < 1.0"),
+        (["--no-such-flag"], {}, None, r"unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_bad_values_name_the_field_and_what_is_accepted(tmp_path, argv, environ, text, pattern):
+    if text is not None:
+        path = tmp_path / "bad.toml"
+        path.write_text(text)
+        argv = argv + ["--config", str(path)]
+    with pytest.raises(ConfigError, match=pattern):
+        parse_config(argv, environ=environ)
+
+
+def test_config_file_must_exist_and_be_toml_or_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        parse_config(["--config", str(tmp_path / "none.toml")], environ={})
+    (tmp_path / "c.ini").write_text("x=1")
+    with pytest.raises(ConfigError, match=r"use a \.toml, \.yaml or \.yml file"):
+        parse_config(["--config", str(tmp_path / "c.ini")], environ={})
+
+
+def test_a_bad_value_stops_every_rank_before_work_with_one_message(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _job(["-m", "hpcdl.train", "--optimizer", "rmsprop", "--run-dir", str(run_dir)])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("hpcdl.train: error: --optimizer='rmsprop' is not accepted") == 1, proc.stderr
+    assert not run_dir.exists()  # no rank started work
+
+
+def test_dry_run_prints_the_configuration_and_the_rank_layout():
+    proc = _job(["-m", "hpcdl.train", "--dry-run", "--model", "gpt", "--zero", "1"])
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    resolved = json.loads(out.split("# resolved configuration\n", 1)[1].split("# rank layout")[0])
+    assert resolved == TrainConfig(model="gpt", zero=1, dry_run=True).to_dict()
+    assert "# rank layout: 2 ranks on 1 node(s), launcher mpiexec (MPICH hydra)" in out
+    rows = [line.split() for line in out.splitlines()[-2:]]
+    assert [r[:3] for r in rows] == [["0", "0/2", "0"], ["1", "1/2", "0"]]
+
+
+def test_launcher_detection_and_the_srun_without_plugin_mistake():
+    assert launcher({"PMI_RANK": "0", "PMI_SIZE": "2"}) == "mpiexec (MPICH hydra)"
+    assert launcher({"OMPI_COMM_WORLD_RANK": "1"}) == "mpiexec (Open MPI)"
+    srun = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "7"}
+    assert launcher(srun) == "srun (Slurm)"
+    # mpiexec inside an allocation: the batch script's SLURM_* (no step) do not make it srun
+    assert launcher({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "PMI_RANK": "2"}) == "mpiexec (MPICH hydra)"
+    assert launcher({}) == "none (a single process)"
+    with pytest.raises(RuntimeError, match=r"srun \(Slurm\) started 4 tasks, .*srun --mpi=pmi2"):
+        check_world(1, srun)
+    check_world(4, srun)
+    check_world(1, {})
+
+
+# -- data ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n, world, batch", [(10, 3, 2), (1437, 2, 32), (7, 4, 3), (2, 3, 1)])
+def test_sharded_order_covers_every_sample_with_equal_batch_counts(n, world, batch):
+    orders = [ShardedOrder(n, world, r, seed=5, batch_size=batch) for r in range(world)]
+    for epoch in range(3):
+        parts = [o.indices(epoch) for o in orders]
+        assert len({len(p) for p in parts}) == 1  # every rank the same number of samples...
+        assert set(torch.cat(parts).tolist()) == set(range(n))  # ...and together all of them
+        assert len(torch.cat(parts)) - n < world  # padding: less than one sample per rank
+        counts = {len(o.batches(epoch)) for o in orders}
+        assert counts == {orders[0].batches_per_epoch()}
+        assert all(len(b) <= batch for o in orders for b in o.batches(epoch))
+    # the same on every rank (a fresh object), different between epochs
+    assert torch.equal(ShardedOrder(n, world, 0, 5, batch).permutation(1), orders[1].permutation(1))
+    if n > 2:
+        assert not torch.equal(orders[0].permutation(0), orders[0].permutation(1))
+
+
+def test_eval_indices_partition_the_split():
+    parts = [eval_indices(11, 3, r) for r in range(3)]
+    assert sorted(torch.cat(parts).tolist()) == list(range(11))
+
+
+def test_datasets_ship_with_installed_packages():
+    train, test = digits(image=True)
+    assert (len(train), len(test)) == (1437, 360) and train.x.shape[1:] == (1, 8, 8)
+    assert 0.0 <= float(train.x.min()) and float(train.x.max()) == 1.0
+    assert sorted(torch.bincount(test.y).tolist())[0] >= 35  # stratified: every class is there
+    tr, te = corpus(64)
+    x, y = tr.batch(torch.tensor([0, 5]))
+    assert x.shape == y.shape == (2, 64) and torch.equal(x[:, 1:], y[:, :-1])
+    assert len(tr) > 6000 and len(te) > 600
+
+
+# -- schedule, checkpoints, models ------------------------------------------------------------------
+def test_checkpoint_is_atomic_and_loads_without_unpickling_code(tmp_path, monkeypatch):
+    d = str(tmp_path)
+    good = {"format": ckpt.FORMAT, "step": 10, "w": torch.arange(4.0)}
+    ckpt.save_atomic(good, ckpt.path_for(d, 10))
+    real_save = torch.save
+
+    def dies_halfway(obj, fh):  # a crash while writing the next one
+        fh.write(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", dies_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_atomic({**good, "step": 20}, ckpt.path_for(d, 20))
+    monkeypatch.setattr(torch, "save", real_save)
+    assert os.listdir(d) == ["step-00000010.pt"]  # no partial file under any name
+    assert ckpt.latest(d) == ckpt.path_for(d, 10)
+    assert torch.equal(ckpt.load(ckpt.latest(d))["w"], torch.arange(4.0))
+    # a file left by a writer killed before its cleanup is ignored, then removed
+    open(os.path.join(d, "step-00000030.pt.tmp-99"), "wb").close()
+    assert ckpt.latest(d) == ckpt.path_for(d, 10)
+    ckpt.remove_partial(d)
+    assert os.listdir(d) == ["step-00000010.pt"]
+    # objects that would run code when unpickled are refused
+    torch.save({"format": ckpt.FORMAT, "evil": _Evil()}, os.path.join(d, "step-00000040.pt"))
+    with pytest.raises(Exception, match="Weights only load failed"):
+        ckpt.load(ckpt.latest(d))
+    for step in (50, 60, 70):
+        ckpt.save_atomic(good, ckpt.path_for(d, step))
+    ckpt.prune(d, 2)
+    assert ckpt.steps_in(d) == [60, 70]
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("true",))
+
+
+def test_learning_rate_warm_up_then_cosine():
+    from hpcdl.train.loop import Trainer
+
+    t = Trainer.__new__(Trainer)
+    t.cfg, t.base_lr, t.total_steps = TrainConfig(warmup_steps=4), 0.8, 14
+    assert [t.lr_at(s) for s in range(4)] == pytest.approx([0.2, 0.4, 0.6, 0.8])
+    assert t.lr_at(4) == pytest.approx(0.8) and t.lr_at(9) == pytest.approx(0.4) and t.lr_at(14) == pytest.approx(0.0)
+    t.cfg = TrainConfig(warmup_steps=0, lr_schedule="constant")
+    assert t.lr_at(0) == t.lr_at(13) == 0.8
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    torch.manual_seed(0)
+    idx = torch.randint(0, 256, (3, 16))
+    grads = []
+    for on in (False, True):
+        torch.manual_seed(1)
+        m = GPT(16, 2, 2, 32, activation_checkpointing=on)
+        torch.nn.functional.cross_entropy(m(idx).reshape(-1, 256), idx.reshape(-1)).backward()
+        grads.append([p.grad for p in m.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
+# -- whole jobs: failures ------------------------------------------------------------------------
+def test_an_exception_on_one_rank_ends_the_job_with_its_traceback(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import hpcdl as hvd
+            from collectives.cli import run_main
+            from hpcdl.train import parse_config, run
+
+            def on_step(step):
+                if hvd.rank() == 1 and step == 5:
+                    raise RuntimeError("injected failure at step 5")
+
+            cfg = parse_config(["--run-dir", {str(tmp_path / "run")!r}, "--no-progress", "--epochs", "50"])
+            run_main(lambda: run(cfg, on_step=on_step))
+            """
+        )
+    )
+    t0 = time.monotonic()
+    proc = _job([str(script)])
+    assert time.monotonic() - t0 < 60
+    assert proc.returncode != 0
+    assert "[rank 1] aborting the job after an uncaught exception" in proc.stderr
+    assert "RuntimeError: injected failure at step 5" in proc.stderr
+    assert "[rank 0] aborting" not in proc.stderr  # the other rank stays quiet
+
+
+def test_a_rank_killed_mid_training_ends_the_job_and_the_checkpoint_resumes(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [
+        "-m",
+        "hpcdl.train",
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+        "--epochs",
+        "40",
+        "--checkpoint-every",
+        "20",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen(
+        [MPIEXEC, "-n", "2", sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and job.poll() is None:
+            if ckpt.steps_in(str(run_dir / "checkpoints")) and (run_dir / "ranks.json").exists():
+                if ckpt.steps_in(str(run_dir / "checkpoints"))[-1] >= 60:
+                    break
+            time.sleep(0.02)
+        assert job.poll() is None, "the job ended before it could be killed"
+        pid = json.loads((run_dir / "ranks.json").read_text())["ranks"][1]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        job.wait(timeout=60)  # raises if the job outlives the kill by 60 s
+        ended = time.monotonic() - t0
+    finally:
+        if job.poll() is None:
+            job.kill()
+        job.communicate()
+    assert job.returncode != 0 and ended < 60
+    steps = ckpt.steps_in(str(run_dir / "checkpoints"))
+    assert steps and steps[-1] < 920
+    last = ckpt.load(ckpt.latest(str(run_dir / "checkpoints")))  # intact
+    assert last["step"] == steps[-1]
+    proc = _job([*args, "--resume"])
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 920 and summary["resumed_from"].endswith(f"step-{steps[-1]:08d}.pt")
+    assert summary["final"]["accuracy"] >= 0.9
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in recs if r["kind"] == "train"]
+    assert train_steps == list(range(1, 921))  # the killed run's extra records were replaced
