@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -122,12 +123,15 @@ def test_dry_run_prints_the_configuration_and_the_rank_layout():
 
 
 def test_launcher_detection_and_the_srun_without_plugin_mistake():
-    assert launcher({"PMI_RANK": "0", "PMI_SIZE": "2"}) == "mpiexec (MPICH hydra)"
+    hydra = {"HYDI_CONTROL_FD": "7", "PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALNRANKS": "2"}
+    assert launcher(hydra) == "mpiexec (MPICH hydra)"
     assert launcher({"OMPI_COMM_WORLD_RANK": "1"}) == "mpiexec (Open MPI)"
-    srun = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "7"}
+    # srun --mpi=pmi2 sets PMI_RANK too
+    srun = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0", "PMI_RANK": "0", "PMI_FD": "11"}
     assert launcher(srun) == "srun (Slurm)"
-    # mpiexec inside an allocation: the batch script's SLURM_* (no step) do not make it srun
-    assert launcher({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "PMI_RANK": "2"}) == "mpiexec (MPICH hydra)"
+    # hydra inside an allocation (its proxies are srun tasks): the ranks are hydra's
+    assert launcher({**srun, **hydra}) == "mpiexec (MPICH hydra)"
+    assert launcher({"PMI_RANK": "0"}) == "a PMI launcher"
     assert launcher({}) == "none (a single process)"
     with pytest.raises(RuntimeError, match=r"srun \(Slurm\) started 4 tasks, .*srun --mpi=pmi2"):
         check_world(1, srun)
@@ -306,3 +310,27 @@ def test_a_rank_killed_mid_training_ends_the_job_and_the_checkpoint_resumes(tmp_
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_steps = [r["step"] for r in recs if r["kind"] == "train"]
     assert train_steps == list(range(1, 921))  # the killed run's extra records were replaced
+
+
+# -- Slurm -----------------------------------------------------------------------------------------
+@pytest.mark.skipif(
+    not (shutil.which("slurmctld", path=os.environ.get("PATH", "") + ":/usr/sbin") and os.geteuid() == 0),
+    reason="needs root and Debian's slurm-wlm (jobs/slurm_local.sh --install)",
+)
+def test_the_training_job_runs_through_sbatch_and_srun_on_a_local_cluster(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RUN_DIR": str(run_dir), "NTASKS": "2"}
+    proc = subprocess.run(
+        ["bash", "jobs/slurm_local.sh", "--epochs", "2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "COMPLETED, exit code 0:0" in proc.stdout
+    ranks = json.loads((run_dir / "ranks.json").read_text())
+    assert ranks["launcher"] == "srun (Slurm)" and [r["rank"] for r in ranks["ranks"]] == [0, 1]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["final"]["accuracy"] > 0.8

@@ -15,37 +15,39 @@ from typing import Any
 
 __all__ = ["launcher", "launcher_size", "check_world", "layout"]
 
-# (launcher, variable holding the rank, variable holding the size)
+# (launcher, a variable only it sets, the variable holding the task count), looked at in
+# this order: hydra's and Open MPI's ranks inside a Slurm allocation still see SLURM_*, and
+# srun's PMI-2 plugin sets PMI_RANK as hydra does
 _LAUNCHERS = (
-    ("srun (Slurm)", "SLURM_PROCID", "SLURM_NTASKS"),
     ("mpiexec (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-    ("mpiexec (MPICH hydra)", "PMI_RANK", "PMI_SIZE"),
-    ("mpiexec (PMIx)", "PMIX_RANK", None),
+    ("mpiexec (MPICH hydra)", "HYDI_CONTROL_FD", "PMI_SIZE"),
+    ("srun (Slurm)", "SLURM_STEP_ID", "SLURM_NTASKS"),
+    ("a PMI launcher", "PMI_RANK", "PMI_SIZE"),
+    ("a PMIx launcher", "PMIX_RANK", None),
 )
 
 
+def _detect(env: Mapping[str, str]) -> tuple[str, str | None]:
+    for name, marker, size_var in _LAUNCHERS:
+        if marker in env:
+            return name, size_var
+    return "none (a single process)", None
+
+
 def launcher(environ: Mapping[str, str] | None = None) -> str:
-    env = os.environ if environ is None else environ
-    # mpiexec inside a Slurm allocation also sees SLURM_* (but not SLURM_STEP_ID's task vars
-    # for its own ranks), so the MPI launchers' variables are looked at first
-    for name, rank_var, _ in _LAUNCHERS[1:] + _LAUNCHERS[:1]:
-        if rank_var in env:
-            if name.startswith("srun") and "SLURM_STEP_ID" not in env:
-                continue
-            return name
-    return "none (a single process)"
+    """The name of the launcher that started this process, from its environment."""
+    return _detect(os.environ if environ is None else environ)[0]
 
 
 def launcher_size(environ: Mapping[str, str] | None = None) -> int | None:
     """The number of tasks the launcher says it started, when it says."""
     env = os.environ if environ is None else environ
-    name = launcher(env)
-    for n, _, size_var in _LAUNCHERS:
-        if n == name and size_var and size_var in env:
-            try:
-                return int(env[size_var])
-            except ValueError:
-                return None
+    size_var = _detect(env)[1]
+    if size_var and size_var in env:
+        try:
+            return int(env[size_var])
+        except ValueError:
+            return None
     return None
 
 

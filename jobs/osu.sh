@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The main job (for now): hpcdl's allreduce against MPI_Allreduce and torch gloo on 2 ranks,
+# hpcdl's allreduce against MPI_Allreduce and torch gloo on 2 ranks,
 # OSU-style, 4 B to 16 MiB, with bus bandwidth.
-# Usage: jobs/quickstart.sh [ranks] [osu_allreduce options]
+# Usage: jobs/osu.sh [ranks] [osu_allreduce options]
 source "$(dirname "$0")/env.sh"
 export OMP_NUM_THREADS=1
 RANKS="${1:-2}"
