@@ -20,7 +20,7 @@ if [ "${1:-}" = "--install" ]; then
     fi
     [ "$(id -u)" = 0 ] || { echo "slurm_local.sh --install: needs root (apt-get)" >&2; exit 3; }
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null
     echo "installed: $(slurmctld -V)"
     exit 0
 fi
