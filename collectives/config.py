@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 
 from .errors import ConfigError
 
-__all__ = ["Config", "load_config", "register_env_names", "known_env_names", "check_unknown", "env_values"]
+__all__ = ["Config", "load_config", "register_env_names", "known_env_names", "check_unknown", "env_values", "BOOLS"]
 
 PREFIX = "HPCDL_"
 _extra_names: set[str] = set()
@@ -91,9 +91,9 @@ def env_values(cls: type, environ: Mapping[str, str]) -> dict[str, object]:
         kind = f.type if isinstance(f.type, str) else f.type.__name__
         try:
             if kind == "bool":
-                if raw.lower() not in _BOOLS:
+                if raw.lower() not in BOOLS:
                     raise ValueError
-                values[f.name] = _BOOLS[raw.lower()]
+                values[f.name] = BOOLS[raw.lower()]
             elif kind == "int":
                 values[f.name] = int(raw)
             elif kind == "float":
@@ -102,14 +102,15 @@ def env_values(cls: type, environ: Mapping[str, str]) -> dict[str, object]:
                 values[f.name] = raw
         except ValueError:
             if kind == "bool":
-                accepted = "one of " + ", ".join(sorted(_BOOLS))
+                accepted = "one of " + ", ".join(sorted(BOOLS))
             else:
                 accepted = "an integer" if kind == "int" else f"a {kind}"
             raise ConfigError(f"{key}={raw!r} is not {accepted}") from None
     return values
 
 
-_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+# the spellings of true and false accepted from the environment (and by hpcdl.train)
+BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 
 
 def load_config(environ: Mapping[str, str] | None = None) -> Config:

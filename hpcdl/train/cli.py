@@ -20,10 +20,10 @@ def _say_once(text: str) -> None:
 def _dry_run(cfg) -> None:
     import hpcdl as hvd
 
-    from .launch import check_world, launcher, layout
+    from .launch import launcher, layout
+    from .loop import init_runtime
 
-    hvd.init()
-    check_world(hvd.size())
+    init_runtime(cfg)
     ranks = layout(hvd)
     if hvd.rank() == 0:
         print("# resolved configuration")

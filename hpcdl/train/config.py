@@ -17,7 +17,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from collectives.config import register_env_names
+from collectives.config import BOOLS, register_env_names
 
 __all__ = ["TrainConfig", "ConfigError", "parse_config", "ENV_PREFIX"]
 
@@ -85,10 +85,9 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Check every field's type, range and choices, then the relations between them."""
-        hints = typing.get_type_hints(TrainConfig)
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            kind = hints[f.name]
+            kind = _HINTS[f.name]
             if typing.get_origin(kind) is Literal:
                 if value not in typing.get_args(kind) or type(value) is bool:
                     raise ConfigError(f"{f.name}={value!r} is not accepted; choose one of {_choices(kind)}")
@@ -131,7 +130,6 @@ def _kind_words(kind: type) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[kind]
 
 
-_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _HINTS = typing.get_type_hints(TrainConfig)
 register_env_names(ENV_PREFIX + name.upper() for name in _FIELDS)
@@ -155,10 +153,10 @@ def _convert(name: str, raw: Any, where: str) -> Any:
     text = raw.strip()
     try:
         if kind is bool:
-            return _BOOLS[text.lower()]
+            return BOOLS[text.lower()]
         return kind(text)
     except (KeyError, ValueError):
-        accepted = "one of " + ", ".join(sorted(_BOOLS)) if kind is bool else _kind_words(kind)
+        accepted = "one of " + ", ".join(sorted(BOOLS)) if kind is bool else _kind_words(kind)
         raise ConfigError(f"{where}={raw!r}: {name} must be {accepted}") from None
 
 

@@ -30,7 +30,8 @@ __all__ = ["run", "Trainer"]
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
-def _init_runtime(cfg: TrainConfig) -> None:
+def init_runtime(cfg: TrainConfig) -> None:
+    """Start hpcdl with the job's fusion threshold and check that MPI sees the launcher's tasks."""
     config = load_config()
     if cfg.fusion_threshold >= 0:
         config = dataclasses.replace(config, fusion_threshold=cfg.fusion_threshold)
@@ -339,7 +340,7 @@ class Trainer:
 def run(cfg: TrainConfig, on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
     """Train as ``cfg`` says over the world (initializing hpcdl if needed); returns the
     summary (the same on every rank but for ``checkpoint``)."""
-    _init_runtime(cfg)
+    init_runtime(cfg)
     run_dir = _resolve_run_dir(cfg)
     trainer = Trainer(cfg, on_step)
     summary = trainer.run(run_dir)
