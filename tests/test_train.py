@@ -139,6 +139,30 @@ def test_launcher_detection_and_the_srun_without_plugin_mistake():
     check_world(1, {})
 
 
+def test_srun_without_an_mpi_plugin_stops_every_task():
+    """What each task sees under srun without --mpi: Slurm's variables for 2 tasks, and an
+    MPI world of one. Both tasks stop with the hint, neither waits for the other."""
+    tasks = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDI_", "MPI_LOCAL"))}
+        env.update(SLURM_STEP_ID="0", SLURM_NTASKS="2", SLURM_PROCID=str(rank), OMP_NUM_THREADS="1")
+        tasks.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "hpcdl.train", "--dry-run"],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    for t in tasks:
+        _, err = t.communicate(timeout=120)
+        assert t.returncode != 0
+        assert "srun (Slurm) started 2 tasks, but MPI sees each as a separate 1-rank job" in err
+        assert "srun --mpi=pmi2" in err
+
+
 # -- data ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n, world, batch", [(10, 3, 2), (1437, 2, 32), (7, 4, 3), (2, 3, 1)])
 def test_sharded_order_covers_every_sample_with_equal_batch_counts(n, world, batch):
