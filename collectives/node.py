@@ -22,6 +22,13 @@ Each rank's buffer is cut into fixed per-rank regions, so what one rank writes a
 its peers read at the same moment never overlap (the proofs are in the comments below).
 
 Loads and stores are ordered by the window's ``MPI_Win_sync`` around every publication.
+
+A rank waiting for a peer's counter polls it a while (:data:`_SPIN` polls when every rank
+has a core of its own, or fewer when the caller says its process has other work: see
+:attr:`Channel.polite`), then sleeps on the counter with a futex (:mod:`.futex`) instead
+of spinning on: it raises its ``sleeping`` flag, looks at the counter once more and
+sleeps; a rank that publishes a counter looks at its peers' flags afterwards and wakes
+the sleepers. Either the sleeper sees the new value or the publisher sees the flag.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from . import futex
 from .layout import block_counts, offsets
 from .ops import finalize, ufunc
 
@@ -44,8 +52,14 @@ LINE = 64
 """Bytes per cache line; every separately written field starts on its own line."""
 
 _SPIN = 2000
-"""Polls of a peer's counter before a waiting rank starts giving the CPU away (every 64
-polls from then on), when every rank of the node has a core of its own."""
+"""Polls of a peer's counter before a waiting rank sleeps on it, when every rank of the
+node has a core of its own (fewer otherwise: :func:`_spin_budget`)."""
+
+_POLITE_SPIN = 64
+"""Polls before sleeping while :attr:`Channel.polite` says the process has other work."""
+
+_DOZE = 1e-3
+"""The longest one sleep lasts before the waiter looks again (and progresses other work)."""
 
 
 def _spin_budget(ranks: int) -> int:
@@ -55,7 +69,7 @@ def _spin_budget(ranks: int) -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    return _SPIN if ranks <= cores else 0
+    return _SPIN if ranks <= cores else _POLITE_SPIN
 
 
 def _round_up(n: int, m: int) -> int:
@@ -79,6 +93,10 @@ class Channel:
         self.segs = segs
         self.seqs = [memoryview(s[0:8]).cast("q") for s in segs]
         self.stages = [memoryview(s[LINE : LINE + 8]).cast("q") for s in segs]
+        # written by its owner only, like ``seq`` beside it: 1 while the owner may be asleep
+        self.sleeping = [memoryview(s[8:16]).cast("q") for s in segs]
+        self._seq_addr = [s[0:8].ctypes.data for s in segs]
+        self._stage_addr = [s[LINE : LINE + 8].ctypes.data for s in segs]
         self.heads = [
             [memoryview(s[self._slot0 + p * slot : self._slot0 + p * slot + 24]).cast("q") for p in (0, 1)]
             for s in segs
@@ -87,7 +105,10 @@ class Channel:
         self.bufs = [[s[self._buf0 + b * self.chunk : self._buf0 + (b + 1) * self.chunk] for b in (0, 1)] for s in segs]
         peers = [j for j in range(n) if j != me]
         self._my_seq = self.seqs[me]
-        self._peer_seqs = [self.seqs[j] for j in peers]
+        self._peer_seqs = [(self.seqs[j], self._seq_addr[j]) for j in peers]
+        self._peer_stages = [(self.stages[j], self._stage_addr[j]) for j in peers]
+        self._peer_sleeping = [self.sleeping[j] for j in peers]
+        self._my_seq_addr, self._my_stage_addr = self._seq_addr[me], self._stage_addr[me]
         self._my_heads = self.heads[me]
         self._peer_heads = [[self.heads[j][p] for j in peers] for p in (0, 1)]
         self._my_slots = [memoryview(self.slots[me][p]) for p in (0, 1)]
@@ -95,6 +116,9 @@ class Channel:
         self.stage = 0
         self.progress = progress
         self.spin = _spin_budget(n)
+        self.polite: Callable[[], bool] | None = None
+        """When set and returning True, waits poll only :data:`_POLITE_SPIN` times before
+        sleeping: hpcdl's engine says so while its user thread computes."""
         self.queue: list[object] = []
         """Chunked operations in flight, oldest first: only the first uses the buffers."""
         self._views: dict[tuple, list] = {}
@@ -140,20 +164,40 @@ class Channel:
                     self.slots[self.me][p][:nb] = payload.reshape(-1).view(np.uint8)
         self.fence()
         self._my_seq[0] = seq
+        if futex.OK:  # wake the peers that may sleep on our counter (inlined: the hot path)
+            self.fence()  # the store above before the loads below
+            for f in self._peer_sleeping:
+                if f[0]:
+                    futex.wake(self._my_seq_addr)
+                    break
         return seq
+
+    def _budget(self) -> int:
+        polite = self.polite
+        return _POLITE_SPIN if polite is not None and polite() else self.spin
+
+    def _doze(self, v: memoryview, addr: int, want: int) -> None:
+        """Sleep (at most :data:`_DOZE`) until the peer counter ``v`` at ``addr`` reaches ``want``."""
+        flag = self.sleeping[self.me]
+        flag[0] = 1
+        self.fence()  # the flag before the look below (the publisher fences the other way)
+        seen = v[0]
+        if seen < want:
+            futex.wait(addr, seen, _DOZE)
+        flag[0] = 0
 
     def wait_posted(self, seq: int) -> None:
         """Block until every peer has posted call ``seq`` (progressing other work meanwhile)."""
-        for v in self._peer_seqs:
+        for v, addr in self._peer_seqs:
             if v[0] >= seq:
                 continue
-            spins = 0
+            spins, budget = 0, self._budget()
             while v[0] < seq:
                 spins += 1
                 if spins % 64 == 0:
                     self.progress()
-                    if spins >= self.spin:
-                        os.sched_yield()
+                    if spins >= budget:
+                        self._doze(v, addr, seq)
         self.fence()
 
     def exchange(self, a: int, b: int, c: int, payload: np.ndarray | None = None, uneven: bool = False) -> int:
@@ -178,20 +222,24 @@ class Channel:
         self.stage += 1
         self.fence()
         self.stages[self.me][0] = self.stage
+        if futex.OK:
+            self.fence()
+            for f in self._peer_sleeping:
+                if f[0]:
+                    futex.wake(self._my_stage_addr)
+                    break
 
     def await_all(self) -> Schedule:
         """Wait (yielding ``[]`` to the driver) until every peer has arrived too."""
-        s, me = self.stage, self.me
-        for j, v in enumerate(self.stages):
-            if j == me:
-                continue
-            spins = 0
+        s = self.stage
+        for v, addr in self._peer_stages:
+            spins, budget = 0, self._budget()
             while v[0] < s:
                 spins += 1
                 if spins % 64 == 0:
                     yield []
-                    if spins >= self.spin:
-                        os.sched_yield()
+                    if spins >= budget:
+                        self._doze(v, addr, s)
         self.fence()
 
     def barrier(self) -> Schedule:
