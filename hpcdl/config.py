@@ -49,6 +49,10 @@ class Config:
     timeline_mark_cycles: bool = False
     """Mark each negotiation cycle in the timeline."""
 
+    shm_doorbell: bool = True
+    """With every rank on one node (and Linux futexes), ring doorbells and let idle engines
+    sleep through shared memory instead of polling for MPI messages (False: always MPI)."""
+
     def __post_init__(self) -> None:
         if self.fusion_threshold < 0:
             raise HpcdlError(f"fusion_threshold={self.fusion_threshold} must be >= 0 (0 turns fusion off)")

@@ -47,17 +47,17 @@ from collectives.select import choose
 
 from .basics import HpcdlError
 from .config import Config
+from .doorbell import make_doorbell
 from .timeline import Timeline, write_trace
 
 __all__ = ["Engine", "Request", "ProcessSetInfo", "SIG_FIELDS"]
 
 log = logging.getLogger("hpcdl")
 
-_TAG_BELL = 17
 _H = 4  # header words of a cycle message: flags, rank clock (us), cache size, uncached count
 _F_SHUTDOWN, _F_JOIN = 1, 2
 _UNFUSED_BYTES = 1 << 20  # tensors this large are reduced alone, in place
-_POLL_MIN, _POLL_MAX, _HOT = 200e-6, 2e-3, 0.05
+_POLL_MIN, _POLL_MAX, _HOT = 200e-6, 2e-3, 0.05  # MPI doorbells: how often an idle engine polls
 
 #: the compared fields of each kind's signature, for error messages
 SIG_FIELDS: dict[str, tuple[str, ...]] = {
@@ -183,6 +183,7 @@ class Engine:
         self.queued_bytes = 0
         self.names: set[str] = set()  # names submitted and not finished on this rank
         self.urgent = False
+        self.user_waiting = 0  # user threads blocked in wait(): then the engine may spin
         self.stop_requested = False
         self.join_req: Request | None = None
         self.join_sent = False
@@ -201,16 +202,12 @@ class Engine:
         self.last_warn = -math.inf
         self.fusion = np.empty(0, np.uint8)
         self.algs: dict[tuple, str] = {}
+        self.polite: set[int] = set()  # ids of communicators whose channel knows _user_busy
+        self.negotiator: Any = None  # the node channel of ecomm, once negotiation has used it
         self.tl: Timeline | None = None
         if config.timeline:
             self.tl = Timeline(self.rank, config.timeline, time.perf_counter(), config.timeline_mark_cycles)
-        # doorbells: a pre-posted receive from anyone; counts per peer, drained at the end
-        self.bell = np.zeros(1, np.int64)
-        self.bell_status = MPI.Status()
-        self.bell_req = self.ecomm.Irecv(self.bell, MPI.ANY_SOURCE, _TAG_BELL)
-        self.bells_sent = [0] * self.size
-        self.bells_got = [0] * self.size
-        self.max_bell = 0
+        self.bell = make_doorbell(self.ecomm, config.shm_doorbell)
         self.thread = threading.Thread(target=self._main, name="hpcdl-engine", daemon=True)
         self.thread.start()
 
@@ -234,19 +231,28 @@ class Engine:
             self.queue.extend(reqs)
             self.queued_bytes += sum(r.nbytes for r in reqs)
             self.cv.notify()
+        self.bell.poke()
 
     def wait(self, req: Request) -> Any:
         """Block until ``req`` has finished; return its result or raise its error."""
         if not req.event.is_set():
             with self.cv:
-                if req in self.queue:  # the user waits on it: no point in waiting for more
+                urgent = req in self.queue  # the user waits on it: no point in waiting for more
+                if urgent:
                     self.urgent = True
                     self.cv.notify()
-            while not req.event.wait(0.5):
-                if not self.thread.is_alive() and not req.event.is_set():  # stopped without reaching it
-                    err = self.error or self.stop_reason or HpcdlError("hpcdl's engine has stopped")
-                    self._fail_all(err)
-                    req.finish(exc=err)
+                self.user_waiting += 1
+            if urgent:
+                self.bell.poke()
+            try:
+                while not req.event.wait(0.5):
+                    if not self.thread.is_alive() and not req.event.is_set():  # stopped without reaching it
+                        err = self.error or self.stop_reason or HpcdlError("hpcdl's engine has stopped")
+                        self._fail_all(err)
+                        req.finish(exc=err)
+            finally:
+                with self.cv:
+                    self.user_waiting -= 1
         if req.exc is not None:
             raise req.exc
         return req.result
@@ -260,6 +266,7 @@ class Engine:
             req = self.join_req = Request("join", "join", 0, ())
             self.join_sent = False
             self.cv.notify()
+        self.bell.poke()
         return self.wait(req)
 
     def stop(self, timeout: float = 60.0) -> None:
@@ -267,6 +274,7 @@ class Engine:
         with self.cv:
             self.stop_requested = True
             self.cv.notify()
+        self.bell.poke()
         self.thread.join(timeout)
         if self.thread.is_alive():
             log.warning("hpcdl: the engine did not stop within %.0f s (another rank is not responding)", timeout)
@@ -294,18 +302,16 @@ class Engine:
             self._fail_all(HpcdlError("hpcdl has been shut down; call hpcdl.init() to start again"), record=False)
 
     def _bells(self) -> bool:
-        """Drain arrived doorbells; True when some rank has started the next cycle."""
-        while self.bell_req.Test(self.bell_status):
-            self.bells_got[self.bell_status.Get_source()] += 1
-            self.max_bell = max(self.max_bell, int(self.bell[0]))
-            self.bell_req = self.ecomm.Irecv(self.bell, MPI.ANY_SOURCE, _TAG_BELL)
-        return self.max_bell > self.done
+        """True when some rank has started the next cycle."""
+        return self.bell.heard() > self.done
 
     def _wait_for_work(self) -> bool:
         """Wait until this rank should start a cycle (True: ring the others) or another rank
         has started one (False)."""
         sleep = _POLL_MIN
+        bell = self.bell
         while True:
+            seen = bell.arm()
             if self._bells():
                 return False
             with self.cv:
@@ -317,20 +323,21 @@ class Engine:
                     full = 0 < self.cfg.fusion_threshold <= self.queued_bytes
                     if self.urgent or now >= due or full:
                         return True
-                    timeout = min(due - now, sleep)
-                elif self.table and now - self.last_cycle >= self.stall_period:
-                    return True
+                    deadline = due - now
+                elif self.table:
+                    deadline = self.last_cycle + self.stall_period - now
+                    if deadline <= 0:
+                        return True
                 else:
-                    timeout = sleep
-                self.cv.wait(timeout)
+                    deadline = math.inf
+                if not bell.sleeps:  # MPI doorbells: wait for the user thread, polling for bells
+                    self.cv.wait(min(deadline, sleep))
+            if bell.sleeps:  # rung, poked or due: nothing to poll meanwhile
+                bell.sleep(seen, deadline)
             sleep = _POLL_MIN if now - self.last_cycle < _HOT else min(sleep * 2, _POLL_MAX)
 
     def _ring(self) -> None:
-        k = np.array([self.done + 1], np.int64)
-        for r in range(self.size):
-            if r != self.rank:
-                self.ecomm.Send(k, r, _TAG_BELL)
-                self.bells_sent[r] += 1
+        self.bell.ring(self.done + 1)
 
     def _cycle(self) -> bool:
         """Run one cycle; True when the engine has stopped."""
@@ -362,7 +369,13 @@ class Engine:
                 bits[cid >> 6] |= np.uint64(1) << np.uint64(cid & 63)
         msg[0], msg[1], msg[2], msg[3] = flags, int(t_start * 1e6), len(self.cache), len(uncached)
         table = np.empty((self.size, _H + words), np.int64)
-        self.ecomm.Allgather(msg, table)
+        if self.bell.sleeps:  # one node: through the node channel, which sleeps while it waits
+            if self.negotiator is None:
+                self.negotiator = get_context(self.ecomm).chan
+                self.negotiator.polite = self._user_busy
+            collectives.allgather(msg.reshape(1, -1), out=table, comm=self.ecomm)
+        else:
+            self.ecomm.Allgather(msg, table)
         lists = self.ecomm.allgather(uncached) if table[:, 3].any() else [[]] * self.size
         self.done += 1
         if (table[:, 2] != len(self.cache)).any():
@@ -443,6 +456,9 @@ class Engine:
     def _judge(self, name: str, ent: _Entry) -> str | None:
         """None when every rank's descriptor agrees (and can run now), else the error text."""
         descs = ent.descs
+        d0 = next(iter(descs.values()))
+        if d0[5] is None and not self.joined and all(d == d0 for d in descs.values()):
+            return None  # the steady state: every rank sent the same (cached) descriptor
         errors = [f"rank {r}: {d[5]}" for r, d in sorted(descs.items()) if d[5] is not None]
         if errors:
             return f"request '{name}' has bad arguments: " + "; ".join(errors)
@@ -494,6 +510,8 @@ class Engine:
         if not member and kind not in ("add_process_set", "remove_process_set", "start_timeline", "stop_timeline"):
             return
         try:
+            if info.comm.size > 1 and id(info.comm) not in self.polite:
+                self._be_polite(info.comm)
             if kind == "allreduce":
                 self._allreduce(group, reqs, info)
                 for req in reqs:
@@ -507,6 +525,17 @@ class Engine:
             err = HpcdlError(f"{kind} '{group[0][0]}' failed on rank {self.rank}: {exc}")
             err.__cause__ = exc
             self._finish(reqs, exc=err)
+
+    def _be_polite(self, comm: Any) -> None:
+        """Make ``comm``'s node channel sleep soon when it waits for a peer while no user
+        thread waits on the engine: the user thread is computing then, on the same cores."""
+        self.polite.add(id(comm))
+        ch = get_context(comm).chan
+        if ch is not None:
+            ch.polite = self._user_busy
+
+    def _user_busy(self) -> bool:
+        return self.user_waiting == 0
 
     def _finish(self, reqs: list[Request | None], result: Any = None, exc: BaseException | None = None) -> None:
         with self.cv:
@@ -756,14 +785,7 @@ class Engine:
         try:
             self._write_timeline()
         finally:
-            self.bell_req.Cancel()
-            self.bell_req.Wait(self.bell_status)
-            if not self.bell_status.Is_cancelled():
-                self.bells_got[self.bell_status.Get_source()] += 1
-            expected = self.ecomm.alltoall(self.bells_sent)
-            for r, want in enumerate(expected):
-                for _ in range(want - self.bells_got[r]):
-                    self.ecomm.Recv(self.bell, r, _TAG_BELL)
+            self.bell.close()
             for sid, info in list(self.sets.items()):
                 if sid and info.comm is not None:
                     info.comm.Free()
