@@ -28,7 +28,7 @@ from ..process_sets import ProcessSet, _set_id, global_process_set
 
 __all__ = ["DistributedOptimizer"]
 
-_BUCKET_BYTES = 25 << 20
+_BUCKET_BYTES = 4 << 20
 # the first bucket (the last layers' gradients, ready first) is small, so communication
 # starts early in backward (as DDP's first bucket)
 _FIRST_BUCKET_BYTES = 1 << 20
@@ -107,6 +107,8 @@ class _Reducer:
         self._buckets: list[_Bucket] = []
         self._synchronized = False
         self._skip = False
+        self._sent = 0  # buckets submitted by hooks this step
+        self._flags: int | None = None  # the missing-gradient check, when sent early
         size = 0
         # backward produces the last layers' gradients first; a bucket holds one group's
         # parameters of one dtype (a flat shard for ZeroOptimizer)
@@ -146,7 +148,7 @@ class _Reducer:
         ``passes`` times larger."""
         if not isinstance(passes, int) or passes < 1:
             raise HpcdlError(f"backward_passes_per_step={passes!r} must be a positive integer")
-        if any(b.handle is not None for b in getattr(self, "_buckets", [])):
+        if self._in_flight():
             raise HpcdlError("set_backward_passes_per_step() while gradient reductions are in flight")
         self._passes_per_step = passes
 
@@ -157,15 +159,14 @@ class _Reducer:
     def synchronize(self) -> None:
         """Finish every gradient reduction of this step (submitting buckets whose hooks did not
         all fire, with zeros for missing gradients); afterwards ``p.grad`` holds the result."""
-        missing: list[int] = []
-        for b in self._buckets:
-            if b.handle is None:
-                missing.extend(self._index[p] for p in b.params if p.grad is None)
-                self._submit(b)
-        # gradients missing on some ranks only would be silently zero there: check, on every rank
-        flags = torch.zeros(len(self._bucket_of), dtype=torch.int32)
-        flags[missing] = 1
-        h = allreduce_async(flags, name=f"{self._prefix}.missing", op=Sum, process_set=self._process_set)
+        h, self._flags = self._flags, None
+        if h is None:
+            missing: list[int] = []
+            for b in self._buckets:
+                if b.handle is None:
+                    missing.extend(self._index[p] for p in b.params if p.grad is None)
+                    self._submit(b)
+            h = self._send_flags(missing)
         for b in self._buckets:
             self._finish(b)
         counts = synchronize(h)
@@ -173,6 +174,7 @@ class _Reducer:
         partial = [self._name_at(i) for i, c in enumerate(counts.tolist()) if 0 < c < n]
         for p in self._passes:
             self._passes[p] = 0
+        self._sent = 0
         self._synchronized = True
         if partial:
             raise HpcdlError(
@@ -199,11 +201,23 @@ class _Reducer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As the optimizer's, but refused while reductions are in flight."""
-        if any(b.handle is not None for b in self._buckets):
+        if self._in_flight():
             raise HpcdlError("zero_grad() while gradient reductions are in flight; call step() or synchronize() first")
         super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
 
     # -- internals -----------------------------------------------------------------------------
+    def _in_flight(self) -> bool:
+        """True while a gradient reduction or the missing-gradient check is in flight."""
+        flags = getattr(self, "_flags", None)  # set_backward_passes_per_step runs before setup ends
+        return flags is not None or any(b.handle is not None for b in getattr(self, "_buckets", []))
+
+    def _send_flags(self, missing: list[int]) -> int:
+        """Start the reduction of which gradients were missing where: gradients missing on
+        some ranks only would be silently zero there, so every rank checks."""
+        flags = torch.zeros(len(self._bucket_of), dtype=torch.int32)
+        flags[missing] = 1
+        return allreduce_async(flags, name=f"{self._prefix}.missing", op=Sum, process_set=self._process_set)
+
     def _name_at(self, i: int) -> str:
         return self._names[list(self._bucket_of)[i]]
 
@@ -220,6 +234,11 @@ class _Reducer:
             b.ready += 1
             if b.ready == len(b.params) and b.handle is None:
                 self._submit(b)
+                self._sent += 1
+                if self._sent == len(self._buckets):
+                    # every hook fired, so nothing is missing here: send the check with the
+                    # last bucket instead of in a cycle of its own at synchronize()
+                    self._flags = self._send_flags([])
 
     def _request_args(self, b: _Bucket) -> dict[str, Any]:
         """Name, op and scale factors of bucket ``b``'s reduction: the prescale averages over
