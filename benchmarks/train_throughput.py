@@ -25,6 +25,11 @@ time is the slowest rank's. Columns:
 
 The bars (issue 5): hpcdl's step at most 1.10 x the no-communication step and at most
 0.85 x DDP-gloo's.
+
+A last line per model gives a floor: the CPU time each rank spends allreducing the model's
+gradients alone (``collectives.allreduce`` of each bucket's size, as DistributedOptimizer
+buckets them, on otherwise idle cores), as a share of the no-communication step. With as
+many busy ranks as cores, that time cannot hide behind backward; it adds to the step.
 """
 
 from __future__ import annotations
@@ -39,9 +44,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
+import collectives
 import hpcdl as hvd
 from benchmarks.osu import gloo_init
 from collectives.cli import run_main
@@ -170,6 +177,28 @@ def hidden_share(trace: dict[str, Any], backward: list[list[tuple[float, float]]
     return hidden / total if total else 0.0
 
 
+def allreduce_floor(make: Callable[[], torch.nn.Module], reps: int = 20) -> tuple[float, float]:
+    """(bytes, median CPU seconds per rank) of allreducing one step's gradients alone: one
+    float32 buffer per DistributedOptimizer bucket, averaged in place, on idle cores."""
+    model = make()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    sizes = [sum(p.numel() for p in b.params) for b in opt._buckets]
+    del opt, model
+    world = MPI.COMM_WORLD
+    bufs = [np.ones(n, np.float32) for n in sizes]
+    cpu = []
+    for i in range(reps + 2):
+        world.Barrier()
+        c = time.thread_time()
+        for b in bufs:
+            collectives.allreduce(b, op="avg", out=b, comm=world)
+        if i >= 2:  # the first two warm the window and the pages
+            cpu.append(world.allreduce(time.thread_time() - c, op=MPI.MAX))
+    return 4.0 * sum(sizes), statistics.median(cpu)
+
+
 def measure(model_name: str, rounds: int, steps: int, timeline_steps: int, horovod: Any) -> dict[str, Any]:
     world = MPI.COMM_WORLD
     make, shape = MODELS[model_name]
@@ -220,6 +249,7 @@ def measure(model_name: str, rounds: int, steps: int, timeline_steps: int, horov
         del model, opt, clock
     result["rows"] = world.bcast(result["rows"], root=0)
     result["params"] = sum(p.numel() for p in make().parameters())
+    result["floor_bytes"], result["floor_s"] = allreduce_floor(make)
     return result
 
 
@@ -249,6 +279,13 @@ def report(results: list[dict[str, Any]], command: str) -> str:
             lines.append(
                 f"(0.85 x DDP-gloo = {0.85 * ddp:.1f} ms is below the no-communication step, {base:.1f} ms: "
                 "that bar needs a step faster than training without communication)"
+            )
+        if "floor_s" in res:
+            floor = res["floor_s"] * 1e3
+            lines.append(
+                f"floor: allreducing the {res['floor_bytes'] / 1e6:.1f} MB of gradients alone takes {floor:.1f} ms "
+                f"of each rank's CPU on idle cores = {floor / base:.2f} x the no-communication step "
+                f"(the 1.10 bar leaves {0.10 * base - floor:.1f} ms for everything else)"
             )
         if HOROVOD not in rows:
             lines.append("(Horovod is not importable here: no Horovod row)")

@@ -224,8 +224,12 @@ def test_train_throughput_benchmark_measures_every_row():
         )
         if name in (tt.HPCDL, tt.ZERO):
             assert 0.0 <= row["hidden"] <= 1.0
+    # the floor allreduces every gradient once: 4 bytes per parameter of the CNN
+    assert res["floor_bytes"] == 4 * sum(p.numel() for p in tt.cnn().parameters())
+    assert res["floor_s"] > 0
     text = tt.report([res], "cmd")
     assert "bars: hpcdl <= 1.10 x no comm" in text and "no Horovod row" in text
+    assert f"allreducing the {res['floor_bytes'] / 1e6:.1f} MB of gradients alone" in text
 
 
 def test_train_throughput_report_says_when_the_ddp_bar_is_below_no_communication():
@@ -238,6 +242,10 @@ def test_train_throughput_report_says_when_the_ddp_bar_is_below_no_communication
         }
         return {"model": "cnn", "params": 1e6, "batch_per_rank": 64, "ranks": 2, "rows": rows}
 
-    text = tt.report([res(60.0, 65.0)], "cmd")  # 0.85 x 65 = 55.25 < 60
+    r = res(60.0, 65.0)
+    r["floor_bytes"], r["floor_s"] = 50.4e6, 0.0072
+    text = tt.report([r], "cmd")  # 0.85 x 65 = 55.25 < 60
+    assert "takes 7.2 ms of each rank's CPU on idle cores = 0.12 x the no-communication step" in text
+    assert "(the 1.10 bar leaves -1.2 ms for everything else)" in text
     assert "0.85 x DDP-gloo = 55.2 ms is below the no-communication step, 60.0 ms" in text
     assert "below the no-communication" not in tt.report([res(60.0, 80.0)], "cmd")  # 68 >= 60
