@@ -21,7 +21,10 @@ time is the slowest rank's. Columns:
   less the same span of the no-communication row (the local optimizer step);
 - hidden: for the hpcdl rows, the share of the engine's communication time (negotiation,
   fusion copies and the collectives, from an ``HPCDL_TIMELINE`` trace of extra steps) that
-  falls inside backward.
+  falls inside backward;
+- engine cpu: CPU time of hpcdl's engine thread per timed step (mean over ranks). For the
+  other rows it is what an idle engine costs. With as many busy ranks as cores, every
+  millisecond of it is taken from the training step.
 
 The bars (issue 5): hpcdl's step at most 1.10 x the no-communication step and at most
 0.85 x DDP-gloo's.
@@ -52,6 +55,7 @@ import collectives
 import hpcdl as hvd
 from benchmarks.osu import gloo_init
 from collectives.cli import run_main
+from hpcdl.basics import _st
 
 BATCH = 64
 WARMUP = 3
@@ -177,6 +181,12 @@ def hidden_share(trace: dict[str, Any], backward: list[list[tuple[float, float]]
     return hidden / total if total else 0.0
 
 
+def _engine_cpu() -> float:
+    """CPU seconds hpcdl's engine thread has used so far (its thread CPU clock)."""
+    thread = _st().engine.thread
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
 def allreduce_floor(make: Callable[[], torch.nn.Module], reps: int = 20) -> tuple[float, float]:
     """(bytes, median CPU seconds per rank) of allreducing one step's gradients alone: one
     float32 buffer per DistributedOptimizer bucket, averaged in place, on idle cores."""
@@ -208,13 +218,16 @@ def measure(model_name: str, rounds: int, steps: int, timeline_steps: int, horov
     contenders = [NO_COMM, HPCDL, ZERO, DDP] + ([HOROVOD] if horovod is not None else [])
     per_step: dict[str, list[float]] = {c: [] for c in contenders}
     tail: dict[str, list[float]] = {c: [] for c in contenders}  # end of backward compute -> end of step
+    engine_cpu: dict[str, list[float]] = {c: [] for c in contenders}  # hpcdl engine thread, per step
     for rnd in range(rounds):
         k = rnd % len(contenders)
         for c in contenders[k:] + contenders[:k]:
             model, opt, clock = _build(c, make, horovod)
             _steps(model, opt, clock, x, y, WARMUP)
             world.Barrier()
+            c0 = _engine_cpu()
             stamps = _steps(model, opt, clock, x, y, steps)
+            engine_cpu[c].append((_engine_cpu() - c0) / steps)
             # a step's time is the slowest rank's
             every = world.allgather([(s[3] - s[0], s[3] - s[2]) for s in stamps])
             for i in range(steps):
@@ -230,6 +243,8 @@ def measure(model_name: str, rounds: int, steps: int, timeline_steps: int, horov
             "samples_per_s": world.size * BATCH / step,
             "exposed_ms": (statistics.median(tail[c]) - local_tail) * 1e3 if c != NO_COMM else 0.0,
             "hidden": None,
+            # the mean over ranks of the per-round median: CPU the engine thread used per step
+            "engine_cpu_ms": world.allreduce(statistics.median(engine_cpu[c])) / world.size * 1e3,
         }
     # the hidden share, from a timeline of extra steps (not the timed ones: tracing costs a little)
     for c in (HPCDL, ZERO):
@@ -262,12 +277,14 @@ def report(results: list[dict[str, Any]], command: str) -> str:
             "",
             f"## {res['model']}: {res['params'] / 1e6:.1f}M parameters, batch {res['batch_per_rank']} per rank, "
             f"{res['ranks']} ranks; step = median of the slowest rank's step",
-            f"{'':30} {'step ms':>9} {'samples/s':>10} {'exposed ms':>11} {'hidden':>7} {'/ no comm':>10} {'/ DDP':>7}",
+            f"{'':30} {'step ms':>9} {'samples/s':>10} {'exposed ms':>11} {'hidden':>7} {'engine cpu ms':>14} "
+            f"{'/ no comm':>10} {'/ DDP':>7}",
         ]
         for c, r in rows.items():
             hidden = "" if r["hidden"] is None else f"{r['hidden'] * 100:.0f}%"
             lines.append(
                 f"{c:30} {r['step_ms']:>9.1f} {r['samples_per_s']:>10.0f} {r['exposed_ms']:>11.1f} {hidden:>7} "
+                f"{r.get('engine_cpu_ms', 0.0):>14.1f} "
                 f"{r['step_ms'] / base:>10.2f} {r['step_ms'] / ddp:>7.2f}"
             )
         h = rows[HPCDL]["step_ms"]

@@ -224,6 +224,9 @@ def test_train_throughput_benchmark_measures_every_row():
         )
         if name in (tt.HPCDL, tt.ZERO):
             assert 0.0 <= row["hidden"] <= 1.0
+        assert 0.0 <= row["engine_cpu_ms"] < row["step_ms"]
+    # the engine only works for the hpcdl rows
+    assert res["rows"][tt.HPCDL]["engine_cpu_ms"] > res["rows"][tt.NO_COMM]["engine_cpu_ms"]
     # the floor allreduces every gradient once: 4 bytes per parameter of the CNN
     assert res["floor_bytes"] == 4 * sum(p.numel() for p in tt.cnn().parameters())
     assert res["floor_s"] > 0
