@@ -72,6 +72,7 @@ SIG_FIELDS: dict[str, tuple[str, ...]] = {
     "start_timeline": ("mark_cycles",),
     "stop_timeline": (),
 }
+_DATA_KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")  # call collectives
 _JOIN_OK = ("allreduce", "allgather", "broadcast", "barrier")
 #: torch dtype names (the signature's) to the numpy dtype that carries them
 _DTYPES = {str(d): d for d in collectives.DTYPES} | {"bool": np.dtype(np.uint8)}
@@ -202,7 +203,6 @@ class Engine:
         self.last_warn = -math.inf
         self.fusion = np.empty(0, np.uint8)
         self.algs: dict[tuple, str] = {}
-        self.polite: set[int] = set()  # ids of communicators whose channel knows _user_busy
         self.negotiator: Any = None  # the node channel of ecomm, once negotiation has used it
         self.tl: Timeline | None = None
         if config.timeline:
@@ -510,8 +510,8 @@ class Engine:
         if not member and kind not in ("add_process_set", "remove_process_set", "start_timeline", "stop_timeline"):
             return
         try:
-            if info.comm.size > 1 and id(info.comm) not in self.polite:
-                self._be_polite(info.comm)
+            if kind in _DATA_KINDS and info.comm.size > 1:
+                self._be_polite(info.comm)  # the collective below sets up its context anyway
             if kind == "allreduce":
                 self._allreduce(group, reqs, info)
                 for req in reqs:
@@ -529,9 +529,8 @@ class Engine:
     def _be_polite(self, comm: Any) -> None:
         """Make ``comm``'s node channel sleep soon when it waits for a peer while no user
         thread waits on the engine: the user thread is computing then, on the same cores."""
-        self.polite.add(id(comm))
         ch = get_context(comm).chan
-        if ch is not None:
+        if ch is not None and ch.polite is None:
             ch.polite = self._user_busy
 
     def _user_busy(self) -> bool:
