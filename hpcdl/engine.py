@@ -203,7 +203,6 @@ class Engine:
         self.last_warn = -math.inf
         self.fusion = np.empty(0, np.uint8)
         self.algs: dict[tuple, str] = {}
-        self.negotiator: Any = None  # the node channel of ecomm, once negotiation has used it
         self.tl: Timeline | None = None
         if config.timeline:
             self.tl = Timeline(self.rank, config.timeline, time.perf_counter(), config.timeline_mark_cycles)
@@ -370,9 +369,7 @@ class Engine:
         msg[0], msg[1], msg[2], msg[3] = flags, int(t_start * 1e6), len(self.cache), len(uncached)
         table = np.empty((self.size, _H + words), np.int64)
         if self.bell.sleeps:  # one node: through the node channel, which sleeps while it waits
-            if self.negotiator is None:
-                self.negotiator = get_context(self.ecomm).chan
-                self.negotiator.polite = self._user_busy
+            self._be_polite(self.ecomm)
             collectives.allgather(msg.reshape(1, -1), out=table, comm=self.ecomm)
         else:
             self.ecomm.Allgather(msg, table)
