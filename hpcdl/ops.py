@@ -5,9 +5,12 @@
 Every call becomes a named request to the background engine (unnamed calls are numbered
 per kind and process set, so ranks calling in the same order match). CPU tensors reach
 the array layer without a copy when contiguous (bfloat16 and bool through a view of the
-same memory). Problems with the arguments (an unsupported dtype or op, a bad root) travel
-with the request, so they raise on every rank, not only where they were made; passing
-something that is not a tensor raises ``TypeError`` at once, before a name is taken.
+same memory). CUDA tensors are staged through host memory, as Horovod does over an MPI
+that is not CUDA-aware: the request carries a host copy, reduced in place, and the result
+is copied back to the tensor's device when the handle is synchronized. Problems with the
+arguments (an unsupported dtype or op, a bad root) travel with the request, so they raise
+on every rank, not only where they were made; passing something that is not a tensor
+raises ``TypeError`` at once, before a name is taken.
 """
 
 from __future__ import annotations
@@ -125,16 +128,34 @@ def _dtype_name(t: torch.Tensor) -> str:
 
 
 def _source(t: Any, what: str) -> torch.Tensor:
-    """``t`` detached and contiguous (a copy only when it was not contiguous)."""
+    """``t`` detached and contiguous in host memory: ``t`` itself when it is a contiguous
+    CPU tensor, else a private copy. A CUDA tensor's copy goes to pinned memory (torch's
+    caching host allocator reuses freed blocks, so a training loop's staging buffers are
+    not faulted in afresh each step); it waits for the kernels that write ``t``. A tensor
+    on another device comes back as it is, for :func:`_check` to refuse."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what} takes a torch.Tensor, not {type(t).__name__}")
-    return t.detach().contiguous()
+    t = t.detach()
+    if t.device.type == "cuda":
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t)
+    return t.contiguous()
+
+
+def _private(src: torch.Tensor, t: torch.Tensor) -> bool:
+    """True when :func:`_source` copied ``t`` (so the engine may write into ``src``)."""
+    return src.device != t.device or src.data_ptr() != t.data_ptr()
+
+
+def _home(out: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``out`` on ``device`` (the device of the tensor it answers)."""
+    return out if out.device == device else out.to(device)
 
 
 def _check(t: torch.Tensor, kind: str, allowed: tuple[torch.dtype, ...]) -> str | None:
     """The problem with ``t`` for ``kind`` (it travels to every rank), or None."""
     if t.device.type != "cpu":
-        return f"tensor on {t.device}: this build moves CPU tensors only"
+        return f"tensor on {t.device}: hpcdl moves CPU and CUDA tensors only"
     if t.dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
         return f"{kind} does not support dtype {_dtype_name(t)}; use one of: {names}"
@@ -254,12 +275,12 @@ def _allreduce_reqs(
     for i, t in enumerate(tensors):
         src = _source(t, kind_name)
         problem = bad_op or _check(src, "allreduce", _REDUCIBLE) or _scales(src, pre, post)
-        if inplace and src.data_ptr() == t.data_ptr():
-            out = src  # t itself: contiguous
-        else:
-            out = torch.empty_like(src)
-            if inplace:
-                fixups.append(lambda t=t, out=out: t.copy_(out))
+        private = _private(src, t)
+        # reduce in place where that writes nothing the caller sees: into t itself when
+        # asked to, or into the private copy _source made (copied back into t when in place)
+        out = src if inplace or private else torch.empty_like(src)
+        if inplace and private:
+            fixups.append(lambda t=t, out=out: t.copy_(out))
         x = _np(src) if problem is None else None
         req = Request(
             base if len(tensors) == 1 else f"{base}.{i}",
@@ -275,11 +296,17 @@ def _allreduce_reqs(
     return reqs, outs, fixups
 
 
-def _post_outs(outs: list[torch.Tensor], fixups: list[Callable[[], None]], single: bool) -> Callable[[list], Any]:
+def _post_outs(
+    outs: list[torch.Tensor], fixups: list[Callable[[], None]], single: bool, devices: list[torch.device]
+) -> Callable[[list], Any]:
+    """The handle's result: ``outs`` (after the copies back into in-place tensors), each on
+    the device in ``devices`` of the tensor it answers."""
+
     def post(_: list) -> Any:
         for f in fixups:
             f()
-        return outs[0] if single else list(outs)
+        res = [_home(o, d) for o, d in zip(outs, devices, strict=True)]
+        return res[0] if single else res
 
     return post
 
@@ -297,7 +324,7 @@ def allreduce_async(
     :func:`synchronize` gives a new tensor with the result.
 
     Args:
-        tensor: this rank's tensor (CPU; any shape; the same shape and dtype on every rank).
+        tensor: this rank's tensor (CPU or CUDA; any shape; the same shape and dtype on every rank).
         average: deprecated; ``op=Average`` (True) or ``op=Sum`` (False).
         name: a name unique among this rank's requests in flight, the same on every rank
             (unnamed calls are numbered in call order).
@@ -401,8 +428,9 @@ def _grouped_allreduce_async(tensors, average, name, op, pre, post, process_set,
     op = _op_of(op, average)
     sid = _set_id(process_set)
     what = "allreduce" if single else "grouped_allreduce"
-    reqs, outs, fixups = _allreduce_reqs(st, list(tensors), name, op, pre, post, sid, inplace, what)
-    return _handle(st, reqs, _post_outs(outs, fixups, single))
+    tensors = list(tensors)
+    reqs, outs, fixups = _allreduce_reqs(st, tensors, name, op, pre, post, sid, inplace, what)
+    return _handle(st, reqs, _post_outs(outs, fixups, single, [t.device for t in tensors]))
 
 
 def grouped_allreduce_async(
@@ -510,8 +538,8 @@ def _allgather_reqs(st, tensors, name, sid, what):
                 x=_np(src) if problem is None else None,
             )
         )
-    dtypes = [t.dtype for t in tensors]
-    return reqs, lambda results: [_torch(r, d) for r, d in zip(results, dtypes, strict=True)]
+    kinds = [(t.dtype, t.device) for t in tensors]
+    return reqs, lambda results: [_home(_torch(r, d), dev) for r, (d, dev) in zip(results, kinds, strict=True)]
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set) -> int:
@@ -589,11 +617,9 @@ def _broadcast_async(tensor, root_rank, name, process_set, inplace):
     members = process_set.ranks
     if problem is None and not (isinstance(root_rank, int) and root_rank in members):
         problem = f"root_rank={root_rank!r} is not a rank of the process set (ranks {members})"
-    if inplace and src.data_ptr() == tensor.data_ptr():
-        out, fix = src, None
-    else:
-        out = torch.empty_like(src)
-        fix = (lambda: tensor.copy_(out)) if inplace else None
+    private = _private(src, tensor)
+    out = src if inplace or private else torch.empty_like(src)
+    fix = (lambda: tensor.copy_(out)) if inplace and private else None
     req = Request(
         _name(st, "broadcast", sid, name),
         "broadcast",
@@ -603,7 +629,7 @@ def _broadcast_async(tensor, root_rank, name, process_set, inplace):
         x=_np(src) if problem is None else None,
         out=_np(out) if problem is None else None,
     )
-    return _handle(st, [req], _post_outs([tensor if inplace else out], [fix] if fix else [], True))
+    return _handle(st, [req], _post_outs([tensor if inplace else out], [fix] if fix else [], True, [tensor.device]))
 
 
 def broadcast_async(
@@ -681,8 +707,10 @@ def alltoall_async(
         x=_np(src) if problem is None else None,
         splits=sp,
     )
-    dtype = src.dtype
-    return _handle(st, [req], lambda res: (_torch(res[0][0], dtype), torch.from_numpy(res[0][1]).to(torch.int32)))
+    dtype, device = src.dtype, tensor.device
+    return _handle(
+        st, [req], lambda res: (_home(_torch(res[0][0], dtype), device), torch.from_numpy(res[0][1]).to(torch.int32))
+    )
 
 
 class _Alltoall(torch.autograd.Function):
@@ -747,8 +775,9 @@ def _rs_async(tensors, name, op, pre, post, process_set, single):
     sid = _set_id(process_set)
     n = len(process_set.ranks)
     me = process_set.rank()
-    reqs, outs = _reducescatter_reqs(st, list(tensors), name, op, pre, post, sid, n, me, "reducescatter")
-    return _handle(st, reqs, _post_outs(outs, [], single))
+    tensors = list(tensors)
+    reqs, outs = _reducescatter_reqs(st, tensors, name, op, pre, post, sid, n, me, "reducescatter")
+    return _handle(st, reqs, _post_outs(outs, [], single, [t.device for t in tensors]))
 
 
 def reducescatter_async(

@@ -62,6 +62,11 @@ def usable() -> None:
             r"rank 1: allreduce does not support dtype bool",
         ),
         (
+            "device on one rank",
+            lambda r: hvd.allreduce(torch.ones(3, device="meta" if r == 1 else "cpu"), name="x"),
+            r"rank 1: tensor on meta: hpcdl moves CPU and CUDA tensors only",
+        ),
+        (
             "scale factor on ints",
             lambda r: hvd.allreduce(torch.ones(3, dtype=torch.int32), prescale_factor=2.0 if r == 1 else 1.0, name="x"),
             "rank 1: prescale_factor/postscale_factor need a floating-point tensor",

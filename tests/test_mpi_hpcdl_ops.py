@@ -105,7 +105,15 @@ def test_allreduce_non_contiguous_in_place():
     base = everyone((6, 4), torch.float32, seed=2)
     t = base[r].clone().t()  # a transposed view: not contiguous
     assert not t.is_contiguous()
+    # a new tensor: reduced in the contiguous copy, the input untouched
+    out = hvd.allreduce(t, op=hvd.Sum)
+    close(out, expected_reduce(base, hvd.Sum).t())
+    assert torch.equal(t, base[r].t())
+    b = hvd.broadcast(t, root_rank=0)
+    assert torch.equal(b, base[0].t()) and torch.equal(t, base[r].t())
     hvd.allreduce_(t, op=hvd.Sum)
+    close(t, expected_reduce(base, hvd.Sum).t())
+    hvd.broadcast_(t, root_rank=0)
     close(t, expected_reduce(base, hvd.Sum).t())
 
 
