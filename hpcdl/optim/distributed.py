@@ -111,7 +111,7 @@ class _Reducer:
         self._flags: int | None = None  # the missing-gradient check, when sent early
         size = 0
         # backward produces the last layers' gradients first; a bucket holds one group's
-        # parameters of one dtype (a flat shard for ZeroOptimizer)
+        # parameters of one dtype on one device (a flat shard for ZeroOptimizer)
         owned = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
         for gi, p in reversed(owned):
             if not p.requires_grad:
@@ -119,7 +119,12 @@ class _Reducer:
             nbytes = p.numel() * p.element_size()
             last = self._buckets[-1] if self._buckets else None
             cap = min(bucket_bytes, _FIRST_BUCKET_BYTES) if len(self._buckets) == 1 else bucket_bytes
-            if last is None or last.group != gi or last.params[0].dtype != p.dtype or size + nbytes > cap:
+            if (
+                last is None
+                or last.group != gi
+                or (last.params[0].dtype, last.params[0].device) != (p.dtype, p.device)
+                or size + nbytes > cap
+            ):
                 self._buckets.append(_Bucket(len(self._buckets), gi))
                 size = 0
             b = self._buckets[-1]

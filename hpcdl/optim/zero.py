@@ -73,12 +73,12 @@ class _Layout:
         self.numel = total
         self.shard_numel = max(1, math.ceil(total / n))
         self.lo = r * self.shard_numel  # this rank's shard is [lo, lo + shard_numel) of the flat buffer
-        self.shard = torch.zeros(self.shard_numel, dtype=params[0].dtype)
+        self.shard = torch.zeros(self.shard_numel, dtype=params[0].dtype, device=params[0].device)
 
     def take(self, params: list[torch.nn.Parameter], tensors: list[torch.Tensor]) -> torch.Tensor:
         """This rank's shard of the concatenation of ``tensors`` (shaped like ``params``),
         zero where it covers padding."""
-        out = torch.zeros(self.shard_numel, dtype=self.shard.dtype)
+        out = torch.zeros_like(self.shard)
         hi = self.lo + self.shard_numel
         for p, o, t in zip(params, self.offsets, tensors, strict=True):
             a, b = max(o, self.lo), min(o + p.numel(), hi)
@@ -88,7 +88,7 @@ class _Layout:
 
     def flat(self, tensors: list[torch.Tensor], n: int) -> torch.Tensor:
         """The concatenation of ``tensors``, padded with zeros to ``n`` shards."""
-        out = torch.zeros(n * self.shard_numel, dtype=self.shard.dtype)
+        out = self.shard.new_zeros(n * self.shard_numel)
         for o, t in zip(self.offsets, tensors, strict=True):
             out[o : o + t.numel()] = t.reshape(-1)
         return out
