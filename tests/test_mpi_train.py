@@ -50,6 +50,7 @@ def test_training_equals_one_process_on_the_concatenated_batches(run_dir):
     steps equal one process stepping on every rank's batches at once."""
     cfg = TrainConfig(
         model="mlp",
+        device="cpu",  # the reference runs on the CPU (tests/test_mpi_cuda.py covers CUDA)
         optimizer="sgd",
         lr=0.05,
         lr_scaling="none",
@@ -95,7 +96,7 @@ def test_training_equals_one_process_on_the_concatenated_batches(run_dir):
 
 def test_evaluation_covers_the_whole_split_whatever_the_rank_count(run_dir):
     hvd.init()
-    trainer = Trainer(TrainConfig(model="cnn", progress=False, run_dir=run_dir))
+    trainer = Trainer(TrainConfig(model="cnn", device="cpu", progress=False, run_dir=run_dir))
     got = trainer.evaluate()
     _, test = digits(image=True)
     with torch.no_grad():

@@ -84,6 +84,12 @@ def test_precedence_defaults_file_environment_flags(tmp_path):
         (["--resume"], {}, None, r"resume needs run_dir"),
         (["--dropout", "1"], {}, None, r"dropout=1.0 must be < 1.0"),
         (["--no-such-flag"], {}, None, r"unrecognized arguments: --no-such-flag"),
+        (
+            ["--device", "gpu"],
+            {},
+            None,
+            r"--device='gpu' is not accepted for device; choose one of 'auto', 'cpu', 'cuda'",
+        ),
     ],
 )
 def test_bad_values_name_the_field_and_what_is_accepted(tmp_path, argv, environ, text, pattern):
@@ -93,6 +99,13 @@ def test_bad_values_name_the_field_and_what_is_accepted(tmp_path, argv, environ,
         argv = argv + ["--config", str(path)]
     with pytest.raises(ConfigError, match=pattern):
         parse_config(argv, environ=environ)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch sees a CUDA device here")
+def test_device_cuda_without_a_gpu_is_refused_before_work():
+    with pytest.raises(ConfigError, match="device='cuda' but torch sees no CUDA device here"):
+        parse_config(["--device", "cuda"], environ={})
+    assert parse_config([], environ={"HPCDL_TRAIN_DEVICE": "auto"}).device == "auto"
 
 
 def test_config_file_must_exist_and_be_toml_or_yaml(tmp_path):
@@ -120,6 +133,9 @@ def test_dry_run_prints_the_configuration_and_the_rank_layout():
     assert "# rank layout: 2 ranks on 1 node(s), launcher mpiexec (MPICH hydra)" in out
     rows = [line.split() for line in out.splitlines()[-2:]]
     assert [r[:3] for r in rows] == [["0", "0/2", "0"], ["1", "1/2", "0"]]
+    # device auto: GPU local_rank % GPUs where torch sees one, else the CPU
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert [r[3] for r in rows] == [f"cuda:{k % gpus}" if gpus else "cpu" for k in range(2)]
 
 
 def test_launcher_detection_and_the_srun_without_plugin_mistake():

@@ -20,18 +20,21 @@ def _say_once(text: str) -> None:
 def _dry_run(cfg) -> None:
     import hpcdl as hvd
 
-    from .launch import launcher, layout
+    from .launch import launcher, layout, pick_device
     from .loop import init_runtime
 
     init_runtime(cfg)
-    ranks = layout(hvd)
+    ranks = layout(hvd, pick_device(cfg.device, hvd.local_rank()))
     if hvd.rank() == 0:
         print("# resolved configuration")
         print(json.dumps(cfg.to_dict(), indent=1))
         print(f"# rank layout: {hvd.size()} ranks on {len({r['host'] for r in ranks})} node(s), launcher {launcher()}")
-        print(f"{'rank':>5} {'local':>6} {'node':>5}  host (pid)")
+        print(f"{'rank':>5} {'local':>6} {'node':>5}  {'device':<7} host (pid)")
         for r in ranks:
-            print(f"{r['rank']:>5} {r['local_rank']:>4}/{r['local_size']:<1} {r['node']:>5}  {r['host']} ({r['pid']})")
+            print(
+                f"{r['rank']:>5} {r['local_rank']:>4}/{r['local_size']:<1} {r['node']:>5}  {r['device']:<7} "
+                f"{r['host']} ({r['pid']})"
+            )
     hvd.shutdown()
 
 
@@ -58,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if hvd.rank() == 0:
             final = ", ".join(f"{k} {v:.4f}" for k, v in summary["final"].items())
             print(
-                f"hpcdl.train: {summary['steps']} steps on {summary['world_size']} ranks in "
+                f"hpcdl.train: {summary['steps']} steps on {summary['world_size']} ranks "
+                f"({summary['device']}, {summary['precision']}) in "
                 f"{summary['wall_time_s']:.1f} s ({summary['samples_per_s']:.0f} samples/s); held-out {final}; "
                 f"run directory {summary['run_dir']}",
                 flush=True,

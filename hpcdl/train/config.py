@@ -58,7 +58,11 @@ class TrainConfig:
     fusion_threshold: int = _field(
         -1, "engine fusion buffer in bytes (-1: the runtime's, HPCDL_FUSION_THRESHOLD)", min=-1
     )
-    # numerics
+    # where and how precisely
+    device: Literal["auto", "cpu", "cuda"] = _field(
+        "auto",
+        "cuda: each rank trains on GPU local_rank % GPUs of its node; auto: cuda when torch sees a GPU, else cpu",
+    )
     precision: Literal["fp32", "bf16", "fp16"] = _field(
         "fp32", "bf16: autocast to bfloat16; fp16: autocast to float16 with dynamic loss scaling"
     )
@@ -115,11 +119,19 @@ class TrainConfig:
                 "precision='fp16' needs the full gradients to unscale them, which zero=2 does not keep; "
                 "use zero=0 or 1, or precision='bf16'"
             )
+        if self.device == "cuda" and not _cuda_available():
+            raise ConfigError("device='cuda' but torch sees no CUDA device here; use device='cpu' or 'auto'")
         if self.resume and not self.run_dir:
             raise ConfigError("resume needs run_dir: the run directory whose newest checkpoint to continue from")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _choices(kind: Any) -> str:

@@ -34,6 +34,10 @@ class Split:
     def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.x[idx], self.y[idx]
 
+    def to(self, device: torch.device) -> Split:
+        """The split with its tensors on ``device`` (small: moved once, not per batch)."""
+        return Split(self.x.to(device), self.y.to(device))
+
 
 def digits(image: bool) -> tuple[Split, Split]:
     """Training and test split of scikit-learn's digits, scaled to [0, 1]; ``image``
@@ -75,6 +79,9 @@ class _Windows:
         pos = starts[:, None] + torch.arange(self.block + 1)
         w = self.data[pos].long()
         return w[:, :-1], w[:, 1:]
+
+    def to(self, device: torch.device) -> _Windows:
+        return _Windows(self.data.to(device), self.block)
 
 
 def corpus(block_size: int) -> tuple[_Windows, _Windows]:

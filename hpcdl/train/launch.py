@@ -13,7 +13,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["launcher", "launcher_size", "check_world", "layout"]
+__all__ = ["launcher", "launcher_size", "check_world", "layout", "pick_device"]
 
 # (launcher, a variable only it sets, the variable holding the task count), looked at in
 # this order: hydra's and Open MPI's ranks inside a Slurm allocation still see SLURM_*, and
@@ -65,8 +65,20 @@ def check_world(size: int, environ: Mapping[str, str] | None = None) -> None:
         )
 
 
-def layout(hvd: Any) -> list[dict[str, Any]]:
-    """Every rank's rank, local rank, node index, host and pid (collective)."""
+def pick_device(choice: str, local_rank: int) -> Any:
+    """The torch device a rank trains on: for ``cuda`` (or ``auto`` where torch sees a GPU),
+    GPU ``local_rank % GPUs`` of the node (made the current device), else the CPU."""
+    import torch
+
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def layout(hvd: Any, device: Any = None) -> list[dict[str, Any]]:
+    """Every rank's rank, local rank, node index, host, pid and device (collective)."""
     me = {
         "rank": hvd.rank(),
         "local_rank": hvd.local_rank(),
@@ -74,5 +86,6 @@ def layout(hvd: Any) -> list[dict[str, Any]]:
         "node": hvd.cross_rank(),
         "host": socket.gethostname(),
         "pid": os.getpid(),
+        "device": str(device) if device is not None else "cpu",
     }
     return hvd.allgather_object(me)

@@ -21,7 +21,7 @@ from hpcdl.config import load_config
 from . import checkpoint as ckpt
 from .config import TrainConfig
 from .data import ShardedOrder, corpus, digits, eval_indices
-from .launch import check_world, launcher, layout
+from .launch import check_world, launcher, layout, pick_device
 from .models import GPT, DigitsCNN, DigitsMLP
 from .report import Metrics, plot, write_json
 
@@ -56,11 +56,16 @@ class Trainer:
         self.cfg, self.on_step = cfg, on_step
         self.rank, self.world = hvd.rank(), hvd.size()
         torch.set_num_threads(cfg.threads)
-        # data
+        self.device = pick_device(cfg.device, hvd.local_rank())
+        if self.device.type == "cuda":  # bitwise-reproducible runs (and --resume), as on the CPU
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
+        # data, on the training device
         if cfg.model == "gpt":
-            self.train_set, self.test_set = corpus(cfg.block_size)
+            train_set, test_set = corpus(cfg.block_size)
         else:
-            self.train_set, self.test_set = digits(image=cfg.model == "cnn")
+            train_set, test_set = digits(image=cfg.model == "cnn")
+        self.train_set, self.test_set = train_set.to(self.device), test_set.to(self.device)
         self.order = ShardedOrder(len(self.train_set), self.world, self.rank, cfg.seed, cfg.batch_size)
         # model: the same initial weights on every rank (seeded, then broadcast from rank 0)
         torch.manual_seed(cfg.seed)
@@ -70,8 +75,9 @@ class Trainer:
             )
         else:
             self.model = DigitsCNN() if cfg.model == "cnn" else DigitsMLP()
+        self.model.to(self.device)
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
-        # each rank its own dropout stream
+        # each rank its own dropout stream (manual_seed seeds the CUDA generators too)
         torch.manual_seed(cfg.seed * 1_000_003 + 7919 * (self.rank + 1))
         # optimizer
         self.base_lr = cfg.lr * (self.world if cfg.lr_scaling == "linear" else 1)
@@ -84,7 +90,9 @@ class Trainer:
             self.opt = hvd.ZeroOptimizer(inner, stage=cfg.zero, **common)
         else:
             self.opt = hvd.DistributedOptimizer(inner, **common)
-        self.scaler = torch.amp.GradScaler("cpu") if cfg.precision == "fp16" else None
+        # fp16's dynamic loss scaling: the scaler unscales the reduced gradients, which are
+        # the same on every rank, so every rank finds the same inf/nan and skips the same steps
+        self.scaler = torch.amp.GradScaler(self.device.type) if cfg.precision == "fp16" else None
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
         # progress through the data
         batches = self.order.batches_per_epoch()
@@ -113,7 +121,7 @@ class Trainer:
     def _autocast(self) -> Any:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast("cpu", dtype=self.autocast_dtype)
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self._autocast():
@@ -129,7 +137,7 @@ class Trainer:
             self.opt.set_backward_passes_per_step(len(group))
         self.opt.zero_grad()
         total = sum(len(b) for b in group)
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.model.train()
         for idx in group:
             x, y = self.train_set.batch(idx)
@@ -183,6 +191,9 @@ class Trainer:
         """The checkpoint (collective: ZeroOptimizer consolidates its shards); None off rank 0."""
         opt_state = self.opt.state_dict()
         rngs = hvd.allgather_object(torch.get_rng_state(), name="train.rng")
+        cuda_rngs = None
+        if self.device.type == "cuda":
+            cuda_rngs = hvd.allgather_object(torch.cuda.get_rng_state(self.device), name="train.cuda_rng")
         if self.rank != 0:
             return None
         return {
@@ -195,6 +206,7 @@ class Trainer:
             "optimizer": opt_state,
             "scaler": self.scaler.state_dict() if self.scaler else {},
             "rng": rngs,
+            "cuda_rng": cuda_rngs,
             "config": self.cfg.to_dict(),
             "counters": {"samples": self.samples, "train_s": self.train_s, "sync_s": self.sync_s},
         }
@@ -215,6 +227,8 @@ class Trainer:
             self.scaler.load_state_dict(st["scaler"])
         if st["world_size"] == self.world:
             torch.set_rng_state(st["rng"][self.rank])
+            if self.device.type == "cuda" and st.get("cuda_rng"):
+                torch.cuda.set_rng_state(st["cuda_rng"][self.rank], self.device)
         self.step, self.epoch, self.step_in_epoch = st["step"], st["epoch"], st["step_in_epoch"]
         c = st["counters"]
         self.samples, self.train_s, self.sync_s = c["samples"], c["train_s"], c["sync_s"]
@@ -231,7 +245,7 @@ class Trainer:
                 raise FileNotFoundError(f"resume: no checkpoint in {ck_dir}")
             self.restore(path)
             resumed_from = path
-        ranks = layout(hvd)
+        ranks = layout(hvd, self.device)
         metrics = None
         if self.rank == 0:
             ckpt.remove_partial(ck_dir)
@@ -299,6 +313,8 @@ class Trainer:
         summary = {
             "model": cfg.model,
             "world_size": self.world,
+            "device": str(self.device),
+            "precision": cfg.precision,
             "steps": self.step,
             "epochs": self.epoch,
             "final": last_eval,
