@@ -2,7 +2,7 @@
 (gloo) ``all_reduce`` of the same tensor, side by side in one run.
 
 Run: ``mpiexec -n 2 python -m benchmarks.torch_allreduce [--sizes 4,1K,1M,16M] [--rounds 5]
-[--json F]``.
+[--device cpu|cuda] [--json F]``.
 
 Both contenders reduce (sum) the same float32 tensor on every rank; hpcdl goes through its
 whole runtime (autograd function, request, engine thread, negotiation, ``collectives``
@@ -12,6 +12,10 @@ the steady state uses the response cache; the "unnamed" column numbers each call
 tensor to allocate and fault in). Each round times ``iters`` back-to-back calls per
 contender after a barrier and takes the slowest rank's mean; the figure is the median
 over rounds, with contenders interleaved in rotating order.
+
+With ``--device cuda`` every tensor lives on GPU ``local rank % GPUs``: hpcdl stages it
+through host memory, gloo reduces CUDA tensors its own way, and each timed loop ends with
+``torch.cuda.synchronize()`` so queued GPU work counts.
 """
 
 from __future__ import annotations
@@ -36,14 +40,23 @@ def _iters(nbytes: int) -> int:
     return 400 if nbytes <= 64 << 10 else 60 if nbytes <= 1 << 20 else 12
 
 
-def measure(sizes: list[int], rounds: int, iters: int | None = None) -> list[dict[str, Any]]:
+def measure(sizes: list[int], rounds: int, iters: int | None = None, device: str = "cpu") -> list[dict[str, Any]]:
     """Per size: the median microseconds per call of every contender (collective)."""
     world = MPI.COMM_WORLD
     dist = gloo_init(world)
+    dev = torch.device(device)
+    if device == "cuda":
+        dev = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+
+    def settle() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
     rows = []
     for size in sizes:
         n = max(size // 4, 1)
-        t = torch.ones(n, dtype=torch.float32)
+        t = torch.ones(n, dtype=torch.float32, device=dev)
         k = iters or _iters(size)
         # the in-place contenders get their own tensors
         ti, tg = t.clone(), t.clone()
@@ -54,7 +67,7 @@ def measure(sizes: list[int], rounds: int, iters: int | None = None) -> list[dic
             "gloo": lambda tg=tg: dist.all_reduce(tg),
         }
         # correctness first: every contender's sum of ones is the rank count
-        want = torch.full((n,), float(world.size))
+        want = torch.full((n,), float(world.size), device=dev)
         assert torch.equal(calls["hpcdl"](), want)
         assert torch.equal(calls["hpcdl unnamed"](), want)
         assert torch.equal(calls["hpcdl allreduce_"](), want)
@@ -73,6 +86,7 @@ def measure(sizes: list[int], rounds: int, iters: int | None = None) -> list[dic
                 t0 = time.perf_counter()
                 for _ in range(k):
                     fn()
+                settle()
                 us = (time.perf_counter() - t0) / k * 1e6
                 slowest = world.allreduce(us, op=MPI.MAX)
                 if rnd:
@@ -88,9 +102,9 @@ def _fmt_size(b: int) -> str:
     return f"{b} B"
 
 
-def report(rows: list[dict[str, Any]], ranks: int) -> str:
+def report(rows: list[dict[str, Any]], ranks: int, device: str = "cpu") -> str:
     lines = [
-        f"# synchronous allreduce (sum) of a float32 torch tensor, {ranks} ranks; microseconds per call,",
+        f"# synchronous allreduce (sum) of a float32 torch tensor on {device}, {ranks} ranks; microseconds per call,",
         "# median over rounds of the slowest rank's mean; ratio = hpcdl / gloo (< 1: hpcdl faster)",
         f"{'size':>8} {'hpcdl':>12} {'hpcdl unnamed':>14} {'allreduce_':>12} {'gloo':>12} {'ratio':>8} {'iters':>6}",
     ]
@@ -109,16 +123,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sizes", default="4,1K,1M,16M", help="comma-separated byte sizes (K, M suffixes)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=None, help="calls per round (default: by size)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the tensors live")
     p.add_argument("--json", default=None, help="also write the figures to this file (rank 0)")
     a = p.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device here")
     torch.set_num_threads(1)
     hvd.init()
-    rows = measure([parse_size(s) for s in a.sizes.split(",")], a.rounds, a.iters)
+    rows = measure([parse_size(s) for s in a.sizes.split(",")], a.rounds, a.iters, a.device)
     if hvd.rank() == 0:
-        print(report(rows, hvd.size()), flush=True)
+        print(report(rows, hvd.size(), a.device), flush=True)
         if a.json:
             with open(a.json, "w") as fh:
-                json.dump({"ranks": hvd.size(), "rows": rows}, fh, indent=1)
+                json.dump({"ranks": hvd.size(), "device": a.device, "rows": rows}, fh, indent=1)
     hvd.shutdown()
 
 
