@@ -11,14 +11,12 @@ two ranks run on a machine with one GPU.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 
 import pytest
 import torch
 import torch.nn.functional as F
-from mpi4py import MPI
 from test_mpi_hpcdl_ops import close, data, everyone, expected_reduce
+from test_mpi_train import run_dir  # noqa: F401 - a fixture: a directory every rank sees
 
 import hpcdl as hvd
 from hpcdl.train import TrainConfig, run
@@ -30,7 +28,11 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device"),
 ]
 
-WORLD = MPI.COMM_WORLD
+
+@pytest.fixture(autouse=True)
+def _runtime():
+    yield
+    hvd.shutdown()
 
 
 @pytest.fixture()
@@ -38,8 +40,7 @@ def dev():
     hvd.init()
     d = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
     torch.cuda.set_device(d)
-    yield d
-    hvd.shutdown()
+    return d
 
 
 def on(d: torch.device, t: torch.Tensor) -> torch.Tensor:
@@ -202,17 +203,7 @@ def test_fp16_loss_scaling_skips_the_same_step_on_every_rank(dev):
     assert all(o == mine for o in hvd.allgather_object(mine))
 
 
-@pytest.fixture()
-def run_dir():
-    path = WORLD.bcast(tempfile.mkdtemp(prefix="hpcdl-cuda-") if WORLD.rank == 0 else None)
-    yield path
-    WORLD.Barrier()
-    if WORLD.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
-    hvd.shutdown()
-
-
-def test_train_fp16_on_cuda_reaches_the_accuracy_bar(run_dir):
+def test_train_fp16_on_cuda_reaches_the_accuracy_bar(run_dir):  # noqa: F811
     summary = run(TrainConfig(device="cuda", precision="fp16", run_dir=run_dir, progress=False))
     assert summary["device"].startswith("cuda") and summary["final"]["accuracy"] >= 0.97, summary
     if hvd.rank() == 0:
@@ -220,7 +211,7 @@ def test_train_fp16_on_cuda_reaches_the_accuracy_bar(run_dir):
         assert 0 < saved["scaler"]["scale"] and len(saved["cuda_rng"]) == hvd.size()
 
 
-def test_a_resumed_cuda_fp16_run_ends_where_an_uninterrupted_one_does(run_dir):
+def test_a_resumed_cuda_fp16_run_ends_where_an_uninterrupted_one_does(run_dir):  # noqa: F811
     base = dict(device="cuda", precision="fp16", model="cnn", batch_size=64, checkpoint_every=4, keep_checkpoints=1)
     base.update(max_steps=14, progress=False)
     whole = run(TrainConfig(run_dir=os.path.join(run_dir, "whole"), **base))
