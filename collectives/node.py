@@ -164,13 +164,17 @@ class Channel:
                     self.slots[self.me][p][:nb] = payload.reshape(-1).view(np.uint8)
         self.fence()
         self._my_seq[0] = seq
-        if futex.OK:  # wake the peers that may sleep on our counter (inlined: the hot path)
-            self.fence()  # the store above before the loads below
+        self._wake_sleepers(self._my_seq_addr)
+        return seq
+
+    def _wake_sleepers(self, addr: int) -> None:
+        """After publishing our counter at ``addr``: wake the peers that may sleep on it."""
+        if futex.OK:
+            self.fence()  # the store just made before the loads below
             for f in self._peer_sleeping:
                 if f[0]:
-                    futex.wake(self._my_seq_addr)
+                    futex.wake(addr)
                     break
-        return seq
 
     def _budget(self) -> int:
         polite = self.polite
@@ -222,12 +226,7 @@ class Channel:
         self.stage += 1
         self.fence()
         self.stages[self.me][0] = self.stage
-        if futex.OK:
-            self.fence()
-            for f in self._peer_sleeping:
-                if f[0]:
-                    futex.wake(self._my_stage_addr)
-                    break
+        self._wake_sleepers(self._my_stage_addr)
 
     def await_all(self) -> Schedule:
         """Wait (yielding ``[]`` to the driver) until every peer has arrived too."""

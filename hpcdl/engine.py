@@ -463,8 +463,7 @@ class Engine:
             text = _differs(descs, lambda d, i=idx: d[i], field)
             if text:
                 return f"ranks disagree on request '{name}': {text}"
-        d0 = next(iter(descs.values()))  # all agree from here on
-        kind = d0[1]
+        kind = d0[1]  # every rank's agrees from here on
         for i, field in enumerate(SIG_FIELDS.get(kind, ())):
             text = _differs(descs, lambda d, i=i: d[3][i], field)
             if text:
