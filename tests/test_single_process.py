@@ -176,6 +176,26 @@ def test_uncaught_exception_on_one_rank_aborts_the_whole_job(tmp_path):
     assert "rank one gives up" in proc.stderr and "Traceback" in proc.stderr
 
 
+def test_torch_allreduce_benchmark_refuses_cuda_without_a_gpu_and_ends_the_job():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a CUDA device here")
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [mpiexec, "-n", "2", sys.executable, "-m", "benchmarks.torch_allreduce", "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+    )
+    # every rank fails the same check before any MPI call; run_main aborts the job on the
+    # first, which may stop the other before it prints
+    assert proc.returncode == 2, proc.stderr
+    assert "torch_allreduce.py: error: --device cuda: torch sees no CUDA device here" in proc.stderr
+
+
 def test_waiting_ranks_sleep_soon_only_when_the_node_is_oversubscribed():
     from collectives import node
 
