@@ -608,7 +608,9 @@ def _allgather(x, algorithm, out, comm, blocking, posted=False):
         out = np.empty((total, *item), x.dtype)
     buf = _flat(out)
     off = offsets(counts)
-    buf[off[t.rank] : off[t.rank + 1]] = _flat(src)
+    mine = buf[off[t.rank] : off[t.rank + 1]]
+    if not _aliases(mine, _flat(src)):  # x may be its block of out already
+        mine[...] = _flat(src)
     if t.size == 1 or buf.size == 0:
         return _done(out, blocking, ctx)
     if call.resolved == "shm" and ch is not None and max(counts) * x.itemsize <= ch.small:

@@ -70,6 +70,21 @@ def test_allgather_uneven_first_dimension(alg):
             assert digest(out) == digest(got), ("out=", alg, dtype, rows)
 
 
+@pytest.mark.parametrize("alg", C.algorithms("allgather"))
+def test_allgather_of_a_block_of_out_itself(alg):
+    """``x`` may already be this rank's block of ``out`` (ZeroOptimizer's flat parameters):
+    the block is not copied onto itself and the result is the same."""
+    n, r = WORLD.size, WORLD.rank
+    for dtype in DTYPES:
+        for count in (1, 37, 70_000):  # one step through the slots, and chunked
+            inputs = [make_input(q, count, dtype, "sum") for q in range(n)]
+            out = np.full(n * count, 7, dtype)
+            mine = out[r * count : (r + 1) * count]
+            mine[...] = inputs[r]
+            assert C.allgather(mine, algorithm=alg, out=out) is out
+            assert digest(out) == digest(np.concatenate(inputs)), (alg, dtype, count)
+
+
 @pytest.mark.parametrize("alg", C.algorithms("broadcast"))
 def test_broadcast_from_every_root(alg):
     n, r = WORLD.size, WORLD.rank
