@@ -626,7 +626,8 @@ class Engine:
         dtype = _DTYPES[d0[3][0]]
         x = req.x if req is not None else np.empty((0, *d0[3][1]), dtype)
         t0 = time.perf_counter()
-        res = collectives.allgather(x, comm=info.comm)
+        # an ``out`` (ZeroOptimizer's flat parameters) holds this rank's block already
+        res = collectives.allgather(x, comm=info.comm, out=None if req is None else req.out)
         alg = self._alg(info.comm, "allgather", res.nbytes)
         self._span([req], "ALLGATHER", t0, algorithm=alg, bytes=int(res.nbytes))
         return res

@@ -550,6 +550,31 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
     return _handle(st, reqs, lambda res: conv(res)[0])
 
 
+def _allgather_into_async(shard: torch.Tensor, out: torch.Tensor, name: str, process_set: ProcessSet) -> int:
+    """Gather every rank's ``shard`` into ``out`` in rank order, where ``shard`` is this rank's
+    block of ``out`` already (hpcdl's own: ZeroOptimizer's flat parameters). Both are
+    contiguous CPU tensors and every rank's block has the same size."""
+    st = _rt()
+    sid = _set_id(process_set)
+    n, me = len(process_set.ranks), process_set.rank()
+    k = shard.numel()
+    if not (shard.is_contiguous() and out.is_contiguous() and shard.device.type == out.device.type == "cpu"):
+        raise HpcdlError("_allgather_into_async takes contiguous CPU tensors")
+    if out.dim() != 1 or out.numel() != n * k or shard.data_ptr() != out[me * k : (me + 1) * k].data_ptr():
+        raise HpcdlError("_allgather_into_async: shard must be this rank's block of out")
+    req = Request(
+        _name(st, "allgather", sid, name),
+        "allgather",
+        sid,
+        (_dtype_name(shard), ()),
+        var=k,
+        error=_check(shard, "allgather", _MOVABLE),
+        x=_np(shard),
+        out=_np(out),
+    )
+    return _handle(st, [req], lambda _: out)
+
+
 def grouped_allgather_async(
     tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet = global_process_set
 ) -> int:
@@ -742,7 +767,7 @@ def alltoall(
 
 
 # -- reducescatter -------------------------------------------------------------------------
-def _reducescatter_reqs(st, tensors, name, op, pre, post, sid, n, me, what):
+def _reducescatter_reqs(st, tensors, name, op, pre, post, sid, n, me, what, given=None):
     reqs, outs = [], []
     tensors = _tensors(tensors, what)
     base = _name(st, "reducescatter", sid, name)
@@ -753,7 +778,7 @@ def _reducescatter_reqs(st, tensors, name, op, pre, post, sid, n, me, what):
         if problem is None and src.dim() == 0:
             problem = "reducescatter needs a tensor with at least one dimension"
         rows = block_counts(src.shape[0], n)[me] if src.dim() else 0
-        out = torch.empty((rows, *src.shape[1:]), dtype=src.dtype)
+        out = torch.empty((rows, *src.shape[1:]), dtype=src.dtype) if given is None else given
         reqs.append(
             Request(
                 base if len(tensors) == 1 else f"{base}.{i}",
@@ -778,6 +803,32 @@ def _rs_async(tensors, name, op, pre, post, process_set, single):
     tensors = list(tensors)
     reqs, outs = _reducescatter_reqs(st, tensors, name, op, pre, post, sid, n, me, "reducescatter")
     return _handle(st, reqs, _post_outs(outs, [], single, [t.device for t in tensors]))
+
+
+def _reducescatter_into_async(
+    tensor: torch.Tensor,
+    out: torch.Tensor | None,
+    name: str,
+    op: ReduceOp,
+    process_set: ProcessSet,
+    prescale_factor: float,
+    postscale_factor: float,
+) -> int:
+    """:func:`reducescatter_async` of a 1-D ``tensor`` into ``out`` (hpcdl's own: the caller's
+    persistent CPU buffer of this rank's block), or into a new tensor when ``out`` is None."""
+    if out is None:
+        return reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor)
+    st = _rt()
+    op = _op_of(op, None)
+    n, me = len(process_set.ranks), process_set.rank()
+    if not (out.is_contiguous() and out.device.type == "cpu" and out.dtype == tensor.dtype):
+        raise HpcdlError("_reducescatter_into_async: out must be a contiguous CPU tensor of the input's dtype")
+    if tensor.dim() != 1 or out.shape != (block_counts(tensor.shape[0], n)[me],):
+        raise HpcdlError(f"_reducescatter_into_async: out of shape {tuple(out.shape)} is not this rank's block")
+    reqs, outs = _reducescatter_reqs(
+        st, [tensor], name, op, prescale_factor, postscale_factor, _set_id(process_set), n, me, "reducescatter", out
+    )
+    return _handle(st, reqs, _post_outs(outs, [], True, [tensor.device]))
 
 
 def reducescatter_async(
