@@ -60,7 +60,7 @@ def zero(stage: int, **kw):
 
 
 def train(
-    make_opt, distributed: bool, passes: int = 1, clip: float | None = None, wrap=distributed_optimizer
+    make_opt, distributed: bool, passes: int = 1, clip: float | None = None, wrap=distributed_optimizer, tamper=None
 ) -> torch.Tensor:
     n, r = hvd.size(), hvd.rank()
     m = model()
@@ -68,6 +68,8 @@ def train(
     if distributed:
         opt = wrap(opt, m, passes)
     for step in range(STEPS):
+        if tamper is not None:
+            tamper(step, m)
         x, y = batch(step, n)
         if distributed:
             x, y = x[r * PER_RANK : (r + 1) * PER_RANK], y[r * PER_RANK : (r + 1) * PER_RANK]
@@ -200,6 +202,36 @@ def test_zero_matches_distributed_optimizer(stage, make_opt):
 def test_zero_with_accumulation_and_clipping(stage):
     check_equal(train(sgd, True, passes=2, wrap=zero(stage)), train(sgd, True, passes=2))
     check_equal(train(adam, True, clip=0.05, wrap=zero(stage)), train(adam, True, clip=0.05))
+
+
+def _set_parameters(step: int, m: torch.nn.Module) -> None:
+    """Between steps, write into the parameters (step 3) and replace their tensors (step 6)."""
+    with torch.no_grad():
+        for p in m.parameters():
+            if step == 3:
+                p.mul_(0.5)
+            elif step == 6:
+                p.data = p.data * 2 + 0.01
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_follows_parameters_set_between_steps(stage):
+    """ZeroOptimizer keeps the parameters in its flat buffers (p.data is a view there): writes
+    into them and tensors put in their place between steps both reach the shards, and the
+    weights still equal DistributedOptimizer's given the same changes."""
+    check_equal(train(adam, True, wrap=zero(stage), tamper=_set_parameters), train(adam, True, tamper=_set_parameters))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_refuses_parameters_cast_after_it_was_built(stage):
+    m = model()
+    opt = hvd.ZeroOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), stage, named_parameters=m.named_parameters())
+    m.float()  # the same Parameter objects, new float32 tensors: on every rank
+    m(torch.ones(2, 6)).sum().backward()
+    with pytest.raises(
+        hvd.HpcdlError, match=r"became torch.float32 on cpu after the optimizer was built on torch.float64 on cpu"
+    ):
+        opt.step()
 
 
 @pytest.mark.parametrize("compression", ["fp16", "bf16"])

@@ -1,24 +1,32 @@
 """``ZeroOptimizer``: data-parallel training with the optimizer state sharded over the ranks
 (ZeRO stage 1) and, at stage 2, the reduced gradients too.
 
-The gradient buckets are those of :func:`DistributedOptimizer` (one parameter group and one
-dtype each). Each bucket is laid out flat, padded to a multiple of the rank count ``N`` and
-cut into ``N`` equal shards; rank ``r`` owns shard ``r`` of every bucket. The wrapped
-optimizer's class steps flat shard tensors instead of the parameters, so its state (momentum,
-Adam's moments) exists for ``1/N`` of the elements on each rank. That is exact for optimizers
-whose update is element-wise (SGD, Adam, AdamW, RMSprop, Adagrad, ...); ones that look at
-whole tensors (LBFGS, Adafactor, SparseAdam, Muon) are refused.
+The gradient buckets are those of :func:`DistributedOptimizer` (one parameter group, one
+dtype and one device each). Each bucket's parameters are moved into one flat buffer, padded
+to a multiple of the rank count ``N`` and cut into ``N`` equal shards: ``p.data`` becomes a
+view of that buffer (as with DeepSpeed's and FSDP's flat parameters), and rank ``r`` owns
+shard ``r`` of every bucket. The wrapped optimizer's class steps the shards, which are views
+of the parameters, so its state (momentum, Adam's moments) exists for ``1/N`` of the
+elements on each rank and its update lands in the parameters without a copy. That is exact
+for optimizers whose update is element-wise (SGD, Adam, AdamW, RMSprop, Adagrad, ...); ones
+that look at whole tensors (LBFGS, Adafactor, SparseAdam, Muon) are refused.
 
 One step:
 
 - stage 1: each bucket's gradients are allreduced in place as soon as they are ready
   (overlapping backward), so ``p.grad`` holds the full reduced gradient as with
-  ``DistributedOptimizer``; ``step()`` takes this rank's shard of it.
-- stage 2: each ready bucket is copied into a flat buffer, the gradients are released
-  (``p.grad`` becomes None) and the buffer is reduce-scattered, so a rank keeps only its
-  shard of the reduced gradient.
-- then the shards step, and every bucket's updated shards are allgathered into the
-  parameters, so parameters stay bitwise alike on every rank.
+  ``DistributedOptimizer``; ``step()`` copies this rank's shard of it.
+- stage 2: each ready bucket is reduce-scattered and its gradients released (``p.grad``
+  becomes None), so a rank keeps only its shard of the reduced gradient. A bucket of one
+  parameter is reduce-scattered from its gradient itself; a bucket of several is first
+  copied into a flat staging buffer, kept from step to step.
+- then the shards step, and every bucket's other shards are allgathered straight into the
+  flat buffer (on CUDA, through host memory and one copy back), so parameters stay
+  bitwise alike on every rank.
+
+Parameters written in place between steps need nothing; a parameter whose tensor was
+replaced (``p.data = ...``) is copied back into the flat buffer at the next step. One cast
+or moved after the optimizer was built is refused.
 
 ``state_dict()`` (collective: call it on every rank of the process set) returns the state
 consolidated into the wrapped optimizer's own format, as if one unsharded optimizer had
@@ -42,10 +50,11 @@ from ..ops import (
     Max,
     ReduceOp,
     Sum,
+    _allgather_into_async,
+    _reducescatter_into_async,
     allgather_async,
     allreduce,
     grouped_allgather_async,
-    reducescatter_async,
     synchronize,
 )
 from ..process_sets import ProcessSet, global_process_set
@@ -60,9 +69,16 @@ _SCALAR_KEYS = ("step",)
 
 
 class _Layout:
-    """Where a bucket's parameters sit in its flat, padded buffer, and this rank's shard."""
+    """Where a bucket's parameters sit in its flat, padded buffer, and this rank's shard.
 
-    __slots__ = ("offsets", "numel", "shard_numel", "lo", "shard")
+    The parameters live in ``flat``: each ``p.data`` is a view of it (like DeepSpeed's and
+    FSDP's flat parameters). So this rank's shard, ``shard``, is a view of the parameters
+    themselves: the wrapped optimizer updates it in place, and the allgather writes the
+    other ranks' shards straight into the parameters. ``grad`` is the shard's gradient,
+    kept from step to step; ``staging`` (stage 2, buckets of several parameters) the
+    bucket's gradients laid out flat for the reduce-scatter."""
+
+    __slots__ = ("offsets", "numel", "shard_numel", "lo", "flat", "shard", "grad", "staging", "ptrs")
 
     def __init__(self, params: list[torch.nn.Parameter], n: int, r: int) -> None:
         self.offsets = []
@@ -73,25 +89,73 @@ class _Layout:
         self.numel = total
         self.shard_numel = max(1, math.ceil(total / n))
         self.lo = r * self.shard_numel  # this rank's shard is [lo, lo + shard_numel) of the flat buffer
-        self.shard = torch.zeros(self.shard_numel, dtype=params[0].dtype, device=params[0].device)
+        p0 = params[0]
+        self.flat = torch.zeros(n * self.shard_numel, dtype=p0.dtype, device=p0.device)
+        self.shard = self.flat[self.lo : self.lo + self.shard_numel]
+        self.grad = torch.zeros_like(self.shard)
+        self.staging: torch.Tensor | None = None
+        self.ptrs: list[int] = []
+        self.adopt(params)
 
-    def take(self, params: list[torch.nn.Parameter], tensors: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's shard of the concatenation of ``tensors`` (shaped like ``params``),
-        zero where it covers padding."""
-        out = torch.zeros_like(self.shard)
+    def adopt(self, params: list[torch.nn.Parameter]) -> None:
+        """Copy each parameter into ``flat`` and make ``p.data`` its view there (a no-op for
+        the parameters that already are)."""
+        with torch.no_grad():
+            for p, o in zip(params, self.offsets, strict=True):
+                if (p.dtype, p.device) != (self.flat.dtype, self.flat.device):
+                    raise HpcdlError(
+                        f"ZeroOptimizer: a parameter became {p.dtype} on {p.device} after the optimizer was built "
+                        f"on {self.flat.dtype} on {self.flat.device}; move or cast the model before building it"
+                    )
+                view = self.flat[o : o + p.numel()].view(p.shape)
+                if p.data_ptr() != view.data_ptr() or p.stride() != view.stride():
+                    view.copy_(p)
+                    p.data = view
+        self.ptrs = [p.data_ptr() for p in params]
+
+    def check(self, params: list[torch.nn.Parameter]) -> None:
+        """Adopt the parameters replaced since the last step (``p.data = ...``, a module's
+        ``load_state_dict(..., assign=True)``); in-place writes need nothing."""
+        if [p.data_ptr() for p in params] != self.ptrs:
+            self.adopt(params)
+
+    def take_into(
+        self, out: torch.Tensor, params: list[torch.nn.Parameter], tensors: list[torch.Tensor | None]
+    ) -> torch.Tensor:
+        """Write this rank's shard of the concatenation of ``tensors`` (shaped like
+        ``params``; None reads as zeros) into ``out``; padding is left as it is."""
         hi = self.lo + self.shard_numel
         for p, o, t in zip(params, self.offsets, tensors, strict=True):
             a, b = max(o, self.lo), min(o + p.numel(), hi)
             if a < b:
-                out[a - self.lo : b - self.lo] = t.reshape(-1)[a - o : b - o]
+                if t is None:
+                    out[a - self.lo : b - self.lo].zero_()
+                else:
+                    out[a - self.lo : b - self.lo] = t.reshape(-1)[a - o : b - o]
         return out
 
-    def flat(self, tensors: list[torch.Tensor], n: int) -> torch.Tensor:
-        """The concatenation of ``tensors``, padded with zeros to ``n`` shards."""
-        out = self.shard.new_zeros(n * self.shard_numel)
-        for o, t in zip(self.offsets, tensors, strict=True):
-            out[o : o + t.numel()] = t.reshape(-1)
-        return out
+    def take(self, params: list[torch.nn.Parameter], tensors: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's shard of the concatenation of ``tensors`` (shaped like ``params``), as
+        a new tensor, zero where it covers padding."""
+        return self.take_into(torch.zeros_like(self.shard), params, tensors)
+
+    def grad_source(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        """The bucket's gradients as one flat tensor of ``n`` shards (zeros for the missing
+        ones and the padding): a lone parameter's gradient itself when it needs no padding,
+        else a copy into ``staging``."""
+        if len(params) == 1 and self.numel == self.flat.numel():
+            g = params[0].grad
+            if g is not None and g.is_contiguous() and (g.dtype, g.device) == (self.flat.dtype, self.flat.device):
+                return g.reshape(-1)
+        if self.staging is None:
+            self.staging = torch.zeros_like(self.flat)
+        for p, o in zip(params, self.offsets, strict=True):
+            seg = self.staging[o : o + p.numel()]
+            if p.grad is None:
+                seg.zero_()
+            else:
+                seg.copy_(p.grad.reshape(-1))
+        return self.staging
 
     def pieces(self, params: list[torch.nn.Parameter], full: torch.Tensor) -> list[torch.Tensor]:
         """Views of the full flat buffer ``full`` shaped like each parameter."""
@@ -212,23 +276,21 @@ class ZeroOptimizer(_Reducer, torch.optim.Optimizer):
         with torch.no_grad():
             for b in self._buckets:
                 lay = b.zero
-                # the parameters may have been set since the last step (broadcast, load)
-                lay.shard.copy_(lay.take(b.params, [p.detach() for p in b.params]))
+                lay.check(b.params)
                 if self.stage == 1:
-                    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-                    lay.shard.grad = lay.take(b.params, grads)
-        self.optim.step()
+                    lay.shard.grad = lay.take_into(lay.grad, b.params, [p.grad for p in b.params])
+        self.optim.step()  # updates this rank's shard of every bucket, in the parameters
         handles = [
-            allgather_async(
-                b.zero.shard.detach(), name=f"{self._prefix}.params{b.index}", process_set=self._process_set
-            )
-            for b in self._buckets
+            _allgather_into_async(lay.shard, lay.flat, name=name, process_set=self._process_set)
+            if lay.flat.device.type == "cpu"
+            else allgather_async(lay.shard.detach(), name=name, process_set=self._process_set)
+            for lay, name in ((b.zero, f"{self._prefix}.params{b.index}") for b in self._buckets)
         ]
         with torch.no_grad():
             for b, h in zip(self._buckets, handles, strict=True):
                 full = synchronize(h)
-                for p, piece in zip(b.params, b.zero.pieces(b.params, full), strict=True):
-                    p.copy_(piece)
+                if full is not b.zero.flat:  # gathered elsewhere (CUDA: through host memory)
+                    b.zero.flat.copy_(full)
                 b.zero.shard.grad = None
         return loss
 
@@ -266,13 +328,15 @@ class ZeroOptimizer(_Reducer, torch.optim.Optimizer):
         if self.stage == 1:  # allreduce in place, as DistributedOptimizer
             super()._submit(b)
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        flat = b.zero.flat(grads, self._n)
+        lay = b.zero
+        flat = lay.grad_source(b.params)
         for p in b.params:  # this rank keeps only its shard of the reduced gradient
             p.grad = None
         t, ctx = self._compression.compress(flat)
         b.sent = [(t, ctx, None)]
-        b.handle = reducescatter_async(t, **self._request_args(b))
+        # reduced straight into the shard's gradient buffer where the engine can write it
+        out = lay.grad if ctx is None and t.device.type == "cpu" and t.dtype == lay.grad.dtype else None
+        b.handle = _reducescatter_into_async(t, out, **self._request_args(b))
 
     def _unpack(self, b: _Bucket, result: Any) -> None:
         if self.stage == 1:
