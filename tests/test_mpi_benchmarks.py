@@ -232,6 +232,7 @@ def test_train_throughput_benchmark_measures_every_row():
     assert res["floor_s"] > 0
     text = tt.report([res], "cmd")
     assert "bars: hpcdl <= 1.10 x no comm" in text and "no Horovod row" in text
+    assert "bars: ZeroOptimizer(stage=2) <= 1.10 x no comm" in text
     assert f"allreducing the {res['floor_bytes'] / 1e6:.1f} MB of gradients alone" in text
 
 
