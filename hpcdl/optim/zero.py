@@ -114,8 +114,8 @@ class _Layout:
         self.ptrs = [p.data_ptr() for p in params]
 
     def check(self, params: list[torch.nn.Parameter]) -> None:
-        """Adopt the parameters replaced since the last step (``p.data = ...``, a module's
-        ``load_state_dict(..., assign=True)``); in-place writes need nothing."""
+        """Adopt the parameters whose tensors were replaced since the last step
+        (``p.data = ...``); in-place writes need nothing."""
         if [p.data_ptr() for p in params] != self.ptrs:
             self.adopt(params)
 
