@@ -551,28 +551,26 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: 
 
 
 def _allgather_into_async(shard: torch.Tensor, out: torch.Tensor, name: str, process_set: ProcessSet) -> int:
-    """Gather every rank's ``shard`` into ``out`` in rank order, where ``shard`` is this rank's
-    block of ``out`` already (hpcdl's own: ZeroOptimizer's flat parameters). Both are
-    contiguous CPU tensors and every rank's block has the same size."""
+    """Gather every rank's ``shard`` into the flat ``out`` in rank order, where ``shard`` is
+    this rank's block of ``out`` already (hpcdl's own: ZeroOptimizer's flat parameters; every
+    rank's block has the same size). On the CPU the engine gathers into ``out`` itself; a
+    CUDA ``out`` gets the result copied back. A bad ``shard`` is an error on every rank."""
     st = _rt()
-    sid = _set_id(process_set)
     n, me = len(process_set.ranks), process_set.rank()
     k = shard.numel()
-    if not (shard.is_contiguous() and out.is_contiguous() and shard.device.type == out.device.type == "cpu"):
-        raise HpcdlError("_allgather_into_async takes contiguous CPU tensors")
-    if out.dim() != 1 or out.numel() != n * k or shard.data_ptr() != out[me * k : (me + 1) * k].data_ptr():
-        raise HpcdlError("_allgather_into_async: shard must be this rank's block of out")
-    req = Request(
-        _name(st, "allgather", sid, name),
-        "allgather",
-        sid,
-        (_dtype_name(shard), ()),
-        var=k,
-        error=_check(shard, "allgather", _MOVABLE),
-        x=_np(shard),
-        out=_np(out),
-    )
-    return _handle(st, [req], lambda _: out)
+    reqs, conv = _allgather_reqs(st, [shard], name, _set_id(process_set), "allgather")
+    req = reqs[0]
+    if (
+        out.dim() != 1
+        or not out.is_contiguous()
+        or out.numel() != n * k
+        or (shard.data_ptr() != out[me * k : (me + 1) * k].data_ptr())
+    ):
+        req.error = req.error or "the gathered shard must be this rank's block of the flat output"
+    if req.error is None and out.device.type == "cpu":
+        req.out = _np(out)
+        return _handle(st, reqs, lambda _: out)
+    return _handle(st, reqs, lambda res: out.copy_(conv(res)[0]))
 
 
 def grouped_allgather_async(
@@ -794,20 +792,20 @@ def _reducescatter_reqs(st, tensors, name, op, pre, post, sid, n, me, what, give
     return reqs, outs
 
 
-def _rs_async(tensors, name, op, pre, post, process_set, single):
+def _rs_async(tensors, name, op, pre, post, process_set, single, given=None):
     st = _rt()
     op = _op_of(op, None)
     sid = _set_id(process_set)
     n = len(process_set.ranks)
     me = process_set.rank()
     tensors = list(tensors)
-    reqs, outs = _reducescatter_reqs(st, tensors, name, op, pre, post, sid, n, me, "reducescatter")
+    reqs, outs = _reducescatter_reqs(st, tensors, name, op, pre, post, sid, n, me, "reducescatter", given)
     return _handle(st, reqs, _post_outs(outs, [], single, [t.device for t in tensors]))
 
 
 def _reducescatter_into_async(
     tensor: torch.Tensor,
-    out: torch.Tensor | None,
+    out: torch.Tensor,
     name: str,
     op: ReduceOp,
     process_set: ProcessSet,
@@ -815,20 +813,19 @@ def _reducescatter_into_async(
     postscale_factor: float,
 ) -> int:
     """:func:`reducescatter_async` of a 1-D ``tensor`` into ``out`` (hpcdl's own: the caller's
-    persistent CPU buffer of this rank's block), or into a new tensor when ``out`` is None."""
-    if out is None:
-        return reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor)
-    st = _rt()
-    op = _op_of(op, None)
+    persistent buffer for this rank's block) where the engine can write the result there:
+    a CPU ``tensor`` and a contiguous CPU ``out`` of its dtype and this rank's block size.
+    Otherwise (a CUDA or compressed ``tensor``) into a new tensor, as reducescatter_async."""
     n, me = len(process_set.ranks), process_set.rank()
-    if not (out.is_contiguous() and out.device.type == "cpu" and out.dtype == tensor.dtype):
-        raise HpcdlError("_reducescatter_into_async: out must be a contiguous CPU tensor of the input's dtype")
-    if tensor.dim() != 1 or out.shape != (block_counts(tensor.shape[0], n)[me],):
-        raise HpcdlError(f"_reducescatter_into_async: out of shape {tuple(out.shape)} is not this rank's block")
-    reqs, outs = _reducescatter_reqs(
-        st, [tensor], name, op, prescale_factor, postscale_factor, _set_id(process_set), n, me, "reducescatter", out
+    fits = (
+        tensor.dim() == 1
+        and tensor.device.type == out.device.type == "cpu"
+        and out.dtype == tensor.dtype
+        and out.is_contiguous()
+        and out.shape == (block_counts(tensor.shape[0], n)[me],)
     )
-    return _handle(st, reqs, _post_outs(outs, [], True, [tensor.device]))
+    given = out if fits else None
+    return _rs_async([tensor], name, op, prescale_factor, postscale_factor, process_set, True, given)
 
 
 def reducescatter_async(

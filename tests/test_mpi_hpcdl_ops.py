@@ -522,3 +522,23 @@ def test_join_with_a_broadcast_on_a_process_set():
             hvd.broadcast(x, 1, process_set=s)
     assert hvd.join() == 2
     hvd.remove_process_set(s)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allgather_into_a_flat_buffer_and_its_bad_shard_on_one_rank():
+    """hpcdl's own in-place allgather (ZeroOptimizer's parameters) fills the other ranks'
+    blocks; a shard that is not this rank's block, on rank 1 only, raises on every rank."""
+    from hpcdl.ops import _allgather_into_async
+
+    n, r = hvd.size(), hvd.rank()
+    flat = torch.full((3 * n,), -1.0)
+    flat[3 * r : 3 * r + 3] = torch.arange(3.0) + 10 * r
+    assert (
+        hvd.synchronize(_allgather_into_async(flat[3 * r : 3 * r + 3], flat, "into.ok", hvd.global_process_set)) is flat
+    )
+    assert torch.equal(flat, torch.cat([torch.arange(3.0) + 10 * q for q in range(n)]))
+    k = 0 if r == 1 else 3 * r  # rank 1 hands in rank 0's block
+    with pytest.raises(
+        hvd.HpcdlError, match=r"rank 1: the gathered shard must be this rank's block of the flat output"
+    ):
+        hvd.synchronize(_allgather_into_async(flat[k : k + 3], flat, "into.bad", hvd.global_process_set))

@@ -52,7 +52,6 @@ from ..ops import (
     Sum,
     _allgather_into_async,
     _reducescatter_into_async,
-    allgather_async,
     allreduce,
     grouped_allgather_async,
     synchronize,
@@ -281,17 +280,12 @@ class ZeroOptimizer(_Reducer, torch.optim.Optimizer):
                     lay.shard.grad = lay.take_into(lay.grad, b.params, [p.grad for p in b.params])
         self.optim.step()  # updates this rank's shard of every bucket, in the parameters
         handles = [
-            _allgather_into_async(lay.shard, lay.flat, name=name, process_set=self._process_set)
-            if lay.flat.device.type == "cpu"
-            else allgather_async(lay.shard.detach(), name=name, process_set=self._process_set)
-            for lay, name in ((b.zero, f"{self._prefix}.params{b.index}") for b in self._buckets)
+            _allgather_into_async(b.zero.shard, b.zero.flat, f"{self._prefix}.params{b.index}", self._process_set)
+            for b in self._buckets
         ]
-        with torch.no_grad():
-            for b, h in zip(self._buckets, handles, strict=True):
-                full = synchronize(h)
-                if full is not b.zero.flat:  # gathered elsewhere (CUDA: through host memory)
-                    b.zero.flat.copy_(full)
-                b.zero.shard.grad = None
+        for b, h in zip(self._buckets, handles, strict=True):
+            synchronize(h)
+            b.zero.shard.grad = None
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -335,8 +329,7 @@ class ZeroOptimizer(_Reducer, torch.optim.Optimizer):
         t, ctx = self._compression.compress(flat)
         b.sent = [(t, ctx, None)]
         # reduced straight into the shard's gradient buffer where the engine can write it
-        out = lay.grad if ctx is None and t.device.type == "cpu" and t.dtype == lay.grad.dtype else None
-        b.handle = _reducescatter_into_async(t, out, **self._request_args(b))
+        b.handle = _reducescatter_into_async(t, lay.grad, **self._request_args(b))
 
     def _unpack(self, b: _Bucket, result: Any) -> None:
         if self.stage == 1:
