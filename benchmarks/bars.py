@@ -137,8 +137,8 @@ def table(bench: str, rows: list[dict[str, Any]], names: list[str], copy_bw: flo
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--min", default="4")
-    p.add_argument("--max", default="64M")
+    p.add_argument("--min", type=parse_size, default="4")
+    p.add_argument("--max", type=parse_size, default="64M")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--collectives", default=",".join(BARS))
     p.add_argument("--no-gloo", action="store_true", help="leave torch.distributed out")
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     comm = MPI.COMM_WORLD
     comm.Barrier()
     copy_bw = comm.bcast(osu.copy_bandwidth() if comm.rank == 0 else None, root=0)
-    sizes = _sizes(parse_size(args.min), parse_size(args.max))
+    sizes = _sizes(args.min, args.max)
     record: dict[str, Any] = {"ranks": comm.size, "copy_bandwidth": copy_bw, "machine": osu.machine(), "bars": {}}
     report = [f"# copy bandwidth (one numpy copy of 64 MiB, rank 0): {copy_bw / 1e9:.2f} GB/s"]
     for bench in args.collectives.split(","):

@@ -103,10 +103,13 @@ def parse_args(bench: str, argv: list[str] | None = None) -> argparse.Namespace:
     lo, hi = 1, (1 << 22 if pt2pt else 1 << 20)
     if args.message_size:
         parts = args.message_size.split(":")
-        if len(parts) == 2:
-            lo, hi = parse_size(parts[0]) if parts[0] else lo, parse_size(parts[1])
-        else:
-            hi = parse_size(parts[0])
+        try:
+            if len(parts) == 2:
+                lo, hi = parse_size(parts[0]) if parts[0] else lo, parse_size(parts[1])
+            else:
+                hi = parse_size(parts[0])
+        except argparse.ArgumentTypeError as exc:
+            p.error(f"-m {args.message_size}: {exc}")
     if lo < 1 or hi < lo:
         p.error(f"-m {args.message_size}: need 1 <= min <= max")
     args.min_size, args.max_size = lo, hi

@@ -69,12 +69,12 @@ def profile(collective: str, size: int, calls: int, algorithm: str, top: int, co
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--collective", default="allreduce", choices=list(BENCH))
-    p.add_argument("--size", default="16M", help="OSU size in bytes (4, 64K, 16M)")
+    p.add_argument("--size", type=parse_size, default="16M", help="OSU size in bytes (4, 64K, 16M)")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("-a", "--algorithm", default="auto")
     p.add_argument("--top", type=int, default=14, help="functions listed")
     args = p.parse_args(argv)
-    text = profile(args.collective, parse_size(args.size), args.calls, args.algorithm, args.top, MPI.COMM_WORLD)
+    text = profile(args.collective, args.size, args.calls, args.algorithm, args.top, MPI.COMM_WORLD)
     if text:
         print(text, flush=True)
 

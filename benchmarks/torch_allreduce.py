@@ -31,7 +31,7 @@ from mpi4py import MPI
 
 import hpcdl as hvd
 from benchmarks.osu import gloo_init
-from collectives.cli import parse_size, run_main
+from collectives.cli import parse_sizes, run_main
 
 CONTENDERS = ("hpcdl", "hpcdl unnamed", "hpcdl allreduce_", "gloo")
 
@@ -120,7 +120,9 @@ def report(rows: list[dict[str, Any]], ranks: int, device: str = "cpu") -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", default="4,1K,1M,16M", help="comma-separated byte sizes (K, M suffixes)")
+    p.add_argument(
+        "--sizes", type=parse_sizes, default="4,1K,1M,16M", help="comma-separated byte sizes (K, M suffixes)"
+    )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=None, help="calls per round (default: by size)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the tensors live")
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--device cuda: torch sees no CUDA device here")
     torch.set_num_threads(1)
     hvd.init()
-    rows = measure([parse_size(s) for s in a.sizes.split(",")], a.rounds, a.iters, a.device)
+    rows = measure(a.sizes, a.rounds, a.iters, a.device)
     if hvd.rank() == 0:
         print(report(rows, hvd.size(), a.device), flush=True)
         if a.json:

@@ -2,42 +2,63 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["run_main", "parse_size"]
+__all__ = ["run_main", "parse_size", "parse_sizes"]
+
+_MULT = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 def parse_size(text: str) -> int:
-    """Parse a byte count for a command line: ``4``, ``64K``, ``16M``, ``1G``."""
-    text = text.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(text[:-1]) * mult[text[-1]] if text and text[-1] in mult else int(text)
+    """Parse a byte count for a command line: ``4``, ``64K``, ``16M``, ``1G``.
+
+    Raises ``argparse.ArgumentTypeError`` naming the text otherwise, so it serves as an
+    argparse ``type=`` (the parser then reports it as a usage error)."""
+    t = text.strip().upper()
+    digits, mult = (t[:-1], _MULT[t[-1]]) if t and t[-1] in _MULT else (t, 1)
+    if not digits.isdigit():
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: give a byte count such as 4, 64K, 16M or 1G")
+    return int(digits) * mult
+
+
+def parse_sizes(text: str) -> list[int]:
+    """Parse a comma-separated list of byte counts (``4,1K,1M``): an argparse ``type=``."""
+    return [parse_size(s) for s in text.split(",")]
 
 
 def run_main(main: Callable[[], Any]) -> Any:
     """Run ``main()``; on any uncaught exception print it and abort the whole MPI job.
 
-    Without this, one rank dying leaves the others waiting forever inside a collective.
+    Without this, one rank dying leaves the others waiting forever inside a collective
+    (MPICH's ``mpiexec`` does not end the job when one rank merely exits non-zero). A
+    non-zero ``SystemExit`` (argparse's usage error, exit status 2) has already said why,
+    so it ends the job with its status and no traceback.
     """
     try:
         return main()
     except SystemExit as exc:
         if exc.code in (0, None):
             raise
-        _abort(exc, int(exc.code) if isinstance(exc.code, int) else 1)
+        if not isinstance(exc.code, int):  # sys.exit("message"): the message, status 1
+            print(exc.code, file=sys.stderr)
+        _abort(None, exc.code if isinstance(exc.code, int) else 1)
     except BaseException as exc:  # noqa: BLE001 - every failure must end the job
         _abort(exc, 1)
 
 
-def _abort(exc: BaseException, code: int) -> None:
+def _abort(exc: BaseException | None, code: int) -> None:
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
     sys.stdout.flush()
-    print(f"[rank {rank}] aborting the job after an uncaught exception:", file=sys.stderr)
-    traceback.print_exception(exc, file=sys.stderr)
+    if exc is None:
+        print(f"[rank {rank}] exited with status {code}: ending the job", file=sys.stderr)
+    else:
+        print(f"[rank {rank}] aborting the job after an uncaught exception:", file=sys.stderr)
+        traceback.print_exception(exc, file=sys.stderr)
     sys.stderr.flush()
     MPI.COMM_WORLD.Abort(code)

@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m collectives.tune", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="tuning table to write (rank 0)")
     p.add_argument("--merge", help="existing table whose other entries are kept")
-    p.add_argument("--min", default="4", help="smallest message in bytes (K/M suffixes)")
-    p.add_argument("--max", default="64M", help="largest message in bytes")
+    p.add_argument("--min", type=parse_size, default="4", help="smallest message in bytes (K/M suffixes)")
+    p.add_argument("--max", type=parse_size, default="64M", help="largest message in bytes")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size")
     p.add_argument("--collectives", default=",".join(_API), help="comma-separated subset")
     p.add_argument("--machine", default="", help="a line describing the machine, for the record")
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     comm = MPI.COMM_WORLD
     ctx = get_context(comm)
     nodes = ctx.layout().nodes
-    lo, hi = parse_size(args.min), parse_size(args.max)
+    lo, hi = args.min, args.max
     sizes, s = [], lo
     while s < hi:
         sizes.append(s)

@@ -176,6 +176,34 @@ def test_uncaught_exception_on_one_rank_aborts_the_whole_job(tmp_path):
     assert "rank one gives up" in proc.stderr and "Traceback" in proc.stderr
 
 
+def test_parse_size_reads_suffixes_and_names_bad_text():
+    import argparse
+
+    from collectives.cli import parse_size, parse_sizes
+
+    assert [parse_size(t) for t in ("4", " 64k ", "16M", "1G")] == [4, 64 << 10, 16 << 20, 1 << 30]
+    assert parse_sizes("4,1K,1M") == [4, 1024, 1 << 20]
+    for bad in ("4Q", "", "M", "-4", "1.5M", "4KK"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"bad size {bad!r}"):
+            parse_size(bad)
+
+
+def test_a_bad_size_on_the_command_line_is_a_usage_error_on_every_rank_without_a_traceback():
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [mpiexec, "-n", "2", sys.executable, "-m", "benchmarks.torch_allreduce", "--sizes", "4,1Q"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "torch_allreduce.py: error: argument --sizes: bad size '1Q'" in proc.stderr
+    assert "exited with status 2: ending the job" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_torch_allreduce_benchmark_refuses_cuda_without_a_gpu_and_ends_the_job():
     import torch
 
