@@ -188,16 +188,16 @@ def test_parse_size_reads_suffixes_and_names_bad_text():
             parse_size(bad)
 
 
-def test_a_bad_size_on_the_command_line_is_a_usage_error_on_every_rank_without_a_traceback():
+def _torch_allreduce_job(*args: str) -> subprocess.CompletedProcess:
+    """``mpiexec -n 2 python -m benchmarks.torch_allreduce ARGS`` from the repository root."""
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(
-        [mpiexec, "-n", "2", sys.executable, "-m", "benchmarks.torch_allreduce", "--sizes", "4,1Q"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=root,
-    )
+    cmd = [mpiexec, "-n", "2", sys.executable, "-m", "benchmarks.torch_allreduce", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=root)
+
+
+def test_a_bad_size_on_the_command_line_is_a_usage_error_on_every_rank_without_a_traceback():
+    proc = _torch_allreduce_job("--sizes", "4,1Q")
     assert proc.returncode == 2, proc.stderr
     assert "torch_allreduce.py: error: argument --sizes: bad size '1Q'" in proc.stderr
     assert "exited with status 2: ending the job" in proc.stderr
@@ -209,15 +209,7 @@ def test_torch_allreduce_benchmark_refuses_cuda_without_a_gpu_and_ends_the_job()
 
     if torch.cuda.is_available():
         pytest.skip("torch sees a CUDA device here")
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(
-        [mpiexec, "-n", "2", sys.executable, "-m", "benchmarks.torch_allreduce", "--device", "cuda"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=root,
-    )
+    proc = _torch_allreduce_job("--device", "cuda")
     # every rank fails the same check before any MPI call; run_main aborts the job on the
     # first, which may stop the other before it prints
     assert proc.returncode == 2, proc.stderr
