@@ -32,6 +32,7 @@ from mpi4py import MPI
 import hpcdl as hvd
 from benchmarks.osu import gloo_init
 from collectives.cli import parse_sizes, run_main
+from hpcdl.train.launch import pick_device
 
 CONTENDERS = ("hpcdl", "hpcdl unnamed", "hpcdl allreduce_", "gloo")
 
@@ -44,10 +45,7 @@ def measure(sizes: list[int], rounds: int, iters: int | None = None, device: str
     """Per size: the median microseconds per call of every contender (collective)."""
     world = MPI.COMM_WORLD
     dist = gloo_init(world)
-    dev = torch.device(device)
-    if device == "cuda":
-        dev = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
-        torch.cuda.set_device(dev)
+    dev = pick_device(device, hvd.local_rank())  # GPU local rank % GPUs, as the training job
 
     def settle() -> None:
         if dev.type == "cuda":

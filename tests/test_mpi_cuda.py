@@ -21,6 +21,7 @@ from test_mpi_train import run_dir  # noqa: F401 - a fixture: a directory every 
 import hpcdl as hvd
 from hpcdl.train import TrainConfig, run
 from hpcdl.train import checkpoint as ckpt
+from hpcdl.train.launch import pick_device
 
 pytestmark = [
     pytest.mark.mpi(min_size=1),
@@ -38,9 +39,7 @@ def _runtime():
 @pytest.fixture()
 def dev():
     hvd.init()
-    d = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
-    torch.cuda.set_device(d)
-    return d
+    return pick_device("cuda", hvd.local_rank())
 
 
 def on(d: torch.device, t: torch.Tensor) -> torch.Tensor:
