@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,10 @@ __all__ = [
     "iallgather",
     "ibroadcast",
     "Request",
+    "allreduce_agreed",
+    "reduce_scatter_agreed",
+    "allgather_agreed",
+    "broadcast_agreed",
 ]
 
 _COLLECTIVES = tuple(REGISTRY)
@@ -80,9 +85,20 @@ class _Call:
     """One call's arguments, checked; the first local error is kept, not raised yet."""
 
     def __init__(
-        self, ctx: Context, collective: str, x: Any, algorithm: str, op: str | None = None, root: int | None = None
+        self,
+        ctx: Context,
+        collective: str,
+        x: Any,
+        algorithm: str,
+        op: str | None = None,
+        root: int | None = None,
+        agreed: list[int] | None = None,
     ) -> None:
         self.ctx = ctx
+        self.agreed = agreed
+        """Every rank's ``count``, when the caller agreed the arguments already (see
+        :mod:`.agreed`): then only a call finished in one step through the node channel
+        posts its signature, since its data travels with it."""
         self.t = ctx.transport
         self.collective = collective
         self.error: CollectiveError | None = None
@@ -135,18 +151,22 @@ class _Call:
             0 if self.error is None else 1,
         ]
 
-    def agree(self, count: int, item_shape: tuple[int, ...] = (), payload: np.ndarray | None = None) -> None:
+    def agree(
+        self, count: int, item_shape: tuple[int, ...] = (), payload: np.ndarray | None = None, one_step: bool = False
+    ) -> None:
         """Check arguments on every rank; raise the same way everywhere on any problem.
 
         On a single-node communicator the signature (and ``payload``, a small message's
         data, when given) goes through the node channel; elsewhere through a nonblocking
-        all-gather. Afterwards :meth:`counts` gives every rank's ``count``.
+        all-gather. Afterwards :meth:`counts` gives every rank's ``count``. ``one_step``
+        (or a ``payload``) says the call finishes in one step through the node channel;
+        an agreed call posts only then.
         """
         t = self.t
-        if t.size == 1:
+        if t.size == 1 or (self.agreed is not None and not (one_step or payload is not None)):
             if self.error is not None:
                 raise self.error
-            self._counts = [count]
+            self._counts = [count] if t.size == 1 else self.agreed
             return
         sig = self.signature(count, item_shape)
         ch = self.ctx.chan
@@ -212,6 +232,11 @@ class _Call:
             raise self.error
         bad = "; ".join(f"rank {r}: {m}" for r, m in enumerate(msgs) if m is not None)
         raise PeerInputError(f"{self.collective} abandoned because of bad input on other ranks ({bad})")
+
+
+def _counts_of(ctx: Context, x: Any) -> list[int]:
+    """Every rank's count in an agreed call whose counts are equal (this rank's, n times)."""
+    return [int(np.size(x))] * ctx.transport.size
 
 
 def _once(req):
@@ -418,9 +443,9 @@ def _aliases(a: np.ndarray, b: np.ndarray) -> bool:
     )
 
 
-def _allreduce(x, op, algorithm, out, comm, blocking):
+def _allreduce(x, op, algorithm, out, comm, blocking, agreed=False):
     ctx = get_context(comm)
-    call = _Call(ctx, "allreduce", x, algorithm, op)
+    call = _Call(ctx, "allreduce", x, algorithm, op, agreed=_counts_of(ctx, x) if agreed else None)
     x = call.x
     _check_out(call, out, x.shape)
     call.resolve(x.nbytes)
@@ -490,9 +515,9 @@ def iallreduce(
 
 
 # -- reduce_scatter ----------------------------------------------------------------------
-def _reduce_scatter(x, op, algorithm, out, comm, blocking):
+def _reduce_scatter(x, op, algorithm, out, comm, blocking, agreed=False):
     ctx = get_context(comm)
-    call = _Call(ctx, "reduce_scatter", x, algorithm, op)
+    call = _Call(ctx, "reduce_scatter", x, algorithm, op, agreed=_counts_of(ctx, x) if agreed else None)
     x = call.x
     t = ctx.transport
     n, r = t.size, t.rank
@@ -564,9 +589,9 @@ _ROWS = 1 << 31
 ``out``), so every rank can check every rank's ``out`` against the agreed total."""
 
 
-def _allgather(x, algorithm, out, comm, blocking, posted=False):
+def _allgather(x, algorithm, out, comm, blocking, posted=False, rows=None):
     ctx = get_context(comm)
-    call = _Call(ctx, "allgather", x, algorithm)
+    call = _Call(ctx, "allgather", x, algorithm, agreed=None if rows is None else [int(r) for r in rows])
     x = call.x
     if call.error is None and x.ndim == 0:
         call.fail(InvalidArgumentError("allgather: x must have at least one dimension to concatenate along"))
@@ -593,6 +618,8 @@ def _allgather(x, algorithm, out, comm, blocking, posted=False):
     words = call.counts()
     all_rows = [w % _ROWS for w in words]
     total = sum(all_rows)
+    if call.agreed is not None and out is not None and out.shape[0] != total:
+        raise OutputMismatchError(f"allgather: out must have {total} rows (the sum over ranks), not {out.shape[0]}")
     bad = {q: w // _ROWS - 1 for q, w in enumerate(words) if w >= _ROWS and w // _ROWS - 1 != total}
     if bad:
         raise OutputMismatchError(
@@ -650,15 +677,15 @@ def iallgather(x: np.ndarray, *, algorithm: str = "auto", out: np.ndarray | None
 
 
 # -- broadcast ---------------------------------------------------------------------------
-def _broadcast(x, root, algorithm, out, comm, blocking):
+def _broadcast(x, root, algorithm, out, comm, blocking, agreed=False):
     ctx = get_context(comm)
-    call = _Call(ctx, "broadcast", x, algorithm, root=root)
+    call = _Call(ctx, "broadcast", x, algorithm, root=root, agreed=_counts_of(ctx, x) if agreed else None)
     x = call.x
     _check_out(call, out, x.shape)
     call.resolve(x.nbytes)
     small = call.small(x.nbytes)
     is_root = ctx.transport.rank == root
-    call.agree(x.size, payload=np.ascontiguousarray(x) if small and is_root else None)
+    call.agree(x.size, payload=np.ascontiguousarray(x) if small and is_root else None, one_step=small)
     if out is None:
         out = np.empty(x.shape, x.dtype)
     if out is not x and is_root:
@@ -701,6 +728,52 @@ def ibroadcast(
 ) -> Request:
     """Start :func:`broadcast`; ``wait()`` on the returned request gives the result."""
     return _broadcast(x, root, algorithm, out, comm, False)
+
+
+# -- calls whose arguments the caller agreed already (collectives.agreed) ---------------
+def allreduce_agreed(x: np.ndarray, *, op: str = "sum", out: np.ndarray | None = None, comm: Any = None) -> np.ndarray:
+    """:func:`collectives.allreduce` with ``algorithm="auto"``, without the signature exchange
+    (see :mod:`collectives.agreed`)."""
+    if type(x) is np.ndarray:
+        res = _fast(comm, ("allreduce", x.dtype, x.shape, op, "auto"), x, out)
+        if res is not _SLOW:
+            return res
+    return _allreduce(x, op, "auto", out, comm, True, agreed=True)
+
+
+def reduce_scatter_agreed(
+    x: np.ndarray, *, op: str = "sum", out: np.ndarray | None = None, comm: Any = None
+) -> np.ndarray:
+    """:func:`collectives.reduce_scatter` with ``algorithm="auto"``, without the signature exchange
+    (see :mod:`collectives.agreed`)."""
+    if type(x) is np.ndarray:
+        res = _fast(comm, ("reduce_scatter", x.dtype, x.shape, op, "auto"), x, out)
+        if res is not _SLOW:
+            return res
+    return _reduce_scatter(x, op, "auto", out, comm, True, agreed=True)
+
+
+def broadcast_agreed(x: np.ndarray, root: int = 0, *, out: np.ndarray | None = None, comm: Any = None) -> np.ndarray:
+    """:func:`collectives.broadcast` with ``algorithm="auto"``, without the signature exchange
+    (see :mod:`collectives.agreed`)."""
+    if type(x) is np.ndarray:
+        res = _fast(comm, ("broadcast", x.dtype, x.shape, root, "auto"), x, out)
+        if res is not _SLOW:
+            return res
+    return _broadcast(x, root, "auto", out, comm, True, agreed=True)
+
+
+def allgather_agreed(
+    x: np.ndarray, rows: Sequence[int], *, out: np.ndarray | None = None, comm: Any = None
+) -> np.ndarray:
+    """:func:`collectives.allgather` with ``algorithm="auto"``, given every rank's rows
+    (``rows[r]``: the first dimension of rank r's ``x``), without the signature exchange
+    (see :mod:`collectives.agreed`)."""
+    if type(x) is np.ndarray:
+        res = _fast(comm, ("allgather", x.dtype, x.shape, None, "auto"), x, out)
+        if res is not _SLOW:
+            return res
+    return _allgather(x, "auto", out, comm, True, rows=rows)
 
 
 # -- reduce ------------------------------------------------------------------------------
