@@ -56,7 +56,7 @@ import collectives
 import hpcdl as hvd
 from benchmarks.osu import gloo_init
 from collectives.cli import run_main
-from hpcdl.basics import _st
+from hpcdl import state
 
 BATCH = 64
 WARMUP = 3
@@ -184,8 +184,7 @@ def hidden_share(trace: dict[str, Any], backward: list[list[tuple[float, float]]
 
 def _engine_cpu() -> float:
     """CPU seconds hpcdl's engine thread has used so far (its thread CPU clock)."""
-    thread = _st().engine.thread
-    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    return state.current().engine.thread_cpu_seconds()
 
 
 def allreduce_floor(make: Callable[[], torch.nn.Module], reps: int = 20) -> tuple[float, float]:

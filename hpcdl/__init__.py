@@ -16,8 +16,6 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0+unknown"
 
 from .basics import (
-    HorovodInternalError,
-    HpcdlError,
     cross_rank,
     cross_size,
     cuda_built,
@@ -37,6 +35,7 @@ from .basics import (
 )
 from .compression import Compression
 from .config import Config
+from .errors import HorovodInternalError, HpcdlError
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .ops import (
     Adasum,

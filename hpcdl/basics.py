@@ -10,13 +10,19 @@ the same local rank (the node's index when every node has the same number of ran
 from __future__ import annotations
 
 import atexit
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 from mpi4py import MPI
 
-from collectives.context import get_context
+from collectives import agreed as collectives_agreed
+
+from . import state
+from .config import AGREED, Config, load_config
+from .engine import Engine
+from .errors import HorovodInternalError, HpcdlError
+from .process_sets import add_process_set
+from .state import Runtime
 
 __all__ = [
     "HpcdlError",
@@ -40,46 +46,6 @@ __all__ = [
 ]
 
 
-class HpcdlError(RuntimeError):
-    """An error of the hpcdl runtime, raised on every rank it concerns."""
-
-
-HorovodInternalError = HpcdlError
-"""Horovod's name for the same error, so ``except hvd.HorovodInternalError`` keeps working."""
-
-
-class _State:
-    """The initialized runtime: its communicator, this rank's place in the job, the engine
-    and what the torch layer keeps per process (handles, counters of unnamed requests)."""
-
-    def __init__(self, comm: MPI.Comm, owned: bool) -> None:
-        self.comm = comm
-        self.owned = owned  # created by init (a list of ranks): freed by shutdown
-        ctx = get_context(comm)
-        lay = ctx.layout()
-        self.rank, self.size = comm.rank, comm.size
-        self.local_rank, self.local_size = lay.node.rank, lay.node.size
-        self.cross_rank, self.cross_size = lay.cross.rank, lay.cross.size
-        self.homogeneous = lay.homogeneous
-        self.engine: Any = None
-        self.handles: dict[int, Any] = {}
-        self.next_handle = 1
-        self.counters: dict[tuple[str, int], int] = {}
-        self.process_sets: list[Any] = []  # registered ProcessSet objects (ids reset at shutdown)
-
-
-_state: _State | None = None
-_AGREED = (
-    "fusion_threshold",
-    "cache_capacity",
-    "stall_check_disable",
-    "stall_check_time_seconds",
-    "stall_shutdown_time_seconds",
-)
-"""Config fields that steer decisions every rank's engine must make alike."""
-_lock = threading.Lock()
-
-
 def init(
     comm: MPI.Comm | Sequence[int] | None = None, process_sets: Sequence[Any] | None = None, *, config: Any = None
 ) -> None:
@@ -98,17 +64,14 @@ def init(
         process_sets: :class:`~hpcdl.ProcessSet` objects (or rank lists) to register now.
         config: a :class:`hpcdl.Config`; by default read from the ``HPCDL_*`` environment.
     """
-    global _state
-    with _lock:
-        if _state is not None:
+    with state.LOCK:
+        if state.peek() is not None:
             return
         listed = comm is not None and not isinstance(comm, MPI.Comm)
         base = comm if isinstance(comm, MPI.Comm) else MPI.COMM_WORLD
         if base == MPI.COMM_NULL:
             raise HpcdlError("init(comm=MPI.COMM_NULL): this process is not part of the communicator")
         problem, ranks = None, None
-        from .config import Config, load_config
-
         try:
             if config is None:
                 config = load_config()
@@ -128,7 +91,11 @@ def init(
                 problem = str(exc)
         agreed = None
         if problem is None:
-            agreed = {f: getattr(config, f) for f in _AGREED}
+            agreed = {f: getattr(config, f) for f in AGREED}
+            try:  # the engine's collectives skip their own agreement: their configuration must match
+                agreed["collectives"] = collectives_agreed.fingerprint()
+            except Exception as exc:  # a bad HPCDL_* value of the collectives layer
+                problem = str(exc)
         sets = None
         if problem is None and process_sets:
             try:
@@ -145,13 +112,19 @@ def init(
         differ = [r for r, (_, _, other, _) in enumerate(said) if other != said[0][2]]
         if differ:
             raise HpcdlError(f"init(process_sets=...): ranks {differ} passed different process sets than rank 0")
-        for f in _AGREED:
+        for f in AGREED:
             values = {r: a[f] for r, (_, _, _, a) in enumerate(said)}
             if len(set(values.values())) > 1:
                 raise HpcdlError(
                     f"init: every rank needs the same {f} (HPCDL_{f.upper()}); got "
                     + ", ".join(f"{v!r} on rank {r}" for r, v in values.items())
                 )
+        differ = [r for r, (_, _, _, a) in enumerate(said) if a["collectives"] != said[0][3]["collectives"]]
+        if differ:
+            raise HpcdlError(
+                f"init: ranks {differ} configure the collectives layer differently from rank 0 (HPCDL_* "
+                "variables such as HPCDL_TUNING_FILE or HPCDL_SHM_SMALL_BYTES, or the tuning file itself)"
+            )
         comm, owned = base, False
         if listed:
             if base.rank not in ranks:
@@ -161,14 +134,10 @@ def init(
             comm, owned = base.Create_group(group), True
             group.Free()
             whole.Free()
-        from .engine import Engine
-
-        st = _State(comm, owned)
-        st.engine = Engine(comm, config)
-        _state = st
+        rt = Runtime(comm, owned, config)
+        rt.engine = Engine(comm, config)
+        state.install(rt)
     if process_sets:
-        from .process_sets import add_process_set
-
         for ps in process_sets:
             add_process_set(ps)
 
@@ -187,9 +156,8 @@ def _rank_list(ranks: Any) -> list[int]:
 def shutdown() -> None:
     """Stop the runtime (init may be called again afterwards). Requests still pending on any
     rank fail with :class:`HpcdlError`; a timeline being recorded is written."""
-    global _state
-    with _lock:
-        st, _state = _state, None
+    with state.LOCK:
+        st = state.take()
     if st is None or MPI.Is_finalized():
         return
     if st.engine is not None:
@@ -205,49 +173,42 @@ atexit.register(shutdown)
 
 def is_initialized() -> bool:
     """True between :func:`init` and :func:`shutdown`."""
-    return _state is not None
-
-
-def _st() -> _State:
-    st = _state
-    if st is None:
-        raise ValueError("hpcdl has not been initialized; use hpcdl.init().")
-    return st
+    return state.peek() is not None
 
 
 def size() -> int:
     """Number of ranks in the job."""
-    return _st().size
+    return state.current().size
 
 
 def rank() -> int:
     """This process's rank in the job, ``0 .. size() - 1``."""
-    return _st().rank
+    return state.current().rank
 
 
 def local_size() -> int:
     """Number of ranks on this node."""
-    return _st().local_size
+    return state.current().local_size
 
 
 def local_rank() -> int:
     """This process's rank within its node."""
-    return _st().local_rank
+    return state.current().local_rank
 
 
 def cross_size() -> int:
     """Number of ranks with this rank's local rank (the number of nodes, when homogeneous)."""
-    return _st().cross_size
+    return state.current().cross_size
 
 
 def cross_rank() -> int:
     """This process's rank among the ranks with its local rank (its node's index, when homogeneous)."""
-    return _st().cross_rank
+    return state.current().cross_rank
 
 
 def is_homogeneous() -> bool:
     """True when every node runs the same number of ranks."""
-    return _st().homogeneous
+    return state.current().homogeneous
 
 
 def mpi_threads_supported() -> bool:

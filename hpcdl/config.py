@@ -13,9 +13,9 @@ from collections.abc import Mapping
 
 from collectives.config import PREFIX, check_unknown, env_values, register_env_names
 
-from .basics import HpcdlError
+from .errors import HpcdlError
 
-__all__ = ["Config", "load_config"]
+__all__ = ["Config", "load_config", "AGREED"]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -24,6 +24,19 @@ class Config:
 
     fusion_threshold: int = 128 << 20
     """Bytes of small allreduce requests packed into one fusion buffer (0: no fusion)."""
+
+    fusion_alone_bytes: int = 1 << 20
+    """An allreduce tensor of at least this many bytes is reduced alone where it lies, not
+    copied into the fusion buffer (fusion amortises the per-call cost of small tensors; a
+    large one only pays the copies)."""
+
+    bucket_bytes: int = 4 << 20
+    """Bytes of gradients the optimizers (``DistributedOptimizer``, ``ZeroOptimizer``) put
+    in one bucket, submitted as one grouped request as soon as all of them are ready."""
+
+    first_bucket_bytes: int = 1 << 20
+    """The first bucket's cap (the last layers' gradients, ready first): small, so that
+    communication starts early in backward, as DDP's first bucket does."""
 
     cycle_time: float = 1.0
     """Milliseconds the engine waits after one negotiation before the next, so requests
@@ -56,6 +69,9 @@ class Config:
     def __post_init__(self) -> None:
         if self.fusion_threshold < 0:
             raise HpcdlError(f"fusion_threshold={self.fusion_threshold} must be >= 0 (0 turns fusion off)")
+        for name in ("fusion_alone_bytes", "bucket_bytes", "first_bucket_bytes"):
+            if getattr(self, name) <= 0:
+                raise HpcdlError(f"{name}={getattr(self, name)} must be > 0")
         if not 0 <= self.cycle_time <= 10_000:
             raise HpcdlError(f"cycle_time={self.cycle_time} ms must be in [0, 10000]")
         if self.cache_capacity < 0:
@@ -67,6 +83,19 @@ class Config:
                 f"stall_shutdown_time_seconds={self.stall_shutdown_time_seconds} must be >= 0 (0: never shut down)"
             )
 
+
+AGREED = (
+    "fusion_threshold",
+    "fusion_alone_bytes",
+    "bucket_bytes",
+    "first_bucket_bytes",
+    "cache_capacity",
+    "stall_check_disable",
+    "stall_check_time_seconds",
+    "stall_shutdown_time_seconds",
+)
+"""Fields that steer decisions every rank must make alike (what is fused, how gradients are
+bucketed, when a stall ends the job): ``init`` refuses ranks that differ in them."""
 
 register_env_names(PREFIX + f.name.upper() for f in dataclasses.fields(Config))
 

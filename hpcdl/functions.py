@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 
-from . import basics
-from .basics import HpcdlError
+from . import state
+from .errors import HpcdlError
+from .handles import request_name
 from .ops import allgather, broadcast_, broadcast_async_, synchronize
-from .process_sets import ProcessSet, global_process_set
+from .process_sets import ProcessSet, global_process_set, registered_id
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
 
@@ -70,7 +71,7 @@ def broadcast_object(
     Unnamed calls are numbered in call order (not named after the object's type, which
     differs when the other ranks pass None)."""
     name = name or _unnamed("broadcast_object", process_set)
-    if basics.rank() == root_rank:  # roots are global ranks, as in Horovod
+    if state.current().rank == root_rank:  # roots are global ranks, as in Horovod
         buf = io.BytesIO()
         torch.save(obj, buf, pickle_protocol=pickle.HIGHEST_PROTOCOL)
         data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
@@ -100,8 +101,4 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
 
 
 def _unnamed(kind: str, process_set: ProcessSet) -> str:
-    from .ops import _name, _rt
-    from .process_sets import _set_id
-
-    sid = _set_id(process_set)
-    return _name(_rt(), kind, sid, None)
+    return request_name(state.running(), kind, registered_id(process_set), None)

@@ -12,10 +12,11 @@ from collections.abc import Sequence
 
 from mpi4py import MPI
 
-from . import basics
-from .basics import HpcdlError
+from . import state
+from .errors import HpcdlError
+from .handles import control
 
-__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
+__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "registered_id"]
 
 
 class ProcessSet:
@@ -41,7 +42,7 @@ class ProcessSet:
 
     def rank(self) -> int | None:
         """This process's rank within the set, or None when it is not a member."""
-        me = basics.rank()
+        me = state.current().rank
         ranks = self.ranks
         return ranks.index(me) if me in ranks else None
 
@@ -62,22 +63,25 @@ class _GlobalProcessSet(ProcessSet):
 
     @property
     def ranks(self) -> list[int]:
-        return list(range(basics.size()))
+        return list(range(state.current().size))
 
 
 global_process_set: ProcessSet = _GlobalProcessSet()
 """Every rank (process set id 0)."""
 
 
-def _set_id(process_set: ProcessSet) -> int:
-    """The registered id of ``process_set``, checking this rank is a member."""
+def registered_id(process_set: ProcessSet) -> int:
+    """The registered id of ``process_set`` (what requests carry), checking that this rank
+    is a member; raises ``TypeError`` for a non-ProcessSet and :class:`HpcdlError` for a set
+    that is not registered or does not hold this rank."""
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a ProcessSet, not {type(process_set).__name__}")
     sid = process_set.process_set_id
     if sid is None:
         raise HpcdlError(f"{process_set!r} is not registered; call hpcdl.add_process_set() first")
-    if sid and basics.rank() not in process_set.ranks:
-        raise HpcdlError(f"rank {basics.rank()} is not a member of {process_set!r}")
+    me = state.current().rank
+    if sid and me not in process_set.ranks:
+        raise HpcdlError(f"rank {me} is not a member of {process_set!r}")
     return sid
 
 
@@ -87,28 +91,25 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     Raises:
         HpcdlError: on every rank, when ranks pass different lists or a bad one.
     """
-    from .ops import _control
-
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     if ps.process_set_id is not None:
         raise HpcdlError(f"{ps!r} is already registered")
-    n = basics.size()
+    rt = state.running()
+    n = rt.size
     ranks = ps.ranks
     problem = None
     if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < n for r in ranks):
         problem = f"process set ranks {ranks} must be distinct ranks in [0, {n})"
-    ps.process_set_id = _control("add_process_set", (tuple(ranks),), error=problem)
-    basics._st().process_sets.append(ps)  # shutdown unregisters it
+    ps.process_set_id = control("add_process_set", (tuple(ranks),), error=problem)
+    rt.process_sets.append(ps)  # shutdown unregisters it
     return ps
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister ``process_set`` on every rank (collective); False if it was not registered."""
-    from .ops import _control
-
     sid = process_set.process_set_id
     if not sid:
         return False
-    _control("remove_process_set", (sid,))
+    control("remove_process_set", (sid,))
     process_set.process_set_id = None
     return True

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from . import basics
+from . import state
 from .ops import Sum, allgather_async, allreduce_async, synchronize
 from .process_sets import ProcessSet, global_process_set
 
@@ -51,7 +51,7 @@ class SyncBatchNorm(_BatchNorm):
             if self.momentum is None:  # cumulative moving average
                 factor = 1.0 / float(self.num_batches_tracked)
         use_batch = self.training or not self.track_running_stats
-        if not use_batch or basics.size() == 1:
+        if not use_batch or state.current().size == 1:
             return F.batch_norm(
                 input,
                 self.running_mean if not self.training or self.track_running_stats else None,

@@ -16,8 +16,8 @@ import collectives as C
 import hpcdl as hvd
 from collectives import node as _node
 from collectives.context import get_context
-from hpcdl.basics import _st
-from hpcdl.doorbell import MPIDoorbell, ShmDoorbell
+from hpcdl.state import current as _st
+from hpcdl.engine.doorbell import MPIDoorbell, ShmDoorbell
 
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(120)]
 
@@ -29,10 +29,6 @@ def _runtime():
     hvd.shutdown()
     yield
     hvd.shutdown()
-
-
-def _thread_cpu(thread) -> float:
-    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
 @pytest.mark.parametrize("shm", [True, False], ids=["shm", "mpi"])
@@ -70,9 +66,9 @@ def test_an_idle_engine_on_shared_memory_doorbells_sleeps():
     hvd.init(config=hvd.Config(shm_doorbell=True))
     hvd.allreduce(torch.ones(2), name="warm")
     engine = _st().engine
-    c0, t0 = _thread_cpu(engine.thread), time.perf_counter()
+    c0, t0 = engine.thread_cpu_seconds(), time.perf_counter()
     time.sleep(1.0)
-    spent, idle = _thread_cpu(engine.thread) - c0, time.perf_counter() - t0
+    spent, idle = engine.thread_cpu_seconds() - c0, time.perf_counter() - t0
     # polling MPI every 0.2-2 ms costs 10-40 ms of CPU a second here; sleeping costs ~nothing
     assert spent < 0.01 * idle, f"the idle engine used {spent * 1e3:.1f} ms of CPU in {idle:.2f} s"
     out = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after-idle")  # and it wakes for work

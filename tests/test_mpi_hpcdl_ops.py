@@ -158,11 +158,11 @@ def test_large_tensors_among_small_ones_are_reduced_in_place_unfused(tmp_path):
 
 def test_steady_state_uses_the_response_cache():
     r = hvd.rank()
-    engine = hvd.basics._st().engine
+    engine = hvd.state.current().engine
     xs = everyone((8,), torch.float32, seed=3)
     for _ in range(5):
         close(hvd.allreduce(xs[r], name="cached", op=hvd.Sum), expected_reduce(xs, hvd.Sum))
-    descs = [d for d in engine.cache if d[0] == "cached"]
+    descs = [d for d in engine.controller.cache if d[0] == "cached"]
     assert len(descs) == 1  # one signature, remembered after the first negotiation
 
 
@@ -528,7 +528,7 @@ def test_join_with_a_broadcast_on_a_process_set():
 def test_allgather_into_a_flat_buffer_and_its_bad_shard_on_one_rank():
     """hpcdl's own in-place allgather (ZeroOptimizer's parameters) fills the other ranks'
     blocks; a shard that is not this rank's block, on rank 1 only, raises on every rank."""
-    from hpcdl.ops import _allgather_into_async
+    from hpcdl.ops import allgather_into_async as _allgather_into_async
 
     n, r = hvd.size(), hvd.rank()
     flat = torch.full((3 * n,), -1.0)

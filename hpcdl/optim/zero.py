@@ -42,22 +42,22 @@ from typing import Any
 
 import torch
 
-from ..basics import HpcdlError
 from ..compression import Compression, Compressor
+from ..errors import HpcdlError
 from ..functions import allgather_object
 from ..ops import (
     Average,
     Max,
     ReduceOp,
     Sum,
-    _allgather_into_async,
-    _reducescatter_into_async,
+    allgather_into_async,
     allreduce,
     grouped_allgather_async,
+    reducescatter_into_async,
     synchronize,
 )
 from ..process_sets import ProcessSet, global_process_set
-from .distributed import _BUCKET_BYTES, _Bucket, _Reducer
+from .buckets import Bucket, Reducer
 
 __all__ = ["ZeroOptimizer"]
 
@@ -161,7 +161,7 @@ class _Layout:
         return [full[o : o + p.numel()].view_as(p) for p, o in zip(params, self.offsets, strict=True)]
 
 
-class ZeroOptimizer(_Reducer, torch.optim.Optimizer):
+class ZeroOptimizer(Reducer, torch.optim.Optimizer):
     """Shard ``optimizer``'s state (``stage=1``) and the reduced gradients (``stage=2``) over
     the ranks of ``process_set``; otherwise used like :func:`DistributedOptimizer`.
 
@@ -189,11 +189,11 @@ class ZeroOptimizer(_Reducer, torch.optim.Optimizer):
         op: ReduceOp = Average,
         gradient_predivide_factor: float = 1.0,
         process_set: ProcessSet = global_process_set,
-        bucket_bytes: int = _BUCKET_BYTES,
+        bucket_bytes: int | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise HpcdlError(f"ZeroOptimizer needs a torch.optim.Optimizer, not {type(optimizer).__name__}")
-        if isinstance(optimizer, _Reducer):
+        if isinstance(optimizer, Reducer):
             raise HpcdlError("ZeroOptimizer wraps a plain optimizer, not a DistributedOptimizer or ZeroOptimizer")
         if stage not in (1, 2):
             raise HpcdlError(f"ZeroOptimizer: stage={stage!r} must be 1 (optimizer state) or 2 (also gradients)")
@@ -280,7 +280,7 @@ class ZeroOptimizer(_Reducer, torch.optim.Optimizer):
                     lay.shard.grad = lay.take_into(lay.grad, b.params, [p.grad for p in b.params])
         self.optim.step()  # updates this rank's shard of every bucket, in the parameters
         handles = [
-            _allgather_into_async(b.zero.shard, b.zero.flat, f"{self._prefix}.params{b.index}", self._process_set)
+            allgather_into_async(b.zero.shard, b.zero.flat, f"{self._prefix}.params{b.index}", self._process_set)
             for b in self._buckets
         ]
         for b, h in zip(self._buckets, handles, strict=True):
@@ -318,7 +318,7 @@ class ZeroOptimizer(_Reducer, torch.optim.Optimizer):
         return total.to(shards[0].dtype)
 
     # -- gradients: per-bucket sending ---------------------------------------------------------
-    def _submit(self, b: _Bucket) -> None:
+    def _submit(self, b: Bucket) -> None:
         if self.stage == 1:  # allreduce in place, as DistributedOptimizer
             super()._submit(b)
             return
@@ -329,9 +329,9 @@ class ZeroOptimizer(_Reducer, torch.optim.Optimizer):
         t, ctx = self._compression.compress(flat)
         b.sent = [(t, ctx, None)]
         # reduced straight into the shard's gradient buffer where the engine can write it
-        b.handle = _reducescatter_into_async(t, lay.grad, **self._request_args(b))
+        b.handle = reducescatter_into_async(t, lay.grad, **self._request_args(b))
 
-    def _unpack(self, b: _Bucket, result: Any) -> None:
+    def _unpack(self, b: Bucket, result: Any) -> None:
         if self.stage == 1:
             super()._unpack(b, result)
             return
@@ -433,7 +433,7 @@ class ZeroOptimizer(_Reducer, torch.optim.Optimizer):
                 inner_sd["param_groups"][self._inner_group[gi]].update(self._hyper(g))
         self.optim.load_state_dict({"state": inner_state, "param_groups": inner_sd["param_groups"]})
 
-    def _buckets_in_inner_order(self) -> list[_Bucket]:
+    def _buckets_in_inner_order(self) -> list[Bucket]:
         """The buckets in the order of the inner optimizer's parameters (its state ids)."""
         shards = [p for g in self.optim.param_groups for p in g["params"]]
         by_shard = {b.zero.shard: b for b in self._buckets}

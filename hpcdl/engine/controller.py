@@ -1,0 +1,206 @@
+"""Negotiation: which requests every rank has submitted, whether they agree, and the plan
+of what runs (and what is fused) this cycle.
+
+Each cycle every rank sends one fixed-size message, ``[flags, rank clock (us), cache
+size, uncached count | cache bits]``: a bit per request whose descriptor is in the
+:class:`~.response_cache.ResponseCache` (the steady state), and, only when some rank has
+uncached requests, a second, pickled gather of their descriptors. From this every rank
+keeps the same table of who submitted what, so every rank makes the same decisions.
+
+A request is ready when every member of its process set submitted it (or has joined).
+Ranks that disagree on its kind, dtype, shape, op, root, scale factors or process set make
+it fail on every rank with a message naming ranks and values; the runtime stays usable.
+Ready allreduces of one dtype, op, scale factors and process set are planned into
+batches of at most ``fusion_threshold`` bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import collectives
+
+from ..config import Config
+from .process_set_table import ProcessSetTable
+from .request import DTYPES, JOIN_OK, SIG_FIELDS, Request
+from .response_cache import ResponseCache
+
+__all__ = ["Controller", "Entry", "Ready", "F_SHUTDOWN", "F_JOIN"]
+
+_H = 4  # header words of a cycle message: flags, rank clock (us), cache size, uncached count
+F_SHUTDOWN, F_JOIN = 1, 2
+"""Cycle message flags: this rank shuts the runtime down; this rank has joined."""
+
+
+@dataclasses.dataclass(slots=True)
+class Entry:
+    """A request name some ranks submitted: their descriptors, by rank."""
+
+    descs: dict[int, tuple]
+    first: int  # rank 0's clock (us) in the cycle it was first announced
+
+
+Ready = tuple[str, Entry, "str | None"]
+"""A ready request: its name, its entry, and the error every rank raises (None: agreed)."""
+
+
+class Controller:
+    """The negotiation state of one rank's engine (identical on every rank)."""
+
+    def __init__(
+        self, ecomm: Any, config: Config, sets: ProcessSetTable, node_channel: bool, polite: Callable[[Any], None]
+    ) -> None:
+        self.ecomm = ecomm
+        self.rank, self.size = ecomm.rank, ecomm.size
+        self.cfg = config
+        self.sets = sets
+        self.node_channel = node_channel  # negotiate through the node channel (it sleeps while it waits)
+        self.polite = polite
+        self.cache = ResponseCache(config.cache_capacity)
+        self.table: dict[str, Entry] = {}
+        self.joined: set[int] = set()
+        self.last_joined = -1
+
+    def negotiate(self, new: list[Request], flags: int, t_start: float) -> tuple[list[int], int]:
+        """Announce ``new`` and this rank's ``flags``; learn every rank's. Return the ranks
+        that asked to shut down and rank 0's clock (us)."""
+        cache = self.cache
+        msg = np.zeros(_H + cache.words(), np.int64)
+        for req in new:
+            req.t_announce = t_start
+        uncached = cache.encode([req.desc for req in new], msg[_H:].view(np.uint64))
+        msg[0], msg[1], msg[2], msg[3] = flags, int(t_start * 1e6), len(cache), len(uncached)
+        table = np.empty((self.size, msg.size), np.int64)
+        if self.node_channel:
+            self.polite(self.ecomm)
+            collectives.allgather(msg.reshape(1, -1), out=table, comm=self.ecomm)
+        else:
+            self.ecomm.Allgather(msg, table)
+        lists = self.ecomm.allgather(uncached) if table[:, 3].any() else [[]] * self.size
+        if (table[:, 2] != len(cache)).any():
+            raise RuntimeError(f"response caches differ between ranks: sizes {table[:, 2].tolist()}")
+        now_ref = int(table[0, 1])
+        for r in range(self.size):
+            for d in cache.decode(table[r, _H:]) + lists[r]:
+                ent = self.table.get(d[0])
+                if ent is None:
+                    ent = self.table[d[0]] = Entry({}, now_ref)
+                ent.descs[r] = d
+            if table[r, 0] & F_JOIN:
+                self.joined.add(r)
+                self.last_joined = r
+        return [r for r in range(self.size) if table[r, 0] & F_SHUTDOWN], now_ref
+
+    def all_joined(self) -> int | None:
+        """When every rank has joined: forget the joins and return the last to join."""
+        if self.joined and len(self.joined) == self.size:
+            last, self.joined, self.last_joined = self.last_joined, set(), -1
+            return last
+        return None
+
+    def members(self, ent: Entry) -> set[int]:
+        """The ranks that must submit ``ent``: those that did, and every member of each
+        process set their descriptors name (a set not registered has no members)."""
+        members = set(ent.descs)
+        for d in ent.descs.values():
+            info = self.sets.get(d[2])
+            if info is not None:
+                members.update(info.ranks)
+        return members
+
+    def missing(self, ent: Entry) -> list[int]:
+        """The ranks ``ent`` still waits for."""
+        return sorted(self.members(ent) - set(ent.descs) - self.joined)
+
+    def pending_on(self, sid: int) -> list[str]:
+        """Names of the requests in the table that use process set ``sid``."""
+        return sorted(name for name, e in self.table.items() if any(d[2] == sid for d in e.descs.values()))
+
+    def plan(self) -> list[list[Ready]]:
+        """Take the ready requests out of the table and return what runs this cycle, in
+        order: groups of one request, or of fusable allreduces (one key, first-seen
+        order). Removing a process set comes after the cycle's other requests, which may
+        use it."""
+        ready: list[Ready] = []
+        for name, ent in self.table.items():
+            if all(r in ent.descs or r in self.joined for r in self.members(ent)):
+                ready.append((name, ent, self.judge(name, ent)))
+        if not ready:
+            return []
+        for name, _, _ in ready:
+            del self.table[name]
+        plan: list[list[Ready]] = []
+        open_batch: dict[tuple, tuple[list, int]] = {}
+        limit = self.cfg.fusion_threshold
+        for item in ready:
+            name, ent, problem = item
+            d = next(iter(ent.descs.values()))
+            if problem is None and d[1] == "allreduce" and limit:
+                nbytes = math.prod(d[3][1]) * DTYPES[d[3][0]].itemsize
+                if nbytes <= limit:
+                    key = (d[2], d[3][0], d[3][2], d[3][3], d[3][4])
+                    batch = open_batch.get(key)
+                    if batch is not None and batch[1] + nbytes <= limit:
+                        batch[0].append(item)
+                        open_batch[key] = (batch[0], batch[1] + nbytes)
+                        continue
+                    group = [item]
+                    plan.append(group)
+                    open_batch[key] = (group, nbytes)
+                    continue
+            plan.append([item])
+        last = [g for g in plan if next(iter(g[0][1].descs.values()))[1] == "remove_process_set"]
+        return [g for g in plan if g not in last] + last
+
+    def remember(self, group: list[Ready]) -> None:
+        """Cache every rank's descriptor of ``group`` (on every rank alike, members or not)."""
+        for _, ent, _ in group:
+            for r in sorted(ent.descs):
+                self.cache.remember(ent.descs[r])
+
+    def judge(self, name: str, ent: Entry) -> str | None:
+        """None when every rank's descriptor agrees (and can run now), else the error text."""
+        descs = ent.descs
+        d0 = next(iter(descs.values()))
+        if d0[5] is None and not self.joined and all(d == d0 for d in descs.values()):
+            return None  # the steady state: every rank sent the same (cached) descriptor
+        errors = [f"rank {r}: {d[5]}" for r, d in sorted(descs.items()) if d[5] is not None]
+        if errors:
+            return f"request '{name}' has bad arguments: " + "; ".join(errors)
+        for field, idx in (("operation", 1), ("process set", 2)):
+            text = _differs(descs, lambda d, i=idx: d[i], field)
+            if text:
+                return f"ranks disagree on request '{name}': {text}"
+        kind = d0[1]  # every rank's agrees from here on
+        for i, field in enumerate(SIG_FIELDS.get(kind, ())):
+            text = _differs(descs, lambda d, i=i: d[3][i], field)
+            if text:
+                return f"ranks disagree on {kind} '{name}': {text}"
+        joined = sorted(self.joined & self.members(ent))
+        if joined:
+            if kind not in JOIN_OK:
+                return f"{kind} '{name}' cannot run while ranks {joined} have joined"
+            if kind == "broadcast" and d0[3][2] in joined:
+                return f"broadcast '{name}': root rank {d0[3][2]} has joined"
+        return None
+
+
+def _differs(descs: dict[int, tuple], get: Any, field: str) -> str | None:
+    """``field`` values by rank when they are not all equal, else None."""
+    by_value: dict[Any, list[int]] = {}
+    for r, d in sorted(descs.items()):
+        by_value.setdefault(get(d), []).append(r)
+    if len(by_value) < 2:
+        return None
+    return f"{field} differs: " + "; ".join(f"{_show(v)} on ranks {rs}" for v, rs in by_value.items())
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, tuple) and all(isinstance(i, int) for i in v):
+        return "(" + ", ".join(map(str, v)) + ("," if len(v) == 1 else "") + ")"
+    return repr(v) if isinstance(v, str) else str(v)

@@ -1,0 +1,181 @@
+"""The executors: one function per collective, running an agreed request (or a fused group
+of allreduces) through :mod:`collectives` on the process set's communicator.
+
+The engine has already agreed every argument across ranks, so the executors call
+``collectives``' agreed entry points, which skip the collectives' own signature exchange.
+A rank that joined runs the same calls with the op's identity (or no rows), its result
+discarded, so the members' collectives always match.
+
+Fusion: small allreduces of one group are packed into one persistent buffer (grown up to
+``fusion_threshold`` bytes) and reduced with one call; a tensor of ``fusion_alone_bytes``
+or more is reduced alone where it lies, since fusion would only copy it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import collectives
+from collectives import agreed
+from collectives.context import get_context
+from collectives.layout import block_counts, offsets
+from collectives.select import choose
+
+from ..config import Config
+from .request import DTYPES, ProcessSetInfo, Request, identity
+
+__all__ = ["Executors"]
+
+Span = Callable[..., None]
+"""``span(reqs, phase, t0, **args)``: a timeline span from ``t0`` to now for each request."""
+
+
+class Executors:
+    """The data collectives of one rank's engine, with its fusion buffer."""
+
+    def __init__(self, config: Config, span: Span) -> None:
+        self.cfg = config
+        self.span = span
+        self.fusion = np.empty(0, np.uint8)
+        self.algs: dict[tuple, str] = {}
+
+    def algorithm(self, comm: Any, coll: str, nbytes: int) -> str:
+        """The algorithm ``collectives`` picks for ``coll`` of ``nbytes`` on ``comm`` (cached;
+        for the timeline)."""
+        key = (id(comm), coll, nbytes)
+        alg = self.algs.get(key)
+        if alg is None:
+            alg = "local" if comm.size == 1 else choose(get_context(comm), coll, nbytes)
+            if len(self.algs) > 4096:
+                self.algs.clear()
+            self.algs[key] = alg
+        return alg
+
+    def run(self, kind: str, entries: list[Any], reqs: list[Request | None], info: ProcessSetInfo, rank: int) -> Any:
+        """Run the agreed data collective ``kind`` and return its result. ``entries``: the
+        controller's entry of each request of the group (every rank's descriptor, by
+        rank); ``reqs``: this rank's requests, None where it joined."""
+        if kind == "allreduce":
+            self.allreduce([next(iter(e.descs.values())) for e in entries], reqs, info)
+            return None
+        return getattr(self, kind)(entries[0].descs, reqs[0], info, rank)
+
+    def allreduce(self, descs: list[tuple], reqs: list[Request | None], info: ProcessSetInfo) -> None:
+        """Reduce a group of agreed allreduces (``descs``: one descriptor of each), fusing
+        the small ones; results land in each request's ``out``."""
+        dtype_name, _, op, pre, post = descs[0][3]
+        dtype = DTYPES[dtype_name]
+        comm = info.comm
+        xs = []
+        for d, req in zip(descs, reqs, strict=True):
+            if req is not None:
+                xs.append((req.x, req.out, req))
+            else:  # joined: the op's identity, result discarded
+                shape = d[3][1]
+                xs.append((np.full(shape, identity(op, dtype), dtype), np.empty(shape, dtype), None))
+        limit = self.cfg.fusion_alone_bytes
+        small = [e for e in xs if e[0].nbytes < limit]
+        alone = [e for e in xs if e[0].nbytes >= limit]
+        if len(small) == 1:
+            alone, small = alone + small, []
+        for x, out, req in alone:
+            t0 = time.perf_counter()
+            src = x
+            if pre != 1.0:
+                np.multiply(x, pre, out=out)
+                src = out
+            agreed.allreduce(src, op=op, out=out, comm=comm)
+            if post != 1.0:
+                np.multiply(out, post, out=out)
+            alg = self.algorithm(comm, "allreduce", out.nbytes)
+            self.span([req], "ALLREDUCE", t0, algorithm=alg, bytes=int(out.nbytes))
+        if not small:
+            return
+        reqs = [req for _, _, req in small]
+        total = sum(x.size for x, _, _ in small)
+        nbytes = total * dtype.itemsize
+        alg = self.algorithm(comm, "allreduce", nbytes)
+        if self.fusion.nbytes < nbytes:
+            self.fusion = np.empty(max(nbytes, min(2 * self.fusion.nbytes, self.cfg.fusion_threshold)), np.uint8)
+        buf = self.fusion[:nbytes].view(dtype)
+        t0 = time.perf_counter()
+        off = 0
+        for x, _, _ in small:
+            seg = buf[off : off + x.size]
+            if pre != 1.0:
+                np.multiply(x.reshape(-1), pre, out=seg)
+            else:
+                seg[...] = x.reshape(-1)
+            off += x.size
+        t1 = time.perf_counter()
+        self.span(reqs, "MEMCPY_IN_FUSION_BUFFER", t0)
+        agreed.allreduce(buf, op=op, out=buf, comm=comm)
+        self.span(reqs, "ALLREDUCE", t1, algorithm=alg, bytes=int(nbytes), fused=len(small))
+        t2 = time.perf_counter()
+        off = 0
+        for _, out, _ in small:
+            seg = buf[off : off + out.size]
+            if post != 1.0:
+                np.multiply(seg, post, out=out.reshape(-1))
+            else:
+                out.reshape(-1)[...] = seg
+            off += out.size
+        self.span(reqs, "MEMCPY_OUT_FUSION_BUFFER", t2)
+
+    def allgather(self, descs: dict[int, tuple], req: Request | None, info: ProcessSetInfo, rank: int) -> Any:
+        d0 = next(iter(descs.values()))
+        dtype = DTYPES[d0[3][0]]
+        x = req.x if req is not None else np.empty((0, *d0[3][1]), dtype)
+        rows = [descs[r][4] if r in descs else 0 for r in info.ranks]  # a joined rank sends none
+        t0 = time.perf_counter()
+        # an ``out`` (ZeroOptimizer's flat parameters) holds this rank's block already
+        res = agreed.allgather(x, rows, comm=info.comm, out=None if req is None else req.out)
+        alg = self.algorithm(info.comm, "allgather", res.nbytes)
+        self.span([req], "ALLGATHER", t0, algorithm=alg, bytes=int(res.nbytes))
+        return res
+
+    def broadcast(self, descs: dict[int, tuple], req: Request | None, info: ProcessSetInfo, rank: int) -> Any:
+        d0 = next(iter(descs.values()))
+        dtype, shape, root = DTYPES[d0[3][0]], d0[3][1], d0[3][2]
+        out = req.out if req is not None else np.empty(shape, dtype)
+        src = req.x if req is not None and rank == root else out
+        t0 = time.perf_counter()
+        agreed.broadcast(src, info.ranks.index(root), out=out, comm=info.comm)
+        alg = self.algorithm(info.comm, "broadcast", out.nbytes)
+        self.span([req], "BROADCAST", t0, algorithm=alg, bytes=int(out.nbytes))
+        return out
+
+    def alltoall(self, descs: dict[int, tuple], req: Request, info: ProcessSetInfo, rank: int) -> Any:
+        n = len(info.ranks)
+        splits = req.args.get("splits")
+        rows = req.x.shape[0]
+        send = np.asarray(splits if splits is not None else [rows // n] * n, np.int64)
+        t0 = time.perf_counter()
+        out = collectives.alltoall(req.x, None if splits is None else send, comm=info.comm)
+        received = collectives.alltoall(send, comm=info.comm)
+        self.span([req], "ALLTOALL", t0, algorithm="pairwise", bytes=int(out.nbytes))
+        return out, received
+
+    def reducescatter(self, descs: dict[int, tuple], req: Request, info: ProcessSetInfo, rank: int) -> Any:
+        _, shape, op, pre, post = req.sig
+        n, me = len(info.ranks), info.ranks.index(rank)
+        x, out = req.x, req.out
+        t0 = time.perf_counter()
+        src = x * np.asarray(pre, x.dtype) if pre != 1.0 else x
+        rows = shape[0] if shape else 0
+        if rows % n == 0 and x.size:
+            agreed.reduce_scatter(src, op=op, out=out.reshape(-1), comm=info.comm)
+            alg = self.algorithm(info.comm, "reduce_scatter", x.nbytes)
+        else:  # uneven rows: reduce everything, keep this rank's rows
+            full = agreed.allreduce(src, op=op, comm=info.comm)
+            off = offsets(block_counts(rows, n))
+            out[...] = full[off[me] : off[me + 1]]
+            alg = "allreduce+slice"
+        if post != 1.0:
+            np.multiply(out, post, out=out)
+        self.span([req], "REDUCESCATTER", t0, algorithm=alg, bytes=int(x.nbytes))
+        return out

@@ -1,0 +1,36 @@
+"""Requests that move no tensor: ``barrier``, ``join`` and the timeline."""
+
+from __future__ import annotations
+
+from .. import state
+from ..engine import Request
+from ..handles import control, request_name, submit, synchronize
+from ..process_sets import ProcessSet, global_process_set, registered_id
+
+__all__ = ["barrier", "join", "start_timeline", "stop_timeline"]
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every rank of the process set has called barrier."""
+    rt = state.running()
+    sid = registered_id(process_set)
+    synchronize(submit(rt, [Request(request_name(rt, "barrier", sid, None), "barrier", sid, ())], lambda res: None))
+
+
+def join(device: int = -1) -> int:
+    """Declare that this rank has no more work: until every rank has joined, the others'
+    allreduce, allgather and broadcast requests proceed with this rank contributing
+    nothing (the op's identity for reductions, no rows for allgather). Returns the rank
+    that joined last. ``device`` is accepted for Horovod compatibility."""
+    return state.running().engine.join()
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start recording every rank's requests; rank 0's ``file_path`` receives the Chrome
+    trace when :func:`stop_timeline` (or shutdown) is called. Collective over all ranks."""
+    control("start_timeline", (bool(mark_cycles),), var=str(file_path))
+
+
+def stop_timeline() -> None:
+    """Stop recording and write the timeline file (collective over all ranks)."""
+    control("stop_timeline", ())

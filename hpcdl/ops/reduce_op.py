@@ -1,0 +1,62 @@
+"""Horovod's reduction op constants and the checks of a reduction's arguments."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+
+from ..staging import dtype_name
+
+__all__ = ["ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product", "OP_NAMES", "resolve_op", "scale_problem"]
+
+
+class ReduceOp(enum.IntEnum):
+    """Reduction ops (Horovod's constants ``hvd.Average``, ``hvd.Sum``, ...)."""
+
+    Average = 0
+    Sum = 1
+    Adasum = 2
+    Min = 3
+    Max = 4
+    Product = 5
+
+
+Average, Sum, Adasum, Min, Max, Product = (
+    ReduceOp.Average,
+    ReduceOp.Sum,
+    ReduceOp.Adasum,
+    ReduceOp.Min,
+    ReduceOp.Max,
+    ReduceOp.Product,
+)
+OP_NAMES = {Average: "avg", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
+OP_NAMES = {Average: "avg", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
+"""Each supported op's name in :mod:`collectives`."""
+
+
+def resolve_op(op: Any, average: bool | None) -> Any:
+    """The ReduceOp, or the text of what is wrong with it (sent with the request, so that
+    every rank raises, not only this one)."""
+    if isinstance(op, str):  # already a problem
+        return op
+    if average is not None:
+        if op is not None:
+            return "pass op= or the deprecated average=, not both"
+        return Average if average else Sum
+    op = Average if op is None else op
+    try:
+        op = ReduceOp(op)
+    except ValueError:
+        return f"op={op!r} is not one of hpcdl.Average, Sum, Min, Max, Product"
+    if op == Adasum:
+        return "op=Adasum is not supported by hpcdl; use Average or Sum"
+    return op
+
+
+def scale_problem(t: torch.Tensor, pre: float, post: float) -> str | None:
+    """What is wrong with scaling ``t`` by ``pre``/``post``, or None."""
+    if (pre != 1.0 or post != 1.0) and not t.dtype.is_floating_point:
+        return f"prescale_factor/postscale_factor need a floating-point tensor, not {dtype_name(t)}"
+    return None

@@ -1,0 +1,282 @@
+"""The primitives under the collectives' four forms: build each collective's engine
+requests from tensors and submit them, returning a handle.
+
+Problems with the arguments (an unsupported dtype or op, a bad root) travel with the
+request, so they raise on every rank, not only where they were made; passing something
+that is not a tensor raises ``TypeError`` at once, before a name is taken. The public
+forms (``allreduce``, ``allreduce_``, ``allreduce_async``, ...) in the sibling modules
+are thin wrappers over these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from collectives.layout import block_counts
+
+from .. import state
+from ..engine import Request
+from ..handles import request_name, submit, tensor_results
+from ..process_sets import ProcessSet, registered_id
+from ..staging import (
+    MOVABLE,
+    REDUCIBLE,
+    check_tensor,
+    dtype_name,
+    home,
+    host_source,
+    is_private,
+    tensor_list,
+    to_numpy,
+    to_torch,
+)
+from .reduce_op import OP_NAMES, ReduceOp, resolve_op, scale_problem
+
+__all__ = [
+    "start_allreduce",
+    "start_allgather",
+    "allgather_into_async",
+    "start_broadcast",
+    "start_alltoall",
+    "start_reducescatter",
+    "reducescatter_into_async",
+]
+
+
+def _group_name(base: str, i: int, count: int) -> str:
+    return base if count == 1 else f"{base}.{i}"
+
+
+# -- allreduce -----------------------------------------------------------------------------
+def start_allreduce(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None,
+    name: str | None,
+    op: Any,
+    pre: float,
+    post: float,
+    process_set: ProcessSet,
+    inplace: bool,
+    single: bool = False,
+) -> int:
+    """Submit an allreduce of every tensor of ``tensors`` (one request each, negotiated
+    together); the handle gives a tensor when ``single``, else a list."""
+    rt = state.running()
+    op = resolve_op(op, average)
+    sid = registered_id(process_set)
+    what = "allreduce" if single else "grouped_allreduce"
+    tensors = tensor_list(tensors, what)
+    reqs, outs, fixups = [], [], []
+    base = request_name(rt, "allreduce", sid, name)
+    bad_op = op if isinstance(op, str) else None
+    for i, t in enumerate(tensors):
+        src = host_source(t, what)
+        problem = bad_op or check_tensor(src, "allreduce", REDUCIBLE) or scale_problem(src, pre, post)
+        private = is_private(src, t)
+        # reduce in place where that writes nothing the caller sees: into t itself when
+        # asked to, or into the private copy host_source made (copied back into t when in place)
+        out = src if inplace or private else torch.empty_like(src)
+        if inplace and private:
+            fixups.append(lambda t=t, out=out: t.copy_(out))
+        reqs.append(
+            Request(
+                _group_name(base, i, len(tensors)),
+                "allreduce",
+                sid,
+                (dtype_name(src), tuple(src.shape), OP_NAMES.get(op, "invalid"), float(pre), float(post)),
+                error=problem,
+                x=to_numpy(src) if problem is None else None,
+                out=to_numpy(out) if problem is None else None,
+            )
+        )
+        outs.append(t if inplace else out)
+    return submit(rt, reqs, tensor_results(outs, fixups, single, [t.device for t in tensors]))
+
+
+# -- allgather -----------------------------------------------------------------------------
+def _allgather_reqs(
+    rt: state.Runtime, tensors: Any, name: str | None, sid: int, what: str
+) -> tuple[list[Request], Callable[[list], list[torch.Tensor]]]:
+    reqs = []
+    tensors = tensor_list(tensors, what)
+    base = request_name(rt, "allgather", sid, name)
+    for i, t in enumerate(tensors):
+        src = host_source(t, what)
+        problem = check_tensor(src, "allgather", MOVABLE)
+        if problem is None and src.dim() == 0:
+            problem = "allgather needs a tensor with at least one dimension"
+        item = tuple(src.shape[1:]) if src.dim() else ()
+        reqs.append(
+            Request(
+                _group_name(base, i, len(tensors)),
+                "allgather",
+                sid,
+                (dtype_name(src), item),
+                var=src.shape[0] if src.dim() else 0,  # every rank's rows: the engine gathers without asking
+                error=problem,
+                x=to_numpy(src) if problem is None else None,
+            )
+        )
+    kinds = [(t.dtype, t.device) for t in tensors]
+    return reqs, lambda results: [home(to_torch(r, d), dev) for r, (d, dev) in zip(results, kinds, strict=True)]
+
+
+def start_allgather(tensors: Sequence[torch.Tensor], name: str | None, process_set: ProcessSet, single: bool) -> int:
+    """Submit an allgather of every tensor of ``tensors``; the handle gives a tensor when
+    ``single``, else a list."""
+    rt = state.running()
+    what = "allgather" if single else "grouped_allgather"
+    reqs, conv = _allgather_reqs(rt, list(tensors), name, registered_id(process_set), what)
+    return submit(rt, reqs, (lambda res: conv(res)[0]) if single else conv)
+
+
+def allgather_into_async(shard: torch.Tensor, out: torch.Tensor, name: str, process_set: ProcessSet) -> int:
+    """Gather every rank's ``shard`` into the flat ``out`` in rank order, where ``shard`` is
+    this rank's block of ``out`` already (the optimizers' flat parameters; every rank's
+    block has the same size). On the CPU the engine gathers into ``out`` itself; a CUDA
+    ``out`` gets the result copied back. A bad ``shard`` is an error on every rank."""
+    rt = state.running()
+    n, me = len(process_set.ranks), process_set.rank()
+    k = shard.numel()
+    reqs, conv = _allgather_reqs(rt, [shard], name, registered_id(process_set), "allgather")
+    req = reqs[0]
+    if (
+        out.dim() != 1
+        or not out.is_contiguous()
+        or out.numel() != n * k
+        or (shard.data_ptr() != out[me * k : (me + 1) * k].data_ptr())
+    ):
+        req.error = req.error or "the gathered shard must be this rank's block of the flat output"
+    if req.error is None and out.device.type == "cpu":
+        req.out = to_numpy(out)
+        return submit(rt, reqs, lambda _: out)
+    return submit(rt, reqs, lambda res: out.copy_(conv(res)[0]))
+
+
+# -- broadcast -----------------------------------------------------------------------------
+def start_broadcast(
+    tensor: torch.Tensor, root_rank: Any, name: str | None, process_set: ProcessSet, inplace: bool
+) -> int:
+    """Submit a broadcast of ``root_rank``'s ``tensor`` (into ``tensor`` when ``inplace``)."""
+    rt = state.running()
+    sid = registered_id(process_set)
+    tensor_list([tensor], "broadcast")
+    src = host_source(tensor, "broadcast")
+    problem = check_tensor(src, "broadcast", MOVABLE)
+    members = process_set.ranks
+    if problem is None and not (isinstance(root_rank, int) and root_rank in members):
+        problem = f"root_rank={root_rank!r} is not a rank of the process set (ranks {members})"
+    private = is_private(src, tensor)
+    out = src if inplace or private else torch.empty_like(src)
+    fix = (lambda: tensor.copy_(out)) if inplace and private else None
+    req = Request(
+        request_name(rt, "broadcast", sid, name),
+        "broadcast",
+        sid,
+        (dtype_name(src), tuple(src.shape), root_rank if isinstance(root_rank, int) else -1),
+        error=problem,
+        x=to_numpy(src) if problem is None else None,
+        out=to_numpy(out) if problem is None else None,
+    )
+    return submit(rt, [req], tensor_results([tensor if inplace else out], [fix] if fix else [], True, [tensor.device]))
+
+
+# -- alltoall ------------------------------------------------------------------------------
+def start_alltoall(tensor: torch.Tensor, splits: Any, name: str | None, process_set: ProcessSet) -> int:
+    """Submit an alltoall of ``tensor``'s rows; the handle gives ``(rows, received splits)``."""
+    rt = state.running()
+    sid = registered_id(process_set)
+    tensor_list([tensor], "alltoall")
+    src = host_source(tensor, "alltoall")
+    problem = check_tensor(src, "alltoall", MOVABLE)
+    if problem is None and src.dim() == 0:
+        problem = "alltoall needs a tensor with at least one dimension"
+    sp = None
+    if splits is not None:
+        sp = [int(v) for v in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+    req = Request(
+        request_name(rt, "alltoall", sid, name),
+        "alltoall",
+        sid,
+        (dtype_name(src), tuple(src.shape[1:])),
+        error=problem,
+        x=to_numpy(src) if problem is None else None,
+        splits=sp,
+    )
+    dtype, device = src.dtype, tensor.device
+    return submit(
+        rt, [req], lambda res: (home(to_torch(res[0][0], dtype), device), torch.from_numpy(res[0][1]).to(torch.int32))
+    )
+
+
+# -- reducescatter -------------------------------------------------------------------------
+def start_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    name: str | None,
+    op: Any,
+    pre: float,
+    post: float,
+    process_set: ProcessSet,
+    single: bool,
+    given: torch.Tensor | None = None,
+) -> int:
+    """Submit a reducescatter of every tensor of ``tensors`` (into ``given``, a buffer of
+    this rank's block, for a single tensor that fits it); a tensor results when
+    ``single``, else a list."""
+    rt = state.running()
+    op = resolve_op(op, None)
+    sid = registered_id(process_set)
+    n, me = len(process_set.ranks), process_set.rank()
+    what = "reducescatter"
+    tensors = tensor_list(list(tensors), what)
+    reqs, outs = [], []
+    base = request_name(rt, "reducescatter", sid, name)
+    bad_op = op if isinstance(op, str) else None
+    for i, t in enumerate(tensors):
+        src = host_source(t, what)
+        problem = bad_op or check_tensor(src, "reducescatter", REDUCIBLE) or scale_problem(src, pre, post)
+        if problem is None and src.dim() == 0:
+            problem = "reducescatter needs a tensor with at least one dimension"
+        rows = block_counts(src.shape[0], n)[me] if src.dim() else 0
+        out = torch.empty((rows, *src.shape[1:]), dtype=src.dtype) if given is None else given
+        reqs.append(
+            Request(
+                _group_name(base, i, len(tensors)),
+                "reducescatter",
+                sid,
+                (dtype_name(src), tuple(src.shape), OP_NAMES.get(op, "invalid"), float(pre), float(post)),
+                error=problem,
+                x=to_numpy(src) if problem is None else None,
+                out=to_numpy(out) if problem is None else None,
+            )
+        )
+        outs.append(out)
+    return submit(rt, reqs, tensor_results(outs, [], single, [t.device for t in tensors]))
+
+
+def reducescatter_into_async(
+    tensor: torch.Tensor,
+    out: torch.Tensor,
+    name: str,
+    op: ReduceOp,
+    process_set: ProcessSet,
+    prescale_factor: float,
+    postscale_factor: float,
+) -> int:
+    """Reducescatter a 1-D ``tensor`` into ``out`` (the caller's persistent buffer for
+    this rank's block) where the engine can write the result there: a CPU ``tensor`` and
+    a contiguous CPU ``out`` of its dtype and this rank's block size. Otherwise (a CUDA or
+    compressed ``tensor``) into a new tensor, as ``reducescatter_async``."""
+    n, me = len(process_set.ranks), process_set.rank()
+    fits = (
+        tensor.dim() == 1
+        and tensor.device.type == out.device.type == "cpu"
+        and out.dtype == tensor.dtype
+        and out.is_contiguous()
+        and out.shape == (block_counts(tensor.shape[0], n)[me],)
+    )
+    given = out if fits else None
+    return start_reducescatter([tensor], name, op, prescale_factor, postscale_factor, process_set, True, given)

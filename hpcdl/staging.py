@@ -1,0 +1,114 @@
+"""Tensor staging: torch tensors as numpy views for the engine, and results back as tensors.
+
+CPU tensors reach the array layer without a copy when contiguous (bfloat16 and bool
+through a view of the same memory). CUDA tensors are staged through pinned host memory,
+as Horovod does over an MPI that is not CUDA-aware: the request carries a host copy,
+reduced in place, and the result is copied back to the tensor's device when the handle
+is synchronized.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+
+__all__ = [
+    "REDUCIBLE",
+    "MOVABLE",
+    "to_numpy",
+    "to_torch",
+    "dtype_name",
+    "host_source",
+    "is_private",
+    "home",
+    "check_tensor",
+    "tensor_list",
+]
+
+REDUCIBLE = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+)
+"""Dtypes the reductions take."""
+
+MOVABLE = (*REDUCIBLE, torch.bool)
+"""Dtypes the collectives that only move data take."""
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of the contiguous CPU tensor ``t`` (no copy)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8).numpy()
+    return t.numpy()
+
+
+def to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``dtype`` over the numpy array ``a`` (no copy)."""
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    if dtype == torch.bool:
+        return torch.from_numpy(a).view(torch.bool)
+    return torch.from_numpy(a)
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    """The torch dtype's name without ``torch.`` (what signatures carry)."""
+    return str(t.dtype).removeprefix("torch.")
+
+
+def host_source(t: Any, what: str) -> torch.Tensor:
+    """``t`` detached and contiguous in host memory: ``t`` itself when it is a contiguous
+    CPU tensor, else a private copy. A CUDA tensor's copy goes to pinned memory (torch's
+    caching host allocator reuses freed blocks, so a training loop's staging buffers are
+    not faulted in afresh each step); it waits for the kernels that write ``t``. A tensor
+    on another device comes back as it is, for :func:`check_tensor` to refuse."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} takes a torch.Tensor, not {type(t).__name__}")
+    t = t.detach()
+    if t.device.type == "cuda":
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t)
+    return t.contiguous()
+
+
+def is_private(src: torch.Tensor, t: torch.Tensor) -> bool:
+    """True when :func:`host_source` copied ``t`` (so the engine may write into ``src``)."""
+    return src.device != t.device or src.data_ptr() != t.data_ptr()
+
+
+def home(out: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``out`` on ``device`` (the device of the tensor it answers)."""
+    return out if out.device == device else out.to(device)
+
+
+def check_tensor(t: torch.Tensor, kind: str, allowed: tuple[torch.dtype, ...]) -> str | None:
+    """The problem with ``t`` for ``kind`` (it travels to every rank), or None."""
+    if t.device.type != "cpu":
+        return f"tensor on {t.device}: hpcdl moves CPU and CUDA tensors only"
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        return f"{kind} does not support dtype {dtype_name(t)}; use one of: {names}"
+    return None
+
+
+def tensor_list(tensors: Any, what: str) -> list[torch.Tensor]:
+    """Check (before any name is taken) that ``tensors`` is a non-empty list of tensors."""
+    ts = list(tensors)
+    if not ts:
+        raise ValueError(f"{what} needs at least one tensor")
+    for t in ts:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what} takes torch.Tensor arguments, not {type(t).__name__}")
+    return ts
