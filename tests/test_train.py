@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 
+import hpcdl as hvd
 from hpcdl.train import checkpoint as ckpt
 from hpcdl.train.config import ConfigError, TrainConfig, parse_config
 from hpcdl.train.data import ShardedOrder, corpus, digits, eval_indices
@@ -55,6 +56,29 @@ def test_precedence_defaults_file_environment_flags(tmp_path):
     cfg = parse_config(["--config", str(yml)], environ={})
     assert (cfg.model, cfg.n_layer, cfg.precision, cfg.lr) == ("gpt", 3, "bf16", 1.0)
     assert cfg == TrainConfig(model="gpt", n_layer=3, precision="bf16", lr=1.0)
+
+
+def test_the_runtime_section_reads_file_environment_and_flags(tmp_path):
+    """The runtime's hpcdl.Config is one nested section: [runtime] in the file, the
+    runtime's own HPCDL_<FIELD> variables, then flags; a runtime field has no mirror here."""
+    toml = tmp_path / "c.toml"
+    toml.write_text('epochs = 2\n[runtime]\nfusion_threshold = 1000\nbucket-bytes = 2048\ncycle_time = 2\n')
+    cfg = parse_config(["--config", str(toml)], environ={})
+    assert cfg.runtime == hvd.Config(fusion_threshold=1000, bucket_bytes=2048, cycle_time=2.0)
+    env = {"HPCDL_BUCKET_BYTES": "4096", "HPCDL_SHM_DOORBELL": "off"}
+    cfg = parse_config(["--config", str(toml)], environ=env)
+    assert (cfg.runtime.fusion_threshold, cfg.runtime.bucket_bytes, cfg.runtime.shm_doorbell) == (1000, 4096, False)
+    cfg = parse_config(["--config", str(toml), "--bucket-bytes", "512", "--shm-doorbell"], environ=env)
+    assert (cfg.runtime.bucket_bytes, cfg.runtime.shm_doorbell, cfg.epochs) == (512, True, 2)
+    assert parse_config([], environ={}).runtime == hvd.Config()
+    assert cfg.to_dict()["runtime"]["bucket_bytes"] == 512  # config.json holds the section
+    with pytest.raises(ConfigError, match=r"bucket_bytes=0 must be > 0"):
+        parse_config(["--bucket-bytes", "0"], environ={})
+    with pytest.raises(ConfigError, match=r"unknown field 'fusion_treshold'; did you mean 'fusion_threshold'"):
+        (tmp_path / "bad.toml").write_text("[runtime]\nfusion_treshold = 1\n")
+        parse_config(["--config", str(tmp_path / "bad.toml")], environ={})
+    with pytest.raises(ConfigError, match=r"HPCDL_FUSION_TRESHOLD"):
+        parse_config([], environ={"HPCDL_FUSION_TRESHOLD": "1"})
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,11 @@
 precedence) its defaults, an optional TOML or YAML file, ``HPCDL_TRAIN_<FIELD>``
 environment variables and command-line flags ``--<field-with-dashes>``.
 
+The runtime's own configuration (:class:`hpcdl.Config`: fusion, buckets, cycle time,
+stall inspector, ...) is the nested section ``runtime``: a ``[runtime]`` table in the
+file, the runtime's ``HPCDL_<FIELD>`` variables, and a flag ``--<field-with-dashes>``
+for each of its fields but ``timeline`` (the job's ``--timeline`` records the training).
+
 Every value is checked before any rank starts work; a bad one raises :class:`ConfigError`
 naming the field (or flag, variable, file key) and the values it accepts.
 """
@@ -18,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from collectives.config import BOOLS, register_env_names
+from hpcdl.config import Config, load_config
+from hpcdl.errors import HpcdlError
 
 __all__ = ["TrainConfig", "ConfigError", "parse_config", "ENV_PREFIX"]
 
@@ -55,8 +62,9 @@ class TrainConfig:
     momentum: float = _field(0.9, "SGD momentum", min=0.0)
     weight_decay: float = _field(0.0, "weight decay (decoupled for adamw)", min=0.0)
     zero: Literal[0, 1, 2] = _field(0, "0: DistributedOptimizer; 1 or 2: ZeroOptimizer of that stage")
-    fusion_threshold: int = _field(
-        -1, "engine fusion buffer in bytes (-1: the runtime's, HPCDL_FUSION_THRESHOLD)", min=-1
+    runtime: Config = dataclasses.field(
+        default_factory=Config,
+        metadata={"help": "the hpcdl runtime's configuration (hpcdl.Config: fusion, buckets, engine)"},
     )
     # where and how precisely
     device: Literal["auto", "cpu", "cuda"] = _field(
@@ -89,9 +97,13 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Check every field's type, range and choices, then the relations between them."""
+        if not isinstance(self.runtime, Config):
+            raise ConfigError(f"runtime={self.runtime!r} must be an hpcdl.Config")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             kind = _HINTS[f.name]
+            if kind is Config:
+                continue
             if typing.get_origin(kind) is Literal:
                 if value not in typing.get_args(kind) or type(value) is bool:
                     raise ConfigError(f"{f.name}={value!r} is not accepted; choose one of {_choices(kind)}")
@@ -142,14 +154,19 @@ def _kind_words(kind: type) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[kind]
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig) if f.name != "runtime"}
 _HINTS = typing.get_type_hints(TrainConfig)
+_RUNTIME_HINTS = typing.get_type_hints(Config)
+_RUNTIME_DEFAULTS = Config()
+_RUNTIME_FLAGS = [name for name in _RUNTIME_HINTS if name not in _FIELDS]
+"""Runtime fields that have a flag of their own (``timeline`` is the job's)."""
 register_env_names(ENV_PREFIX + name.upper() for name in _FIELDS)
 
 
-def _convert(name: str, raw: Any, where: str) -> Any:
-    """``raw`` (text from a flag or variable, or a value from a file) as field ``name``'s type."""
-    kind = _HINTS[name]
+def _convert(name: str, raw: Any, where: str, hints: Mapping[str, Any] = _HINTS) -> Any:
+    """``raw`` (text from a flag or variable, or a value from a file) as field ``name``'s type
+    (``hints``: the field types of :class:`TrainConfig`, or of the runtime section)."""
+    kind = hints[name]
     if typing.get_origin(kind) is Literal:
         choices = typing.get_args(kind)
         for c in choices:
@@ -172,9 +189,9 @@ def _convert(name: str, raw: Any, where: str) -> Any:
         raise ConfigError(f"{where}={raw!r}: {name} must be {accepted}") from None
 
 
-def _unknown(name: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(name, sorted(_FIELDS), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(sorted(_FIELDS))}"
+def _unknown(name: str, where: str, known: Sequence[str] = (*_FIELDS, "runtime")) -> ConfigError:
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; known fields: {', '.join(sorted(known))}"
     return ConfigError(f"{where}: unknown field {name!r}{hint}")
 
 
@@ -217,12 +234,21 @@ def _parser() -> argparse.ArgumentParser:
         flag = "--" + name.replace("_", "-")
         kind = _HINTS[name]
         default = f.default
-        text = f"{f.metadata['help']} (default: {default!r})"
+        text = f"{f.metadata['help']} (default: {default!r})".replace("%", "%%")  # argparse formats help with %
         if kind is bool:
             p.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
             metavar = "{" + ",".join(str(c) for c in typing.get_args(kind)) + "}" if typing.get_origin(kind) else None
             p.add_argument(flag, dest=name, default=None, metavar=metavar, help=text)
+    group = p.add_argument_group(
+        "runtime", "hpcdl.Config, the runtime's section: also HPCDL_<FIELD> variables or a [runtime] table in --config"
+    )
+    for name in _RUNTIME_FLAGS:
+        flag = "--" + name.replace("_", "-")
+        text = f"HPCDL_{name.upper()} (default: {getattr(_RUNTIME_DEFAULTS, name)!r})"
+        kw: dict[str, Any] = {"action": argparse.BooleanOptionalAction} if _RUNTIME_HINTS[name] is bool else {}
+        metavar = None if kw else name.upper()
+        group.add_argument(flag, dest="runtime." + name, default=None, metavar=metavar, help=text, **kw)
     return p
 
 
@@ -239,8 +265,12 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     p.__class__ = _Parser  # errors raise ConfigError instead of exiting
     ns = p.parse_args(argv)
     values: dict[str, Any] = {}
+    runtime: dict[str, Any] = {}
     if ns.config:
         for key, raw in _read_file(ns.config).items():
+            if key == "runtime":
+                runtime.update(_runtime_table(raw, ns.config))
+                continue
             if key not in _FIELDS:
                 raise _unknown(key, f"config file {ns.config!r}")
             values[key] = _convert(key, raw, f"{key} in {ns.config}")
@@ -255,9 +285,37 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
         if raw is not None:
             values[name] = _convert(name, raw, "--" + name.replace("_", "-"))
     try:
+        from_env = load_config(env)  # the runtime's HPCDL_<FIELD> variables
+    except HpcdlError as exc:
+        raise ConfigError(str(exc)) from None
+    for name in _RUNTIME_HINTS:
+        if getattr(from_env, name) != getattr(_RUNTIME_DEFAULTS, name):
+            runtime[name] = getattr(from_env, name)
+    for name in _RUNTIME_FLAGS:
+        raw = getattr(ns, "runtime." + name)
+        if raw is not None:
+            runtime[name] = _convert(name, raw, "--" + name.replace("_", "-"), _RUNTIME_HINTS)
+    try:
+        values["runtime"] = Config(**runtime)
+    except HpcdlError as exc:
+        raise ConfigError(f"runtime: {exc}") from None
+    try:
         return TrainConfig(**values)
     except ConfigError as exc:
         raise ConfigError(f"{exc} (from {_origin(exc, values, ns)})") from None
+
+
+def _runtime_table(table: Any, path: str) -> dict[str, Any]:
+    """The ``[runtime]`` table of a config file, converted to the runtime's field types."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"config file {path!r}: runtime must be a table of hpcdl.Config field = value")
+    out = {}
+    for key, raw in table.items():
+        name = str(key).replace("-", "_")
+        if name not in _RUNTIME_HINTS:
+            raise _unknown(name, f"config file {path!r}, runtime table", list(_RUNTIME_HINTS))
+        out[name] = _convert(name, raw, f"runtime.{name} in {path}", _RUNTIME_HINTS)
+    return out
 
 
 def _origin(exc: ConfigError, values: dict[str, Any], ns: argparse.Namespace) -> str:

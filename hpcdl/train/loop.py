@@ -4,7 +4,6 @@ data-parallel over the world, evaluate, checkpoint, and write the run directory.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import math
 import os
@@ -16,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 import hpcdl as hvd
-from hpcdl.config import load_config
 
 from . import checkpoint as ckpt
 from .config import TrainConfig
@@ -31,11 +29,8 @@ _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.
 
 
 def init_runtime(cfg: TrainConfig) -> None:
-    """Start hpcdl with the job's fusion threshold and check that MPI sees the launcher's tasks."""
-    config = load_config()
-    if cfg.fusion_threshold >= 0:
-        config = dataclasses.replace(config, fusion_threshold=cfg.fusion_threshold)
-    hvd.init(config=config)
+    """Start hpcdl with the job's runtime section and check that MPI sees the launcher's tasks."""
+    hvd.init(config=cfg.runtime)
     check_world(hvd.size())
 
 
