@@ -9,7 +9,7 @@ figure is the median over interleaved rounds (every contender once per round, in
 order). "mpi" is the MPI library called directly through mpi4py; "gloo" is
 ``torch.distributed``. The copy bandwidth is one numpy copy of a 64 MiB array on rank 0.
 
-Bars (from the issue):
+The bars:
   allreduce:      auto <= 1.10 x mpi at every size; <= 0.60 x mpi at every size >= 1 MiB;
                   auto <= 0.33 x gloo at every size; busbw at 16 MiB >= 0.75 x copy bandwidth
   reduce_scatter: auto <= 1.10 x mpi (MPI_Reduce_scatter_block) at every size

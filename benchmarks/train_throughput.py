@@ -26,9 +26,8 @@ time is the slowest rank's. Columns:
   other rows it is what an idle engine costs. With as many busy ranks as cores, every
   millisecond of it is taken from the training step.
 
-The bars (issue 5): hpcdl's step at most 1.10 x the no-communication step and at most
-0.85 x DDP-gloo's; a line for DistributedOptimizer (the issue's hpcdl row) and one for
-ZeroOptimizer(stage=2).
+The bars: hpcdl's step at most 1.10 x the no-communication step and at most 0.85 x
+DDP-gloo's; a line for DistributedOptimizer and one for ZeroOptimizer(stage=2).
 
 A last line per model gives a floor: the CPU time each rank spends allreducing the model's
 gradients alone (``collectives.allreduce`` of each bucket's size, as DistributedOptimizer
@@ -194,7 +193,7 @@ def allreduce_floor(make: Callable[[], torch.nn.Module], reps: int = 20) -> tupl
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
     )
-    sizes = [sum(p.numel() for p in b.params) for b in opt._buckets]
+    sizes = [sum(p.numel() for p in b.params) for b in opt.buckets]
     del opt, model
     world = MPI.COMM_WORLD
     bufs = [np.ones(n, np.float32) for n in sizes]

@@ -164,6 +164,11 @@ class Reducer:
         self._passes_per_step = passes
 
     @property
+    def buckets(self) -> list[Bucket]:
+        """The gradient buckets, in submission order (each with its ``params``)."""
+        return list(self._buckets)
+
+    @property
     def backward_passes_per_step(self) -> int:
         return self._passes_per_step
 
