@@ -59,7 +59,7 @@ def measure(comm: MPI.Comm, bench: str, names: list[str], sizes: list[int], roun
         per: dict[str, list[float]] = {name: [] for name in names}
         for k in range(rounds):
             for name in names[k % len(names) :] + names[: k % len(names)]:
-                per[name].append(osu._stats(comm, osu.osu_loop(comm, cont[name].call, iters, skip))["avg"])
+                per[name].append(osu.stats(comm, osu.osu_loop(comm, cont[name].call, iters, skip))["avg"])
         nccl_bytes = size * comm.size if bench == "allgather" else size
         res = {}
         for name in names:

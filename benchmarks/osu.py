@@ -312,8 +312,9 @@ def osu_loop(comm: MPI.Comm, call: Callable[[], Any], iters: int, skip: int) -> 
     return timer * 1e6 / iters
 
 
-def _stats(comm: MPI.Comm, lat: float) -> dict[str, float]:
-    # every rank learns min/avg/max (OSU reduces onto rank 0; here all need it for rounds)
+def stats(comm: MPI.Comm, lat: float) -> dict[str, float]:
+    """Min, average and max over the ranks of each rank's latency ``lat``, on every rank
+    (OSU reduces onto rank 0; here every rank needs them for the rounds)."""
     return {
         "avg": comm.allreduce(lat, op=MPI.SUM) / comm.size,
         "min": comm.allreduce(lat, op=MPI.MIN),
@@ -339,7 +340,7 @@ def run(args: argparse.Namespace, comm: MPI.Comm | None = None) -> list[dict[str
         for k in range(rounds):
             order = names[k % len(names) :] + names[: k % len(names)]
             for name in order:
-                per[name].append(_stats(comm, osu_loop(comm, cont[name].call, iters, skip)))
+                per[name].append(stats(comm, osu_loop(comm, cont[name].call, iters, skip)))
         results = {}
         nccl_bytes = size * comm.size if args.bench == "allgather" else size
         for name in names:

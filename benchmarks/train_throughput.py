@@ -259,7 +259,7 @@ def measure(model_name: str, rounds: int, steps: int, timeline_steps: int, horov
             with open(path) as fh:
                 trace = json.load(fh)
             os.unlink(path)
-            result["rows"][c]["hidden"] = hidden_share(trace, backward, opt._prefix)
+            result["rows"][c]["hidden"] = hidden_share(trace, backward, opt.name_prefix)
         del model, opt, clock
     result["rows"] = world.bcast(result["rows"], root=0)
     result["params"] = sum(p.numel() for p in make().parameters())

@@ -164,6 +164,11 @@ class Reducer:
         self._passes_per_step = passes
 
     @property
+    def name_prefix(self) -> str:
+        """The prefix of this optimizer's request names (``<prefix>.bucket<i>`` in a timeline)."""
+        return self._prefix
+
+    @property
     def buckets(self) -> list[Bucket]:
         """The gradient buckets, in submission order (each with its ``params``)."""
         return list(self._buckets)
