@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from conftest import ROOT, mpiexec_job, mpiexec_start
 
 import hpcdl as hvd
 from hpcdl.train import checkpoint as ckpt
@@ -22,22 +23,6 @@ from hpcdl.train.config import ConfigError, TrainConfig, parse_config
 from hpcdl.train.data import ShardedOrder, corpus, digits, eval_indices
 from hpcdl.train.launch import check_world, launcher
 from hpcdl.train.models import GPT
-
-MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _job(args: list[str], n: int = 2, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [MPIEXEC, "-n", str(n), sys.executable, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env=env,
-        **kw,
-    )
 
 
 # -- configuration -------------------------------------------------------------------------------
@@ -62,7 +47,7 @@ def test_the_runtime_section_reads_file_environment_and_flags(tmp_path):
     """The runtime's hpcdl.Config is one nested section: [runtime] in the file, the
     runtime's own HPCDL_<FIELD> variables, then flags; a runtime field has no mirror here."""
     toml = tmp_path / "c.toml"
-    toml.write_text('epochs = 2\n[runtime]\nfusion_threshold = 1000\nbucket-bytes = 2048\ncycle_time = 2\n')
+    toml.write_text("epochs = 2\n[runtime]\nfusion_threshold = 1000\nbucket-bytes = 2048\ncycle_time = 2\n")
     cfg = parse_config(["--config", str(toml)], environ={})
     assert cfg.runtime == hvd.Config(fusion_threshold=1000, bucket_bytes=2048, cycle_time=2.0)
     env = {"HPCDL_BUCKET_BYTES": "4096", "HPCDL_SHM_DOORBELL": "off"}
@@ -142,14 +127,14 @@ def test_config_file_must_exist_and_be_toml_or_yaml(tmp_path):
 
 def test_a_bad_value_stops_every_rank_before_work_with_one_message(tmp_path):
     run_dir = tmp_path / "run"
-    proc = _job(["-m", "hpcdl.train", "--optimizer", "rmsprop", "--run-dir", str(run_dir)])
+    proc = mpiexec_job(["-m", "hpcdl.train", "--optimizer", "rmsprop", "--run-dir", str(run_dir)])
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("hpcdl.train: error: --optimizer='rmsprop' is not accepted") == 1, proc.stderr
     assert not run_dir.exists()  # no rank started work
 
 
 def test_dry_run_prints_the_configuration_and_the_rank_layout():
-    proc = _job(["-m", "hpcdl.train", "--dry-run", "--model", "gpt", "--zero", "1"])
+    proc = mpiexec_job(["-m", "hpcdl.train", "--dry-run", "--model", "gpt", "--zero", "1"])
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     resolved = json.loads(out.split("# resolved configuration\n", 1)[1].split("# rank layout")[0])
@@ -319,7 +304,7 @@ def test_an_exception_on_one_rank_ends_the_job_with_its_traceback(tmp_path):
         )
     )
     t0 = time.monotonic()
-    proc = _job([str(script)])
+    proc = mpiexec_job([str(script)])
     assert time.monotonic() - t0 < 60
     assert proc.returncode != 0
     assert "[rank 1] aborting the job after an uncaught exception" in proc.stderr
@@ -340,10 +325,7 @@ def test_a_rank_killed_mid_training_ends_the_job_and_the_checkpoint_resumes(tmp_
         "--checkpoint-every",
         "20",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    job = subprocess.Popen(
-        [MPIEXEC, "-n", "2", sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
+    job = mpiexec_start(args)
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and job.poll() is None:
@@ -366,7 +348,7 @@ def test_a_rank_killed_mid_training_ends_the_job_and_the_checkpoint_resumes(tmp_
     assert steps and steps[-1] < 920
     last = ckpt.load(ckpt.latest(str(run_dir / "checkpoints")))  # intact
     assert last["step"] == steps[-1]
-    proc = _job([*args, "--resume"])
+    proc = mpiexec_job([*args, "--resume"])
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 920 and summary["resumed_from"].endswith(f"step-{steps[-1]:08d}.pt")

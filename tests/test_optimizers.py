@@ -12,17 +12,10 @@ import torch
 
 import hpcdl as hvd
 
-pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.timeout(120), pytest.mark.usefixtures("runtime")]
 
 STEPS = 20
 PER_RANK = 4
-
-
-@pytest.fixture(autouse=True)
-def _runtime():
-    hvd.init()
-    yield
-    hvd.shutdown()
 
 
 def model(seed: int = 0) -> torch.nn.Module:

@@ -15,8 +15,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from test_mpi_hpcdl_ops import close, data, everyone, expected_reduce
-from test_mpi_train import run_dir  # noqa: F401 - a fixture: a directory every rank sees
+from tensors import close, data, everyone, expected_reduce
 
 import hpcdl as hvd
 from hpcdl.train import TrainConfig, run
@@ -27,13 +26,8 @@ pytestmark = [
     pytest.mark.mpi(min_size=1),
     pytest.mark.timeout(600),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device"),
+    pytest.mark.usefixtures("shutdown_after"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _runtime():
-    yield
-    hvd.shutdown()
 
 
 @pytest.fixture()
@@ -202,7 +196,7 @@ def test_fp16_loss_scaling_skips_the_same_step_on_every_rank(dev):
     assert all(o == mine for o in hvd.allgather_object(mine))
 
 
-def test_train_fp16_on_cuda_reaches_the_accuracy_bar(run_dir):  # noqa: F811
+def test_train_fp16_on_cuda_reaches_the_accuracy_bar(run_dir):
     summary = run(TrainConfig(device="cuda", precision="fp16", run_dir=run_dir, progress=False))
     assert summary["device"].startswith("cuda") and summary["final"]["accuracy"] >= 0.97, summary
     if hvd.rank() == 0:
@@ -210,7 +204,7 @@ def test_train_fp16_on_cuda_reaches_the_accuracy_bar(run_dir):  # noqa: F811
         assert 0 < saved["scaler"]["scale"] and len(saved["cuda_rng"]) == hvd.size()
 
 
-def test_a_resumed_cuda_fp16_run_ends_where_an_uninterrupted_one_does(run_dir):  # noqa: F811
+def test_a_resumed_cuda_fp16_run_ends_where_an_uninterrupted_one_does(run_dir):
     base = dict(device="cuda", precision="fp16", model="cnn", batch_size=64, checkpoint_every=4, keep_checkpoints=1)
     base.update(max_steps=14, progress=False)
     whole = run(TrainConfig(run_dir=os.path.join(run_dir, "whole"), **base))

@@ -16,19 +16,12 @@ import collectives as C
 import hpcdl as hvd
 from collectives import node as _node
 from collectives.context import get_context
-from hpcdl.state import current as _st
 from hpcdl.engine.doorbell import MPIDoorbell, ShmDoorbell
+from hpcdl.state import current as _st
 
-pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(120), pytest.mark.usefixtures("clean_runtime")]
 
 WORLD = MPI.COMM_WORLD
-
-
-@pytest.fixture(autouse=True)
-def _runtime():
-    hvd.shutdown()
-    yield
-    hvd.shutdown()
 
 
 @pytest.mark.parametrize("shm", [True, False], ids=["shm", "mpi"])

@@ -1,4 +1,5 @@
-"""Every collective and algorithm against a numpy reference, under mpiexec -n 2, 3, 4."""
+"""Every collective and algorithm against a numpy reference, under mpiexec -n 2, 3, 4; one
+rank's calls in one process; the block counts, fold and average the algorithms share."""
 
 from __future__ import annotations
 
@@ -10,9 +11,8 @@ from reference import COUNTS, DTYPES, OPS, check_close, digest, expected, make_i
 import collectives as C
 from collectives.config import Config
 from collectives.context import get_context
-from collectives.layout import block_counts, offsets
-
-pytestmark = pytest.mark.mpi(min_size=2)
+from collectives.layout import Fold, block_counts, offsets
+from collectives.ops import finalize
 
 WORLD = MPI.COMM_WORLD
 
@@ -28,6 +28,45 @@ def fresh(**cfg) -> MPI.Comm:
     return comm
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_rank_calls_return_their_input(dtype):
+    x = make_input(0, 11, dtype, "sum").reshape(11, 1)
+    for op in OPS:
+        for alg in C.algorithms("allreduce"):
+            assert digest(C.allreduce(x, op=op, algorithm=alg)) == digest(x)
+    assert digest(C.reduce_scatter(x)) == digest(x.reshape(-1))
+    assert digest(C.allgather(x)) == digest(x)
+    assert digest(C.broadcast(x)) == digest(x)
+    assert digest(C.reduce(x)) == digest(x)
+    assert digest(C.alltoall(x)) == digest(x)
+    assert digest(C.iallreduce(x).wait()) == digest(x)
+    assert C.iallgather(x).test()
+
+
+def test_integer_average_truncates_toward_zero():
+    buf = np.array([7, -7, 6, -6, 0], np.int32)
+    finalize(buf, "avg", 4)
+    assert buf.tolist() == [1, -1, 1, -1, 0]
+
+
+def test_block_counts_follow_mpich():
+    assert block_counts(10, 4) == (3, 3, 2, 2)
+    assert block_counts(2, 3) == (1, 1, 0)
+    assert block_counts(0, 2) == (0, 0)
+
+
+@pytest.mark.parametrize("n", range(1, 12))
+def test_fold_maps_every_rank_once(n):
+    folds = [Fold(r, n) for r in range(n)]
+    news = sorted(f.new for f in folds if f.new >= 0)
+    assert news == list(range(folds[0].p))
+    for f in folds:
+        if f.new >= 0:
+            assert f.actual(f.new) == f.rank
+    assert [folds[0].first(k) for k in range(folds[0].p + 1)][-1] == n
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("alg", C.algorithms("allreduce"))
 def test_allreduce_every_op_dtype_count(alg):
     n, r = WORLD.size, WORLD.rank
@@ -41,6 +80,7 @@ def test_allreduce_every_op_dtype_count(alg):
                 assert same_on_every_rank(WORLD, got), what
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("alg", C.algorithms("reduce_scatter"))
 def test_reduce_scatter_every_op_dtype_count(alg):
     n, r = WORLD.size, WORLD.rank
@@ -57,6 +97,7 @@ def test_reduce_scatter_every_op_dtype_count(alg):
                 assert digest(out) == digest(got), f"out= {alg} {op} {dtype} {count}"
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("alg", C.algorithms("allgather"))
 def test_allgather_uneven_first_dimension(alg):
     n, r = WORLD.size, WORLD.rank
@@ -70,6 +111,7 @@ def test_allgather_uneven_first_dimension(alg):
             assert digest(out) == digest(got), ("out=", alg, dtype, rows)
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("alg", C.algorithms("allgather"))
 def test_allgather_of_a_block_of_out_itself(alg):
     """``x`` may already be this rank's block of ``out`` (ZeroOptimizer's flat parameters):
@@ -85,6 +127,7 @@ def test_allgather_of_a_block_of_out_itself(alg):
             assert digest(out) == digest(np.concatenate(inputs)), (alg, dtype, count)
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("alg", C.algorithms("broadcast"))
 def test_broadcast_from_every_root(alg):
     n, r = WORLD.size, WORLD.rank
@@ -96,6 +139,7 @@ def test_broadcast_from_every_root(alg):
                 assert digest(got) == digest(make_input(root, count, dtype, "sum").reshape(count, 1))
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("alg", C.algorithms("reduce"))
 def test_reduce_onto_every_root(alg):
     n, r = WORLD.size, WORLD.rank
@@ -110,6 +154,7 @@ def test_reduce_onto_every_root(alg):
                     assert got is None
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("alg", C.algorithms("alltoall"))
 def test_alltoall_with_and_without_splits(alg):
     n, r = WORLD.size, WORLD.rank
@@ -133,6 +178,7 @@ def test_alltoall_with_and_without_splits(alg):
     assert np.array_equal(got, np.concatenate(parts))
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("alg", [a for a in C.algorithms("allreduce") if a != "auto"])
 def test_large_allreduce_segmented_and_chunked(alg):
     # small segments and a small window make the pipelining and chunking paths run
@@ -146,6 +192,7 @@ def test_large_allreduce_segmented_and_chunked(alg):
     comm.Free()
 
 
+@pytest.mark.mpi(min_size=2)
 def test_shm_one_step_and_chunked_paths_of_every_collective():
     # tiny slots and chunks: counts below run in one step through the slots, the rest in
     # one chunk or many; every dtype, several ops, and inputs that are 2-D or strided
@@ -212,6 +259,7 @@ ONE_STEP = {
 }
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("coll", list(ONE_STEP))
 def test_fast_path_meets_general_path_and_nonblocking_peers(coll):
     # rank 0 takes the one-step fast path; the others reach the same call through the
@@ -250,6 +298,7 @@ def test_fast_path_meets_general_path_and_nonblocking_peers(coll):
     comm.Free()
 
 
+@pytest.mark.mpi(min_size=2)
 def test_fast_allgather_with_uneven_rows_finishes_on_the_general_path():
     # every rank small, row counts differ: the one-step attempt hands over after agreement
     comm = fresh()
@@ -265,6 +314,7 @@ def test_fast_allgather_with_uneven_rows_finishes_on_the_general_path():
     comm.Free()
 
 
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("per_node", [1, 2, 3])
 @pytest.mark.parametrize("alg", ["hierarchical", "shm"])
 def test_simulated_nodes(per_node, alg):
@@ -283,6 +333,7 @@ def test_simulated_nodes(per_node, alg):
     comm.Free()
 
 
+@pytest.mark.mpi(min_size=2)
 def test_nonblocking_several_in_flight_waited_in_any_order():
     n, r = WORLD.size, WORLD.rank
     algs = ["ring", "native", "shm", "recursive_doubling", "rabenseifner", "hierarchical", "tree"]
@@ -301,6 +352,7 @@ def test_nonblocking_several_in_flight_waited_in_any_order():
     assert bc.test()
 
 
+@pytest.mark.mpi(min_size=2)
 def test_out_in_place_and_non_contiguous_input():
     n, r = WORLD.size, WORLD.rank
     base = [np.arange(60, dtype=np.float64).reshape(6, 10) * (q + 1) for q in range(n)]
@@ -316,6 +368,7 @@ def test_out_in_place_and_non_contiguous_input():
         assert C.allreduce(strided, algorithm=alg, out=out) is out and np.array_equal(out, want.T)
 
 
+@pytest.mark.mpi(min_size=2)
 def test_a_freed_communicators_context_is_never_reused():
     # get_context remembers the last communicator object; freeing it must forget it
     a = WORLD.Dup()

@@ -1,26 +1,46 @@
-"""hpcdl's Horovod basics under mpiexec -n 2, 3, 4: ranks, node layout, init on a subset."""
+"""hpcdl's Horovod basics in one process and under mpiexec -n 2, 3, 4: ranks, node layout,
+init on a subset, what the build reports."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from mpi4py import MPI
 
 import hpcdl as hvd
 from collectives.config import Config
 from collectives.context import get_context
 
-pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(60)]
+pytestmark = pytest.mark.usefixtures("clean_runtime")
 
 WORLD = MPI.COMM_WORLD
 
 
-@pytest.fixture(autouse=True)
-def _clean():
+def test_hpcdl_basics_on_one_rank():
     hvd.shutdown()
-    yield
+    assert not hvd.is_initialized()
+    with pytest.raises(ValueError, match="not been initialized"):
+        hvd.rank()
+    with pytest.raises(hvd.HpcdlError, match="list of ranks"):
+        hvd.init(comm="world")
+    with pytest.raises(hvd.HpcdlError, match=r"distinct world ranks in \[0, 1\)"):
+        hvd.init([0, 1])
+    hvd.init([0])
+    assert (hvd.rank(), hvd.size(), hvd.local_rank(), hvd.local_size()) == (0, 1, 0, 1)
+    assert (hvd.cross_rank(), hvd.cross_size(), hvd.is_homogeneous()) == (0, 1, True)
+    assert hvd.mpi_built() and hvd.mpi_enabled() and not hvd.nccl_built() and not hvd.gloo_built()
+    assert hvd.cuda_built() is (torch.version.cuda is not None)
+    assert isinstance(hvd.mpi_threads_supported(), bool)
+    assert hvd.HorovodInternalError is hvd.HpcdlError and issubclass(hvd.HpcdlError, RuntimeError)
     hvd.shutdown()
+    hvd.init()
+    assert hvd.size() == 1
+    hvd.shutdown()
+    assert not hvd.is_initialized()
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
 def test_ranks_and_node_layout_match_mpi():
     hvd.init()
     assert hvd.is_initialized()
@@ -35,6 +55,8 @@ def test_ranks_and_node_layout_match_mpi():
     assert hvd.size() == WORLD.size
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
 def test_simulated_nodes_give_local_and_cross_ranks():
     # two ranks per simulated node: local = rank % 2, cross = rank // 2
     comm = WORLD.Dup()
@@ -49,6 +71,8 @@ def test_simulated_nodes_give_local_and_cross_ranks():
     comm.Free()
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
 def test_init_on_a_list_of_ranks():
     members = list(range(1, WORLD.size))
     if WORLD.rank == 0:
@@ -61,6 +85,8 @@ def test_init_on_a_list_of_ranks():
     WORLD.Barrier()
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
 def test_init_with_lists_that_differ_raises_on_every_rank():
     ranks = [0, 1] if WORLD.rank != 1 else [1, 0]
     with pytest.raises(hvd.HorovodInternalError, match=r"ranks \[1\] passed a different list"):
@@ -68,6 +94,8 @@ def test_init_with_lists_that_differ_raises_on_every_rank():
     assert not hvd.is_initialized()
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "args, message",
     [

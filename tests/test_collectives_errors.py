@@ -1,4 +1,5 @@
-"""Mismatches between ranks and bad input raise on every rank, quickly, and nothing hangs."""
+"""Bad input raises a specific error that says what to do; under mpiexec, mismatches between
+ranks and bad input raise on every rank, quickly, and nothing hangs."""
 
 from __future__ import annotations
 
@@ -10,8 +11,6 @@ import collectives as C
 from collectives.config import Config
 from collectives.context import get_context
 
-pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(60)]
-
 WORLD = MPI.COMM_WORLD
 
 
@@ -20,6 +19,37 @@ def still_usable():
     assert np.array_equal(got, np.full(3, WORLD.size))
 
 
+@pytest.mark.parametrize(
+    "exc, call",
+    [
+        (C.UnsupportedDtypeError, lambda: C.allreduce(np.zeros(3, np.complex128))),
+        (C.UnsupportedDtypeError, lambda: C.allreduce(np.array(["a"]))),
+        (C.UnsupportedOpError, lambda: C.allreduce(np.zeros(3), op="mean")),
+        (C.UnknownAlgorithmError, lambda: C.allreduce(np.zeros(3), algorithm="butterfly")),
+        (C.UnknownAlgorithmError, lambda: C.broadcast(np.zeros(3), algorithm="ring")),
+        (C.InvalidRootError, lambda: C.broadcast(np.zeros(3), root=1)),
+        (C.InvalidRootError, lambda: C.reduce(np.zeros(3), root=-1)),
+        (C.OutputMismatchError, lambda: C.allreduce(np.zeros(3), out=np.zeros(4))),
+        (C.OutputMismatchError, lambda: C.allreduce(np.zeros(3), out=np.zeros(3, np.float32))),
+        (C.OutputMismatchError, lambda: C.allreduce(np.zeros((3, 2)), out=np.zeros((2, 3)).T)),
+        (C.InvalidArgumentError, lambda: C.allgather(np.float64(1.0))),
+        (C.InvalidArgumentError, lambda: C.alltoall(np.zeros(4), splits=[3])),
+    ],
+)
+def test_bad_input_raises_specific_error(exc, call):
+    with pytest.raises(exc):
+        call()
+
+
+def test_error_messages_say_what_to_do():
+    with pytest.raises(C.UnsupportedOpError, match="sum, avg, min, max, prod"):
+        C.allreduce(np.zeros(1), op="mean")
+    with pytest.raises(C.UnknownAlgorithmError, match="ring"):
+        C.allreduce(np.zeros(1), algorithm="rign")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "field, call",
     [
@@ -44,6 +74,8 @@ def test_mismatch_raises_on_every_rank_naming_field_and_ranks(field, call):
     still_usable()
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "exc, call",
     [
@@ -75,6 +107,8 @@ def test_bad_input_raises_on_every_rank(exc, call, everywhere):
     still_usable()
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("rows", [3, 100000])
 def test_allgather_out_with_wrong_rows_raises_on_every_rank(rows):
     # the rows are only known after agreement: every rank checks every rank's out, whether
@@ -93,6 +127,8 @@ def test_allgather_out_with_wrong_rows_raises_on_every_rank(rows):
     still_usable()
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("coll", ["reduce_scatter", "allgather", "broadcast", "reduce"])
 @pytest.mark.parametrize("everywhere", [False, True])
 def test_shm_across_nodes_raises_on_every_rank(coll, everywhere):

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
 import pytest
 import torch
 import torch.nn.functional as F
-from mpi4py import MPI
 
 import hpcdl as hvd
 from hpcdl.train import TrainConfig, run
@@ -21,24 +18,7 @@ from hpcdl.train.data import ShardedOrder, digits
 from hpcdl.train.loop import Trainer
 from hpcdl.train.models import DigitsMLP
 
-pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
-
-WORLD = MPI.COMM_WORLD
-
-
-@pytest.fixture()
-def run_dir():
-    path = WORLD.bcast(tempfile.mkdtemp(prefix="hpcdl-train-") if WORLD.rank == 0 else None)
-    yield path
-    WORLD.Barrier()
-    if WORLD.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(autouse=True)
-def _runtime():
-    yield
-    hvd.shutdown()
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240), pytest.mark.usefixtures("shutdown_after")]
 
 
 def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -50,7 +30,7 @@ def test_training_equals_one_process_on_the_concatenated_batches(run_dir):
     steps equal one process stepping on every rank's batches at once."""
     cfg = TrainConfig(
         model="mlp",
-        device="cpu",  # the reference runs on the CPU (tests/test_mpi_cuda.py covers CUDA)
+        device="cpu",  # the reference runs on the CPU (tests/test_cuda.py covers CUDA)
         optimizer="sgd",
         lr=0.05,
         lr_scaling="none",

@@ -1,0 +1,69 @@
+"""The command-line entry points: sizes with suffixes, usage errors that end every rank of a
+job without a traceback, and an uncaught exception on one rank aborting the whole job."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+
+import pytest
+from conftest import mpiexec_job
+
+
+def test_parse_size_reads_suffixes_and_names_bad_text():
+    import argparse
+
+    from collectives.cli import parse_size, parse_sizes
+
+    assert [parse_size(t) for t in ("4", " 64k ", "16M", "1G")] == [4, 64 << 10, 16 << 20, 1 << 30]
+    assert parse_sizes("4,1K,1M") == [4, 1024, 1 << 20]
+    for bad in ("4Q", "", "M", "-4", "1.5M", "4KK"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"bad size {bad!r}"):
+            parse_size(bad)
+
+
+def test_a_bad_size_on_the_command_line_is_a_usage_error_on_every_rank_without_a_traceback():
+    proc = mpiexec_job(["-m", "benchmarks.torch_allreduce", "--sizes", "4,1Q"])
+    assert proc.returncode == 2, proc.stderr
+    assert "torch_allreduce.py: error: argument --sizes: bad size '1Q'" in proc.stderr
+    assert "exited with status 2: ending the job" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_torch_allreduce_benchmark_refuses_cuda_without_a_gpu_and_ends_the_job():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a CUDA device here")
+    proc = mpiexec_job(["-m", "benchmarks.torch_allreduce", "--device", "cuda"])
+    # every rank fails the same check before any MPI call; run_main aborts the job on the
+    # first, which may stop the other before it prints
+    assert proc.returncode == 2, proc.stderr
+    assert "torch_allreduce.py: error: --device cuda: torch sees no CUDA device here" in proc.stderr
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import numpy as np
+    from mpi4py import MPI
+    import collectives as C
+    from collectives.cli import run_main
+
+    def main():
+        if MPI.COMM_WORLD.rank == 1:
+            raise RuntimeError("rank one gives up")
+        C.allreduce(np.ones(4))  # rank 0 would wait here forever
+
+    run_main(main)
+    """
+)
+
+
+def test_uncaught_exception_on_one_rank_aborts_the_whole_job(tmp_path):
+    script = tmp_path / "dies.py"
+    script.write_text(SCRIPT)
+    start = time.monotonic()
+    proc = mpiexec_job([str(script)])
+    assert time.monotonic() - start < 60
+    assert proc.returncode != 0
+    assert "rank one gives up" in proc.stderr and "Traceback" in proc.stderr

@@ -1,0 +1,49 @@
+"""Configuration from the environment: collectives' and hpcdl's Config name the bad variable
+or value, suggest the name meant, and (hpcdl, under mpiexec) a bad configuration on one
+rank fails init on every rank."""
+
+from __future__ import annotations
+
+import pytest
+from mpi4py import MPI
+
+import collectives as C
+import hpcdl as hvd
+from collectives.config import Config, load_config
+
+WORLD = MPI.COMM_WORLD
+
+
+def test_config_reads_env_and_rejects_unknown_names():
+    cfg = load_config({"HPCDL_SEGMENT_BYTES": "4096", "HPCDL_RANKS_PER_NODE": "2", "PATH": "/bin"})
+    assert cfg.segment_bytes == 4096 and cfg.ranks_per_node == 2
+    with pytest.raises(C.ConfigError, match="did you mean HPCDL_RANKS_PER_NODE"):
+        load_config({"HPCDL_RANK_PER_NODE": "2"})
+    with pytest.raises(C.ConfigError, match="not an integer"):
+        load_config({"HPCDL_SHM_BYTES": "lots"})
+    with pytest.raises(C.ConfigError, match="ranks_per_node=-1"):
+        Config(ranks_per_node=-1)
+    with pytest.raises(C.ConfigError, match="does not exist"):
+        Config(tuning_file="/nonexistent/table.json")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("clean_runtime")
+def test_configuration_errors_are_specific():
+    with pytest.raises(hvd.HpcdlError, match="did you mean HPCDL_FUSION_THRESHOLD"):
+        hvd.config.load_config({"HPCDL_FUSION_THRESHOLDS": "1"})
+    with pytest.raises(hvd.HpcdlError, match="HPCDL_CYCLE_TIME='fast' is not a float"):
+        hvd.config.load_config({"HPCDL_CYCLE_TIME": "fast"})
+    with pytest.raises(hvd.HpcdlError, match="HPCDL_STALL_CHECK_DISABLE='maybe' is not one of"):
+        hvd.config.load_config({"HPCDL_STALL_CHECK_DISABLE": "maybe"})
+    with pytest.raises(hvd.HpcdlError, match="stall_shutdown_time_seconds=-1"):
+        hvd.Config(stall_shutdown_time_seconds=-1)
+    cfg = hvd.config.load_config(
+        {"HPCDL_CYCLE_TIME": "2.5", "HPCDL_TIMELINE": "/tmp/x.json", "HPCDL_RANKS_PER_NODE": "0"}
+    )
+    assert (cfg.cycle_time, cfg.timeline) == (2.5, "/tmp/x.json")
+    # a bad environment on one rank only: every rank's init raises, naming it
+    with pytest.raises(hvd.HpcdlError, match="rank 1: init"):
+        hvd.init(config="not a config" if WORLD.rank == 1 else None)
+    assert not hvd.is_initialized()

@@ -1,0 +1,56 @@
+"""Algorithm selection: the algorithms each collective offers, the tuning table's lookup,
+the shipped table, and what ``auto`` picks."""
+
+from __future__ import annotations
+
+import pytest
+
+import collectives as C
+from collectives.select import _rules, choose
+
+
+def test_algorithms_list_native_and_auto():
+    for coll in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall"):
+        names = C.algorithms(coll)
+        assert "native" in names and names[-1] == "auto"
+    assert {"ring", "tree", "recursive_doubling", "rabenseifner", "hierarchical", "shm"} <= set(
+        C.algorithms("allreduce")
+    )
+    with pytest.raises(ValueError):
+        C.algorithms("scan")
+
+
+def test_tuning_rules_lookup_exact_then_nearest_then_default():
+    table = {
+        "tables": [
+            {"collective": "allreduce", "size": 2, "nodes": 1, "rules": [[100, "tree"], [None, "ring"]]},
+            {"collective": "allreduce", "size": 8, "nodes": 1, "rules": [[None, "rabenseifner"]]},
+        ]
+    }
+    assert _rules(table, "allreduce", 2, 1)[0][1] == "tree"
+    assert _rules(table, "allreduce", 3, 1)[0][1] == "tree"
+    assert _rules(table, "allreduce", 7, 1)[0][1] == "rabenseifner"
+    assert _rules(table, "allreduce", 4, 2)[0][1] == "recursive_doubling"  # no multi-node table: defaults
+
+
+def test_shipped_table_names_only_registered_algorithms():
+    from collectives.select import REGISTRY, load_table
+
+    table = load_table()
+    assert table["tables"], "the package must ship a measured tuning table"
+    for entry in table["tables"]:
+        for _limit, name in entry["rules"]:
+            assert name in REGISTRY[entry["collective"]], entry
+
+
+def test_auto_never_picks_native_without_mpi():
+    class Fake:
+        comm = None
+        size = 2
+
+    class Ctx:
+        transport = Fake()
+
+    for coll in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall"):
+        for nbytes in (4, 1 << 30):
+            assert choose(Ctx(), coll, nbytes) != "native"
