@@ -1,4 +1,5 @@
-"""Entry points for callers that have agreed a call's arguments across ranks already.
+"""Entry points for runtimes built on the collectives, such as hpcdl's engine: calls whose
+arguments the caller agreed across ranks already, and the node channel's polite mode.
 
 The public functions check every call's arguments on every rank before data moves (an
 exchange of signatures). A runtime that negotiates its own requests first, as hpcdl's

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .channel import Channel
 from .config import Config, load_config
-from .node import Channel
 from .transport import MPITransport
 
 __all__ = ["Context", "get_context", "Pending", "Layout"]

@@ -1,264 +1,29 @@
-"""Collectives inside one node through one shared-memory window: the ``shm`` algorithms.
+"""Collectives inside one node through the node channel (:mod:`.channel`): the ``shm``
+algorithms.
 
-Every rank owns one segment of a window shared by the node (MPI-3
-``MPI_Win_allocate_shared``, or plain arrays for the thread transport), laid out as::
-
-    [seq][stage] [slot 0: header | small data] [slot 1: ...] [buffer 0] [buffer 1]
-
-``seq`` counts the calls this rank has *posted*; a call posts its argument signature
-(three int64 words) into slot ``seq % 2``, and for small messages the data too, then
-publishes ``seq``. Once every peer's ``seq`` has reached it, each rank reads all the
-signatures and raises the same error everywhere if they differ; if they agree, a small
-collective is finished in that one step from the slots (each rank reduces or copies what
-it needs, reading every rank's data in rank order, so results are bitwise equal). Two
-slots suffice: a rank can post call ``k + 2`` only after every peer posted ``k + 1``,
-which each does only after it finished reading call ``k``.
-
-Larger messages stream through the two buffers in chunks. ``stage`` is a second counter
-used as a barrier: a rank publishes it and waits until every peer has reached it. The
-allreduce runs one barrier per chunk: after barrier ``i`` every rank copies the reduced
-slices of chunk ``i`` out, reduces its slice of chunk ``i + 1`` and stages chunk ``i + 2``.
-Each rank's buffer is cut into fixed per-rank regions, so what one rank writes and what
-its peers read at the same moment never overlap (the proofs are in the comments below).
-
-Loads and stores are ordered by the window's ``MPI_Win_sync`` around every publication.
-
-A rank waiting for a peer's counter polls it a while (:data:`_SPIN` polls when every rank
-has a core of its own, or fewer when the caller says its process has other work: see
-:attr:`Channel.polite`), then sleeps on the counter with a futex (:mod:`.futex`) instead
-of spinning on: it raises its ``sleeping`` flag, looks at the counter once more and
-sleeps; a rank that publishes a counter looks at its peers' flags afterwards and wakes
-the sleepers. Either the sleeper sees the new value or the publisher sees the flag.
+A small collective is finished in one step from the channel's slots once every rank has
+posted (each rank reduces or copies what it needs, reading every rank's data in rank
+order, so results are bitwise equal). Larger messages stream through the channel's two
+buffers in chunks, one barrier per chunk: after barrier ``i`` every rank copies the
+reduced slices of chunk ``i`` out, reduces its slice of chunk ``i + 1`` and stages chunk
+``i + 2``. Each rank's buffer is cut into fixed per-rank regions, so what one rank writes
+and what its peers read at the same moment never overlap (the proofs are in the comments
+below).
 """
 
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from . import futex
+from .channel import Channel, Schedule
 from .layout import block_counts, offsets
 from .ops import finalize, ufunc
 
-__all__ = ["Channel", "LINE"]
-
-Schedule = Generator[list, None, None]
-
-LINE = 64
-"""Bytes per cache line; every separately written field starts on its own line."""
-
-_SPIN = 2000
-"""Polls of a peer's counter before a waiting rank sleeps on it, when every rank of the
-node has a core of its own (fewer otherwise: :func:`_spin_budget`)."""
-
-_POLITE_SPIN = 64
-"""Polls before sleeping while :attr:`Channel.polite` says the process has other work."""
-
-_DOZE = 1e-3
-"""The longest one sleep lasts before the waiter looks again (and progresses other work)."""
-
-
-def _spin_budget(ranks: int) -> int:
-    """:data:`_SPIN`, or 0 when the node's ranks outnumber the cores this process may run
-    on: then the peer being waited for is likely not running, and spinning only delays it."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return _SPIN if ranks <= cores else _POLITE_SPIN
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-class Channel:
-    """The shared window of one node-local communicator, and this rank's counters."""
-
-    def __init__(self, t: Any, small_bytes: int, chunk_bytes: int, progress: Callable[[], None]) -> None:
-        n, me = t.size, t.rank
-        self.n, self.me = n, me
-        self.small = _round_up(max(small_bytes, LINE), LINE)
-        self.region = _round_up(max(chunk_bytes // n, LINE), LINE)
-        self.chunk = self.region * n
-        slot = LINE + self.small
-        self._slot0 = 2 * LINE
-        self._buf0 = 2 * LINE + 2 * slot
-        total = self._buf0 + 2 * self.chunk
-        segs, self.fence = t.shared_window(total)
-        self.segs = segs
-        self.seqs = [memoryview(s[0:8]).cast("q") for s in segs]
-        self.stages = [memoryview(s[LINE : LINE + 8]).cast("q") for s in segs]
-        # written by its owner only, like ``seq`` beside it: 1 while the owner may be asleep
-        self.sleeping = [memoryview(s[8:16]).cast("q") for s in segs]
-        self._seq_addr = [s[0:8].ctypes.data for s in segs]
-        self._stage_addr = [s[LINE : LINE + 8].ctypes.data for s in segs]
-        self.heads = [
-            [memoryview(s[self._slot0 + p * slot : self._slot0 + p * slot + 24]).cast("q") for p in (0, 1)]
-            for s in segs
-        ]
-        self.slots = [[s[self._slot0 + p * slot + LINE : self._slot0 + (p + 1) * slot] for p in (0, 1)] for s in segs]
-        self.bufs = [[s[self._buf0 + b * self.chunk : self._buf0 + (b + 1) * self.chunk] for b in (0, 1)] for s in segs]
-        peers = [j for j in range(n) if j != me]
-        self._my_seq = self.seqs[me]
-        self._peer_seqs = [(self.seqs[j], self._seq_addr[j]) for j in peers]
-        self._peer_stages = [(self.stages[j], self._stage_addr[j]) for j in peers]
-        self._peer_sleeping = [self.sleeping[j] for j in peers]
-        self._my_seq_addr, self._my_stage_addr = self._seq_addr[me], self._stage_addr[me]
-        self._my_heads = self.heads[me]
-        self._peer_heads = [[self.heads[j][p] for j in peers] for p in (0, 1)]
-        self._my_slots = [memoryview(self.slots[me][p]) for p in (0, 1)]
-        self.seq = 0
-        self.stage = 0
-        self.progress = progress
-        self.spin = _spin_budget(n)
-        self.polite: Callable[[], bool] | None = None
-        """When set and returning True, waits poll only :data:`_POLITE_SPIN` times before
-        sleeping: hpcdl's engine says so while its user thread computes."""
-        self.queue: list[object] = []
-        """Chunked operations in flight, oldest first: only the first uses the buffers."""
-        self._views: dict[tuple, list] = {}
-
-    # -- typed views ---------------------------------------------------------------------
-    def slot_views(self, p: int, dtype: np.dtype, shape: tuple[int, ...]) -> list[np.ndarray]:
-        """Every rank's slot ``p`` as an array of ``dtype`` and ``shape`` (cached)."""
-        key = (p, dtype, shape)
-        v = self._views.get(key)
-        if v is None:
-            if len(self._views) > 512:
-                self._views.clear()
-            nbytes = math.prod(shape) * dtype.itemsize
-            v = self._views[key] = [s[p][:nbytes].view(dtype).reshape(shape) for s in self.slots]
-        return v
-
-    def buf_views(self, b: int, dtype: np.dtype) -> list[np.ndarray]:
-        """Every rank's buffer ``b`` as a flat array of ``dtype``."""
-        key = ("b", b, dtype)
-        v = self._views.get(key)
-        if v is None:
-            cap = self.chunk // dtype.itemsize
-            v = self._views[key] = [s[b][: cap * dtype.itemsize].view(dtype) for s in self.bufs]
-        return v
-
-    # -- posting calls ---------------------------------------------------------------------
-    def post(self, a: int, b: int, c: int, payload: np.ndarray | None = None) -> int:
-        """Publish this rank's next call: signature words ``a, b, c`` and optionally a small
-        ``payload`` (any layout); return the call's sequence number."""
-        seq = self.seq + 1
-        self.seq = seq
-        p = seq & 1
-        h = self._my_heads[p]
-        h[0] = a
-        h[1] = b
-        h[2] = c
-        if payload is not None:
-            nb = payload.nbytes
-            if nb:
-                try:
-                    self._my_slots[p][:nb] = memoryview(payload).cast("B")
-                except (TypeError, ValueError):  # strided, or no buffer format (bfloat16)
-                    self.slots[self.me][p][:nb] = payload.reshape(-1).view(np.uint8)
-        self.fence()
-        self._my_seq[0] = seq
-        self._wake_sleepers(self._my_seq_addr)
-        return seq
-
-    def _wake_sleepers(self, addr: int) -> None:
-        """After publishing our counter at ``addr``: wake the peers that may sleep on it."""
-        if futex.OK:
-            self.fence()  # the store just made before the loads below
-            for f in self._peer_sleeping:
-                if f[0]:
-                    futex.wake(addr)
-                    break
-
-    def _budget(self) -> int:
-        polite = self.polite
-        return _POLITE_SPIN if polite is not None and polite() else self.spin
-
-    def _doze(self, v: memoryview, addr: int, want: int) -> None:
-        """Sleep (at most :data:`_DOZE`) until the peer counter ``v`` at ``addr`` reaches ``want``."""
-        flag = self.sleeping[self.me]
-        flag[0] = 1
-        self.fence()  # the flag before the look below (the publisher fences the other way)
-        seen = v[0]
-        if seen < want:
-            futex.wait(addr, seen, _DOZE)
-        flag[0] = 0
-
-    def wait_posted(self, seq: int) -> None:
-        """Block until every peer has posted call ``seq`` (progressing other work meanwhile)."""
-        for v, addr in self._peer_seqs:
-            if v[0] >= seq:
-                continue
-            spins, budget = 0, self._budget()
-            while v[0] < seq:
-                spins += 1
-                if spins % 64 == 0:
-                    self.progress()
-                    if spins >= budget:
-                        self._doze(v, addr, seq)
-        self.fence()
-
-    def exchange(self, a: int, b: int, c: int, payload: np.ndarray | None = None, uneven: bool = False) -> int:
-        """Post a call, wait for every peer's post of it and compare signatures (``b``, the
-        count, may differ when ``uneven``): return the call's sequence number, negated when
-        the signatures differ."""
-        seq = self.post(a, b, c, payload)
-        self.wait_posted(seq)
-        for h in self._peer_heads[seq & 1]:
-            if h[0] != a or h[2] != c or (h[1] != b and not uneven):
-                return -seq
-        return seq
-
-    def words(self, seq: int) -> list[tuple[int, int, int]]:
-        """Every rank's signature words for call ``seq``, by rank."""
-        p = seq & 1
-        return [(h[p][0], h[p][1], h[p][2]) for h in self.heads]
-
-    # -- the stage barrier -------------------------------------------------------------------
-    def arrive(self) -> None:
-        """Publish that this rank has finished everything before the next barrier."""
-        self.stage += 1
-        self.fence()
-        self.stages[self.me][0] = self.stage
-        self._wake_sleepers(self._my_stage_addr)
-
-    def await_all(self) -> Schedule:
-        """Wait (yielding ``[]`` to the driver) until every peer has arrived too."""
-        s = self.stage
-        for v, addr in self._peer_stages:
-            spins, budget = 0, self._budget()
-            while v[0] < s:
-                spins += 1
-                if spins % 64 == 0:
-                    yield []
-                    if spins >= budget:
-                        self._doze(v, addr, s)
-        self.fence()
-
-    def barrier(self) -> Schedule:
-        """Arrive and wait: every rank has finished what it did before."""
-        self.arrive()
-        yield from self.await_all()
-
-    def own(self) -> Schedule:
-        """Wait for this operation's turn on the buffers, then a barrier (leave with :meth:`release`)."""
-        token = object()
-        self.queue.append(token)
-        while self.queue[0] is not token:
-            yield []
-        # peers may still be reading our buffers for the operation before this one
-        yield from self.barrier()
-
-    def release(self) -> None:
-        """Hand the buffers to the next operation in this rank's queue."""
-        self.queue.pop(0)
-
+__all__ = ["MISMATCH", "SLOW", "UNEVEN", "allreduce", "reduce", "reduce_scatter", "allgather", "broadcast"]
 
 MISMATCH = object()
 """What a one-step function returns when the peers' signatures differ (the caller then

@@ -22,7 +22,7 @@ from typing import Any
 from . import hierarchical as hier
 from . import native, node, pairwise, rabenseifner, recursive_doubling, ring, shm, tree
 
-__all__ = ["REGISTRY", "algorithms", "choose", "rules_for", "load_table"]
+__all__ = ["REGISTRY", "algorithms", "choose", "rules", "rules_for", "load_table"]
 
 #: collective -> algorithm name -> schedule function. Order is the wire code order.
 REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {
@@ -78,7 +78,10 @@ def load_table(path: str | None = None) -> dict[str, Any]:
     return json.loads(resources.files(__package__).joinpath("tuning/default.json").read_text("utf-8"))
 
 
-def _rules(table: dict[str, Any], collective: str, size: int, nodes: int) -> list[list[Any]]:
+def rules(table: dict[str, Any], collective: str, size: int, nodes: int) -> list[list[Any]]:
+    """The ``[max_bytes, algorithm]`` rules of ``table`` for ``collective`` on ``size`` ranks
+    over ``nodes`` nodes: the exact table, else the nearest size of the same kind (one node
+    or several), else the defaults."""
     same = [e for e in table.get("tables", []) if e["collective"] == collective]
     for e in same:
         if e["size"] == size and e["nodes"] == nodes:
@@ -95,7 +98,7 @@ def rules_for(ctx: Any, collective: str) -> list[list[Any]]:
         return DEFAULT_RULES[collective]
     if ctx.tuning is None:
         ctx.tuning = load_table(ctx.config.tuning_file)
-    return _rules(ctx.tuning, collective, ctx.transport.size, ctx.layout().nodes)
+    return rules(ctx.tuning, collective, ctx.transport.size, ctx.layout().nodes)
 
 
 def choose(ctx: Any, collective: str, nbytes: int) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Generator
 
 import numpy as np
 
-from . import node as _node
+from . import node
 from .hierarchical import cross_allreduce
 from .layout import block_counts, offsets
 from .ops import reduce_into
@@ -42,7 +42,7 @@ def allreduce(ctx, t, buf: np.ndarray, op: str, tag: int, src: np.ndarray | None
     Several: each node's sum is made in its window and allreduced across nodes.
     """
     if ctx.layout().nodes == 1:
-        yield from _node.allreduce(ctx, t, buf, op, tag, src)
+        yield from node.allreduce(ctx, t, buf, op, tag, src)
         return
     if src is not None:
         np.copyto(buf, src)

@@ -1,0 +1,98 @@
+"""One-step calls: the common small case on one node, with less Python.
+
+A call small enough to finish in one step through the node channel's slots posts its
+signature words and its data together, waits for the peers and finishes from the slots.
+The function that does this is built once per (collective, dtype, shape, op or root,
+algorithm) with every lookup done up front, and posts exactly the words the general path
+(:mod:`.agreement`) would, so ranks on either path match one another.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any
+
+import numpy as np
+
+from . import node
+from .agreement import OP_CODES, ROWS, Call, word
+from .context import Context, get_context
+from .ops import dtype_code
+from .select import choose
+
+__all__ = ["onestep", "onestep_fn"]
+
+
+def onestep_fn(ctx: Context, key: tuple) -> Any:
+    """The one-step function for ``key`` = (collective, dtype, shape, op or root, algorithm),
+    or False when such calls take the general path (:func:`onestep` caches it in ``ctx.fast``).
+
+    It exists exactly when the general path would finish the call in one step through the
+    node channel's slots, and it posts the same signature words, so ranks on either path
+    match one another.
+    """
+    coll, dtype, shape, arg, algorithm = key
+    ch = ctx.chan
+    fn: Any = False
+    if ch is None or algorithm not in ("auto", "shm") or dtype_code(dtype) < 0:
+        return fn
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > ch.small:
+        return fn
+    op, root = (arg, None) if coll in ("allreduce", "reduce_scatter") else (None, arg)
+    if coll == "reduce":
+        op, root = arg
+    if op is not None and op not in OP_CODES:
+        return fn
+    if root is not None and not (type(root) is int and 0 <= root < ch.n):
+        return fn
+    if coll == "allgather":
+        # resolved after agreement from the total; the signature carries the algorithm as given
+        if not shape or (choose(ctx, coll, nbytes * ch.n) if algorithm == "auto" else "shm") != "shm":
+            return fn
+        c = zlib.crc32(repr(tuple(shape[1:])).encode()) if len(shape) > 1 else 0
+        if shape[0] >= ROWS:
+            return fn
+        fn = node.small_allgather_fn(ch, word(coll, algorithm, algorithm, None, dtype, None), c, dtype, shape, ROWS)
+    elif (choose(ctx, coll, nbytes) if algorithm == "auto" else "shm") == "shm":
+        a = word(coll, algorithm, "shm", op, dtype, root)
+        if coll == "allreduce":
+            fn = node.small_allreduce_fn(ch, a, dtype, shape, op)
+        elif coll == "reduce_scatter":
+            fn = node.small_reduce_scatter_fn(ch, a, dtype, math.prod(shape), op)
+        elif coll == "broadcast":
+            fn = node.small_broadcast_fn(ch, a, dtype, shape, root)
+        else:
+            fn = node.small_reduce_fn(ch, a, dtype, shape, op, root)
+    return fn
+
+
+def onestep(comm: Any, key: tuple, x: np.ndarray, out: np.ndarray | None = None) -> Any:
+    """Run ``key``'s one-step function on ``x``, or return ``node.SLOW`` when there is none (the
+    caller then takes the general path). Raises the agreement error on a mismatch."""
+    ctx = get_context(comm)
+    try:
+        fn = ctx.fast.get(key)
+    except TypeError:  # an unhashable argument: the general path says what is wrong with it
+        return node.SLOW
+    if fn is None:
+        if len(ctx.fast) > 256:
+            ctx.fast.clear()
+        fn = ctx.fast[key] = onestep_fn(ctx, key)
+    if not fn:
+        return node.SLOW
+    res = fn(x) if out is None else fn(x, out)
+    if res is node.MISMATCH:
+        coll, _, _, arg, algorithm = key
+        if coll in ("allreduce", "reduce_scatter"):
+            call = Call(ctx, coll, x, algorithm, op=arg)
+        elif coll == "reduce":
+            call = Call(ctx, coll, x, algorithm, op=arg[0], root=arg[1])
+        else:
+            call = Call(ctx, coll, x, algorithm, root=arg)
+        if coll != "allgather":
+            call.resolved = "shm"
+        call.seq = ctx.chan.seq
+        call.mismatch_from_channel()
+    return res
