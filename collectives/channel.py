@@ -99,7 +99,8 @@ class Channel:
         self._peer_sleeping = [self.sleeping[j] for j in peers]
         self._my_seq_addr, self._my_stage_addr = self._seq_addr[me], self._stage_addr[me]
         self._my_heads = self.heads[me]
-        self._peer_heads = [[self.heads[j][p] for j in peers] for p in (0, 1)]
+        self.peer_heads = [[self.heads[j][p] for j in peers] for p in (0, 1)]
+        """Slot ``p``'s signature words of every peer, in rank order without this rank."""
         self._my_slots = [memoryview(self.slots[me][p]) for p in (0, 1)]
         self.seq = 0
         self.stage = 0
@@ -200,7 +201,7 @@ class Channel:
         the signatures differ."""
         seq = self.post(a, b, c, payload)
         self.wait_posted(seq)
-        for h in self._peer_heads[seq & 1]:
+        for h in self.peer_heads[seq & 1]:
             if h[0] != a or h[2] != c or (h[1] != b and not uneven):
                 return -seq
         return seq

@@ -163,7 +163,7 @@ def small_allgather_fn(ch: Channel, a: int, c: int, dtype: np.dtype, shape: tupl
     rows = shape[0]
     full = (ch.n * rows, *shape[1:])
     views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
-    heads = ch._peer_heads
+    heads = ch.peer_heads
     plain = rows
     fits = rows + (full[0] + 1) * unit
     n = ch.n
