@@ -139,19 +139,20 @@ class Channel:
         """Publish this rank's next call: signature words ``a, b, c`` and optionally a small
         ``payload`` (any layout); return the call's sequence number."""
         seq = self.seq + 1
-        self.seq = seq
         p = seq & 1
+        if payload is not None and payload.nbytes:
+            nb = payload.nbytes
+            try:
+                self._my_slots[p][:nb] = memoryview(payload).cast("B")
+            except (TypeError, ValueError):  # any other layout, or no buffer format (bfloat16)
+                slot = self.slots[self.me][p][:nb].view(payload.dtype).reshape(payload.shape)
+                np.copyto(slot, payload)
+        # the call counts as posted only now: a payload that could not be copied posted nothing
+        self.seq = seq
         h = self._my_heads[p]
         h[0] = a
         h[1] = b
         h[2] = c
-        if payload is not None:
-            nb = payload.nbytes
-            if nb:
-                try:
-                    self._my_slots[p][:nb] = memoryview(payload).cast("B")
-                except (TypeError, ValueError):  # strided, or no buffer format (bfloat16)
-                    self.slots[self.me][p][:nb] = payload.reshape(-1).view(np.uint8)
         self.fence()
         self._my_seq[0] = seq
         self._wake_sleepers(self._my_seq_addr)
