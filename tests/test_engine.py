@@ -14,10 +14,9 @@ from mpi4py import MPI
 
 import collectives as C
 import hpcdl as hvd
-from collectives import node as _node
+from collectives import agreed, channel
 from collectives.context import get_context
 from hpcdl.engine.doorbell import MPIDoorbell, ShmDoorbell
-from hpcdl.state import current as _st
 
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(120), pytest.mark.usefixtures("clean_runtime")]
 
@@ -29,7 +28,7 @@ def test_both_doorbells_run_the_engine(shm):
     hvd.init(config=hvd.Config(shm_doorbell=shm, stall_check_time_seconds=0.3, stall_shutdown_time_seconds=1.5))
     n, r = hvd.size(), hvd.rank()
     # every rank of this job is on one node, so the shared-memory doorbell is taken when asked for
-    assert type(_st().engine.bell) is (ShmDoorbell if shm else MPIDoorbell)
+    assert type(hvd.state.current().engine.bell) is (ShmDoorbell if shm else MPIDoorbell)
     for i in range(20):
         if r == i % n:
             time.sleep(0.02)  # a different late rank each time: the others' engines wait for its ring
@@ -50,7 +49,7 @@ def test_both_doorbells_run_the_engine(shm):
 
 def test_ranks_that_disagree_on_the_doorbell_all_use_mpi():
     hvd.init(config=hvd.Config(shm_doorbell=WORLD.rank != 1))
-    assert type(_st().engine.bell) is MPIDoorbell
+    assert type(hvd.state.current().engine.bell) is MPIDoorbell
     out = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="mixed")
     assert torch.equal(out, torch.full((2,), float(hvd.size())))
 
@@ -58,7 +57,7 @@ def test_ranks_that_disagree_on_the_doorbell_all_use_mpi():
 def test_an_idle_engine_on_shared_memory_doorbells_sleeps():
     hvd.init(config=hvd.Config(shm_doorbell=True))
     hvd.allreduce(torch.ones(2), name="warm")
-    engine = _st().engine
+    engine = hvd.state.current().engine
     c0, t0 = engine.thread_cpu_seconds(), time.perf_counter()
     time.sleep(1.0)
     spent, idle = engine.thread_cpu_seconds() - c0, time.perf_counter() - t0
@@ -87,9 +86,9 @@ def test_a_rank_waiting_for_a_late_peer_sleeps(count):
             assert waited > 0.3
             assert spent < 0.5 * waited, f"spent {spent * 1e3:.0f} ms of CPU waiting {waited * 1e3:.0f} ms"
         # the engine's hint: while its user thread computes, poll only briefly before sleeping
-        ch.polite = lambda: True
-        assert ch._budget() == _node._POLITE_SPIN
-        ch.polite = None
-        assert ch._budget() == ch.spin
+        agreed.set_polite(comm, lambda: True)
+        assert ch.budget() == channel.POLITE_SPIN
+        agreed.set_polite(comm, None)
+        assert ch.budget() == ch.spin
     finally:
         comm.Free()

@@ -12,12 +12,12 @@ import pytest
 
 
 def test_waiting_ranks_sleep_soon_only_when_the_node_is_oversubscribed():
-    from collectives import node
+    from collectives import channel
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert node._spin_budget(1) == node._SPIN
-    assert node._spin_budget(cores) == node._SPIN
-    assert node._spin_budget(cores + 1) == node._POLITE_SPIN < node._SPIN
+    assert channel.spin_budget(1) == channel.SPIN
+    assert channel.spin_budget(cores) == channel.SPIN
+    assert channel.spin_budget(cores + 1) == channel.POLITE_SPIN < channel.SPIN
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="futexes are Linux's")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import collectives as C
-from collectives.select import _rules, choose
+from collectives.select import choose, rules
 
 
 def test_algorithms_list_native_and_auto():
@@ -27,10 +27,10 @@ def test_tuning_rules_lookup_exact_then_nearest_then_default():
             {"collective": "allreduce", "size": 8, "nodes": 1, "rules": [[None, "rabenseifner"]]},
         ]
     }
-    assert _rules(table, "allreduce", 2, 1)[0][1] == "tree"
-    assert _rules(table, "allreduce", 3, 1)[0][1] == "tree"
-    assert _rules(table, "allreduce", 7, 1)[0][1] == "rabenseifner"
-    assert _rules(table, "allreduce", 4, 2)[0][1] == "recursive_doubling"  # no multi-node table: defaults
+    assert rules(table, "allreduce", 2, 1)[0][1] == "tree"
+    assert rules(table, "allreduce", 3, 1)[0][1] == "tree"
+    assert rules(table, "allreduce", 7, 1)[0][1] == "rabenseifner"
+    assert rules(table, "allreduce", 4, 2)[0][1] == "recursive_doubling"  # no multi-node table: defaults
 
 
 def test_shipped_table_names_only_registered_algorithms():
