@@ -65,8 +65,11 @@ def init(
         config: a :class:`hpcdl.Config`; by default read from the ``HPCDL_*`` environment.
     """
     with state.LOCK:
-        if state.peek() is not None:
-            return
+        old = state.peek()
+        if old is not None:
+            if old.engine.running:
+                return
+            _end(state.take())  # shut down by another rank (or failed): start afresh
         listed = comm is not None and not isinstance(comm, MPI.Comm)
         base = comm if isinstance(comm, MPI.Comm) else MPI.COMM_WORLD
         if base == MPI.COMM_NULL:
@@ -154,26 +157,36 @@ def _rank_list(ranks: Any) -> list[int]:
 
 
 def shutdown() -> None:
-    """Stop the runtime (init may be called again afterwards). Requests still pending on any
-    rank fail with :class:`HpcdlError`; a timeline being recorded is written."""
+    """Stop the runtime on every rank (init may be called again afterwards, on every rank).
+    Requests still pending on any rank fail with :class:`HpcdlError`; a timeline being
+    recorded is written."""
     with state.LOCK:
         st = state.take()
-    if st is None or MPI.Is_finalized():
+    if st is not None:
+        _end(st)
+
+
+def _end(rt: Runtime) -> None:
+    """This rank's part of ending ``rt``: stop its engine (which tells the other ranks'),
+    forget the process sets' ids, free what ``init`` created."""
+    if MPI.Is_finalized():
         return
-    if st.engine is not None:
-        st.engine.stop()
-    for ps in st.process_sets:  # their ids mean nothing to a later init
+    if rt.engine is not None:
+        rt.engine.stop()
+    for ps in rt.process_sets:  # their ids mean nothing to a later init
         ps.process_set_id = None
-    if st.owned:
-        st.comm.Free()
+    if rt.owned:
+        rt.comm.Free()
 
 
 atexit.register(shutdown)
 
 
 def is_initialized() -> bool:
-    """True between :func:`init` and :func:`shutdown`."""
-    return state.peek() is not None
+    """True between :func:`init` and :func:`shutdown`: False on every rank once any rank
+    has shut the runtime down (or its engine failed), so that ``init`` starts it again."""
+    rt = state.peek()
+    return rt is not None and rt.engine.running
 
 
 def size() -> int:

@@ -112,3 +112,33 @@ def test_bad_init_arguments_on_one_rank_raise_on_every_rank(args, message):
     assert not hvd.is_initialized()
     hvd.init()  # and init works again afterwards
     assert hvd.size() == WORLD.size
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pending", ["in flight", "called after"])
+def test_a_shutdown_on_one_rank_shuts_every_rank_down_and_init_starts_them_all_again(pending):
+    """Rank k shuts down while the others have a request in flight (or make a call after):
+    their request fails naming rank k, every rank then reads is_initialized() False, and
+    init() on every rank starts a runtime that works; for each k in turn."""
+    n, r = WORLD.size, WORLD.rank
+    for stopper in range(n):
+        hvd.init()
+        assert hvd.is_initialized()
+        handle = None
+        if r != stopper and pending == "in flight":
+            handle = hvd.allreduce_async(torch.ones(4), op=hvd.Sum, name="never-on-the-stopper")
+        if r == stopper:
+            hvd.shutdown()
+        else:
+            with pytest.raises(hvd.HpcdlError, match=rf"shut down by rank {stopper}; call hpcdl.init\(\)"):
+                if handle is not None:
+                    hvd.synchronize(handle)
+                else:
+                    hvd.barrier()
+        assert not hvd.is_initialized()
+        hvd.init()
+        assert hvd.is_initialized()
+        out = hvd.allreduce(torch.full((3,), float(r)), op=hvd.Sum, name=f"after-{stopper}")
+        assert torch.equal(out, torch.full((3,), float(sum(range(n)))))
+        hvd.shutdown()

@@ -108,6 +108,13 @@ class Engine:
         if self.thread.is_alive():
             log.warning("hpcdl: the engine did not stop within %.0f s (another rank is not responding)", timeout)
 
+    @property
+    def running(self) -> bool:
+        """False once the engine takes no more requests: a rank shut the runtime down, or
+        the engine failed (set before any pending request fails, so a caller that saw
+        such an error sees this False)."""
+        return self.queue.running
+
     def thread_cpu_seconds(self) -> float:
         """CPU seconds the engine thread has used so far (its thread CPU clock; Linux)."""
         return time.clock_gettime(time.pthread_getcpuclockid(self.thread.ident))
