@@ -41,6 +41,9 @@ OP_CODES = {o: i for i, o in enumerate(OPS)}
 #: fields that may differ between ranks, per collective
 MAY_DIFFER = {"allgather": {"count"}, "alltoall": {"count"}}
 
+_REDUCING = ("allreduce", "reduce_scatter", "reduce")
+_ROOTED = ("broadcast", "reduce")
+
 ROWS = 1 << 31
 """Allgather's count word carries this rank's rows plus ``(out rows + 1) * ROWS`` (0: no
 ``out``), so every rank can check every rank's ``out`` against the agreed total."""
@@ -76,14 +79,16 @@ class Call:
         self._counts: list[int] | None = None
         try:
             check_dtype(self.x.dtype)
-            if op is not None:
+            if op is not None or collective in _REDUCING:
                 check_op(op)
             names = REGISTRY[collective]
             if algorithm != "auto" and algorithm not in names:
                 raise UnknownAlgorithmError(
                     f"{collective}: no algorithm {algorithm!r}; registered: {', '.join([*names, 'auto'])}"
                 )
-            if root is not None and not (isinstance(root, (int, np.integer)) and 0 <= root < self.t.size):
+            if (root is not None or collective in _ROOTED) and not (
+                isinstance(root, (int, np.integer)) and 0 <= root < self.t.size
+            ):
                 raise InvalidRootError(
                     f"{collective}: root={root!r} is not a rank of a {self.t.size}-rank communicator"
                 )
@@ -169,7 +174,10 @@ class Call:
             skip = MAY_DIFFER.get(self.collective, ())
             for name in FIELDS:
                 if differ[FIELD_INDEX[name]] and name not in skip:
-                    raise _mismatch(table, name)
+                    shown = None
+                    if name == "item shape":  # the signature holds a hash: every rank says its shape
+                        shown = [str(s) for s in self.t.allgather_obj(tuple(int(d) for d in self.x.shape[1:]))]
+                    raise _mismatch(table, name, shown)
         if self.error is not None:
             raise self.error
 
@@ -243,18 +251,18 @@ def _describe(table: np.ndarray, name: str, value: int) -> str:
         return OPS[value] if 0 <= value < len(OPS) else "none"
     if name == "dtype":
         return str(DTYPES[value]) if 0 <= value < len(DTYPES) else "unsupported"
-    if name == "item shape":
-        return f"shape#{value:08x}"
     if name == "root" and value == -2:
         return "none"
     return str(value)
 
 
-def _mismatch(table: np.ndarray, name: str) -> CollectiveMismatchError:
+def _mismatch(table: np.ndarray, name: str, shown: list[str] | None = None) -> CollectiveMismatchError:
+    """The error for ranks that differ in field ``name`` (``shown``: each rank's value as
+    text, where the table holds only a hash of it)."""
     col = table[:, FIELD_INDEX[name]]
     groups: dict[str, list[int]] = {}
     for r, v in enumerate(col):
-        groups.setdefault(_describe(table, name, int(v)), []).append(r)
+        groups.setdefault(shown[r] if shown else _describe(table, name, int(v)), []).append(r)
     parts = "; ".join(
         f"ranks {rs} passed {v}" if len(rs) > 1 else f"rank {rs[0]} passed {v}" for v, rs in groups.items()
     )

@@ -519,15 +519,23 @@ def alltoall(x: np.ndarray, splits: Any = None, *, algorithm: str = "auto", comm
             else:
                 send_rows[:] = rows // t.size
         else:
-            sp = np.asarray(splits, dtype=np.int64).reshape(-1)
-            if sp.size != t.size or (sp < 0).any() or sp.sum() != rows:
-                call.fail(
-                    InvalidArgumentError(
-                        f"alltoall: splits={list(sp)} must be {t.size} non-negative row counts summing to {rows}"
-                    )
-                )
+            try:
+                sp = np.asarray(splits).reshape(-1)
+                if sp.dtype.kind not in "iu" and not (sp.dtype.kind == "f" and (sp == np.round(sp)).all()):
+                    raise ValueError
+                sp = sp.astype(np.int64)
+            except (TypeError, ValueError):
+                call.fail(InvalidArgumentError(f"alltoall: splits={splits!r} must be a sequence of row counts"))
             else:
-                send_rows[:] = sp
+                if sp.size != t.size or (sp < 0).any() or sp.sum() != rows:
+                    call.fail(
+                        InvalidArgumentError(
+                            f"alltoall: splits={[int(v) for v in sp]} must be {t.size} non-negative row counts "
+                            f"summing to {rows}"
+                        )
+                    )
+                else:
+                    send_rows[:] = sp
     item = x.shape[1:]
     call.resolve(x.nbytes)
     call.agree(rows, item)

@@ -74,9 +74,8 @@ def check_unknown(environ: Mapping[str, str]) -> None:
     known = known_env_names()
     for key in sorted(environ):
         if key.startswith(PREFIX) and key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f"; did you mean {close[0]}?" if close else f"; valid names: {', '.join(sorted(known))}"
-            raise ConfigError(f"unknown environment variable {key}{hint}")
+            close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.0)
+            raise ConfigError(f"unknown environment variable {key}; did you mean {close[0]}?")
 
 
 def env_values(cls: type, environ: Mapping[str, str]) -> dict[str, object]:

@@ -270,6 +270,8 @@ def get_context(comm: Any = None, config: Config | None = None) -> Context:
         return ctx
     ctx = getattr(comm, "_collectives_context", None)
     if ctx is None:
+        if not all(hasattr(comm, a) for a in ("rank", "size", "isend", "irecv", "split_shared")):
+            raise TypeError(f"comm must be an mpi4py communicator or a transport, not {type(comm).__name__}")
         ctx = Context(comm, config)
         comm._collectives_context = ctx
     return ctx

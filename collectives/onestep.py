@@ -43,10 +43,10 @@ def onestep_fn(ctx: Context, key: tuple) -> Any:
     op, root = (arg, None) if coll in ("allreduce", "reduce_scatter") else (None, arg)
     if coll == "reduce":
         op, root = arg
-    if op is not None and op not in OP_CODES:
-        return fn
-    if root is not None and not (type(root) is int and 0 <= root < ch.n):
-        return fn
+    if coll in ("allreduce", "reduce_scatter", "reduce") and op not in OP_CODES:
+        return fn  # the general path names the bad op
+    if coll in ("broadcast", "reduce") and not (type(root) is int and 0 <= root < ch.n):
+        return fn  # the general path names the bad root
     if coll == "allgather":
         # resolved after agreement from the total; the signature carries the algorithm as given
         if not shape or (choose(ctx, coll, nbytes * ch.n) if algorithm == "auto" else "shm") != "shm":

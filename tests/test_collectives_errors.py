@@ -34,6 +34,13 @@ def still_usable():
         (C.OutputMismatchError, lambda: C.allreduce(np.zeros((3, 2)), out=np.zeros((2, 3)).T)),
         (C.InvalidArgumentError, lambda: C.allgather(np.float64(1.0))),
         (C.InvalidArgumentError, lambda: C.alltoall(np.zeros(4), splits=[3])),
+        (C.UnsupportedOpError, lambda: C.allreduce(np.zeros(3), op=None)),
+        (C.UnsupportedOpError, lambda: C.reduce_scatter(np.zeros(3), op=None)),
+        (C.InvalidRootError, lambda: C.reduce(np.zeros(3), root=None)),
+        (C.InvalidRootError, lambda: C.broadcast(np.zeros(3), root="0")),
+        (C.InvalidArgumentError, lambda: C.alltoall(np.zeros(4), splits="ab")),
+        (TypeError, lambda: C.allreduce(np.zeros(3), comm="world")),
+        (TypeError, lambda: C.iallgather(np.zeros(3), comm=1)),
     ],
 )
 def test_bad_input_raises_specific_error(exc, call):
@@ -71,6 +78,9 @@ def test_mismatch_raises_on_every_rank_naming_field_and_ranks(field, call):
         call(r)
     assert info.value.field == field
     assert "rank 1" in str(info.value)
+    assert "np.int64" not in str(info.value) and "shape#" not in str(info.value)
+    if field == "item shape":  # the shapes themselves, not their hashes
+        assert "passed (3,)" in str(info.value) and "rank 1 passed (4,)" in str(info.value), str(info.value)
     still_usable()
 
 
@@ -94,6 +104,9 @@ def test_mismatch_raises_on_every_rank_naming_field_and_ranks(field, call):
             C.InvalidArgumentError,
             lambda bad: C.alltoall(np.zeros(WORLD.size * 2), splits=[1] * WORLD.size if bad else None),
         ),
+        (C.UnsupportedOpError, lambda bad: C.allreduce(np.zeros(4), op=None if bad else "sum")),
+        (C.InvalidRootError, lambda bad: C.broadcast(np.zeros(4), root=None if bad else 0)),
+        (C.InvalidArgumentError, lambda bad: C.alltoall(np.zeros(WORLD.size), splits="x" if bad else None)),
     ],
 )
 @pytest.mark.parametrize("everywhere", [False, True])
@@ -104,6 +117,7 @@ def test_bad_input_raises_on_every_rank(exc, call, everywhere):
         call(bad)
     if not bad:
         assert "rank 1" in str(info.value)
+    assert "np.int64" not in str(info.value)  # plain integers in messages
     still_usable()
 
 
