@@ -25,6 +25,7 @@ __all__ = [
     "is_private",
     "home",
     "check_tensor",
+    "inplace_problem",
     "tensor_list",
 ]
 
@@ -112,3 +113,14 @@ def tensor_list(tensors: Any, what: str) -> list[torch.Tensor]:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{what} takes torch.Tensor arguments, not {type(t).__name__}")
     return ts
+
+
+def inplace_problem(t: torch.Tensor, what: str) -> str | None:
+    """The problem with writing ``t`` in place, as torch sees it: a leaf that requires grad,
+    while grad mode is on (torch refuses in-place ops on such leaves), or None."""
+    if torch.is_grad_enabled() and t.requires_grad and t.is_leaf:
+        return (
+            f"{what} would write in place into a leaf tensor that requires grad, which torch refuses; "
+            "call it under torch.no_grad() or pass tensor.detach()"
+        )
+    return None

@@ -11,6 +11,7 @@ import shutil
 import tempfile
 import time
 
+import numpy as np
 import pytest
 import torch
 from mpi4py import MPI
@@ -116,6 +117,38 @@ def test_adasum_and_bad_arguments():
         hvd.allreduce([1.0, 2.0])
     with pytest.raises(hvd.HpcdlError, match=r"root_rank=\d+ is not a rank"):
         hvd.broadcast(torch.ones(2), hvd.size())
+    usable()
+
+
+def test_wrong_types_name_the_argument_and_what_is_accepted_on_every_rank():
+    hvd.init()
+    r = hvd.rank()
+    with pytest.raises(hvd.HpcdlError, match=r"rank 1: op='sum' is not one of hpcdl.Average, Sum, Min, Max, Product"):
+        hvd.allreduce(torch.ones(2), op="sum" if r == 1 else hvd.Sum, name="str-op")
+    # numpy integers are ranks too; a bad one is shown as a plain integer
+    got = hvd.broadcast(torch.full((2,), float(r)), root_rank=np.int64(1), name="np-root")
+    assert torch.equal(got, torch.ones(2))
+    with pytest.raises(hvd.HpcdlError, match=rf"root_rank={hvd.size()} is not a rank") as info:
+        hvd.broadcast(torch.ones(2), root_rank=np.int64(hvd.size()), name="np-bad-root")
+    assert "np.int64" not in str(info.value)
+    with pytest.raises(TypeError, match="process_set must be a ProcessSet, not str"):
+        hvd.allreduce(torch.ones(2), process_set="all")
+    usable()
+
+
+def test_in_place_into_a_leaf_that_requires_grad_is_refused_on_every_rank_as_torch_does():
+    hvd.init()
+    r = hvd.rank()
+    leaf = torch.ones(3, requires_grad=True)
+    plain = torch.ones(3)
+    with pytest.raises(hvd.HpcdlError, match=r"rank 1: allreduce_ would write in place into a leaf tensor"):
+        hvd.allreduce_(leaf if r == 1 else plain, name="leaf")
+    with pytest.raises(hvd.HpcdlError, match=r"broadcast_ would write in place into a leaf tensor"):
+        hvd.broadcast_(leaf, root_rank=0, name="leaf-bcast")
+    assert torch.equal(leaf.detach(), torch.ones(3))  # untouched
+    with torch.no_grad():  # as torch allows it there
+        hvd.allreduce_(leaf, op=hvd.Sum, name="leaf-no-grad")
+    assert torch.equal(leaf.detach(), torch.full((3,), float(hvd.size())))
     usable()
 
 

@@ -9,7 +9,19 @@ import torch
 
 from ..staging import dtype_name
 
-__all__ = ["ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product", "OP_NAMES", "resolve_op", "scale_problem"]
+__all__ = [
+    "BadOp",
+    "ReduceOp",
+    "Average",
+    "Sum",
+    "Adasum",
+    "Min",
+    "Max",
+    "Product",
+    "OP_NAMES",
+    "resolve_op",
+    "scale_problem",
+]
 
 
 class ReduceOp(enum.IntEnum):
@@ -36,22 +48,26 @@ OP_NAMES = {Average: "avg", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
 """Each supported op's name in :mod:`collectives`."""
 
 
-def resolve_op(op: Any, average: bool | None) -> Any:
-    """The ReduceOp, or the text of what is wrong with it (sent with the request, so that
-    every rank raises, not only this one)."""
-    if isinstance(op, str):  # already a problem
+class BadOp(str):
+    """What is wrong with an op argument: sent with the request instead of the op, so that
+    every rank raises, not only this one."""
+
+
+def resolve_op(op: Any, average: bool | None) -> ReduceOp | BadOp:
+    """The ReduceOp, or a :class:`BadOp` saying what is wrong with ``op``."""
+    if isinstance(op, BadOp):  # resolved before
         return op
     if average is not None:
         if op is not None:
-            return "pass op= or the deprecated average=, not both"
+            return BadOp("pass op= or the deprecated average=, not both")
         return Average if average else Sum
     op = Average if op is None else op
     try:
         op = ReduceOp(op)
-    except ValueError:
-        return f"op={op!r} is not one of hpcdl.Average, Sum, Min, Max, Product"
+    except (ValueError, TypeError):
+        return BadOp(f"op={op!r} is not one of hpcdl.Average, Sum, Min, Max, Product")
     if op == Adasum:
-        return "op=Adasum is not supported by hpcdl; use Average or Sum"
+        return BadOp("op=Adasum is not supported by hpcdl; use Average or Sum")
     return op
 
 

@@ -10,6 +10,7 @@ are thin wrappers over these.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ from ..staging import (
     dtype_name,
     home,
     host_source,
+    inplace_problem,
     is_private,
     tensor_list,
     to_numpy,
@@ -75,6 +77,7 @@ def start_allreduce(
     for i, t in enumerate(tensors):
         src = host_source(t, what)
         problem = bad_op or check_tensor(src, "allreduce", REDUCIBLE) or scale_problem(src, pre, post)
+        problem = problem or (inplace_problem(t, what + "_") if inplace else None)
         private = is_private(src, t)
         # reduce in place where that writes nothing the caller sees: into t itself when
         # asked to, or into the private copy host_source made (copied back into t when in place)
@@ -165,10 +168,12 @@ def start_broadcast(
     sid = registered_id(process_set)
     tensor_list([tensor], "broadcast")
     src = host_source(tensor, "broadcast")
-    problem = check_tensor(src, "broadcast", MOVABLE)
+    problem = check_tensor(src, "broadcast", MOVABLE) or (inplace_problem(tensor, "broadcast_") if inplace else None)
     members = process_set.ranks
-    if problem is None and not (isinstance(root_rank, int) and root_rank in members):
-        problem = f"root_rank={root_rank!r} is not a rank of the process set (ranks {members})"
+    root = int(root_rank) if isinstance(root_rank, numbers.Integral) and not isinstance(root_rank, bool) else None
+    if problem is None and root not in members:
+        shown = root if root is not None else repr(root_rank)
+        problem = f"root_rank={shown} is not a rank of the process set (ranks {members})"
     private = is_private(src, tensor)
     out = src if inplace or private else torch.empty_like(src)
     fix = (lambda: tensor.copy_(out)) if inplace and private else None
@@ -176,7 +181,7 @@ def start_broadcast(
         request_name(rt, "broadcast", sid, name),
         "broadcast",
         sid,
-        (dtype_name(src), tuple(src.shape), root_rank if isinstance(root_rank, int) else -1),
+        (dtype_name(src), tuple(src.shape), -1 if root is None else root),
         error=problem,
         x=to_numpy(src) if problem is None else None,
         out=to_numpy(out) if problem is None else None,
