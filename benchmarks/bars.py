@@ -18,8 +18,6 @@ The bars:
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import types
 from typing import Any
@@ -28,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from benchmarks import osu
-from collectives.cli import parse_size, run_main
+from collectives.cli import ArgumentParser, dump_json, parse_size, run_main
 
 BARS = {
     "allreduce": ["auto", "mpi", "gloo"],
@@ -136,7 +134,7 @@ def table(bench: str, rows: list[dict[str, Any]], names: list[str], copy_bw: flo
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--min", type=parse_size, default="4")
     p.add_argument("--max", type=parse_size, default="64M")
     p.add_argument("--rounds", type=int, default=5)
@@ -165,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
             osu.plot(args.plot, fake, rows, comm.size)
     if comm.rank == 0 and args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(record, fh, indent=1)
+            dump_json(record, fh, indent=1)
 
 
 if __name__ == "__main__":

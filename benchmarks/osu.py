@@ -23,7 +23,6 @@ torch.distributed, measured in interleaved rounds, median per size, ratios to th
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import socket
@@ -36,7 +35,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives as C
-from collectives.cli import parse_size
+from collectives.cli import ArgumentParser, dump_json, parse_size
 
 __all__ = ["COLLECTIVES", "parse_args", "run", "format_rows", "main", "copy_bandwidth"]
 
@@ -82,9 +81,7 @@ _MPI_NAME = {
 def parse_args(bench: str, argv: list[str] | None = None) -> argparse.Namespace:
     """Parse OSU's options (and ours) for benchmark ``bench``."""
     pt2pt = bench in ("latency", "bw")
-    p = argparse.ArgumentParser(
-        prog=f"osu_{bench}", description=f"OSU-style {bench} benchmark of hpcdl", allow_abbrev=False
-    )
+    p = ArgumentParser(prog=f"osu_{bench}", description=f"OSU-style {bench} benchmark of hpcdl", allow_abbrev=False)
     p.add_argument("-m", "--message-size", default=None, help="[min:]max message size in bytes (K/M suffixes)")
     p.add_argument("-i", "--iterations", type=int, default=None, help="timed iterations per size")
     p.add_argument("-x", "--warmup", type=int, default=None, help="untimed warm-up iterations per size")
@@ -322,11 +319,14 @@ def stats(comm: MPI.Comm, lat: float) -> dict[str, float]:
     }
 
 
-def run(args: argparse.Namespace, comm: MPI.Comm | None = None) -> list[dict[str, Any]]:
-    """Measure every size; return rows ``{"size", "iterations", "results": {name: stats}, ...}``."""
+def run(
+    args: argparse.Namespace, comm: MPI.Comm | None = None, on_row: Callable[[dict[str, Any]], None] | None = None
+) -> list[dict[str, Any]]:
+    """Measure every size; return rows ``{"size", "iterations", "results": {name: stats}, ...}``
+    (``on_row(row)`` sees each as soon as it is measured)."""
     comm = comm or MPI.COMM_WORLD
     if args.bench in ("latency", "bw"):
-        return _run_pt2pt(args, comm)
+        return _run_pt2pt(args, comm, on_row)
     dtype = np.dtype(DATATYPES[args.type][1])
     names = args.contenders
     rounds = args.rounds if len(names) > 1 else 1
@@ -352,10 +352,14 @@ def run(args: argparse.Namespace, comm: MPI.Comm | None = None) -> list[dict[str
         if args.validation:
             row["validation"] = {name: cont[name].check() for name in names}
         rows.append(row)
+        if on_row is not None:
+            on_row(row)
     return rows
 
 
-def _run_pt2pt(args: argparse.Namespace, comm: MPI.Comm) -> list[dict[str, Any]]:
+def _run_pt2pt(
+    args: argparse.Namespace, comm: MPI.Comm, on_row: Callable[[dict[str, Any]], None] | None
+) -> list[dict[str, Any]]:
     if comm.size < 2:
         raise SystemExit(f"osu_{args.bench} needs at least two processes")
     r = comm.rank
@@ -378,6 +382,8 @@ def _run_pt2pt(args: argparse.Namespace, comm: MPI.Comm) -> list[dict[str, Any]]
         if args.validation:
             row["validation"] = {"mpi": bool(comm.allreduce(bool(ok), op=MPI.LAND))}
         rows.append(row)
+        if on_row is not None:
+            on_row(row)
     return rows
 
 
@@ -438,20 +444,19 @@ def header(args: argparse.Namespace) -> list[str]:
     return lines
 
 
-def format_rows(args: argparse.Namespace, rows: list[dict[str, Any]], ranks: int) -> str:
-    """Render rows: the OSU format for one contender, a side-by-side table for several."""
+def contenders(args: argparse.Namespace) -> list[str]:
+    """The table's columns: the contenders compared, or ``mpi`` for the point-to-point tests."""
+    return ["mpi"] if args.bench in ("latency", "bw") else list(getattr(args, "contenders", ["mpi"]))
+
+
+def table_head(args: argparse.Namespace, names: list[str], ranks: int) -> list[str]:
+    """The lines above the rows: OSU's header and the column heads (a side-by-side table's
+    for several contenders)."""
     lines = header(args)
     if args.bench == "bw":
         lines.append(f"{'# Size':<10}{'Bandwidth (MB/s)':>18}" + (f"{'Validation':>18}" if args.validation else ""))
-        for row in rows:
-            line = f"{row['size']:<10d}{row['results']['mpi']['avg']:>18.2f}"
-            if args.validation:
-                line += f"{'Pass' if row['validation']['mpi'] else 'Fail':>18}"
-            lines.append(line)
-        return "\n".join(lines)
-    names = list(rows[0]["results"]) if rows else getattr(args, "contenders", ["mpi"])
+        return lines
     if len(names) == 1:
-        name = names[0]
         head = f"{'# Size':<10}{'Avg Latency(us)':>18}"
         if args.full:
             head += f"{'Min Latency(us)':>18}{'Max Latency(us)':>18}{'Iterations':>12}"
@@ -459,18 +464,7 @@ def format_rows(args: argparse.Namespace, rows: list[dict[str, Any]], ranks: int
             head += f"{'algbw(GB/s)':>14}{'busbw(GB/s)':>14}"
         if args.validation:
             head += f"{'Validation':>18}"
-        lines.append(head)
-        for row in rows:
-            res = row["results"][name]
-            line = f"{row['size']:<10d}{res['avg']:>18.2f}"
-            if args.full:
-                line += f"{res['min']:>18.2f}{res['max']:>18.2f}{row['iterations']:>12d}"
-            if getattr(args, "busbw", False):
-                line += f"{res['algbw']:>14.2f}{res['busbw']:>14.2f}"
-            if args.validation:
-                line += f"{'Pass' if row['validation'][name] else 'Fail':>18}"
-            lines.append(line)
-        return "\n".join(lines)
+        return [*lines, head]
     base = names[0]
     lines.append(
         f"# {ranks} ranks; median over {args.rounds} interleaved rounds of each contender's OSU average "
@@ -482,18 +476,42 @@ def format_rows(args: argparse.Namespace, rows: list[dict[str, Any]], ranks: int
         head += "".join(f"{n + ' busbw':>16}" for n in names)
     if args.validation:
         head += f"{'Validation':>18}"
-    lines.append(head)
-    for row in rows:
-        res = row["results"]
-        line = f"{row['size']:<10d}" + "".join(f"{res[n]['avg']:>18.2f}" for n in names)
-        line += "".join(f"{res[n]['avg'] / res[base]['avg']:>18.2f}" for n in names[1:])
-        if args.busbw:
-            line += "".join(f"{res[n]['busbw']:>16.2f}" for n in names)
+    return [*lines, head]
+
+
+def table_row(args: argparse.Namespace, row: dict[str, Any], names: list[str]) -> str:
+    """One measured size as a line under :func:`table_head`."""
+    if args.bench == "bw":
+        line = f"{row['size']:<10d}{row['results']['mpi']['avg']:>18.2f}"
         if args.validation:
-            bad = [n for n in names if not row["validation"][n]]
-            line += f"{'Pass' if not bad else 'Fail:' + ','.join(bad):>18}"
-        lines.append(line)
-    return "\n".join(lines)
+            line += f"{'Pass' if row['validation']['mpi'] else 'Fail':>18}"
+        return line
+    res = row["results"]
+    if len(names) == 1:
+        name = names[0]
+        line = f"{row['size']:<10d}{res[name]['avg']:>18.2f}"
+        if args.full:
+            line += f"{res[name]['min']:>18.2f}{res[name]['max']:>18.2f}{row['iterations']:>12d}"
+        if getattr(args, "busbw", False):
+            line += f"{res[name]['algbw']:>14.2f}{res[name]['busbw']:>14.2f}"
+        if args.validation:
+            line += f"{'Pass' if row['validation'][name] else 'Fail':>18}"
+        return line
+    base = names[0]
+    line = f"{row['size']:<10d}" + "".join(f"{res[n]['avg']:>18.2f}" for n in names)
+    line += "".join(f"{res[n]['avg'] / res[base]['avg']:>18.2f}" for n in names[1:])
+    if args.busbw:
+        line += "".join(f"{res[n]['busbw']:>16.2f}" for n in names)
+    if args.validation:
+        bad = [n for n in names if not row["validation"][n]]
+        line += f"{'Pass' if not bad else 'Fail:' + ','.join(bad):>18}"
+    return line
+
+
+def format_rows(args: argparse.Namespace, rows: list[dict[str, Any]], ranks: int) -> str:
+    """Render rows: the OSU format for one contender, a side-by-side table for several."""
+    names = list(rows[0]["results"]) if rows else contenders(args)
+    return "\n".join(table_head(args, names, ranks) + [table_row(args, row, names) for row in rows])
 
 
 def machine() -> dict[str, Any]:
@@ -536,12 +554,15 @@ def main(bench: str, argv: list[str] | None = None, comm: MPI.Comm | None = None
     """Parse options, measure, print (rank 0) and return the rows."""
     comm = comm or MPI.COMM_WORLD
     args = parse_args(bench, argv)
-    rows = run(args, comm)
-    if comm.rank == 0:
-        print(format_rows(args, rows, comm.size), flush=True)
+    names = contenders(args)
+    say = comm.rank == 0
+    if say:  # the header now and each row as it is measured, as OSU prints
+        print("\n".join(table_head(args, names, comm.size)), flush=True)
+    rows = run(args, comm, (lambda row: print(table_row(args, row, names), flush=True)) if say else None)
+    if say:
         if args.json:
             with open(args.json, "w", encoding="utf-8") as fh:
-                json.dump(
+                dump_json(
                     {
                         "benchmark": f"osu_{bench}",
                         "argv": sys.argv[1:] if argv is None else argv,

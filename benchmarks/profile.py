@@ -11,7 +11,6 @@ function call, so small-message figures are inflated; read them for proportions.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import os
@@ -25,7 +24,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 from mpi4py import MPI  # noqa: E402
 
 from benchmarks.osu import make_contender  # noqa: E402
-from collectives.cli import parse_size, run_main  # noqa: E402
+from collectives.cli import ArgumentParser, parse_size, run_main  # noqa: E402
 
 BENCH = {"allreduce": "allreduce", "reduce_scatter": "reduce_scatter", "allgather": "allgather"}
 BENCH.update(broadcast="bcast", reduce="reduce")
@@ -67,7 +66,7 @@ def profile(collective: str, size: int, calls: int, algorithm: str, top: int, co
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--collective", default="allreduce", choices=list(BENCH))
     p.add_argument("--size", type=parse_size, default="16M", help="OSU size in bytes (4, 64K, 16M)")
     p.add_argument("--calls", type=int, default=20)

@@ -20,8 +20,6 @@ through host memory, gloo reduces CUDA tensors its own way, and each timed loop 
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 from typing import Any
@@ -31,7 +29,7 @@ from mpi4py import MPI
 
 import hpcdl as hvd
 from benchmarks.osu import gloo_init
-from collectives.cli import parse_sizes, run_main
+from collectives.cli import ArgumentParser, dump_json, parse_sizes, run_main
 from hpcdl.train.launch import pick_device
 
 CONTENDERS = ("hpcdl", "hpcdl unnamed", "hpcdl allreduce_", "gloo")
@@ -117,7 +115,7 @@ def report(rows: list[dict[str, Any]], ranks: int, device: str = "cpu") -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--sizes", type=parse_sizes, default="4,1K,1M,16M", help="comma-separated byte sizes (K, M suffixes)"
     )
@@ -135,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         print(report(rows, hvd.size(), a.device), flush=True)
         if a.json:
             with open(a.json, "w") as fh:
-                json.dump({"ranks": hvd.size(), "device": a.device, "rows": rows}, fh, indent=1)
+                dump_json({"ranks": hvd.size(), "device": a.device, "rows": rows}, fh, indent=1)
     hvd.shutdown()
 
 

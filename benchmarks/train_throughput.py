@@ -37,9 +37,9 @@ many busy ranks as cores, that time cannot hide behind backward; it adds to the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -54,7 +54,7 @@ from mpi4py import MPI
 import collectives
 import hpcdl as hvd
 from benchmarks.osu import gloo_init
-from collectives.cli import run_main
+from collectives.cli import ArgumentParser, dump_json, run_main
 from hpcdl import state
 
 BATCH = 64
@@ -249,8 +249,8 @@ def measure(model_name: str, rounds: int, steps: int, timeline_steps: int, horov
     for c in (HPCDL, ZERO):
         model, opt, clock = _build(c, make, horovod)
         _steps(model, opt, clock, x, y, WARMUP)
-        path = os.path.join(tempfile.gettempdir(), f"hpcdl-train-throughput-{os.getpid()}.json")
-        path = world.bcast(path, root=0)
+        scratch = tempfile.mkdtemp(prefix="hpcdl-train-throughput-") if world.rank == 0 else None
+        path = world.bcast(None if scratch is None else os.path.join(scratch, "timeline.json"), root=0)
         hvd.start_timeline(path)
         stamps = _steps(model, opt, clock, x, y, timeline_steps)
         hvd.stop_timeline()
@@ -258,7 +258,7 @@ def measure(model_name: str, rounds: int, steps: int, timeline_steps: int, horov
         if world.rank == 0:
             with open(path) as fh:
                 trace = json.load(fh)
-            os.unlink(path)
+            shutil.rmtree(scratch)
             result["rows"][c]["hidden"] = hidden_share(trace, backward, opt.name_prefix)
         del model, opt, clock
     result["rows"] = world.bcast(result["rows"], root=0)
@@ -310,7 +310,7 @@ def report(results: list[dict[str, Any]], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="mlp,cnn", help="comma-separated: mlp, cnn")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=12, help="timed steps per contender and round")
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
         print(report(results, cmd.strip()), flush=True)
         if a.json:
             with open(a.json, "w") as fh:
-                json.dump(results, fh, indent=1)
+                dump_json(results, fh, indent=1)
     hvd.shutdown()
 
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["run_main", "parse_size", "parse_sizes"]
+__all__ = ["ArgumentParser", "run_main", "parse_size", "parse_sizes", "dump_json"]
 
 _DRAIN_S = 0.5
 """How long a failing rank waits between printing why and ``MPI_Abort``: the abort tears
@@ -18,6 +20,39 @@ peer's failing alike, would be lost (MPICH's hydra cut a usage message short in 
 tries without the wait)."""
 
 _MULT = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def world_rank() -> int:
+    """This process's rank in ``MPI.COMM_WORLD`` (0 outside an MPI job or after finalize)."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() and not MPI.Is_finalized() else 0
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` for a script every rank of an ``mpiexec`` job runs: help
+    and usage errors are printed by world rank 0 only, instead of once per rank; every
+    rank still parses alike and exits with the same status."""
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if world_rank() == 0:
+            super()._print_message(message, file)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def dump_json(obj: Any, fh: Any, **kw: Any) -> None:
+    """``json.dump`` that writes valid JSON only: a non-finite float (a ratio of a zero
+    time, say) becomes ``null`` instead of the ``NaN``/``Infinity`` JSON has no word for."""
+    json.dump(_finite(obj), fh, allow_nan=False, **kw)
 
 
 def parse_size(text: str) -> int:

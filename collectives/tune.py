@@ -15,7 +15,6 @@ into one file with ``--merge``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -25,7 +24,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import api
-from .cli import parse_size, run_main
+from .cli import ArgumentParser, dump_json, parse_size, run_main
 from .context import get_context
 from .select import REGISTRY
 
@@ -91,7 +90,7 @@ def rules_from(winners: list[tuple[int, str]]) -> list[list[Any]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m collectives.tune", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m collectives.tune", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="tuning table to write (rank 0)")
     p.add_argument("--merge", help="existing table whose other entries are kept")
     p.add_argument("--min", type=parse_size, default="4", help="smallest message in bytes (K/M suffixes)")
@@ -137,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         words = sys.argv[1:] if argv is None else argv
         runs.append(f"mpiexec -n {comm.size} python -m collectives.tune " + " ".join(words))
         with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump(table, fh, indent=1)
+            dump_json(table, fh, indent=1)
         print(f"wrote {args.out}: {len(entries)} tables for {comm.size} ranks on {nodes} node(s)", flush=True)
 
 

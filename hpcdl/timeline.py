@@ -93,5 +93,5 @@ def write_trace(path: str, per_rank: list[list[dict[str, Any]]]) -> None:
     }
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as fh:
-        json.dump(doc, fh)
+        json.dump(doc, fh, allow_nan=False)
     os.replace(tmp, path)

@@ -253,3 +253,33 @@ def test_train_throughput_report_says_when_the_ddp_bar_is_below_no_communication
     assert "(the 1.10 bar leaves -1.2 ms for everything else)" in text
     assert "0.85 x DDP-gloo = 55.2 ms is below the no-communication step, 60.0 ms" in text
     assert "below the no-communication" not in tt.report([res(60.0, 80.0)], "cmd")  # 68 >= 60
+
+
+@pytest.mark.parametrize("opts", [["-f"], ["--compare", "auto,mpi"]], ids=["osu", "compare"])
+def test_the_header_comes_first_and_each_row_as_soon_as_it_is_measured(capsys, monkeypatch, opts):
+    """Rank 0 prints the header before measuring and each row right after its size, as
+    OSU does, instead of the whole table at the end; other ranks print nothing."""
+    seen: list[str] = []
+    real_run = osu.run
+
+    def watched(args, comm=None, on_row=None):
+        seen.append(capsys.readouterr().out)  # what was printed before any size was measured
+
+        def row(r):
+            if on_row is not None:
+                on_row(r)
+            seen.append(capsys.readouterr().out)
+
+        return real_run(args, comm, row)
+
+    monkeypatch.setattr(osu, "run", watched)
+    rows = osu.main("allreduce", ["-m", "4:16", "-i", "3", "-x", "1", *opts])
+    if WORLD.rank != 0:
+        assert not any(seen)
+        return
+    assert "# OSU MPI Allreduce Latency Test" in seen[0] and "# Size" in seen[0]
+    assert [chunk.split()[0] for chunk in seen[1:]] == [str(r["size"]) for r in rows] == ["4", "8", "16"]
+    assert (
+        seen[0] + "".join(seen[1:])
+        == osu.format_rows(osu.parse_args("allreduce", ["-m", "4:16", *opts]), rows, WORLD.size) + "\n"
+    )

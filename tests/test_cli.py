@@ -67,3 +67,24 @@ def test_uncaught_exception_on_one_rank_aborts_the_whole_job(tmp_path):
     assert time.monotonic() - start < 60
     assert proc.returncode != 0
     assert "rank one gives up" in proc.stderr and "Traceback" in proc.stderr
+
+
+ENTRY_POINTS = [
+    "hpcdl.train",
+    "collectives.tune",
+    "benchmarks.bars",
+    "benchmarks.profile",
+    "benchmarks.torch_allreduce",
+    "benchmarks.train_throughput",
+    *(f"benchmarks.osu_{b}" for b in ("allgather", "allreduce", "bcast", "bw", "latency", "reduce", "reduce_scatter")),
+]
+
+
+@pytest.mark.parametrize("module", ENTRY_POINTS)
+def test_help_of_every_entry_point_prints_once_under_mpiexec(module):
+    """``--help`` works (its text once formatted an unescaped % and crashed) and, under
+    ``mpiexec -n 2``, is printed by one rank, not by each."""
+    proc = mpiexec_job(["-m", module, "--help"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("usage:") == 1, proc.stdout
+    assert "--help" in proc.stdout and "Traceback" not in proc.stderr
