@@ -77,6 +77,9 @@ def test_the_runtime_section_reads_file_environment_and_flags(tmp_path):
         ),
         (["--batch-size", "0"], {}, None, r"batch_size=0 must be >= 1 \(from --batch-size\)"),
         (["--lr", "fast"], {}, None, r"--lr='fast': lr must be a number"),
+        (["--lr", "inf"], {}, None, r"lr=inf must be a finite number"),
+        ([], {"HPCDL_TRAIN_MOMENTUM": "nan"}, None, r"momentum=nan must be a finite number"),
+        (["--resume", "--overwrite", "--run-dir", "r"], {}, None, r"resume continues the run .* pass one"),
         ([], {"HPCDL_TRAIN_ZERO": "3"}, None, r"HPCDL_TRAIN_ZERO='3' is not accepted for zero; choose one of 0, 1, 2"),
         (
             [],
@@ -123,6 +126,8 @@ def test_config_file_must_exist_and_be_toml_or_yaml(tmp_path):
     (tmp_path / "c.ini").write_text("x=1")
     with pytest.raises(ConfigError, match=r"use a \.toml, \.yaml or \.yml file"):
         parse_config(["--config", str(tmp_path / "c.ini")], environ={})
+    with pytest.raises(ConfigError, match=r"is a directory; give a \.toml"):
+        parse_config(["--config", str(tmp_path)], environ={})
 
 
 def test_a_bad_value_stops_every_rank_before_work_with_one_message(tmp_path):
@@ -380,3 +385,101 @@ def test_the_training_job_runs_through_sbatch_and_srun_on_a_local_cluster(tmp_pa
     assert ranks["launcher"] == "srun (Slurm)" and [r["rank"] for r in ranks["ranks"]] == [0, 1]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["final"]["accuracy"] > 0.8
+
+
+def test_run_directory_and_resume_problems_are_one_line_and_status_2(tmp_path):
+    """An earlier run's checkpoints are not overwritten silently; resuming from a missing
+    directory, an empty one or another model's checkpoint says so in one line with status
+    2; an unreadable newest checkpoint is skipped for the newest readable one, with a
+    warning naming it; with none readable the job says which it skipped."""
+    run_dir = tmp_path / "run"
+    ck_dir = run_dir / "checkpoints"
+    base = ["-m", "hpcdl.train", "--model", "mlp", "--epochs", "1", "--no-progress", "--checkpoint-every", "3"]
+
+    def job(*extra: str) -> subprocess.CompletedProcess:
+        return mpiexec_job([*base, *extra])
+
+    def refused(proc: subprocess.CompletedProcess, text: str) -> None:
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count(text) == 1 and "Traceback" not in proc.stderr, proc.stderr
+
+    assert job("--max-steps", "6", "--run-dir", str(run_dir)).returncode == 0
+    assert ckpt.steps_in(str(ck_dir)) == [3, 6]
+    newest = ck_dir / "step-00000006.pt"
+    stamp = newest.stat().st_mtime_ns
+    refused(job("--max-steps", "6", "--run-dir", str(run_dir)), "holds checkpoints of an earlier run")
+    assert newest.stat().st_mtime_ns == stamp  # untouched
+    missing = tmp_path / "missing"
+    refused(job("--resume", "--run-dir", str(missing)), f"resume: run directory {missing} does not exist")
+    assert not missing.exists()
+    (tmp_path / "empty").mkdir()
+    refused(job("--resume", "--run-dir", str(tmp_path / "empty")), "resume: no checkpoint in")
+    other = job("--resume", "--run-dir", str(run_dir), "--model", "cnn")
+    refused(other, "was written for another model or optimizer: model='mlp' (this run: 'cnn')")
+    # the newest cut short: the run resumes from step 3 and says which file it skipped
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    proc = job("--resume", "--max-steps", "9", "--run-dir", str(run_dir))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count(f"warning: skipping unreadable checkpoint {newest}") == 1, proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 9 and summary["resumed_from"].endswith("step-00000003.pt"), summary
+    for f in ck_dir.iterdir():
+        f.write_bytes(b"")
+    none = job("--resume", "--run-dir", str(run_dir))
+    refused(none, "resume: no readable checkpoint in")
+    assert none.stderr.count("(the file is empty)") == 2, none.stderr  # both named, with why
+    fresh = job("--max-steps", "3", "--run-dir", str(run_dir), "--overwrite")
+    assert fresh.returncode == 0, fresh.stderr
+    assert ckpt.steps_in(str(ck_dir)) == [3] and ckpt.load(str(ck_dir / "step-00000003.pt"))["step"] == 3
+
+
+def test_a_diverging_run_stops_with_a_message_and_writes_only_valid_json(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = mpiexec_job(
+        ["-m", "hpcdl.train", "--model", "mlp", "--optimizer", "sgd", "--lr", "1e30", "--lr-scaling", "none"]
+        + ["--warmup-steps", "0", "--epochs", "1", "--no-progress", "--run-dir", str(run_dir)]
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("hpcdl.train: error: training diverged: the loss is") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+    def strict(text: str) -> None:
+        json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+
+    for path in run_dir.rglob("*.json*"):
+        for line in path.read_text().splitlines() if path.suffix == ".jsonl" else [path.read_text()]:
+            strict(line)
+
+
+def test_a_mistyped_hpcdl_variable_is_one_line_naming_the_closest_name():
+    proc = mpiexec_job(["-m", "hpcdl.train", "--dry-run"], env={"HPCDL_FUSION_TRESHOLD": "1"})
+    assert proc.returncode == 2, proc.stderr
+    want = "unknown environment variable HPCDL_FUSION_TRESHOLD; did you mean HPCDL_FUSION_THRESHOLD?"
+    assert proc.stderr.count(want) == 1 and "HPCDL_SHM_BYTES" not in proc.stderr, proc.stderr
+
+
+def _render(text: str) -> list[str]:
+    """What a terminal shows for ``text``: a carriage return moves back to column 0."""
+    lines, cur, col = [], [], 0
+    for ch in text:
+        if ch == "\n":
+            lines.append("".join(cur).rstrip())
+            cur, col = [], 0
+        elif ch == "\r":
+            col = 0
+        else:
+            cur[col : col + 1] = [ch]
+            col += 1
+    return [*lines, "".join(cur).rstrip()] if cur else lines
+
+
+def test_progress_bar_and_log_lines_share_one_stream_under_mpiexec(tmp_path):
+    """mpiexec forwards stdout and stderr apart, so the bar, the epoch lines and the result
+    line go to one stream, where the bar is cleared before each line."""
+    proc = mpiexec_job(["-m", "hpcdl.train", "--model", "mlp", "--epochs", "2", "--run-dir", str(tmp_path / "r")])
+    assert proc.returncode == 0, proc.stderr
+    assert "\r" not in proc.stderr and "it/s" not in proc.stderr and "step/s" not in proc.stderr, proc.stderr
+    shown = _render(proc.stdout)
+    epochs = [line for line in shown if "epoch" in line and "accuracy" in line]
+    assert [line.split(":")[0] for line in epochs] == ["epoch 0", "epoch 1"], shown
+    assert shown[-1].startswith("hpcdl.train: ") and "held-out" in shown[-1], shown

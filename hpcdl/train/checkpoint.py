@@ -15,7 +15,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["save_atomic", "latest", "load", "prune", "remove_partial", "path_for", "steps_in", "FORMAT"]
+__all__ = [
+    "save_atomic",
+    "latest",
+    "load",
+    "prune",
+    "remove_partial",
+    "remove_all",
+    "path_for",
+    "steps_in",
+    "FORMAT",
+]
 
 FORMAT = "hpcdl.train.checkpoint/1"
 _NAME = re.compile(r"^step-(\d{8})\.pt$")
@@ -60,9 +70,18 @@ def latest(directory: str) -> str | None:
 
 
 def load(path: str) -> dict[str, Any]:
-    obj = torch.load(path, map_location="cpu", weights_only=True)
+    """Read the checkpoint at ``path``; ``ValueError`` saying what is wrong with it when it
+    is empty, cut short, or not a checkpoint of this format."""
+    if os.path.getsize(path) == 0:
+        raise ValueError("the file is empty")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch's message for a truncated zip, a bare EOFError, ...
+        raise ValueError(
+            f"it does not load ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'cut short'})"
+        ) from None
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-        raise ValueError(f"{path} is not an hpcdl.train checkpoint (format {FORMAT!r})")
+        raise ValueError(f"it is not an hpcdl.train checkpoint (format {FORMAT!r})")
     return obj
 
 
@@ -70,6 +89,13 @@ def prune(directory: str, keep: int) -> None:
     """Delete all but the newest ``keep`` checkpoints."""
     for step in steps_in(directory)[:-keep]:
         os.unlink(path_for(directory, step))
+
+
+def remove_all(directory: str) -> None:
+    """Delete every checkpoint in ``directory`` (a run that starts afresh there)."""
+    for step in steps_in(directory):
+        os.unlink(path_for(directory, step))
+    remove_partial(directory)
 
 
 def remove_partial(directory: str) -> None:

@@ -52,12 +52,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_main(lambda: _dry_run(cfg))
         return 0
 
-    def train() -> None:
+    def train() -> int:
         import hpcdl as hvd
 
+        from .config import RunError
         from .loop import run
 
-        summary = run(cfg)
+        try:
+            summary = run(cfg)
+        except RunError as exc:  # every rank raises it alike: say it once and end with status 2
+            _say_once(f"hpcdl.train: error: {exc}")
+            hvd.shutdown()
+            return 2
         if hvd.rank() == 0:
             final = ", ".join(f"{k} {v:.4f}" for k, v in summary["final"].items())
             print(
@@ -68,9 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush=True,
             )
         hvd.shutdown()
+        return 0
 
-    run_main(train)
-    return 0
+    return run_main(train)
 
 
 def console_main() -> None:

@@ -16,23 +16,31 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import os
 import sys
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from collectives.cli import ArgumentParser
 from collectives.config import BOOLS, register_env_names
 from hpcdl.config import Config, load_config
 from hpcdl.errors import HpcdlError
 
-__all__ = ["TrainConfig", "ConfigError", "parse_config", "ENV_PREFIX"]
+__all__ = ["TrainConfig", "ConfigError", "RunError", "parse_config", "ENV_PREFIX"]
 
 ENV_PREFIX = "HPCDL_TRAIN_"
 
 
 class ConfigError(ValueError):
     """A configuration value that the training job does not accept."""
+
+
+class RunError(ConfigError):
+    """A run directory or checkpoint the job cannot use (checkpoints of an earlier run, none
+    to resume from, one that does not load): every rank raises it alike, and the job says
+    why in one line and exits with status 2."""
 
 
 def _field(default: Any, help: str, **meta: Any) -> Any:
@@ -87,7 +95,8 @@ class TrainConfig:
     run_dir: str = _field("", "where metrics, plot, summary and checkpoints go (empty: runs/<model>-<time>)")
     checkpoint_every: int = _field(50, "write a checkpoint every this many steps, and at the end (0: end only)", min=0)
     keep_checkpoints: int = _field(2, "checkpoints kept in run_dir/checkpoints", min=1)
-    resume: bool = _field(False, "continue from the newest checkpoint in run_dir")
+    resume: bool = _field(False, "continue from the newest readable checkpoint in run_dir")
+    overwrite: bool = _field(False, "start afresh in a run_dir that holds checkpoints, deleting them")
     timeline: str = _field("", "write hpcdl's Chrome-trace timeline to this file (empty: off)")
     progress: bool = _field(True, "a progress bar on rank 0")
     dry_run: bool = _field(False, "print the resolved configuration and the rank layout, then exit")
@@ -113,6 +122,8 @@ class TrainConfig:
                 setattr(self, f.name, value)
             if type(value) is not kind:
                 raise ConfigError(f"{f.name}={value!r} must be {_kind_words(kind)}")
+            if kind is float and not math.isfinite(value):
+                raise ConfigError(f"{f.name}={value!r} must be a finite number")
             m = f.metadata
             if "min" in m and value < m["min"]:
                 raise ConfigError(f"{f.name}={value!r} must be >= {m['min']}")
@@ -135,6 +146,8 @@ class TrainConfig:
             raise ConfigError("device='cuda' but torch sees no CUDA device here; use device='cpu' or 'auto'")
         if self.resume and not self.run_dir:
             raise ConfigError("resume needs run_dir: the run directory whose newest checkpoint to continue from")
+        if self.resume and self.overwrite:
+            raise ConfigError("resume continues the run in run_dir and overwrite deletes its checkpoints: pass one")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -196,6 +209,8 @@ def _unknown(name: str, where: str, known: Sequence[str] = (*_FIELDS, "runtime")
 
 
 def _read_file(path: str) -> dict[str, Any]:
+    if os.path.isdir(path):
+        raise ConfigError(f"config file {path!r} is a directory; give a .toml, .yaml or .yml file")
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")
     ext = os.path.splitext(path)[1].lower()
@@ -222,7 +237,7 @@ def _read_file(path: str) -> dict[str, Any]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="python -m hpcdl.train",
         description="Train a model data-parallel over the ranks of an mpiexec or srun job.",
         epilog=f"Every field also reads {ENV_PREFIX}<FIELD> (e.g. {ENV_PREFIX}LR=0.01); flags win over "
@@ -252,7 +267,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
         raise ConfigError(message)
 

@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 import hpcdl as hvd
 
 from . import checkpoint as ckpt
-from .config import TrainConfig
+from .config import RunError, TrainConfig
 from .data import ShardedOrder, corpus, digits, eval_indices
 from .launch import check_world, launcher, layout, pick_device
 from .models import GPT, DigitsCNN, DigitsMLP
@@ -35,13 +36,74 @@ def init_runtime(cfg: TrainConfig) -> None:
 
 
 def _resolve_run_dir(cfg: TrainConfig) -> str:
-    """Rank 0 picks (and creates) the run directory; every rank gets its absolute path."""
-    path = None
+    """Rank 0 picks (and creates) the run directory; every rank gets its absolute path, or
+    the same :class:`RunError`: a directory to resume that does not exist, or checkpoints
+    of an earlier run where this one would start afresh without ``overwrite``."""
+    answer: tuple[str | None, str | None] = (None, None)
     if hvd.rank() == 0:
         path = cfg.run_dir or os.path.join("runs", f"{cfg.model}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
         path = os.path.abspath(path)
-        os.makedirs(os.path.join(path, "checkpoints"), exist_ok=True)
-    return hvd.broadcast_object(path, root_rank=0, name="train.run_dir")
+        ck_dir = os.path.join(path, "checkpoints")
+        earlier = ckpt.steps_in(ck_dir)
+        problem = None
+        if cfg.resume and not os.path.isdir(path):
+            problem = f"resume: run directory {path} does not exist"
+        elif earlier and not cfg.resume and not cfg.overwrite:
+            problem = (
+                f"run directory {path} holds checkpoints of an earlier run (newest "
+                f"{ckpt.path_for(ck_dir, earlier[-1])}); pass --resume to continue it or --overwrite to start afresh"
+            )
+        else:
+            if cfg.overwrite:
+                ckpt.remove_all(ck_dir)
+            os.makedirs(ck_dir, exist_ok=True)
+        answer = (path, problem)
+    path, problem = hvd.broadcast_object(answer, root_rank=0, name="train.run_dir")
+    if problem is not None:
+        raise RunError(problem)
+    return path
+
+
+_SAME_MODEL = ("model", "block_size", "n_layer", "n_head", "d_model", "optimizer")
+"""Fields a checkpoint must share with the run that resumes it: its weights and optimizer
+state only load into the same model and optimizer."""
+_PER_RUN = ("epochs", "max_steps", "run_dir", "resume", "overwrite", "progress", "checkpoint_every")
+_PER_RUN += ("keep_checkpoints", "timeline", "dry_run", "threads", "device", "runtime")
+"""Fields a resumed run may change without comment."""
+
+
+def _differences(saved: dict[str, Any], cfg: TrainConfig, fields: Any) -> list[str]:
+    now = cfg.to_dict()
+    return [f"{k}={saved.get(k)!r} (this run: {now[k]!r})" for k in fields if saved.get(k) != now[k]]
+
+
+def _pick_checkpoint(ck_dir: str, cfg: TrainConfig) -> tuple[str | None, dict | None, str | None]:
+    """Rank 0's choice of the checkpoint to resume from: the newest that loads (each
+    unreadable newer one is skipped with a warning naming it), as (path, its contents,
+    None), or (None, None, the problem)."""
+    steps = ckpt.steps_in(ck_dir)
+    if not steps:
+        return None, None, f"resume: no checkpoint in {ck_dir}"
+    skipped = []
+    for step in reversed(steps):
+        path = ckpt.path_for(ck_dir, step)
+        try:
+            st = ckpt.load(path)
+        except ValueError as exc:
+            skipped.append(f"{path} ({exc})")
+            print(f"hpcdl.train: warning: skipping unreadable checkpoint {path}: {exc}", file=sys.stderr, flush=True)
+            continue
+        saved = st.get("config", {})
+        bad = _differences(saved, cfg, _SAME_MODEL)
+        if bad:
+            return None, None, f"resume: {path} was written for another model or optimizer: " + ", ".join(bad)
+        other = _differences(saved, cfg, [k for k in saved if k not in _SAME_MODEL and k not in _PER_RUN])
+        if other:
+            print(
+                f"hpcdl.train: warning: resuming {path} with changed " + ", ".join(other), file=sys.stderr, flush=True
+            )
+        return path, st, None
+    return None, None, "resume: no readable checkpoint in " + ck_dir + "; skipped " + "; ".join(skipped)
 
 
 class Trainer:
@@ -214,9 +276,18 @@ class Trainer:
             ckpt.prune(directory, self.cfg.keep_checkpoints)
         return path
 
-    def restore(self, path: str) -> None:
-        st = ckpt.load(path)
-        self.model.load_state_dict(st["model"])
+    def restore(self, path: str, st: dict[str, Any] | None = None) -> None:
+        """Continue from the checkpoint at ``path`` (``st``: its contents, when read already);
+        a checkpoint that does not fit this run is a :class:`RunError` on every rank."""
+        problem = None
+        try:
+            st = ckpt.load(path) if st is None else st
+            self.model.load_state_dict(st["model"])
+        except (ValueError, RuntimeError, KeyError) as exc:
+            problem = f"resume: {path} does not fit this run: {str(exc).splitlines()[0]}"
+        problems = [p for p in hvd.allgather_object(problem, name="train.restore") if p is not None]
+        if problems:
+            raise RunError(problems[0])
         self.opt.load_state_dict(st["optimizer"])
         if self.scaler and st["scaler"]:
             self.scaler.load_state_dict(st["scaler"])
@@ -235,10 +306,11 @@ class Trainer:
         ck_dir = os.path.join(run_dir, "checkpoints")
         resumed_from = None
         if cfg.resume:
-            path = hvd.broadcast_object(ckpt.latest(ck_dir) if self.rank == 0 else None, 0, name="train.resume")
-            if path is None:
-                raise FileNotFoundError(f"resume: no checkpoint in {ck_dir}")
-            self.restore(path)
+            path, st, problem = _pick_checkpoint(ck_dir, cfg) if self.rank == 0 else (None, None, None)
+            path, problem = hvd.broadcast_object((path, problem), 0, name="train.resume")
+            if problem is not None:
+                raise RunError(problem)
+            self.restore(path, st)
             resumed_from = path
         ranks = layout(hvd, self.device)
         metrics = None
@@ -259,6 +331,11 @@ class Trainer:
                 while self.step_in_epoch < len(groups) and self.step < self.total_steps:
                     t0 = time.perf_counter()
                     loss = self.train_step(groups[self.step_in_epoch])
+                    if not math.isfinite(loss):  # averaged over the ranks: every rank stops here
+                        raise RunError(
+                            f"training diverged: the loss is {loss} at step {self.step + 1} "
+                            f"(learning rate {self.lr_at(self.step):g}); lower --lr"
+                        )
                     dt = time.perf_counter() - t0
                     self.train_s += dt
                     self.step += 1
@@ -338,7 +415,10 @@ class Trainer:
             return None
         from tqdm import tqdm
 
+        # on stdout, the stream of the epoch lines (bar.write) and the result line: mpiexec
+        # forwards stdout and stderr separately, so a bar on stderr would interleave with them
         return tqdm(
+            file=sys.stdout,
             total=self.total_steps,
             initial=self.step,
             unit="step",

@@ -13,7 +13,7 @@ __all__ = ["Metrics", "write_json", "plot"]
 def write_json(path: str, obj: Any) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1)
+        json.dump(obj, fh, indent=1, allow_nan=False)  # NaN and Infinity are not JSON
         fh.write("\n")
     os.replace(tmp, path)
 
@@ -40,7 +40,7 @@ class Metrics:
         self.fh = open(path, "a")
 
     def write(self, record: dict[str, Any]) -> None:
-        self.fh.write(json.dumps(record) + "\n")
+        self.fh.write(json.dumps(record, allow_nan=False) + "\n")
         self.fh.flush()
 
     def close(self) -> None:
