@@ -22,15 +22,41 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
+from .adasum import allreduce as adasum_schedule
 from .api import allgather_agreed as allgather
 from .api import allreduce_agreed as allreduce
 from .api import broadcast_agreed as broadcast
 from .api import reduce_scatter_agreed as reduce_scatter
 from .config import load_config
 from .context import get_context
+from .errors import InvalidArgumentError
+from .ops import DTYPES
 from .select import load_table
 
-__all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "fingerprint", "set_polite"]
+__all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "adasum", "fingerprint", "set_polite"]
+
+
+def adasum(x: np.ndarray, *, out: np.ndarray | None = None, comm: Any = None) -> np.ndarray:
+    """The Adasum of every rank's floating-point ``x`` (:mod:`collectives.adasum`), in
+    ``out`` when given. The number of ranks must be a power of two (an
+    :class:`~collectives.InvalidArgumentError` otherwise, on every rank alike)."""
+    ctx = get_context(comm)
+    t = ctx.transport
+    if t.size & (t.size - 1):
+        raise InvalidArgumentError(f"Adasum needs a power-of-two number of ranks, not {t.size}")
+    if np.dtype(x.dtype) not in DTYPES[:4]:  # float16, bfloat16, float32, float64
+        raise InvalidArgumentError(f"Adasum combines floating-point tensors, not {x.dtype}")
+    if out is None:
+        out = np.empty(x.shape, x.dtype)
+    if out is not x:
+        np.copyto(out, x)
+    flat = out.reshape(-1)
+    if t.size > 1 and flat.size:
+        tag, sum_tag = ctx.next_tag(), ctx.next_tag()
+        ctx.run(adasum_schedule(ctx, t, flat, tag, sum_tag))
+    return out
 
 
 def fingerprint() -> str:

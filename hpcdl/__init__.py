@@ -35,7 +35,7 @@ from .basics import (
 )
 from .compression import Compression
 from .config import Config
-from .errors import HorovodInternalError, HpcdlError
+from .errors import HorovodInternalError, HpcdlArgumentError, HpcdlError
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .ops import (
     Adasum,
@@ -70,6 +70,7 @@ from .ops import (
     poll,
     reducescatter,
     reducescatter_async,
+    sparse_allreduce_async,
     start_timeline,
     stop_timeline,
     synchronize,
@@ -81,6 +82,7 @@ from .sync_batch_norm import SyncBatchNorm
 __all__ = [
     "__version__",
     "HpcdlError",
+    "HpcdlArgumentError",
     "HorovodInternalError",
     "init",
     "shutdown",
@@ -114,6 +116,7 @@ __all__ = [
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
+    "sparse_allreduce_async",
     "allgather",
     "allgather_async",
     "grouped_allgather",

@@ -2,16 +2,24 @@
 that every other module can raise them without an import circle.
 
 A Horovod script catches ``hvd.HorovodInternalError``; here that is another name of
-:class:`HpcdlError`, which is a ``RuntimeError`` as Horovod's is.
+:class:`HpcdlError`, which is a ``RuntimeError`` as Horovod's is. A bad argument raises
+:class:`HpcdlArgumentError`, which is also a ``ValueError``, as Horovod users catch
+argument errors.
 """
 
 from __future__ import annotations
 
-__all__ = ["HpcdlError", "HorovodInternalError", "NOT_INITIALIZED"]
+__all__ = ["HpcdlError", "HpcdlArgumentError", "HorovodInternalError", "NOT_INITIALIZED"]
 
 
 class HpcdlError(RuntimeError):
     """An error of the hpcdl runtime, raised on every rank it concerns."""
+
+
+class HpcdlArgumentError(HpcdlError, ValueError):
+    """A bad argument (a name already in flight, duplicate parameter names, alltoall splits
+    that do not add up, ...): an :class:`HpcdlError` and a ``ValueError``. Raised on every
+    rank when the argument travels with a request."""
 
 
 HorovodInternalError = HpcdlError

@@ -60,9 +60,12 @@ def poll(handle: int) -> bool:
     return all(r.event.is_set() for r in hd.reqs)
 
 
-def synchronize(handle: int) -> Any:
+def synchronize(handle: int | Callable[[], Any]) -> Any:
     """Wait for the operation behind ``handle`` and return its output (tensor, or a list for
-    grouped operations); raise :class:`HpcdlError` if it failed on this or another rank."""
+    grouped operations); raise :class:`HpcdlError` if it failed on this or another rank.
+    A callable handle (``sparse_allreduce_async``'s, as Horovod returns one) is called."""
+    if callable(handle):
+        return handle()
     rt = state.current()
     hd = rt.handles.pop(handle, None)
     if hd is None:

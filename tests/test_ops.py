@@ -281,25 +281,41 @@ def test_allreduce_gradients_match_the_analytic_ones():
         close(x.grad, wsum)
 
 
+def test_scale_factors_on_integer_tensors_scale_and_truncate_as_horovod_does():
+    n, r = hvd.size(), hvd.rank()
+    x = torch.full((4,), 5 + r, dtype=torch.int32)
+    got = hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.5, postscale_factor=1.5, name="int-scaled")
+    pre = sum(int((5 + q) * 0.5) for q in range(n))  # each rank's 0.5 x, truncated toward zero
+    assert got.dtype == torch.int32 and torch.equal(got, torch.full((4,), int(pre * 1.5), dtype=torch.int32))
+    y = torch.full((2 * n,), -7, dtype=torch.int64)
+    got = hvd.reducescatter(y, op=hvd.Sum, prescale_factor=0.5, name="int-rs")
+    assert torch.equal(got, torch.full((2,), -3 * n, dtype=torch.int64))  # trunc(-3.5) = -3
+    fused = hvd.grouped_allreduce([torch.full((3,), 3, dtype=torch.int16)] * 2, op=hvd.Sum, postscale_factor=0.5)
+    assert all(torch.equal(t, torch.full((3,), int(3 * n * 0.5), dtype=torch.int16)) for t in fused)
+
+
 def test_allgather_broadcast_alltoall_reducescatter_gradients():
     n, r = hvd.size(), hvd.rank()
-    # allgather: y = cat(x_q); loss_q = <W_q, y>: dL/dx_r = sum_q W_q[rows of r]
+    # Horovod's conventions: allgather's and broadcast's gradients average the output
+    # gradients over the ranks (the analytic gradients sum them); reducescatter's is the
+    # allgather of the output gradients, times the set's size for Sum
+    # allgather: y = cat(x_q); loss_q = <W_q, y>: dL/dx_r = mean_q W_q[rows of r]
     rows = [q + 1 for q in range(n)]
     total = sum(rows)
     wts = [torch.arange(total * 2, dtype=torch.float64).reshape(total, 2) * (q + 1) for q in range(n)]
     x = torch.ones(rows[r], 2, dtype=torch.float64, requires_grad=True)
     (hvd.allgather(x) * wts[r]).sum().backward()
     start = sum(rows[:r])
-    close(x.grad, sum(wts)[start : start + rows[r]])
+    close(x.grad, (sum(wts) / n)[start : start + rows[r]])
     xg = [torch.ones(rows[r], 2, dtype=torch.float64, requires_grad=True) for _ in range(2)]
     sum((y * wts[r]).sum() for y in hvd.grouped_allgather(xg)).backward()
-    close(xg[1].grad, sum(wts)[start : start + rows[r]])
-    # broadcast: y = x_root everywhere: the root's gradient is sum_q W_q, the others' zero
+    close(xg[1].grad, (sum(wts) / n)[start : start + rows[r]])
+    # broadcast: y = x_root everywhere: the root's gradient is mean_q W_q, the others' zero
     root = n - 1
     vts = [torch.tensor([1.0, q + 2.0], dtype=torch.float64) for q in range(n)]
     x = torch.tensor([3.0, 4.0], dtype=torch.float64, requires_grad=True)
     (hvd.broadcast(x, root) * vts[r]).sum().backward()
-    close(x.grad, sum(vts) if r == root else torch.zeros(2, dtype=torch.float64))
+    close(x.grad, sum(vts) / n if r == root else torch.zeros(2, dtype=torch.float64))
     # alltoall: the gradient of what this rank sent is what its receivers' losses say
     sp = [1] * n
     x = (torch.arange(n, dtype=torch.float64) + 10 * r).requires_grad_()
@@ -311,13 +327,66 @@ def test_allgather_broadcast_alltoall_reducescatter_gradients():
     uts = [torch.full((2, 2), q + 1.0, dtype=torch.float64) for q in range(n)]
     x = torch.zeros(2 * n, 2, dtype=torch.float64, requires_grad=True)
     (hvd.reducescatter(x, op=hvd.Sum) * uts[r]).sum().backward()
-    close(x.grad, torch.cat(uts))
+    close(x.grad, torch.cat(uts) * n)
     x = torch.zeros(2 * n, 2, dtype=torch.float64, requires_grad=True)
     (hvd.reducescatter(x, op=hvd.Average) * uts[r]).sum().backward()
-    close(x.grad, torch.cat(uts) / n)
+    close(x.grad, torch.cat(uts))
+    x = torch.zeros(2 * n, 2, dtype=torch.float64, requires_grad=True)
+    (hvd.reducescatter(x, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0) * uts[r]).sum().backward()
+    close(x.grad, torch.cat(uts) * n * 1.5)
 
 
 # -- helpers --------------------------------------------------------------------------------------
+class _Counting(torch.optim.Optimizer):
+    """An optimizer whose state holds a tensor, a Python number, a string and a list."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                st["count"] = st.get("count", 0) + 1
+                st["tag"] = f"seen-{st['count']}"
+                st["history"] = [*st.get("history", []), float(p.grad.sum())]
+                st["buf"] = st.get("buf", torch.zeros_like(p)) + p.grad
+                p.add_(st["buf"], alpha=-g["lr"])
+
+
+@pytest.mark.parametrize("root", [0, -1], ids=["root-0", "last-root"])
+def test_broadcast_optimizer_state_with_missing_and_non_tensor_state(root):
+    """The root's state becomes every rank's: parameters without a gradient (so without
+    state) on some ranks, ranks that never stepped, and state entries that are numbers,
+    strings and lists."""
+    n, r = hvd.size(), hvd.rank()
+    root = root % n
+    torch.manual_seed(7)
+    used, frozen = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
+    frozen.requires_grad_(False)  # never has a gradient, never gets state
+    opt = _Counting(list(used.parameters()) + list(frozen.parameters()), lr=0.05 * (r + 1))
+    for _ in range(r % 3):  # rank r steps r % 3 times: some ranks have no state at all
+        opt.zero_grad()
+        used(torch.full((1, 3), float(r + 1))).sum().backward()
+        opt.step()
+    hvd.broadcast_optimizer_state(opt, root_rank=root)
+    mine = opt.state_dict()
+    every = hvd.allgather_object(mine)
+    want = every[root]
+    for sd in every:
+        assert sd["param_groups"] == want["param_groups"]
+        assert sorted(sd["state"]) == sorted(want["state"])
+        for k, st in sd["state"].items():
+            assert st.keys() == want["state"][k].keys()
+            for key, v in st.items():
+                w = want["state"][k][key]
+                assert torch.equal(v, w) if torch.is_tensor(v) else v == w
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05 * (root + 1))
+
+
 def test_broadcast_parameters_optimizer_state_and_objects():
     r = hvd.rank()
     torch.manual_seed(100 + r)  # different weights on every rank
@@ -400,7 +469,7 @@ def test_process_sets():
     assert torch.equal(hvd.broadcast(xs[r], members[0], process_set=mine), xs[members[0]])
     x = xs[r].clone().requires_grad_()
     (hvd.broadcast(x, members[-1], process_set=mine) * 2).sum().backward()
-    close(x.grad, torch.full((3,), 2.0 * len(members) if r == members[-1] else 0.0, dtype=torch.float64))
+    close(x.grad, torch.full((3,), 2.0 if r == members[-1] else 0.0, dtype=torch.float64))  # averaged
     hvd.barrier(process_set=mine)
     other = odds if mine is evens else evens
     with pytest.raises(hvd.HpcdlError, match="not a member"):
@@ -451,18 +520,32 @@ def test_init_registers_process_sets():
 def test_join_with_uneven_work():
     n, r = hvd.size(), hvd.rank()
     steps = r + 1  # rank r has r + 1 batches
-    results = []
-    for s in range(steps):
-        results.append(hvd.allreduce(torch.full((2,), float(r + 1)), op=hvd.Sum, name=f"step.{s}"))
-        results.append(hvd.allgather(torch.full((1,), float(r)), name=f"gather.{s}"))
+    results = [hvd.allreduce(torch.full((2,), float(r + 1)), op=hvd.Sum, name=f"step.{s}") for s in range(steps)]
     last = hvd.join()
     assert last == n - 1  # the rank with the most work joins last
     for s in range(steps):
         active = [q for q in range(n) if q + 1 > s]  # ranks that still had batch s
-        close(results[2 * s], torch.full((2,), float(sum(q + 1 for q in active))))
-        assert results[2 * s + 1].tolist() == [float(q) for q in active]
+        close(results[s], torch.full((2,), float(sum(q + 1 for q in active))))
     # the runtime is usable afterwards, with everyone back
     close(hvd.allreduce(torch.ones(1), op=hvd.Sum), torch.full((1,), float(n)))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allgather_and_broadcast_while_a_rank_has_joined_raise_there_as_in_horovod():
+    """Only allreduce runs while ranks have joined; an allgather or a broadcast raises on
+    the ranks that called it, and the runtime stays usable."""
+    n, r = hvd.size(), hvd.rank()
+    if r == 0:
+        assert hvd.join() in range(1, n)
+    else:
+        with pytest.raises(hvd.HpcdlError, match=r"allgather 'g' cannot run while ranks \[0\] have joined"):
+            hvd.allgather(torch.ones(1), name="g")
+        with pytest.raises(hvd.HpcdlError, match=r"broadcast 'b' cannot run while ranks \[0\] have joined"):
+            hvd.broadcast(torch.ones(1), 1, name="b")
+        close(hvd.allreduce(torch.ones(1), op=hvd.Sum, name="a"), torch.full((1,), float(n - 1)))
+        hvd.join()
+    assert hvd.allgather(torch.full((1,), float(r))).tolist() == [float(q) for q in range(n)]
+    assert torch.equal(hvd.broadcast(torch.full((1,), float(r)), n - 1), torch.full((1,), float(n - 1)))
 
 
 @pytest.mark.mpi(min_size=3)
@@ -471,11 +554,12 @@ def test_join_with_a_broadcast_on_a_process_set():
     s = hvd.add_process_set([1, 2])
     x = torch.arange(4.0) + 100
     if r == 2:
-        # rank 1 (a member) has joined: it takes part with a receive buffer; root 2 is active
-        assert torch.equal(hvd.broadcast(x, 2, process_set=s), x)
-        with pytest.raises(hvd.HpcdlError, match="root rank 1 has joined"):
-            hvd.broadcast(x, 1, process_set=s)
+        # rank 1, a member, has joined: a broadcast on the set raises here
+        with pytest.raises(hvd.HpcdlError, match=r"cannot run while ranks \[1\] have joined"):
+            hvd.broadcast(x, 2, process_set=s)
     assert hvd.join() == 2
+    if r in (1, 2):  # usable again once every rank has joined
+        assert torch.equal(hvd.broadcast(x + r, 2, process_set=s), x + 2)
     hvd.remove_process_set(s)
 
 

@@ -61,9 +61,9 @@ def usable() -> None:
             r"rank 1: tensor on meta: hpcdl moves CPU and CUDA tensors only",
         ),
         (
-            "scale factor on ints",
+            "scale factor on one rank",
             lambda r: hvd.allreduce(torch.ones(3, dtype=torch.int32), prescale_factor=2.0 if r == 1 else 1.0, name="x"),
-            "rank 1: prescale_factor/postscale_factor need a floating-point tensor",
+            r"ranks disagree on allreduce 'x': prescale_factor differs",
         ),
     ],
 )
@@ -108,15 +108,45 @@ def test_duplicate_name_in_flight_is_a_local_error():
 
 def test_adasum_and_bad_arguments():
     hvd.init()
-    with pytest.raises(hvd.HpcdlError, match="Adasum is not supported"):
-        hvd.allreduce(torch.ones(2), op=hvd.Adasum)
-    # on one rank only: it travels with the request, so every rank raises
-    with pytest.raises(hvd.HpcdlError, match="rank 1: op=Adasum is not supported"):
+    # an op on one rank only: every rank raises, naming who passed what
+    pattern = r"ranks disagree on allreduce 'ada': op differs: 'sum' on ranks|rank 1: op=Adasum needs a power-of-two"
+    with pytest.raises(hvd.HpcdlError, match=pattern):
         hvd.allreduce(torch.ones(2), op=hvd.Adasum if hvd.rank() == 1 else hvd.Sum, name="ada")
     with pytest.raises(TypeError, match="takes torch.Tensor arguments"):
         hvd.allreduce([1.0, 2.0])
     with pytest.raises(hvd.HpcdlError, match=r"root_rank=\d+ is not a rank"):
         hvd.broadcast(torch.ones(2), hvd.size())
+    usable()
+
+
+@pytest.mark.parametrize(
+    "splits, rows, pattern",
+    [
+        (lambda n: [1] * n, lambda n: n + 1, r"must be \d+ non-negative row counts, one per rank"),
+        (lambda n: [-1] + [1] * (n - 1), lambda n: n - 2, r"must be \d+ non-negative row counts"),
+        (lambda n: [1.5] * n, lambda n: 3, r"must be integers"),
+        (lambda n: torch.ones(n, dtype=torch.float32), lambda n: n, r"must be integers"),
+        (lambda n: None, lambda n: n + 1, r"do not divide evenly over \d+ ranks; pass splits"),
+    ],
+    ids=["sum", "negative", "floats", "float-tensor", "even-split"],
+)
+def test_alltoall_splits_are_argument_errors_on_every_rank(splits, rows, pattern):
+    """Bad splits on rank 1 only: every rank raises an HpcdlArgumentError (a ValueError)."""
+    hvd.init()
+    n, r = hvd.size(), hvd.rank()
+    with pytest.raises(ValueError, match=pattern) as info:  # the other ranks pass good splits
+        hvd.alltoall(torch.ones(rows(n) if r == 1 else n), splits=splits(n) if r == 1 else [1] * n, name="a2a")
+    assert isinstance(info.value, hvd.HpcdlArgumentError)
+    usable()
+
+
+def test_a_name_in_flight_is_an_argument_error():
+    hvd.init()
+    h = hvd.allreduce_async(torch.ones(2), name="twice")
+    with pytest.raises(ValueError, match="already in flight on this rank") as info:
+        hvd.allreduce_async(torch.ones(2), name="twice")
+    assert isinstance(info.value, hvd.HpcdlError)
+    hvd.synchronize(h)
     usable()
 
 

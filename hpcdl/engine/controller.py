@@ -26,6 +26,7 @@ import numpy as np
 import collectives
 
 from ..config import Config
+from ..errors import HpcdlArgumentError, HpcdlError
 from .process_set_table import ProcessSetTable
 from .request import DTYPES, JOIN_OK, SIG_FIELDS, Request
 from .response_cache import ResponseCache
@@ -45,7 +46,7 @@ class Entry:
     first: int  # rank 0's clock (us) in the cycle it was first announced
 
 
-Ready = tuple[str, Entry, "str | None"]
+Ready = tuple[str, Entry, "HpcdlError | None"]
 """A ready request: its name, its entry, and the error every rank raises (None: agreed)."""
 
 
@@ -140,7 +141,7 @@ class Controller:
         for item in ready:
             name, ent, problem = item
             d = next(iter(ent.descs.values()))
-            if problem is None and d[1] == "allreduce" and limit:
+            if problem is None and d[1] == "allreduce" and limit and d[3][2] != "adasum":  # adasum: per tensor
                 nbytes = math.prod(d[3][1]) * DTYPES[d[3][0]].itemsize
                 if nbytes <= limit:
                     key = (d[2], d[3][0], d[3][2], d[3][3], d[3][4])
@@ -163,30 +164,29 @@ class Controller:
             for r in sorted(ent.descs):
                 self.cache.remember(ent.descs[r])
 
-    def judge(self, name: str, ent: Entry) -> str | None:
-        """None when every rank's descriptor agrees (and can run now), else the error text."""
+    def judge(self, name: str, ent: Entry) -> HpcdlError | None:
+        """None when every rank's descriptor agrees (and can run now), else the error every
+        rank raises: :class:`HpcdlArgumentError` for bad arguments, :class:`HpcdlError` for
+        ranks that disagree or a request that cannot run while ranks have joined."""
         descs = ent.descs
         d0 = next(iter(descs.values()))
         if d0[5] is None and not self.joined and all(d == d0 for d in descs.values()):
             return None  # the steady state: every rank sent the same (cached) descriptor
         errors = [f"rank {r}: {d[5]}" for r, d in sorted(descs.items()) if d[5] is not None]
         if errors:
-            return f"request '{name}' has bad arguments: " + "; ".join(errors)
+            return HpcdlArgumentError(f"request '{name}' has bad arguments: " + "; ".join(errors))
         for field, idx in (("operation", 1), ("process set", 2)):
             text = _differs(descs, lambda d, i=idx: d[i], field)
             if text:
-                return f"ranks disagree on request '{name}': {text}"
+                return HpcdlError(f"ranks disagree on request '{name}': {text}")
         kind = d0[1]  # every rank's agrees from here on
         for i, field in enumerate(SIG_FIELDS.get(kind, ())):
             text = _differs(descs, lambda d, i=i: d[3][i], field)
             if text:
-                return f"ranks disagree on {kind} '{name}': {text}"
+                return HpcdlError(f"ranks disagree on {kind} '{name}': {text}")
         joined = sorted(self.joined & self.members(ent))
-        if joined:
-            if kind not in JOIN_OK:
-                return f"{kind} '{name}' cannot run while ranks {joined} have joined"
-            if kind == "broadcast" and d0[3][2] in joined:
-                return f"broadcast '{name}': root rank {d0[3][2]} has joined"
+        if joined and kind not in JOIN_OK:
+            return HpcdlError(f"{kind} '{name}' cannot run while ranks {joined} have joined (only allreduce can)")
         return None
 
 

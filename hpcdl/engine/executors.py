@@ -3,8 +3,8 @@ of allreduces) through :mod:`collectives` on the process set's communicator.
 
 The engine has already agreed every argument across ranks, so the executors call
 ``collectives``' agreed entry points, which skip the collectives' own signature exchange.
-A rank that joined runs the same calls with the op's identity (or no rows), its result
-discarded, so the members' collectives always match.
+A rank that joined runs an allreduce with the op's identity, its result discarded, so
+the members' collectives always match (only allreduce runs while ranks have joined).
 
 Fusion: small allreduces of one group are packed into one persistent buffer (grown up to
 ``fusion_threshold`` bytes) and reduced with one call; a tensor of ``fusion_alone_bytes``
@@ -28,10 +28,19 @@ from collectives.select import choose
 from ..config import Config
 from .request import DTYPES, ProcessSetInfo, Request, identity
 
-__all__ = ["Executors"]
+__all__ = ["Executors", "scale"]
 
 Span = Callable[..., None]
 """``span(reqs, phase, t0, **args)``: a timeline span from ``t0`` to now for each request."""
+
+
+def scale(x: np.ndarray, factor: float, out: np.ndarray) -> None:
+    """``out = factor * x``; an integer array is scaled as Horovod scales it: in floating
+    point, then truncated toward zero into its own dtype."""
+    if out.dtype.kind in "iu":
+        np.copyto(out, np.trunc(x * float(factor)), casting="unsafe")
+    else:
+        np.multiply(x, factor, out=out)
 
 
 class Executors:
@@ -77,7 +86,7 @@ class Executors:
             else:  # joined: the op's identity, result discarded
                 shape = d[3][1]
                 xs.append((np.full(shape, identity(op, dtype), dtype), np.empty(shape, dtype), None))
-        limit = self.cfg.fusion_alone_bytes
+        limit = self.cfg.fusion_alone_bytes if op != "adasum" else 0  # adasum combines each tensor alone
         small = [e for e in xs if e[0].nbytes < limit]
         alone = [e for e in xs if e[0].nbytes >= limit]
         if len(small) == 1:
@@ -86,12 +95,15 @@ class Executors:
             t0 = time.perf_counter()
             src = x
             if pre != 1.0:
-                np.multiply(x, pre, out=out)
+                scale(x, pre, out)
                 src = out
-            agreed.allreduce(src, op=op, out=out, comm=comm)
+            if op == "adasum":
+                agreed.adasum(src, out=out, comm=comm)
+            else:
+                agreed.allreduce(src, op=op, out=out, comm=comm)
             if post != 1.0:
-                np.multiply(out, post, out=out)
-            alg = self.algorithm(comm, "allreduce", out.nbytes)
+                scale(out, post, out)
+            alg = "adasum" if op == "adasum" else self.algorithm(comm, "allreduce", out.nbytes)
             self.span([req], "ALLREDUCE", t0, algorithm=alg, bytes=int(out.nbytes))
         if not small:
             return
@@ -107,7 +119,7 @@ class Executors:
         for x, _, _ in small:
             seg = buf[off : off + x.size]
             if pre != 1.0:
-                np.multiply(x.reshape(-1), pre, out=seg)
+                scale(x.reshape(-1), pre, seg)
             else:
                 seg[...] = x.reshape(-1)
             off += x.size
@@ -120,29 +132,25 @@ class Executors:
         for _, out, _ in small:
             seg = buf[off : off + out.size]
             if post != 1.0:
-                np.multiply(seg, post, out=out.reshape(-1))
+                scale(seg, post, out.reshape(-1))
             else:
                 out.reshape(-1)[...] = seg
             off += out.size
         self.span(reqs, "MEMCPY_OUT_FUSION_BUFFER", t2)
 
-    def allgather(self, descs: dict[int, tuple], req: Request | None, info: ProcessSetInfo, rank: int) -> Any:
-        d0 = next(iter(descs.values()))
-        dtype = DTYPES[d0[3][0]]
-        x = req.x if req is not None else np.empty((0, *d0[3][1]), dtype)
-        rows = [descs[r][4] if r in descs else 0 for r in info.ranks]  # a joined rank sends none
+    def allgather(self, descs: dict[int, tuple], req: Request, info: ProcessSetInfo, rank: int) -> Any:
+        rows = [descs[r][4] for r in info.ranks]  # every member's, as its descriptor says
         t0 = time.perf_counter()
         # an ``out`` (ZeroOptimizer's flat parameters) holds this rank's block already
-        res = agreed.allgather(x, rows, comm=info.comm, out=None if req is None else req.out)
+        res = agreed.allgather(req.x, rows, comm=info.comm, out=req.out)
         alg = self.algorithm(info.comm, "allgather", res.nbytes)
         self.span([req], "ALLGATHER", t0, algorithm=alg, bytes=int(res.nbytes))
         return res
 
-    def broadcast(self, descs: dict[int, tuple], req: Request | None, info: ProcessSetInfo, rank: int) -> Any:
-        d0 = next(iter(descs.values()))
-        dtype, shape, root = DTYPES[d0[3][0]], d0[3][1], d0[3][2]
-        out = req.out if req is not None else np.empty(shape, dtype)
-        src = req.x if req is not None and rank == root else out
+    def broadcast(self, descs: dict[int, tuple], req: Request, info: ProcessSetInfo, rank: int) -> Any:
+        root = req.sig[2]
+        out = req.out
+        src = req.x if rank == root else out
         t0 = time.perf_counter()
         agreed.broadcast(src, info.ranks.index(root), out=out, comm=info.comm)
         alg = self.algorithm(info.comm, "broadcast", out.nbytes)
@@ -165,7 +173,10 @@ class Executors:
         n, me = len(info.ranks), info.ranks.index(rank)
         x, out = req.x, req.out
         t0 = time.perf_counter()
-        src = x * np.asarray(pre, x.dtype) if pre != 1.0 else x
+        src = x
+        if pre != 1.0:
+            src = np.empty_like(x)
+            scale(x, pre, src)
         rows = shape[0] if shape else 0
         if rows % n == 0 and x.size:
             agreed.reduce_scatter(src, op=op, out=out.reshape(-1), comm=info.comm)
@@ -176,6 +187,6 @@ class Executors:
             out[...] = full[off[me] : off[me + 1]]
             alg = "allreduce+slice"
         if post != 1.0:
-            np.multiply(out, post, out=out)
+            scale(out, post, out)
         self.span([req], "REDUCESCATTER", t0, algorithm=alg, bytes=int(x.nbytes))
         return out

@@ -210,7 +210,7 @@ class Engine:
                     self.tl.span(req.name, "QUEUE", req.t_submit, req.t_announce)
                     self.tl.span(req.name, f"NEGOTIATE_{kind.upper()}", req.t_announce, t_now)
         if problem is not None:
-            self._finish(reqs, exc=HpcdlError(problem))
+            self._finish(reqs, exc=problem)
             return
         self.controller.remember(group)
         if info is None:  # removed while this was in flight (every rank alike)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from ..errors import HpcdlError
+from ..errors import HpcdlArgumentError, HpcdlError
 from .request import Request
 
 __all__ = ["TensorQueue", "SHUT_DOWN"]
@@ -68,7 +68,7 @@ class TensorQueue:
                 if not self.known_set(req.set_id):
                     raise HpcdlError(f"{req.kind} '{req.name}': process set {req.set_id} is not registered")
                 if req.name in self.names or req.name in names:
-                    raise HpcdlError(
+                    raise HpcdlArgumentError(
                         f"{req.kind} '{req.name}': a request with this name is already in flight on this rank; "
                         "use a different name or synchronize the first one"
                     )

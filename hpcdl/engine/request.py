@@ -39,8 +39,9 @@ SIG_FIELDS: dict[str, tuple[str, ...]] = {
 DATA_KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
 """Kinds that move data through :mod:`collectives`."""
 
-JOIN_OK = ("allreduce", "allgather", "broadcast", "barrier")
-"""Kinds that run while some ranks have joined (they contribute nothing)."""
+JOIN_OK = ("allreduce", "barrier")
+"""Kinds that run while some ranks have joined (a joined rank contributes the op's
+identity), as in Horovod; any other is an error on the ranks that submitted it."""
 
 CONTROL_KINDS = ("add_process_set", "remove_process_set", "start_timeline", "stop_timeline")
 """Kinds every rank runs, members of the request's process set or not."""
@@ -51,7 +52,7 @@ DTYPES: dict[str, np.dtype] = {str(d): d for d in collectives.DTYPES} | {"bool":
 
 def identity(op: str, dtype: np.dtype) -> Any:
     """The value a joined rank contributes to a reduction with ``op``."""
-    if op in ("sum", "avg"):
+    if op in ("sum", "avg", "adasum"):  # adasum(a, 0) = a
         return 0
     if op == "prod":
         return 1

@@ -27,6 +27,7 @@ from .control import barrier, join, start_timeline, stop_timeline
 from .reduce_op import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .reducescatter import grouped_reducescatter, grouped_reducescatter_async, reducescatter, reducescatter_async
 from .requests import allgather_into_async, reducescatter_into_async
+from .sparse import sparse_allreduce_async
 
 __all__ = [
     "ReduceOp",
@@ -44,6 +45,7 @@ __all__ = [
     "grouped_allreduce_",
     "grouped_allreduce_async",
     "grouped_allreduce_async_",
+    "sparse_allreduce_async",
     "allgather",
     "allgather_async",
     "grouped_allgather",

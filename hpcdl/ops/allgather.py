@@ -10,7 +10,7 @@ import torch
 from ..handles import synchronize
 from ..process_sets import ProcessSet, global_process_set
 from .allreduce import allreduce_async
-from .reduce_op import Sum
+from .reduce_op import Average
 from .requests import (
     start_allgather,
 )
@@ -32,8 +32,9 @@ def grouped_allgather_async(
 
 
 def _slice_rows(grad: torch.Tensor, rows: int, process_set: ProcessSet) -> torch.Tensor:
-    """This rank's rows of the summed gradient of an allgather (allgather of dim 0 first)."""
-    summed = synchronize(allreduce_async(grad, op=Sum, process_set=process_set))
+    """This rank's rows of the output gradients averaged over the ranks, as Horovod's
+    allgather gradient is (the analytic one is their sum)."""
+    summed = synchronize(allreduce_async(grad, op=Average, process_set=process_set))
     dims = synchronize(allgather_async(torch.tensor([rows], dtype=torch.int64), process_set=process_set))
     me = process_set.rank()
     start = int(dims[:me].sum())
@@ -41,7 +42,7 @@ def _slice_rows(grad: torch.Tensor, rows: int, process_set: ProcessSet) -> torch
 
 
 class _Allgather(torch.autograd.Function):
-    """Gradient of a concatenation: every rank's output gradients summed, then this rank's rows."""
+    """Gradient, as Horovod's: every rank's output gradients averaged, then this rank's rows."""
 
     @staticmethod
     def forward(ctx, tensor, name, process_set):

@@ -12,7 +12,7 @@ from ..compression import Compression, Compressor
 from ..errors import HpcdlError
 from ..handles import synchronize
 from ..process_sets import ProcessSet, global_process_set
-from .reduce_op import Average, Product, ReduceOp, Sum, resolve_op
+from .reduce_op import Adasum, Average, Product, ReduceOp, Sum, resolve_op
 from .requests import (
     start_allgather,
     start_allreduce,
@@ -88,12 +88,14 @@ def allreduce_(
 
 class _Allreduce(torch.autograd.Function):
     """y = post * op_r(pre * x_r); the gradient is the same reduction of the output
-    gradients for Sum and Average, and masked or product-of-others for Min/Max/Product."""
+    gradients for Sum, Average and Adasum (Horovod's), and masked or product-of-others for
+    Min/Max/Product (the analytic gradients, where Horovod reduces the gradients with the
+    op again)."""
 
     @staticmethod
     def forward(ctx, tensor, op, pre, post, name, process_set):
         ctx.op, ctx.pre, ctx.post, ctx.process_set = op, pre, post, process_set
-        if op in (Sum, Average):
+        if op in (Sum, Average, Adasum) or isinstance(op, str):
             return synchronize(_allreduce_async(tensor, None, name, op, pre, post, process_set, False))
         # z = op_r(pre * x_r) unscaled, y = post * z: the backward needs z and pre * x exactly
         scaled = tensor * pre if pre != 1.0 else tensor
@@ -104,7 +106,7 @@ class _Allreduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         op, ps = ctx.op, ctx.process_set
-        if op in (Sum, Average):
+        if op in (Sum, Average, Adasum):
             g = synchronize(_allreduce_async(grad, None, None, op, ctx.pre, ctx.post, ps, False))
         else:
             scaled, z = ctx.saved_tensors

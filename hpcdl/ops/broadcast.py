@@ -9,7 +9,7 @@ from .. import state
 from ..handles import synchronize
 from ..process_sets import ProcessSet, global_process_set
 from .allreduce import allreduce_async
-from .reduce_op import Sum
+from .reduce_op import Average
 from .requests import (
     start_broadcast,
 )
@@ -41,8 +41,9 @@ def broadcast_(
 
 
 class _Broadcast(torch.autograd.Function):
-    """Every rank's output is the root's input: the root's gradient is the sum of the
-    output gradients (a reduce to the root); the other ranks' is zero."""
+    """Every rank's output is the root's input; as in Horovod, the root's gradient is the
+    average of the output gradients over the ranks (the analytic one is their sum), and
+    the other ranks' is zero."""
 
     @staticmethod
     def forward(ctx, tensor, root_rank, name, process_set):
@@ -51,7 +52,7 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        summed = synchronize(allreduce_async(grad, op=Sum, process_set=ctx.process_set))
+        summed = synchronize(allreduce_async(grad, op=Average, process_set=ctx.process_set))
         if state.current().rank != ctx.root:
             summed = torch.zeros_like(summed)
         return summed, None, None, None

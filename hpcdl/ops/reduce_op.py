@@ -5,10 +5,6 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-import torch
-
-from ..staging import dtype_name
-
 __all__ = [
     "BadOp",
     "ReduceOp",
@@ -20,7 +16,6 @@ __all__ = [
     "Product",
     "OP_NAMES",
     "resolve_op",
-    "scale_problem",
 ]
 
 
@@ -43,8 +38,8 @@ Average, Sum, Adasum, Min, Max, Product = (
     ReduceOp.Max,
     ReduceOp.Product,
 )
-OP_NAMES = {Average: "avg", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
-OP_NAMES = {Average: "avg", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
+OP_NAMES = {Average: "avg", Sum: "sum", Min: "min", Max: "max", Product: "prod", Adasum: "adasum"}
+OP_NAMES = {Average: "avg", Sum: "sum", Min: "min", Max: "max", Product: "prod", Adasum: "adasum"}
 """Each supported op's name in :mod:`collectives`."""
 
 
@@ -65,14 +60,5 @@ def resolve_op(op: Any, average: bool | None) -> ReduceOp | BadOp:
     try:
         op = ReduceOp(op)
     except (ValueError, TypeError):
-        return BadOp(f"op={op!r} is not one of hpcdl.Average, Sum, Min, Max, Product")
-    if op == Adasum:
-        return BadOp("op=Adasum is not supported by hpcdl; use Average or Sum")
+        return BadOp(f"op={op!r} is not one of hpcdl.Average, Sum, Adasum, Min, Max, Product")
     return op
-
-
-def scale_problem(t: torch.Tensor, pre: float, post: float) -> str | None:
-    """What is wrong with scaling ``t`` by ``pre``/``post``, or None."""
-    if (pre != 1.0 or post != 1.0) and not t.dtype.is_floating_point:
-        return f"prescale_factor/postscale_factor need a floating-point tensor, not {dtype_name(t)}"
-    return None

@@ -47,13 +47,15 @@ def grouped_reducescatter_async(
 
 class _Reducescatter(torch.autograd.Function):
     """Rank i's output is the reduction of every rank's block i, so every rank's input
-    gradient is the allgather of the output gradients (scaled as the forward was)."""
+    gradient is the allgather of the output gradients. As in Horovod, they are scaled by
+    the set's size for Sum and by the pre- and postscale factors (for Average the analytic
+    gradient would also divide by the size; Horovod's does not)."""
 
     @staticmethod
     def forward(ctx, op, pre, post, name, process_set, *tensors):
         if op not in (Sum, Average):
             raise HpcdlError("reducescatter is differentiable for Sum and Average only")
-        ctx.scale = pre * post / (len(process_set.ranks) if op == Average else 1)
+        ctx.scale = pre * post * (len(process_set.ranks) if op == Sum else 1)
         ctx.process_set = process_set
         return tuple(synchronize(start_reducescatter(tensors, name, op, pre, post, process_set, False)))
 

@@ -35,7 +35,7 @@ from ..staging import (
     to_numpy,
     to_torch,
 )
-from .reduce_op import OP_NAMES, ReduceOp, resolve_op, scale_problem
+from .reduce_op import OP_NAMES, Adasum, ReduceOp, resolve_op
 
 __all__ = [
     "start_allreduce",
@@ -46,6 +46,19 @@ __all__ = [
     "start_reducescatter",
     "reducescatter_into_async",
 ]
+
+
+def adasum_problem(op: Any, t: torch.Tensor, process_set: ProcessSet) -> str | None:
+    """What keeps ``op`` from being Adasum on ``t`` over ``process_set``, or None: Adasum
+    combines floating-point tensors over a power-of-two number of ranks (as in Horovod)."""
+    if op != Adasum:
+        return None
+    n = len(process_set.ranks)
+    if n & (n - 1):
+        return f"op=Adasum needs a power-of-two number of ranks; the process set has {n}"
+    if not t.dtype.is_floating_point:
+        return f"op=Adasum combines floating-point tensors, not {dtype_name(t)}"
+    return None
 
 
 def _group_name(base: str, i: int, count: int) -> str:
@@ -76,7 +89,7 @@ def start_allreduce(
     bad_op = op if isinstance(op, str) else None
     for i, t in enumerate(tensors):
         src = host_source(t, what)
-        problem = bad_op or check_tensor(src, "allreduce", REDUCIBLE) or scale_problem(src, pre, post)
+        problem = bad_op or check_tensor(src, "allreduce", REDUCIBLE) or adasum_problem(op, src, process_set)
         problem = problem or (inplace_problem(t, what + "_") if inplace else None)
         private = is_private(src, t)
         # reduce in place where that writes nothing the caller sees: into t itself when
@@ -199,9 +212,21 @@ def start_alltoall(tensor: torch.Tensor, splits: Any, name: str | None, process_
     problem = check_tensor(src, "alltoall", MOVABLE)
     if problem is None and src.dim() == 0:
         problem = "alltoall needs a tensor with at least one dimension"
-    sp = None
+    sp, n = None, len(process_set.ranks)
+    rows = src.shape[0] if src.dim() else 0
     if splits is not None:
-        sp = [int(v) for v in (splits.tolist() if isinstance(splits, torch.Tensor) else splits)]
+        values = splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
+        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
+            problem = problem or f"alltoall splits={values!r} must be integers (rows for each rank)"
+        else:
+            sp = [int(v) for v in values]
+            if len(sp) != n or any(v < 0 for v in sp) or sum(sp) != rows:
+                problem = problem or (
+                    f"alltoall splits={sp} must be {n} non-negative row counts, one per rank of the process set, "
+                    f"adding up to the tensor's {rows} rows"
+                )
+    elif problem is None and rows % n:
+        problem = f"alltoall of {rows} rows without splits: they do not divide evenly over {n} ranks; pass splits"
     req = Request(
         request_name(rt, "alltoall", sid, name),
         "alltoall",
@@ -242,7 +267,7 @@ def start_reducescatter(
     bad_op = op if isinstance(op, str) else None
     for i, t in enumerate(tensors):
         src = host_source(t, what)
-        problem = bad_op or check_tensor(src, "reducescatter", REDUCIBLE) or scale_problem(src, pre, post)
+        problem = bad_op or check_tensor(src, "reducescatter", REDUCIBLE)
         if problem is None and src.dim() == 0:
             problem = "reducescatter needs a tensor with at least one dimension"
         rows = block_counts(src.shape[0], n)[me] if src.dim() else 0
