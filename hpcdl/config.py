@@ -38,6 +38,10 @@ class Config:
     """The first bucket's cap (the last layers' gradients, ready first): small, so that
     communication starts early in backward, as DDP's first bucket does."""
 
+    check_missing_gradients: bool = False
+    """Make a gradient missing on some ranks but not others an error on every rank, instead
+    of reducing it with zeros where missing (Horovod's behaviour, the default)."""
+
     cycle_time: float = 1.0
     """Milliseconds the engine waits after one negotiation before the next, so requests
     submitted meanwhile are fused; a rank blocked on an unsent request starts at once."""
@@ -89,6 +93,7 @@ AGREED = (
     "fusion_alone_bytes",
     "bucket_bytes",
     "first_bucket_bytes",
+    "check_missing_gradients",
     "cache_capacity",
     "stall_check_disable",
     "stall_check_time_seconds",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import gc
 import io
+import warnings
 
 import pytest
 import torch
@@ -67,10 +68,10 @@ def train(
         if distributed:
             x, y = x[r * PER_RANK : (r + 1) * PER_RANK], y[r * PER_RANK : (r + 1) * PER_RANK]
         opt.zero_grad()
-        for part in range(passes):  # each pass: the mean loss over its share of the batch
+        for part in range(passes):  # each pass: its share's mean loss / passes, as Horovod's examples do
             rows = slice(part * len(x) // passes, (part + 1) * len(x) // passes)
             loss = torch.nn.functional.mse_loss(m(x[rows]), y[rows])
-            (loss / (1 if distributed else passes)).backward()
+            (loss / passes).backward()
         if clip is not None:
             if distributed:
                 opt.synchronize()
@@ -107,8 +108,12 @@ def test_ranks_match_one_process_on_the_concatenated_batches(make_opt):
     check_equal(train(make_opt, True), train(make_opt, False))
 
 
-def test_gradient_accumulation_equals_one_pass_over_a_larger_batch():
-    check_equal(train(sgd, True, passes=2), train(sgd, False, passes=2))
+@pytest.mark.parametrize("make_opt", [sgd, adam], ids=["sgd-momentum", "adam"])
+@pytest.mark.parametrize("passes", [2, 4])
+def test_gradient_accumulation_equals_one_pass_over_a_larger_batch(make_opt, passes):
+    """As in Horovod, accumulated passes add up: with each pass's loss divided by the
+    passes, k passes over k slices equal one pass over the whole batch (one process)."""
+    check_equal(train(make_opt, True, passes=passes), train(make_opt, False, passes=1))
 
 
 def test_clipping_between_synchronize_and_step():
@@ -152,17 +157,196 @@ def test_unused_parameters_are_reduced_without_hanging():
     torch.testing.assert_close(used.weight.grad, torch.full((2, 3), mean, dtype=torch.float64))
 
 
-@pytest.mark.mpi(min_size=2)
-def test_a_gradient_missing_on_some_ranks_only_names_the_parameter_on_every_rank():
-    torch.manual_seed(4)
+def _two_linears(seed: int):
+    torch.manual_seed(seed)
     a, b = torch.nn.Linear(3, 2).double(), torch.nn.Linear(3, 2).double()
-    params = [("a." + k, v) for k, v in a.named_parameters()] + [("b." + k, v) for k, v in b.named_parameters()]
+    return a, b, [("a." + k, v) for k, v in a.named_parameters()] + [("b." + k, v) for k, v in b.named_parameters()]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_gradient_missing_on_some_ranks_is_reduced_with_zeros_there_as_in_horovod():
+    """Branch b runs on rank 0 only: every rank steps with b's gradient averaged as if the
+    others had contributed zeros, as Horovod does, and nothing raises."""
+    a, b, params = _two_linears(4)
     opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.1), named_parameters=params)
     x = torch.ones(1, 3, dtype=torch.float64)
-    out = a(x).sum() + (b(x).sum() if hvd.rank() == 0 else 0)  # b is used on rank 0 only
+    out = a(x).sum() + (b(x).sum() if hvd.rank() == 0 else 0)
     out.backward()
+    opt.step()
+    n = hvd.size()
+    torch.testing.assert_close(b.weight.grad, torch.ones(2, 3, dtype=torch.float64) / n)  # rank 0's / n
+    torch.testing.assert_close(a.weight.grad, torch.ones(2, 3, dtype=torch.float64))
+    every = hvd.allgather_object(flat(b))
+    assert all(torch.equal(e, every[0]) for e in every)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("how", ["keyword", "config"])
+def test_check_missing_gradients_makes_it_an_error_naming_the_parameter_on_every_rank(how, monkeypatch):
+    a, b, params = _two_linears(4)
+    kw = {"check_missing_gradients": True} if how == "keyword" else {}
+    if how == "config":
+        monkeypatch.setattr(hvd.state.current(), "config", hvd.Config(check_missing_gradients=True))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.1), named_parameters=params, **kw)
+    x = torch.ones(1, 3, dtype=torch.float64)
+    (a(x).sum() + (b(x).sum() if hvd.rank() == 0 else 0)).backward()
     with pytest.raises(hvd.HpcdlError, match=r"gradients of \['b.bias', 'b.weight'\] are missing on some ranks"):
         opt.step()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_check_missing_gradients_set_on_some_ranks_only_is_an_error_on_every_rank():
+    a, b, params = _two_linears(5)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD([p for _, p in params], lr=0.1),
+        named_parameters=params,
+        check_missing_gradients=hvd.rank() == 0,
+    )
+    x = torch.ones(1, 3, dtype=torch.float64)
+    (a(x).sum() + b(x).sum()).backward()
+    with pytest.raises(hvd.HpcdlError, match=r"check_missing_gradients is set on 1 of \d+ ranks"):
+        opt.step()
+
+
+def test_step_after_synchronize_warns_once_as_horovod_does():
+    m = model()
+    opt = distributed_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, 1)
+    x, y = batch(0, hvd.size())
+    torch.nn.functional.mse_loss(m(x), y).backward()
+    opt.synchronize()
+    reduced = [p.grad.clone() for p in m.parameters()]
+    with pytest.warns(UserWarning, match=r"optimizer.step\(\) called without optimizer.skip_synchronize\(\)") as rec:
+        opt.step()
+    assert len([w for w in rec if issubclass(w.category, UserWarning)]) == 1
+    assert all(torch.equal(p.grad, g) for p, g in zip(m.parameters(), reduced, strict=True))  # reduced once
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(m(x), y).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the plain step() does not warn
+        opt.step()
+
+
+def test_argument_errors_are_value_errors_and_hpcdl_errors():
+    m = model()
+    named = list(m.named_parameters())
+    cases = [
+        lambda: hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=named + named[:1]),
+        lambda: hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=named[1:]),
+        lambda: hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), backward_passes_per_step=0),
+        lambda: hvd.ZeroOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), stage=3),
+    ]
+    for make in cases:
+        with pytest.raises(ValueError) as info:
+            make()
+        assert isinstance(info.value, hvd.HpcdlError) and isinstance(info.value, hvd.HpcdlArgumentError)
+
+
+def test_named_parameters_none_and_horovods_attributes():
+    m = model()
+    opt = hvd.DistributedOptimizer(torch.optim.Adagrad(m.parameters(), lr=0.1), num_groups=2, groups=None)
+    assert isinstance(opt, torch.optim.Adagrad)
+    assert (opt.op, opt.gradient_predivide_factor, opt.process_set) == (hvd.Average, 1.0, hvd.global_process_set)
+    assert opt.backward_passes_per_step == 1 and opt.sparse_as_dense is False
+    assert sorted(opt._parameter_names.values()) == [f"param.{i}" for i in range(len(list(m.parameters())))]
+    x, y = batch(0, hvd.size())
+    torch.nn.functional.mse_loss(m(x), y).backward()
+    opt.step()  # trains
+
+
+class _Bag(torch.nn.Module):
+    """An embedding with sparse gradients, then a linear layer."""
+
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.emb = torch.nn.Embedding(10, 4, sparse=sparse).double()
+        self.out = torch.nn.Linear(4, 1).double()
+
+    def forward(self, idx):
+        return self.out(self.emb(idx).sum(1))
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_gradients_reduce_to_the_dense_result(sparse_as_dense):
+    """Embedding(sparse=True) under SGD: the same weights, bitwise alike on every rank, as
+    the dense embedding trained on the concatenated batches in one process."""
+    n, r = hvd.size(), hvd.rank()
+
+    def data(step):
+        g = torch.Generator().manual_seed(step)
+        return torch.randint(0, 10, (n * 2, 3), generator=g), torch.randn(n * 2, 1, generator=g, dtype=torch.float64)
+
+    def run(distributed: bool) -> torch.Tensor:
+        m = _Bag(sparse=distributed)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        if distributed:
+            opt = hvd.DistributedOptimizer(opt, named_parameters=m.named_parameters(), sparse_as_dense=sparse_as_dense)
+        for step in range(5):
+            idx, y = data(step)
+            if distributed:
+                idx, y = idx[r * 2 : (r + 1) * 2], y[r * 2 : (r + 1) * 2]
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(idx), y).backward()
+            if distributed:
+                assert m.emb.weight.grad.is_sparse
+            opt.step()
+            if distributed:
+                assert m.emb.weight.grad.is_sparse
+        return flat(m)
+
+    check_equal(run(True), run(False))
+
+
+def test_sparse_allreduce_async_gives_the_dense_sum_and_average():
+    n, r = hvd.size(), hvd.rank()
+    dense = torch.zeros(6, 2)
+    dense[r % 6] = r + 1.0
+    dense[5] = 1.0
+    for op, want in ((hvd.Sum, 1.0), (hvd.Average, 1.0 / n)):
+        h = hvd.sparse_allreduce_async(dense.to_sparse(), f"sparse.{op.name}", op)
+        got = h().to_dense()
+        expect = torch.zeros(6, 2)
+        for q in range(n):
+            expect[q % 6] += (q + 1.0) * want
+        expect[5] += n * want
+        torch.testing.assert_close(got, expect)
+    h = hvd.sparse_allreduce_async(dense.to_sparse(), "sparse.sync", hvd.Sum)
+    assert hvd.synchronize(h).is_sparse  # synchronize takes Horovod's callable handle too
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero_refuses_sparse_gradients_on_every_rank():
+    m = _Bag(sparse=True)
+    opt = hvd.ZeroOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), stage=2, named_parameters=m.named_parameters())
+    with pytest.raises(hvd.HpcdlArgumentError, match=r"ZeroOptimizer shards dense gradients only; \['emb.weight'\]"):
+        torch.nn.functional.mse_loss(m(torch.zeros(1, 3, dtype=torch.int64)), torch.zeros(1, 1)).backward()
+        opt.step()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_two_models_on_two_halves_of_the_job_each_with_its_own_process_set():
+    """Horovod's pattern: even ranks train one model on their set, odd ranks another on
+    theirs; each set reduces among its members only."""
+    n, r = hvd.size(), hvd.rank()
+    evens = hvd.add_process_set(list(range(0, n, 2)))
+    odds = hvd.add_process_set(list(range(1, n, 2)))
+    mine = evens if r % 2 == 0 else odds
+    torch.manual_seed(11 + r % 2)
+    m = torch.nn.Linear(3, 1).double()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters(), process_set=mine
+    )
+    x = torch.full((1, 3), float(r + 1), dtype=torch.float64)
+    m(x).sum().backward()
+    opt.step()
+    members = mine.ranks
+    want = sum(q + 1.0 for q in members) / len(members)
+    torch.testing.assert_close(m.weight.grad, torch.full((1, 3), want, dtype=torch.float64))
+    every = hvd.allgather_object((r % 2, flat(m)))
+    same = [w for k, w in every if k == r % 2]
+    assert all(torch.equal(w, same[0]) for w in same)
+    hvd.remove_process_set(evens)
+    hvd.remove_process_set(odds)
 
 
 def test_two_wrapped_optimizers_in_flight_together():
@@ -375,7 +559,7 @@ def test_zero_checkpoint_moves_between_rank_counts(stage):
 
 def test_zero_refuses_bad_arguments():
     m = model()
-    with pytest.raises(hvd.HpcdlError, match="stage=3 must be 1"):
+    with pytest.raises(hvd.HpcdlArgumentError, match="stage=3 must be 1"):
         hvd.ZeroOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), stage=3)
     with pytest.raises(hvd.HpcdlError, match="cannot shard LBFGS"):
         hvd.ZeroOptimizer(torch.optim.LBFGS(m.parameters()))

@@ -9,13 +9,17 @@ every gradient of a bucket is ready, the bucket is submitted to the engine as on
 request, so communication overlaps the rest of backward. ``step()`` (or
 ``synchronize()``) waits for the reductions and then runs the wrapped optimizer's own
 ``step``. Buckets whose hooks did not all fire (unused parameters) are submitted then,
-with zeros for the missing gradients, so ranks never hang; a gradient missing on some
-ranks but not others is an error naming the parameter, on every rank.
+with zeros for the missing gradients, so ranks never hang; as in Horovod, a gradient
+missing on some ranks only is reduced with zeros there (``check_missing_gradients`` makes
+it an error naming the parameter, on every rank). Sparse gradients (``nn.Embedding(sparse=
+True)``) are reduced as allgathers of their indices and values, or densified first with
+``sparse_as_dense``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -24,9 +28,9 @@ import torch
 
 from .. import state
 from ..compression import Compressor
-from ..errors import HpcdlError
+from ..errors import HpcdlArgumentError, HpcdlError
 from ..handles import request_name, synchronize
-from ..ops import Average, ReduceOp, Sum, allreduce_async, grouped_allreduce_async_
+from ..ops import Adasum, Average, ReduceOp, Sum, allreduce_async, grouped_allreduce_async_, sparse_allreduce_async
 from ..process_sets import ProcessSet, registered_id
 
 __all__ = ["Bucket", "Reducer"]
@@ -35,15 +39,17 @@ __all__ = ["Bucket", "Reducer"]
 class Bucket:
     """A group of parameters whose gradients are reduced together (one grouped request)."""
 
-    __slots__ = ("index", "group", "params", "ready", "handle", "sent", "zero")
+    __slots__ = ("index", "group", "params", "ready", "handle", "sent", "sparse", "starts", "zero")
 
     def __init__(self, index: int, group: int) -> None:
         self.index = index
         self.group = group  # the parameter group its parameters belong to
         self.params: list[torch.nn.Parameter] = []
         self.ready = 0
-        self.handle: int | None = None
+        self.handle: int | None = None  # its reduction in flight (0: none of its gradients is dense)
         self.sent: list[tuple[torch.Tensor, Any, torch.nn.Parameter]] = []
+        self.sparse: list[tuple[torch.nn.Parameter, Any]] = []  # sparse gradients' reductions
+        self.starts: dict[torch.nn.Parameter, torch.Tensor] = {}  # Adasum: the values before the local step
         self.zero: Any = None  # ZeroOptimizer's shard layout
 
 
@@ -74,31 +80,40 @@ class Reducer:
         gradient_predivide_factor: float,
         process_set: ProcessSet,
         bucket_bytes: int | None,
+        sparse_as_dense: bool = False,
+        check_missing_gradients: bool | None = None,
     ) -> None:
-        if op not in (Average, Sum):
-            raise HpcdlError(f"{self._kind}: op must be hpcdl.Average or hpcdl.Sum, not {op!r}")
+        ops = (Average, Sum, Adasum) if self._kind == "DistributedOptimizer" else (Average, Sum)
+        if op not in ops:
+            names = ", ".join(f"hpcdl.{o.name}" for o in ops)
+            raise HpcdlArgumentError(f"{self._kind}: op must be one of {names}, not {op!r}")
+        n = process_set.size()
+        if op == Adasum and n & (n - 1):
+            raise HpcdlArgumentError(f"{self._kind}(op=Adasum) needs a power-of-two number of ranks, not {n}")
         if gradient_predivide_factor != 1.0 and op != Average:
-            raise HpcdlError(f"{self._kind}: gradient_predivide_factor needs op=Average")
+            raise HpcdlArgumentError(f"{self._kind}: gradient_predivide_factor needs op=Average")
         rt = state.running()
         first_bytes = rt.config.first_bucket_bytes
         if bucket_bytes is None:
             bucket_bytes = rt.config.bucket_bytes
         elif bucket_bytes <= 0:
-            raise HpcdlError(f"{self._kind}: bucket_bytes={bucket_bytes} must be > 0")
+            raise HpcdlArgumentError(f"{self._kind}: bucket_bytes={bucket_bytes} must be > 0")
         params = [p for g in self.param_groups for p in g["params"]]
         if named_parameters is None:
             names = {p: f"param.{i}" for i, p in enumerate(params)}
         else:
             pairs = list(named_parameters)
             if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in pairs):
-                raise HpcdlError("named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()")
+                raise HpcdlArgumentError(
+                    "named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()"
+                )
             dupes = sorted({n for n, _ in pairs if sum(1 for m, _ in pairs if m == n) > 1})
             if dupes:
-                raise HpcdlError(f"named_parameters has duplicate names: {dupes}")
+                raise HpcdlArgumentError(f"named_parameters has duplicate names: {dupes}")
             names = {p: n for n, p in pairs}
             unnamed = [i for i, p in enumerate(params) if p not in names]
             if unnamed:
-                raise HpcdlError(f"named_parameters misses optimizer parameters at positions {unnamed}")
+                raise HpcdlArgumentError(f"named_parameters misses optimizer parameters at positions {unnamed}")
         # requests are named per optimizer (numbered in construction order per process set,
         # alike on the set's ranks), so two wrapped optimizers can be in flight together
         self._prefix = request_name(rt, self._kind, registered_id(process_set), None)
@@ -106,6 +121,11 @@ class Reducer:
         self._op = op
         self._predivide = float(gradient_predivide_factor)
         self._process_set = process_set
+        self._sparse_as_dense = bool(sparse_as_dense)
+        self._strict = rt.config.check_missing_gradients if check_missing_gradients is None else check_missing_gradients
+        # what Horovod's optimizer carries, for code that inspects it
+        self.op, self.gradient_predivide_factor, self.process_set = op, self._predivide, process_set
+        self.sparse_as_dense = self._sparse_as_dense
         self._passes_per_step = 0
         self.set_backward_passes_per_step(backward_passes_per_step)
         self._passes: dict[torch.nn.Parameter, int] = {}
@@ -140,6 +160,7 @@ class Reducer:
             self._passes[p] = 0
         self._index = {p: i for i, p in enumerate(self._bucket_of)}
         self._names = {p: names[p] for p in self._bucket_of}
+        self._parameter_names = {p: names[p] for p in params}  # Horovod's attribute name
         # the hooks reach the optimizer through a weak reference, so an optimizer the script
         # drops stops reducing (and is freed) instead of hooking its parameters for ever
         me = weakref.ref(self)
@@ -154,11 +175,12 @@ class Reducer:
 
     # -- the public additions ----------------------------------------------------------------
     def set_backward_passes_per_step(self, passes: int) -> None:
-        """Communicate once every ``passes`` backward passes (gradient accumulation); the
-        reduced gradient is the mean over the passes, so it equals one pass over a batch
-        ``passes`` times larger."""
+        """Communicate once every ``passes`` backward passes (gradient accumulation). As in
+        Horovod, the passes' gradients add up locally (autograd accumulates them) and are
+        averaged over the ranks: divide each pass's loss by ``passes`` to train as on one
+        batch ``passes`` times larger."""
         if not isinstance(passes, int) or passes < 1:
-            raise HpcdlError(f"backward_passes_per_step={passes!r} must be a positive integer")
+            raise HpcdlArgumentError(f"backward_passes_per_step={passes!r} must be a positive integer")
         if self._in_flight():
             raise HpcdlError("set_backward_passes_per_step() while gradient reductions are in flight")
         self._passes_per_step = passes
@@ -190,14 +212,17 @@ class Reducer:
             h = self._send_flags(missing)
         for b in self._buckets:
             self._finish(b)
-        counts = synchronize(h)
+        counts = synchronize(h).tolist()
         n = self._process_set.size()
-        partial = [self._name_at(i) for i, c in enumerate(counts.tolist()) if 0 < c < n]
+        strict = counts.pop()  # ranks that asked for the check
+        partial = [self._name_at(i) for i, c in enumerate(counts) if 0 < c < n]
         for p in self._passes:
             self._passes[p] = 0
         self._sent = 0
         self._synchronized = True
-        if partial:
+        if 0 < strict < n:
+            raise HpcdlError(f"{self._kind}: check_missing_gradients is set on {strict} of {n} ranks; set it alike")
+        if partial and strict:
             raise HpcdlError(
                 f"gradients of {partial} are missing on some ranks but not others (a branch used by some "
                 "ranks only?); they were reduced as zeros where missing"
@@ -214,9 +239,28 @@ class Reducer:
             self._skip = False
 
     def step(self, closure: Any = None) -> Any:
-        """Synchronize the gradients (unless already done or skipped), then step."""
-        if not self._synchronized and not self._skip:
-            self.synchronize()
+        """Synchronize the gradients (unless skipped), then step. After an explicit
+        ``synchronize()`` outside ``skip_synchronize()`` it warns, as Horovod does, and steps
+        with the gradients already reduced. With ``op=Adasum`` each parameter has taken its
+        local step already, when its gradient was ready (Horovod's delta optimizer):
+        ``step()`` only waits for the combined updates."""
+        if self._op == Adasum:
+            loss = closure() if closure is not None else None
+            if not self._synchronized:
+                self.synchronize()
+            self._synchronized = False
+            return loss
+        if not self._skip:
+            if self._synchronized:
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(); the gradients are not reduced again. Use "
+                    "optimizer.skip_synchronize() when you call optimizer.synchronize() yourself.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            else:
+                self.synchronize()
         self._synchronized = False
         return super().step(closure)  # type: ignore[misc]
 
@@ -233,10 +277,11 @@ class Reducer:
         return flags is not None or any(b.handle is not None for b in getattr(self, "_buckets", []))
 
     def _send_flags(self, missing: list[int]) -> int:
-        """Start the reduction of which gradients were missing where: gradients missing on
-        some ranks only would be silently zero there, so every rank checks."""
-        flags = torch.zeros(len(self._bucket_of), dtype=torch.int32)
+        """Start the reduction of which gradients were missing where (they are zero there),
+        and of which ranks want that to be an error, so that every rank decides alike."""
+        flags = torch.zeros(len(self._bucket_of) + 1, dtype=torch.int32)
         flags[missing] = 1
+        flags[-1] = int(bool(self._strict))
         return allreduce_async(flags, name=f"{self._prefix}.missing", op=Sum, process_set=self._process_set)
 
     def _name_at(self, i: int) -> str:
@@ -262,40 +307,89 @@ class Reducer:
                     self._flags = self._send_flags([])
 
     def _request_args(self, b: Bucket) -> dict[str, Any]:
-        """Name, op and scale factors of bucket ``b``'s reduction: the prescale averages over
-        the accumulated passes (and predivides); Average divides by the ranks."""
+        """Name, op and scale factors of bucket ``b``'s reduction: the prescale predivides
+        (Horovod's gradient_predivide_factor); Average divides by the ranks. Accumulated
+        passes are summed, as Horovod sums them."""
         return {
             "name": f"{self._prefix}.bucket{b.index}",
             "op": self._op,
-            "prescale_factor": 1.0 / (self._passes_per_step * self._predivide),
+            "prescale_factor": 1.0 / self._predivide,
             "postscale_factor": self._predivide if self._op == Average else 1.0,
             "process_set": self._process_set,
         }
 
     def _submit(self, b: Bucket) -> None:
         """Start bucket ``b``'s reduction: by default, an in-place grouped allreduce of its
-        gradients (zeros for the ones missing)."""
-        sent = []
+        dense gradients (zeros for the ones missing), and for each sparse gradient an
+        allgather of its indices and values (or, with ``sparse_as_dense``, its dense form
+        in the grouped allreduce)."""
+        if self._op == Adasum:
+            self._submit_adasum(b)
+            return
+        sent, sparse = [], []
+        args = self._request_args(b)
         for p in b.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            t, ctx = self._compression.compress(p.grad)
+            g = p.grad
+            if g.is_sparse:
+                if not self._sparse_as_dense:
+                    name = f"{args['name']}.sparse.{self._index[p]}"
+                    sparse.append((p, sparse_allreduce_async(g, name, self._op, self._process_set)))
+                    continue
+                g = g.to_dense()
+            t, ctx = self._compression.compress(g)
             sent.append((t, ctx, p))
-        b.sent = sent
-        b.handle = grouped_allreduce_async_([t for t, _, _ in sent], **self._request_args(b))
+        b.sent, b.sparse = sent, sparse
+        b.handle = grouped_allreduce_async_([t for t, _, _ in sent], **args) if sent else 0
 
     def _finish(self, b: Bucket) -> None:
         """Wait for bucket ``b``'s reduction (if started) and put its result in place."""
         if b.handle is None:
             return
         h, b.handle = b.handle, None
-        self._unpack(b, synchronize(h))
-        b.sent = []
+        self._unpack(b, synchronize(h) if h else [])
+        for p, fetch in b.sparse:
+            p.grad.zero_().add_(fetch())  # sparse gradients take no set_
+        b.sent, b.sparse = [], []
         b.ready = 0
+
+    def _submit_adasum(self, b: Bucket) -> None:
+        """Horovod's Adasum delta optimizer: the wrapped optimizer steps ``b``'s parameters
+        alone, here and now; the change each made is combined over the ranks with Adasum
+        and added to the value it started from (:meth:`_unpack`). A parameter without a
+        gradient is not stepped, so its change is zero."""
+        b.starts = {p: p.detach().clone() for p in b.params}
+        ids = {id(p) for p in b.params}
+        stashed = [g["params"] for g in self.param_groups]
+        for g in self.param_groups:
+            g["params"] = [p for p in g["params"] if id(p) in ids]
+        try:
+            super().step()  # type: ignore[misc]
+        finally:
+            for g, params in zip(self.param_groups, stashed, strict=True):
+                g["params"] = params
+        sent = []
+        for p in b.params:
+            t, ctx = self._compression.compress(p.detach() - b.starts[p])
+            sent.append((t, ctx, p))
+        b.sent = sent
+        args = {**self._request_args(b), "prescale_factor": 1.0, "postscale_factor": 1.0}
+        b.handle = grouped_allreduce_async_([t for t, _, _ in sent], **args)
 
     def _unpack(self, b: Bucket, result: Any) -> None:
         """Put the result of :meth:`_submit`'s request in place: by default, the reduced
-        gradients back into ``p.grad`` (a no-op where they were reduced in place)."""
+        gradients back into ``p.grad`` (a no-op where they were reduced in place; a sparse
+        gradient sent dense is made sparse again); with Adasum, the starting values plus
+        the combined changes into the parameters."""
+        if self._op == Adasum:
+            with torch.no_grad():
+                for t, ctx, p in b.sent:
+                    p.copy_(b.starts[p] + self._compression.decompress(t, ctx))
+            b.starts = {}
+            return
         for t, ctx, p in b.sent:
-            if ctx is not None or t is not p.grad:
+            if p.grad.is_sparse:
+                p.grad.zero_().add_(self._compression.decompress(t, ctx).to_sparse())
+            elif ctx is not None or t is not p.grad:
                 p.grad.copy_(self._compression.decompress(t, ctx))

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from ..compression import Compression, Compressor
-from ..errors import HpcdlError
+from ..errors import HpcdlArgumentError, HpcdlError
 from ..functions import allgather_object
 from ..ops import (
     Average,
@@ -192,13 +192,17 @@ class ZeroOptimizer(Reducer, torch.optim.Optimizer):
         bucket_bytes: int | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise HpcdlError(f"ZeroOptimizer needs a torch.optim.Optimizer, not {type(optimizer).__name__}")
+            raise HpcdlArgumentError(f"ZeroOptimizer needs a torch.optim.Optimizer, not {type(optimizer).__name__}")
         if isinstance(optimizer, Reducer):
-            raise HpcdlError("ZeroOptimizer wraps a plain optimizer, not a DistributedOptimizer or ZeroOptimizer")
+            raise HpcdlArgumentError(
+                "ZeroOptimizer wraps a plain optimizer, not a DistributedOptimizer or ZeroOptimizer"
+            )
         if stage not in (1, 2):
-            raise HpcdlError(f"ZeroOptimizer: stage={stage!r} must be 1 (optimizer state) or 2 (also gradients)")
+            raise HpcdlArgumentError(
+                f"ZeroOptimizer: stage={stage!r} must be 1 (optimizer state) or 2 (also gradients)"
+            )
         if type(optimizer).__name__ in _NOT_ELEMENTWISE:
-            raise HpcdlError(
+            raise HpcdlArgumentError(
                 f"ZeroOptimizer cannot shard {type(optimizer).__name__}: its update of an element depends on "
                 "other elements; use an element-wise optimizer (SGD, Adam, AdamW, RMSprop, ...) or "
                 "DistributedOptimizer"
@@ -228,7 +232,7 @@ class ZeroOptimizer(Reducer, torch.optim.Optimizer):
                 self._inner_group[gi] = len(groups)
                 groups.append({**self._hyper(g), "params": shards})
         if not groups:
-            raise HpcdlError("ZeroOptimizer: no parameter requires a gradient")
+            raise HpcdlArgumentError("ZeroOptimizer: no parameter requires a gradient")
         self.optim = type(optimizer)(groups)
         if optimizer.state:
             self.load_state_dict(optimizer.state_dict())
@@ -318,11 +322,21 @@ class ZeroOptimizer(Reducer, torch.optim.Optimizer):
         return total.to(shards[0].dtype)
 
     # -- gradients: per-bucket sending ---------------------------------------------------------
+    def _refuse_sparse(self, b: Bucket) -> None:
+        sparse = [self._names[p] for p in b.params if p.grad is not None and p.grad.is_sparse]
+        if sparse:
+            raise HpcdlArgumentError(
+                f"ZeroOptimizer shards dense gradients only; {sparse} are sparse: build the embedding with "
+                "sparse=False or use DistributedOptimizer"
+            )
+
     def _submit(self, b: Bucket) -> None:
         if self.stage == 1:  # allreduce in place, as DistributedOptimizer
+            self._refuse_sparse(b)
             super()._submit(b)
             return
         lay = b.zero
+        self._refuse_sparse(b)
         flat = lay.grad_source(b.params)
         for p in b.params:  # this rank keeps only its shard of the reduced gradient
             p.grad = None
@@ -383,12 +397,12 @@ class ZeroOptimizer(Reducer, torch.optim.Optimizer):
         """Load a consolidated state (from :meth:`state_dict` on any rank count, or from the
         unsharded optimizer's ``state_dict()``); each rank keeps its shard of it."""
         if not isinstance(state_dict, dict) or set(state_dict) < {"state", "param_groups"}:
-            raise HpcdlError("ZeroOptimizer.load_state_dict needs a dict with 'state' and 'param_groups'")
+            raise HpcdlArgumentError("ZeroOptimizer.load_state_dict needs a dict with 'state' and 'param_groups'")
         saved = state_dict["param_groups"]
         ours = [len(g["params"]) for g in self.param_groups]
         theirs = [len(g["params"]) for g in saved]
         if ours != theirs:
-            raise HpcdlError(
+            raise HpcdlArgumentError(
                 f"ZeroOptimizer.load_state_dict: the saved parameter groups have {theirs} parameters, "
                 f"this optimizer's have {ours}"
             )
@@ -404,7 +418,7 @@ class ZeroOptimizer(Reducer, torch.optim.Optimizer):
             if all(s is None for s in sts):
                 continue
             if any(s is None for s in sts) or any(set(s) != set(sts[0]) for s in sts):
-                raise HpcdlError(
+                raise HpcdlArgumentError(
                     f"ZeroOptimizer.load_state_dict: parameters {[names[p] for p in b.params]} share a shard "
                     "but the saved state has different entries for them (some have no state?)"
                 )
@@ -422,7 +436,7 @@ class ZeroOptimizer(Reducer, torch.optim.Optimizer):
                     for s in sts
                 )
                 if not same:
-                    raise HpcdlError(
+                    raise HpcdlArgumentError(
                         f"ZeroOptimizer.load_state_dict: {k!r} differs between {[names[p] for p in b.params]}, "
                         "which share a shard"
                     )

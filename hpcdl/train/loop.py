@@ -199,9 +199,9 @@ class Trainer:
         for idx in group:
             x, y = self.train_set.batch(idx)
             loss = self.loss(x, y)
-            # the optimizer averages the passes' gradients; weighting each by its share of the
-            # samples makes that the mean over the group's samples when batch sizes differ
-            scaled = loss * (len(idx) * len(group) / total)
+            # the passes' gradients add up (as in Horovod): weighting each pass by its share of
+            # the group's samples makes the sum their mean, also when batch sizes differ
+            scaled = loss * (len(idx) / total)
             (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach().double() * len(idx)
         mean = hvd.allreduce_async(loss_sum / total, op=hvd.Average, name="train.loss")
