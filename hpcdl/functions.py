@@ -3,6 +3,7 @@ optimizer's state from one rank, and moving arbitrary picklable objects."""
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 from collections.abc import Iterable, Mapping
@@ -51,17 +52,49 @@ def broadcast_optimizer_state(
 ) -> None:
     """Make every rank's ``optimizer`` state and hyper-parameters (learning rates, momenta,
     step counts) equal to ``root_rank``'s. Every rank's optimizer must hold the same
-    parameter groups; state tensors end up as copies of the root's."""
-    state = optimizer.state_dict()
-    root_state = broadcast_object(state, root_rank, name="broadcast_optimizer_state", process_set=process_set)
-    mine = [len(g["params"]) for g in state["param_groups"]]
+    parameter groups. The root's state may lack parameters (no gradient yet) and hold any
+    picklable entries (tensors, numbers, strings, lists); the other ranks end with copies
+    of it, tensors on their parameters' devices, and nothing else."""
+    mine = optimizer.state_dict()
+    root_state = broadcast_object(
+        mine, root_rank, name=_unnamed("broadcast_optimizer_state", process_set), process_set=process_set
+    )
+    ours = [len(g["params"]) for g in mine["param_groups"]]
     theirs = [len(g["params"]) for g in root_state["param_groups"]]
-    if mine != theirs:
+    if ours != theirs:
         raise HpcdlError(
-            f"broadcast_optimizer_state: this rank's parameter groups hold {mine} parameters, "
+            f"broadcast_optimizer_state: this rank's parameter groups hold {ours} parameters, "
             f"rank {root_rank}'s {theirs}"
         )
-    optimizer.load_state_dict(root_state)
+    if state.current().rank != root_rank:  # the root's own state is the root's already
+        _load_state(optimizer, root_state)
+
+
+def _load_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Replace ``optimizer``'s state and hyper-parameters by ``saved`` (a ``state_dict()``
+    of an optimizer over the same parameter groups). Unlike ``load_state_dict``, entries
+    that are strings or other iterables are kept as they are (torch rebuilds them element
+    by element, which turns a string into the text of a generator)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    ids = [i for g in saved["param_groups"] for i in g["params"]]
+    by_id = dict(zip(ids, params, strict=True))
+    optimizer.state.clear()
+    for i, entries in saved["state"].items():
+        p = by_id[i]
+        optimizer.state[p] = {key: _placed(value, p, key) for key, value in entries.items()}
+    for g, s in zip(optimizer.param_groups, saved["param_groups"], strict=True):
+        g.update({k: copy.deepcopy(v) for k, v in s.items() if k != "params"})
+
+
+def _placed(value: Any, p: torch.Tensor, key: str) -> Any:
+    """A state entry for parameter ``p``: a floating tensor in ``p``'s dtype and on its device
+    (``step`` counters keep theirs, as torch does), any other tensor on ``p``'s device, and
+    anything else a copy."""
+    if torch.is_tensor(value):
+        if key != "step" and value.is_floating_point():
+            return value.to(dtype=p.dtype, device=p.device).clone()
+        return value.clone() if key == "step" else value.to(device=p.device).clone()
+    return copy.deepcopy(value)
 
 
 def broadcast_object(
