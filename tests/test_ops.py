@@ -559,7 +559,7 @@ def test_join_with_a_broadcast_on_a_process_set():
             hvd.broadcast(x, 2, process_set=s)
     assert hvd.join() == 2
     if r in (1, 2):  # usable again once every rank has joined
-        assert torch.equal(hvd.broadcast(x + r, 2, process_set=s), x + 2)
+        assert torch.equal(hvd.broadcast(x + r, 2, name="after-join", process_set=s), x + 2)
     hvd.remove_process_set(s)
 
 

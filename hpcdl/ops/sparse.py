@@ -37,6 +37,6 @@ def sparse_allreduce_async(
         indices, values = synchronize(h)
         if op == Average:
             values = values / n
-        return torch.sparse_coo_tensor(indices.transpose(0, 1), values, size)
+        return torch.sparse_coo_tensor(indices.transpose(0, 1), values, size, check_invariants=True)
 
     return result

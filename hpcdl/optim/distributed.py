@@ -64,6 +64,13 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name: a factory that looks l
     """
     if not isinstance(num_groups, int) or num_groups < 0:
         raise HpcdlArgumentError(f"num_groups={num_groups!r} must be a non-negative integer")
+    listed = isinstance(groups, (list, tuple)) and all(
+        isinstance(g, (list, tuple)) and all(isinstance(p, torch.Tensor) for p in g) for g in groups
+    )
+    if groups is not None and not listed and not (isinstance(groups, int) and groups >= 0):
+        raise HpcdlArgumentError(
+            f"groups={groups!r} must be a non-negative integer or a list of lists of parameters, as in Horovod"
+        )
     base = type(optimizer)
     cls = type(base.__name__, (Reducer, base), {"__module__": base.__module__})
     obj = cls(optimizer.param_groups)
