@@ -33,6 +33,7 @@ class Runtime:
         handles: handle number to pending operation (:mod:`hpcdl.handles`).
         counters: per (kind, process set) count of unnamed requests, for their names.
         process_sets: the registered :class:`~hpcdl.ProcessSet` objects (unregistered at shutdown).
+        grid: the most recently built ``hpcdl.parallel.Grid`` (None before one is built).
     """
 
     def __init__(self, comm: MPI.Comm, owned: bool, config: Config) -> None:
@@ -49,6 +50,7 @@ class Runtime:
         self.next_handle = 1
         self.counters: dict[tuple[str, int], int] = {}
         self.process_sets: list[Any] = []
+        self.grid: Any = None
 
 
 _current: Runtime | None = None

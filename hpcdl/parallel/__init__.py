@@ -1,0 +1,30 @@
+"""Model parallelism on a DP x TP x PP rank grid: :class:`Grid` and the tensor-parallel
+layers (Megatron-LM style)."""
+
+from __future__ import annotations
+
+from .grid import Grid, current_grid
+from .tensor import (
+    ColumnParallelLinear,
+    ParallelMLP,
+    ParallelSelfAttention,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+from .tp_comm import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+
+__all__ = [
+    "Grid",
+    "current_grid",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+    "ParallelMLP",
+    "ParallelSelfAttention",
+    "copy_to_tp",
+    "reduce_from_tp",
+    "gather_from_tp",
+    "scatter_to_tp",
+]

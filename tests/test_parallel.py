@@ -1,0 +1,220 @@
+"""hpcdl.parallel: the DP x TP x PP grid, and each tensor-parallel layer against its dense
+twin (float64: forward, input and weight gradients to 1e-10), at 1-4 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hpcdl as hvd
+from hpcdl.parallel import (
+    ColumnParallelLinear,
+    Grid,
+    ParallelMLP,
+    ParallelSelfAttention,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120), pytest.mark.usefixtures("runtime")]
+
+D = torch.float64
+
+
+def shapes(n: int) -> list[tuple[int, int, int]]:
+    """Every (dp, tp, pp) whose product is n."""
+    return [(n // (t * p), t, p) for t in range(1, n + 1) for p in range(1, n + 1) if n % (t * p) == 0]
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    rel = ((got - want).norm() / max(want.norm().item(), 1e-300)).item()
+    assert rel <= 1e-10, rel
+
+
+def test_grid_coordinates_groups_and_neighbours_for_every_shape():
+    n, r = hvd.size(), hvd.rank()
+    for dp, tp, pp in shapes(n):
+        g = Grid(dp=dp, tp=tp, pp=pp)
+        assert (g.dp, g.tp, g.pp) == (dp, tp, pp) and g.rank == r
+        assert g.rank_of(g.dp_rank, g.tp_rank, g.pp_rank) == r
+        # TP fastest: a TP group is consecutive ranks
+        assert g.tp_group.ranks == list(range(r - g.tp_rank, r - g.tp_rank + tp))
+        assert g.dp_group.ranks == [g.rank_of(d, g.tp_rank, g.pp_rank) for d in range(dp)]
+        assert g.pp_group.ranks == [g.rank_of(g.dp_rank, g.tp_rank, s) for s in range(pp)]
+        assert g.is_first_stage == (g.pp_rank == 0) and g.is_last_stage == (g.pp_rank == pp - 1)
+        assert g.prev_rank == (None if g.pp_rank == 0 else g.rank_of(g.dp_rank, g.tp_rank, g.pp_rank - 1))
+        assert g.next_rank == (None if g.pp_rank == pp - 1 else g.rank_of(g.dp_rank, g.tp_rank, g.pp_rank + 1))
+        assert str(g) == f"DP({g.dp_rank}/{dp}) TP({g.tp_rank}/{tp}) PP({g.pp_rank}/{pp}) rank {r}"
+        # the groups work: a sum over each
+        for group in (g.tp_group, g.dp_group, g.pp_group):
+            got = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum, process_set=group)
+            assert got.item() == sum(group.ranks)
+        g.close()
+    g = Grid(tp=1, pp=1)  # dp inferred
+    assert g.dp == n
+    g.close()
+
+
+def test_bad_grids_raise_on_every_rank():
+    n, r = hvd.size(), hvd.rank()
+    with pytest.raises(hvd.HpcdlArgumentError, match=rf"dp=1 x tp=1 x pp={n + 1} = {n + 1} != world size {n}"):
+        Grid(dp=1, tp=1, pp=n + 1)
+    with pytest.raises(hvd.HpcdlArgumentError, match="at most one size may be -1"):
+        Grid(dp=-1, tp=-1)
+    with pytest.raises(hvd.HpcdlArgumentError, match="must be positive integers or -1"):
+        Grid(dp=0)
+    if n > 1:
+        with pytest.raises(hvd.HpcdlArgumentError, match="ranks disagree on the sizes"):
+            Grid(dp=-1, tp=n if r == 0 else 1)
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == n  # usable afterwards
+
+
+def tp_grid() -> Grid:
+    """TP over every rank up to 3 ranks; at 4, TP 2 and DP 2."""
+    n = hvd.size()
+    tp = n if n <= 3 else 2
+    return Grid(dp=-1, tp=tp, pp=1)
+
+
+def inputs(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=D)
+
+
+@pytest.mark.parametrize("gather_output", [False, True])
+def test_column_parallel_linear_equals_the_dense_layer(gather_output):
+    g = tp_grid()
+    torch.manual_seed(1)
+    dense = nn.Linear(6, 12, dtype=D)
+    torch.manual_seed(1)
+    layer = ColumnParallelLinear(6, 12, gather_output=gather_output, dtype=D)  # the same draws, sliced
+    lo, hi = g.tp_rank * 12 // g.tp, (g.tp_rank + 1) * 12 // g.tp
+    assert torch.equal(layer.weight, dense.weight[lo:hi].detach()) and torch.equal(layer.bias, dense.bias[lo:hi])
+    x, xd = inputs(3, 6, seed=2).requires_grad_(), inputs(3, 6, seed=2).requires_grad_()
+    w = inputs(3, 12, seed=3)
+    y, yd = layer(x), dense(xd)
+    close(y, yd if gather_output else yd[:, lo:hi])
+    (y * (w if gather_output else w[:, lo:hi])).sum().backward()
+    (yd * w).sum().backward()
+    close(x.grad, xd.grad)
+    close(layer.weight.grad, dense.weight.grad[lo:hi])
+    close(layer.bias.grad, dense.bias.grad[lo:hi])
+    g.close()
+
+
+@pytest.mark.parametrize("input_is_parallel", [True, False])
+def test_row_parallel_linear_equals_the_dense_layer(input_is_parallel):
+    g = tp_grid()
+    torch.manual_seed(4)
+    dense = nn.Linear(12, 5, dtype=D)
+    layer = RowParallelLinear.from_dense(dense, input_is_parallel=input_is_parallel)
+    lo, hi = g.tp_rank * 12 // g.tp, (g.tp_rank + 1) * 12 // g.tp
+    x, xd = inputs(4, 12, seed=5), inputs(4, 12, seed=5).requires_grad_()
+    x = (x[:, lo:hi] if input_is_parallel else x).clone().requires_grad_()
+    w = inputs(4, 5, seed=6)
+    y, yd = layer(x), dense(xd)
+    close(y, yd)
+    (y * w).sum().backward()
+    (yd * w).sum().backward()
+    close(x.grad, xd.grad[:, lo:hi] if input_is_parallel else xd.grad)
+    close(layer.weight.grad, dense.weight.grad[:, lo:hi])
+    close(layer.bias.grad, dense.bias.grad)
+    g.close()
+
+
+def test_vocab_parallel_embedding_and_cross_entropy_equal_the_dense_ones():
+    g = tp_grid()
+    torch.manual_seed(7)
+    dense = nn.Embedding(12, 4, dtype=D)
+    torch.manual_seed(7)
+    emb = VocabParallelEmbedding(12, 4, dtype=D)
+    ids = torch.tensor([[0, 5, 11], [3, 6, 9]])
+    w = inputs(2, 3, 4, seed=8)
+    y, yd = emb(ids), dense(ids)
+    close(y, yd)
+    (y * w).sum().backward()
+    (yd * w).sum().backward()
+    lo, hi = emb.start, emb.end
+    close(emb.weight.grad, dense.weight.grad[lo:hi])
+    # cross-entropy over vocabulary-parallel logits, never gathered
+    full = inputs(2, 3, 12, seed=9) * 3
+    target = torch.tensor([[1, 11, 6], [0, 7, 3]])
+    part = full[..., lo:hi].clone().requires_grad_()
+    fd = full.clone().requires_grad_()
+    loss, want = (
+        vocab_parallel_cross_entropy(part, target),
+        F.cross_entropy(fd.view(-1, 12), target.view(-1), reduction="none"),
+    )
+    close(loss.view(-1), want)
+    (loss * inputs(2, 3, seed=10)).sum().backward()
+    (want.view(2, 3) * inputs(2, 3, seed=10)).sum().backward()
+    close(part.grad, fd.grad[..., lo:hi])
+    g.close()
+
+
+def test_parallel_mlp_trains_as_the_dense_mlp():
+    """A few SGD steps of a tensor-parallel MLP equal the dense twin's, slice by slice."""
+    g = tp_grid()
+    torch.manual_seed(11)
+    dense = nn.Sequential(nn.Linear(4, 12), nn.GELU(), nn.Linear(12, 4)).double()
+    mlp = ParallelMLP.from_dense(dense)
+    opt, opt_d = torch.optim.SGD(mlp.parameters(), lr=0.1), torch.optim.SGD(dense.parameters(), lr=0.1)
+    lo, hi = g.tp_rank * 12 // g.tp, (g.tp_rank + 1) * 12 // g.tp
+    for step in range(3):
+        x, y = inputs(5, 4, seed=20 + step), inputs(5, 4, seed=30 + step)
+        for model, o in ((mlp, opt), (dense, opt_d)):
+            o.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            o.step()
+        close(mlp.fc1.weight, dense[0].weight[lo:hi])
+        close(mlp.fc2.weight, dense[2].weight[:, lo:hi])
+        close(mlp.fc2.bias, dense[2].bias)
+    if g.tp > 1:
+        with pytest.raises(hvd.HpcdlArgumentError, match="must divide by the tensor-parallel size"):
+            ColumnParallelLinear(4, 2 * g.tp + 1, dtype=D)
+    g.close()
+
+
+class _DenseAttention(nn.Module):
+    """The GPT block's attention (hpcdl.train.models), the dense twin."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(d, 3 * d, dtype=D), nn.Linear(d, d, dtype=D)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(a.transpose(1, 2).reshape(b, t, d))
+
+
+@pytest.mark.parametrize("build", ["seed", "from_dense"])
+def test_parallel_self_attention_equals_the_dense_attention(build):
+    g = tp_grid()
+    heads, d = 6, 12  # heads divide by 1, 2 and 3
+    torch.manual_seed(12)
+    dense = _DenseAttention(d, heads)
+    torch.manual_seed(12)
+    if build == "seed":
+        attn = ParallelSelfAttention(d, heads, dtype=D)
+    else:
+        attn = ParallelSelfAttention.from_dense(dense.qkv, dense.proj, heads)
+    x, xd = inputs(2, 5, d, seed=13).requires_grad_(), inputs(2, 5, d, seed=13).requires_grad_()
+    w = inputs(2, 5, d, seed=14)
+    y, yd = attn(x), dense(xd)
+    close(y, yd)
+    (y * w).sum().backward()
+    (yd * w).sum().backward()
+    close(x.grad, xd.grad)
+    hd, per = d // heads, heads // g.tp
+    rows = torch.cat([torch.arange(p * d + g.tp_rank * per * hd, p * d + (g.tp_rank + 1) * per * hd) for p in range(3)])
+    close(attn.qkv_weight.grad, dense.qkv.weight.grad[rows])
+    close(attn.qkv_bias.grad, dense.qkv.bias.grad[rows])
+    lo, hi = g.tp_rank * d // g.tp, (g.tp_rank + 1) * d // g.tp
+    close(attn.proj.weight.grad, dense.proj.weight.grad[:, lo:hi])
+    close(attn.proj.bias.grad, dense.proj.bias.grad)
+    g.close()
