@@ -483,3 +483,18 @@ def test_progress_bar_and_log_lines_share_one_stream_under_mpiexec(tmp_path):
     epochs = [line for line in shown if "epoch" in line and "accuracy" in line]
     assert [line.split(":")[0] for line in epochs] == ["epoch 0", "epoch 1"], shown
     assert shown[-1].startswith("hpcdl.train: ") and "held-out" in shown[-1], shown
+
+
+def test_a_checkpoint_of_an_older_configuration_resumes_with_a_warning(tmp_path, capsys):
+    """Fields a checkpoint's configuration has and this version's lacks (or the reverse) are
+    named in the warning, not a KeyError."""
+    from hpcdl.train.loop import _pick_checkpoint
+
+    cfg = TrainConfig(run_dir=str(tmp_path))
+    old = {**cfg.to_dict(), "fusion_threshold": -1}
+    old.pop("overwrite")
+    ckpt.save_atomic({"format": ckpt.FORMAT, "config": old, "step": 3}, ckpt.path_for(str(tmp_path), 3))
+    path, st, problem = _pick_checkpoint(str(tmp_path), cfg)
+    assert problem is None and path == ckpt.path_for(str(tmp_path), 3) and st["step"] == 3
+    err = capsys.readouterr().err
+    assert "fusion_threshold=-1 (this run: None)" in err

@@ -73,8 +73,8 @@ _PER_RUN += ("keep_checkpoints", "timeline", "dry_run", "threads", "device", "ru
 
 
 def _differences(saved: dict[str, Any], cfg: TrainConfig, fields: Any) -> list[str]:
-    now = cfg.to_dict()
-    return [f"{k}={saved.get(k)!r} (this run: {now[k]!r})" for k in fields if saved.get(k) != now[k]]
+    now = cfg.to_dict()  # a field one of them lacks (a checkpoint of another version) shows as None
+    return [f"{k}={saved.get(k)!r} (this run: {now.get(k)!r})" for k in fields if saved.get(k) != now.get(k)]
 
 
 def _pick_checkpoint(ck_dir: str, cfg: TrainConfig) -> tuple[str | None, dict | None, str | None]:
