@@ -35,7 +35,7 @@ from .basics import (
 )
 from .compression import Compression
 from .config import Config
-from .errors import HorovodInternalError, HpcdlArgumentError, HpcdlError
+from .errors import HorovodInternalError, HpcdlArgumentError, HpcdlError, PipelineError
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .ops import (
     Adasum,
@@ -83,6 +83,7 @@ __all__ = [
     "__version__",
     "HpcdlError",
     "HpcdlArgumentError",
+    "PipelineError",
     "HorovodInternalError",
     "init",
     "shutdown",

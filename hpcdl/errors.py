@@ -9,7 +9,7 @@ argument errors.
 
 from __future__ import annotations
 
-__all__ = ["HpcdlError", "HpcdlArgumentError", "HorovodInternalError", "NOT_INITIALIZED"]
+__all__ = ["HpcdlError", "HpcdlArgumentError", "PipelineError", "HorovodInternalError", "NOT_INITIALIZED"]
 
 
 class HpcdlError(RuntimeError):
@@ -20,6 +20,11 @@ class HpcdlArgumentError(HpcdlError, ValueError):
     """A bad argument (a name already in flight, duplicate parameter names, alltoall splits
     that do not add up, ...): an :class:`HpcdlError` and a ``ValueError``. Raised on every
     rank when the argument travels with a request."""
+
+
+class PipelineError(HpcdlError):
+    """A pipeline stage failed (its layers raised, or a neighbour's did): raised on every
+    stage of the pipeline, naming the stage and its error."""
 
 
 HorovodInternalError = HpcdlError

@@ -1,9 +1,10 @@
-"""Model parallelism on a DP x TP x PP rank grid: :class:`Grid` and the tensor-parallel
-layers (Megatron-LM style)."""
+"""Model parallelism on a DP x TP x PP rank grid: :class:`Grid`, the tensor-parallel layers
+(Megatron-LM style) and :class:`Pipeline` (GPipe and 1F1B schedules)."""
 
 from __future__ import annotations
 
 from .grid import Grid, current_grid
+from .pipeline import Pipeline, balance_by_parameters
 from .tensor import (
     ColumnParallelLinear,
     ParallelMLP,
@@ -17,6 +18,8 @@ from .tp_comm import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
 __all__ = [
     "Grid",
     "current_grid",
+    "Pipeline",
+    "balance_by_parameters",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",

@@ -1,0 +1,191 @@
+"""Pipeline parallelism: a sequence of layers cut into stages, one per rank of the grid's
+PP group, trained on micro-batches with the GPipe (Huang et al., 2019) or the 1F1B
+(PipeDream-Flush, Narayanan et al., 2021) schedule.
+
+Every micro-batch's loss is weighted by its share of the batch, so the accumulated
+gradients equal one backward over the whole batch's mean loss, whatever the number of
+micro-batches (the factor other frameworks get wrong). GPipe runs every forward, then every
+backward, and keeps all m micro-batches' activations; 1F1B starts backwards as soon as the
+last stage can, and keeps at most ``stages - stage`` of them alive. :attr:`Pipeline.peak_live`
+reports the count of the last step.
+
+The schedule is written once, over :class:`~.pp_comm.Link`. A stage whose layers raise, or
+that hears that another did, tells its neighbours; every stage then raises the same
+:class:`~hpcdl.errors.PipelineError`, and the pipeline is usable again on the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .. import state
+from ..errors import HpcdlArgumentError, PipelineError
+from ..functions import allgather_object
+from .grid import Grid, current_grid
+from .pp_comm import ACT, GRAD, Link
+
+__all__ = ["Pipeline", "balance_by_parameters"]
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def balance_by_parameters(layers: Sequence[nn.Module], stages: int) -> list[int]:
+    """Layers per stage, contiguous, that minimise the largest stage's parameter count
+    (every stage gets at least one layer)."""
+    n = len(layers)
+    if n < stages:
+        raise HpcdlArgumentError(f"{n} layers cannot fill {stages} pipeline stages")
+    w = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    prefix = [0]
+    for x in w:
+        prefix.append(prefix[-1] + x)
+    inf = float("inf")
+    # best[s][i]: the least largest stage when the first i layers fill s stages
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, i):
+                cost = max(best[s - 1][j], prefix[i] - prefix[j])
+                if cost < best[s][i]:
+                    best[s][i], cut[s][i] = cost, j
+    counts, i = [], n
+    for s in range(stages, 0, -1):
+        j = cut[s][i]
+        counts.append(i - j)
+        i = j
+    return counts[::-1]
+
+
+class Pipeline(nn.Module):
+    """This rank's stage of ``layers`` on the grid's pipeline (building it is collective
+    over every rank, as the grid is).
+
+    Args:
+        layers: the whole model as a sequence of modules (an ``nn.Sequential`` or a list);
+            every rank passes the same, and keeps its stage's slice.
+        grid: the grid (default: the most recently built).
+        chunks: micro-batches per step.
+        schedule: ``"1f1b"`` (default) or ``"gpipe"``.
+        balance: layers per stage (default: :func:`balance_by_parameters`).
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[nn.Module],
+        grid: Grid | None = None,
+        chunks: int = 1,
+        schedule: str = "1f1b",
+        balance: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__()
+        grid = grid or current_grid()
+        layers = list(layers)
+        p = grid.pp
+        if schedule not in SCHEDULES:
+            raise HpcdlArgumentError(f"schedule={schedule!r} is not one of {SCHEDULES}")
+        if not isinstance(chunks, int) or chunks < 1:
+            raise HpcdlArgumentError(f"chunks={chunks!r} must be a positive integer")
+        balance = list(balance) if balance is not None else balance_by_parameters(layers, p)
+        if len(balance) != p or any(b < 1 for b in balance) or sum(balance) != len(layers):
+            raise HpcdlArgumentError(
+                f"balance={balance} must give each of the {p} stages at least one of the {len(layers)} layers"
+            )
+        lo = sum(balance[: grid.pp_rank])
+        self.stage = nn.Sequential(*layers[lo : lo + balance[grid.pp_rank]])
+        self.grid, self.chunks, self.schedule, self.balance = grid, chunks, schedule, balance
+        self.peak_live = 0
+        """The most micro-batches whose activations this stage held at once in the last step."""
+        # the pipeline's own communicator: its stages, ranked by stage (collective over the world)
+        line = grid.dp_rank * grid.tp + grid.tp_rank
+        self._link = Link(state.running().comm.Split(line, grid.pp_rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This stage's layers alone (the schedule is :meth:`train_step`)."""
+        return self.stage(x)
+
+    def train_step(
+        self,
+        inputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> float:
+        """Forward and backward of one batch through every stage; the gradients accumulate
+        in this stage's parameters as one backward of the batch's mean loss would leave them.
+
+        Args:
+            inputs: the batch (read on the first stage; others may pass None).
+            targets: its targets (read on the last stage).
+            loss_fn: ``loss_fn(outputs, targets)``, a micro-batch's mean loss.
+
+        Returns:
+            The batch's mean loss, on every stage.
+        """
+        g, link = self.grid, self._link
+        s, p, m = g.pp_rank, g.pp, self.chunks
+        xs = torch.tensor_split(inputs, m) if g.is_first_stage else [None] * m
+        ts = torch.tensor_split(targets, m) if g.is_last_stage else [None] * m
+        total = sum(len(t) for t in ts) if g.is_last_stage else 0
+        kept: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        losses: list[float] = []
+        live = peak = 0
+
+        def fwd(i: int) -> None:
+            nonlocal live, peak
+            x = xs[i] if g.is_first_stage else link.recv(s - 1, ACT).requires_grad_()
+            out = self.stage(x)
+            if not g.is_last_stage:
+                link.send(out, s + 1, ACT)
+            kept[i] = (None if g.is_first_stage else x, out)
+            live += 1
+            peak = max(peak, live)
+
+        def bwd(i: int) -> None:
+            nonlocal live
+            x, out = kept.pop(i)
+            if g.is_last_stage:
+                loss = loss_fn(out, ts[i])
+                losses.append(float(loss.detach()) * len(ts[i]) / total)
+                (loss * (len(ts[i]) / total)).backward()
+            else:
+                out.backward(link.recv(s + 1, GRAD))
+            if x is not None:
+                link.send(x.grad, s - 1, GRAD)
+            live -= 1
+
+        problem = None
+        try:
+            if self.schedule == "gpipe":
+                for i in range(m):
+                    fwd(i)
+                for i in range(m):
+                    bwd(i)
+            else:
+                warm = min(p - s - 1, m)
+                for i in range(warm):
+                    fwd(i)
+                for k in range(m - warm):
+                    fwd(warm + k)
+                    bwd(k)
+                for k in range(m - warm, m):
+                    bwd(k)
+        except PipelineError as exc:  # a neighbour passed on another stage's failure
+            problem = str(exc)
+        except Exception as exc:  # noqa: BLE001 - this stage's layers failed: every stage must hear it
+            problem = f"pipeline stage {s} failed: {type(exc).__name__}: {exc}"
+        if problem is not None:
+            for peer, tag in ((s - 1, GRAD), (s + 1, ACT)):
+                if 0 <= peer < p:
+                    link.send_error(problem, peer, tag)
+        self.peak_live = peak
+        said = allgather_object((problem, sum(losses)), process_set=g.pp_group)
+        failed = [text for text, _ in said if text is not None]
+        if failed:  # sends to a failed stage may never be matched: leave them behind
+            link.abandon()
+            raise PipelineError(failed[0])
+        link.finish()  # every stage ran its whole schedule: every send is matched
+        return said[-1][1]
