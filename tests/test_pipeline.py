@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from mpi4py import MPI
 from torch import nn
 
 import hpcdl as hvd
@@ -58,6 +59,8 @@ def test_pipelined_gradients_equal_the_whole_batch_for_every_micro_batch_count(s
             close(a, b)
         stages_left = p - grid.pp_rank
         assert pipe.peak_live == (m if schedule == "gpipe" else min(stages_left, m))
+        pipe.close()
+        assert pipe._link.comm == MPI.COMM_NULL  # freed
     grid.close()
 
 

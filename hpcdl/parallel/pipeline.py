@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from mpi4py import MPI
 from torch import nn
 
 from .. import state
@@ -103,6 +104,13 @@ class Pipeline(nn.Module):
         # the pipeline's own communicator: its stages, ranked by stage (collective over the world)
         line = grid.dp_rank * grid.tp + grid.tp_rank
         self._link = Link(state.running().comm.Split(line, grid.pp_rank))
+
+    def close(self) -> None:
+        """Free the pipeline's communicator (collective over its stages). After a failed
+        step the communicator that failed is left unfreed: sends to the failed stage may
+        never complete."""
+        if self._link.comm != MPI.COMM_NULL:
+            self._link.comm.Free()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This stage's layers alone (the schedule is :meth:`train_step`)."""
