@@ -38,6 +38,14 @@ def _share(total: int, grid: Grid, what: str) -> tuple[int, int]:
     return grid.tp_rank * k, (grid.tp_rank + 1) * k
 
 
+def _bare(cls: type[nn.Module]) -> nn.Module:
+    """An instance of ``cls`` with ``nn.Module``'s state set up but without running its
+    ``__init__``, which would draw fresh weights: ``from_dense`` adopts existing ones."""
+    obj = cls.__new__(cls)
+    nn.Module.__init__(obj)
+    return obj
+
+
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with ``W``'s rows (the output features) split over the TP ranks.
 
@@ -62,8 +70,7 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_dense(cls, linear: nn.Linear, gather_output: bool = False, grid: Grid | None = None):
         """This rank's slice of ``linear``."""
-        obj = cls.__new__(cls)
-        nn.Module.__init__(obj)
+        obj = _bare(cls)
         obj._adopt(linear, gather_output, grid or current_grid())
         return obj
 
@@ -105,8 +112,7 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def from_dense(cls, linear: nn.Linear, input_is_parallel: bool = True, grid: Grid | None = None):
         """This rank's slice of ``linear``."""
-        obj = cls.__new__(cls)
-        nn.Module.__init__(obj)
+        obj = _bare(cls)
         obj._adopt(linear, input_is_parallel, grid or current_grid())
         return obj
 
@@ -139,8 +145,7 @@ class VocabParallelEmbedding(nn.Module):
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, grid: Grid | None = None):
         """This rank's rows of ``embedding``."""
-        obj = cls.__new__(cls)
-        nn.Module.__init__(obj)
+        obj = _bare(cls)
         obj._adopt(embedding, grid or current_grid())
         return obj
 
@@ -218,8 +223,7 @@ class ParallelMLP(nn.Module):
         first, act, second = list(mlp)
         if not (isinstance(first, nn.Linear) and isinstance(act, nn.GELU) and isinstance(second, nn.Linear)):
             raise HpcdlArgumentError("ParallelMLP.from_dense takes nn.Sequential(nn.Linear, nn.GELU(), nn.Linear)")
-        obj = cls.__new__(cls)
-        nn.Module.__init__(obj)
+        obj = _bare(cls)
         obj.fc1 = ColumnParallelLinear.from_dense(first, grid=grid)
         obj.fc2 = RowParallelLinear.from_dense(second, grid=grid)
         return obj
@@ -254,8 +258,7 @@ class ParallelSelfAttention(nn.Module):
     @classmethod
     def from_dense(cls, qkv: nn.Linear, proj: nn.Linear, n_head: int, dropout: float = 0.0, grid: Grid | None = None):
         """This rank's heads of the dense ``qkv`` and ``proj`` projections."""
-        obj = cls.__new__(cls)
-        nn.Module.__init__(obj)
+        obj = _bare(cls)
         obj._adopt(qkv, proj, n_head, dropout, grid or current_grid())
         return obj
 
