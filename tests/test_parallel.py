@@ -1,7 +1,10 @@
 """hpcdl.parallel: the DP x TP x PP grid, and each tensor-parallel layer against its dense
-twin (float64: forward, input and weight gradients to 1e-10), at 1-4 ranks."""
+twin (float64: forward, input and weight gradients to 1e-10), at 1-4 ranks; sequence
+parallelism's communication against plain torch."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -16,6 +19,11 @@ from hpcdl.parallel import (
     ParallelSelfAttention,
     RowParallelLinear,
     VocabParallelEmbedding,
+    allreduce_sequence_parallel_grads,
+    gather_seq_from_tp,
+    mark_sequence_parallel,
+    reduce_scatter_seq_to_tp,
+    scatter_seq_to_tp,
     vocab_parallel_cross_entropy,
 )
 
@@ -217,4 +225,89 @@ def test_parallel_self_attention_equals_the_dense_attention(build):
     lo, hi = g.tp_rank * d // g.tp, (g.tp_rank + 1) * d // g.tp
     close(attn.proj.weight.grad, dense.proj.weight.grad[:, lo:hi])
     close(attn.proj.bias.grad, dense.proj.bias.grad)
+    g.close()
+
+
+# -- sequence parallelism ------------------------------------------------------------------------
+def test_sequence_comm_functions_equal_torch_references():
+    """Each rank's upstream gradient differs (its own seed), so every backward is checked
+    against a sum or a concatenation of all the ranks' gradients, computed here in torch."""
+    g = tp_grid()
+    group, n, r = g.tp_group, g.tp, g.tp_rank
+    k = 2
+    t = k * n
+
+    def chunk(a: torch.Tensor, i: int) -> torch.Tensor:
+        return a[:, i * k : (i + 1) * k]
+
+    # scatter: the whole input, the same on every rank, to this rank's chunk; the chunks'
+    # gradients concatenated
+    full = inputs(2, t, 3, seed=40).requires_grad_()
+    y = scatter_seq_to_tp(full, group)
+    assert torch.equal(y, chunk(full.detach(), r))
+    ups = [inputs(2, k, 3, seed=41 + i) for i in range(n)]
+    y.backward(ups[r])
+    assert torch.equal(full.grad, torch.cat(ups, dim=1))
+
+    # gather: the ranks' chunks concatenated; backward, the sum over the ranks of their
+    # gradients of the whole sequence, this rank's chunk of it
+    parts = [inputs(2, k, 2, 3, seed=50 + i) for i in range(n)]
+    x = parts[r].clone().requires_grad_()
+    y = gather_seq_from_tp(x, group)
+    assert torch.equal(y, torch.cat(parts, dim=1))
+    ups = [inputs(2, t, 2, 3, seed=60 + i) for i in range(n)]
+    y.backward(ups[r])
+    close(x.grad, chunk(torch.stack(ups).sum(0), r))
+
+    # reduce-scatter: the sum of the ranks' whole-sequence partials, this rank's chunk; the
+    # chunks' gradients concatenated
+    partial = [inputs(2, t, 3, seed=70 + i) for i in range(n)]
+    x = partial[r].clone().requires_grad_()
+    y = reduce_scatter_seq_to_tp(x, group)
+    close(y, chunk(torch.stack(partial).sum(0), r))
+    ups = [inputs(2, k, 3, seed=80 + i) for i in range(n)]
+    y.backward(ups[r])
+    assert torch.equal(x.grad, torch.cat(ups, dim=1))
+    g.close()
+
+
+def test_allreduce_sequence_parallel_grads_sums_the_marked_gradients_only():
+    g = tp_grid()
+    group, n, r = g.tp_group, g.tp, g.tp_rank
+    block = nn.Sequential(nn.LayerNorm(3, dtype=D), nn.Linear(3, 3, dtype=D))
+    assert mark_sequence_parallel(block[0]) is block[0]
+    assert [getattr(p, "sequence_parallel", False) for p in block.parameters()] == [True, True, False, False]
+    every = [[inputs(*p.shape, seed=90 + 10 * j + i) for i in range(n)] for j, p in enumerate(block.parameters())]
+    for p, gs in zip(block.parameters(), every, strict=True):
+        p.grad = gs[r].clone()
+    allreduce_sequence_parallel_grads(block, group)
+    for j, (p, gs) in enumerate(zip(block.parameters(), every, strict=True)):
+        if j < 2:
+            close(p.grad, torch.stack(gs).sum(0))
+        else:
+            assert torch.equal(p.grad, gs[r])
+    g.close()
+
+
+def test_sequence_parallel_bad_arguments_raise_on_every_rank():
+    g = tp_grid()
+    group, n = g.tp_group, g.tp
+    if n > 1:
+        odd = inputs(2, 2 * n + 1, 3, seed=1)
+        for f in (scatter_seq_to_tp, reduce_scatter_seq_to_tp):
+            with pytest.raises(
+                hvd.HpcdlArgumentError,
+                match=rf"the sequence length \(dimension 1\) {2 * n + 1} must divide by the tensor-parallel size {n}",
+            ):
+                f(odd, group)
+            with pytest.raises(hvd.HpcdlArgumentError, match=r"takes \(batch, sequence, ...\) tensors"):
+                f(inputs(2 * n, seed=1), group)
+        # chunks of unequal lengths (one more on TP rank 0): every rank sees all lengths
+        lengths = [3] + [2] * (n - 1)
+        with pytest.raises(hvd.HpcdlArgumentError, match=re.escape(f"the same length, not {lengths}")):
+            gather_seq_from_tp(inputs(2, lengths[g.tp_rank], 4, seed=1), group)
+        # the group is usable afterwards
+        y = gather_seq_from_tp(torch.full((1, 2, 1), float(g.tp_rank), dtype=D), group)
+        assert torch.equal(y.flatten(), torch.arange(n, dtype=D).repeat_interleave(2))
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == hvd.size()
     g.close()

@@ -1,5 +1,6 @@
 """Model parallelism on a DP x TP x PP rank grid: :class:`Grid`, the tensor-parallel layers
-(Megatron-LM style) and :class:`Pipeline` (GPipe and 1F1B schedules)."""
+(Megatron-LM style, with optional sequence parallelism) and :class:`Pipeline` (GPipe and
+1F1B schedules)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,17 @@ from .tensor import (
     VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
 )
-from .tp_comm import copy_to_tp, gather_from_tp, reduce_from_tp, scatter_to_tp
+from .tp_comm import (
+    allreduce_sequence_parallel_grads,
+    copy_to_tp,
+    gather_from_tp,
+    gather_seq_from_tp,
+    mark_sequence_parallel,
+    reduce_from_tp,
+    reduce_scatter_seq_to_tp,
+    scatter_seq_to_tp,
+    scatter_to_tp,
+)
 
 __all__ = [
     "Grid",
@@ -30,4 +41,9 @@ __all__ = [
     "reduce_from_tp",
     "gather_from_tp",
     "scatter_to_tp",
+    "scatter_seq_to_tp",
+    "gather_seq_from_tp",
+    "reduce_scatter_seq_to_tp",
+    "mark_sequence_parallel",
+    "allreduce_sequence_parallel_grads",
 ]
