@@ -1,9 +1,10 @@
 """hpcdl.parallel: the DP x TP x PP grid, and each tensor-parallel layer against its dense
 twin (float64: forward, input and weight gradients to 1e-10), at 1-4 ranks; sequence
-parallelism's communication against plain torch."""
+parallelism's communication against plain torch, and its blocks against the dense ones."""
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -286,12 +287,24 @@ def test_allreduce_sequence_parallel_grads_sums_the_marked_gradients_only():
             close(p.grad, torch.stack(gs).sum(0))
         else:
             assert torch.equal(p.grad, gs[r])
+    # only a sequence-parallel row layer marks its bias
+    assert not any(getattr(p, "sequence_parallel", False) for p in ParallelMLP(4, 2 * n, dtype=D).parameters())
+    sp = ParallelMLP(4, 2 * n, dtype=D, sequence_parallel=True)
+    assert [name for name, p in sp.named_parameters() if getattr(p, "sequence_parallel", False)] == ["fc2.bias"]
     g.close()
 
 
 def test_sequence_parallel_bad_arguments_raise_on_every_rank():
     g = tp_grid()
     group, n = g.tp_group, g.tp
+    with pytest.raises(hvd.HpcdlArgumentError, match="gather_output=True cannot be combined with sequence_parallel"):
+        ColumnParallelLinear(4, 2 * n, gather_output=True, dtype=D, sequence_parallel=True)
+    with pytest.raises(hvd.HpcdlArgumentError, match="gather_output=True cannot be combined with sequence_parallel"):
+        ColumnParallelLinear.from_dense(nn.Linear(4, 2 * n, dtype=D), gather_output=True, sequence_parallel=True)
+    with pytest.raises(hvd.HpcdlArgumentError, match="sequence_parallel=True needs input_is_parallel=True"):
+        RowParallelLinear(2 * n, 4, input_is_parallel=False, dtype=D, sequence_parallel=True)
+    with pytest.raises(hvd.HpcdlArgumentError, match="sequence_parallel=True needs input_is_parallel=True"):
+        RowParallelLinear.from_dense(nn.Linear(2 * n, 4, dtype=D), input_is_parallel=False, sequence_parallel=True)
     if n > 1:
         odd = inputs(2, 2 * n + 1, 3, seed=1)
         for f in (scatter_seq_to_tp, reduce_scatter_seq_to_tp):
@@ -304,10 +317,82 @@ def test_sequence_parallel_bad_arguments_raise_on_every_rank():
                 f(inputs(2 * n, seed=1), group)
         # chunks of unequal lengths (one more on TP rank 0): every rank sees all lengths
         lengths = [3] + [2] * (n - 1)
+        mlp = ParallelMLP(4, 2 * n, dtype=D, sequence_parallel=True)
         with pytest.raises(hvd.HpcdlArgumentError, match=re.escape(f"the same length, not {lengths}")):
-            gather_seq_from_tp(inputs(2, lengths[g.tp_rank], 4, seed=1), group)
+            mlp(inputs(2, lengths[g.tp_rank], 4, seed=1))
         # the group is usable afterwards
         y = gather_seq_from_tp(torch.full((1, 2, 1), float(g.tp_rank), dtype=D), group)
         assert torch.equal(y.flatten(), torch.arange(n, dtype=D).repeat_interleave(2))
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == hvd.size()
+    g.close()
+
+
+class _Residual(nn.Module):
+    """Half a pre-norm transformer block: ``x + body(norm(x))``."""
+
+    def __init__(self, norm: nn.Module, body: nn.Module) -> None:
+        super().__init__()
+        self.norm, self.body = norm, body
+
+    def forward(self, x):
+        return x + self.body(self.norm(x))
+
+
+@pytest.mark.parametrize("build", ["seed", "from_dense"])
+@pytest.mark.parametrize("kind", ["mlp", "attention"])
+def test_sequence_parallel_block_equals_the_dense_block(kind, build):
+    """LayerNorm -> ParallelMLP or ParallelSelfAttention with a residual, on this rank's
+    sequence chunk, against the dense block on the whole sequence."""
+    g = tp_grid()
+    group, r, n = g.tp_group, g.tp_rank, g.tp
+    d, heads, hidden, t = 12, 6, 24, 6  # heads, hidden and t divide by 1, 2 and 3
+    norm = nn.LayerNorm(d, dtype=D)
+    with torch.no_grad():  # away from the identity, so that its gradients mean something
+        norm.weight.add_(inputs(d, seed=15) / 4)
+        norm.bias.add_(inputs(d, seed=16) / 4)
+    torch.manual_seed(17)
+    if kind == "mlp":
+        body = nn.Sequential(nn.Linear(d, hidden, dtype=D), nn.GELU(), nn.Linear(hidden, d, dtype=D))
+        torch.manual_seed(17)
+        if build == "seed":
+            sp_body = ParallelMLP(d, hidden, dtype=D, sequence_parallel=True)
+        else:
+            sp_body = ParallelMLP.from_dense(body, sequence_parallel=True)
+    else:
+        body = _DenseAttention(d, heads)
+        torch.manual_seed(17)
+        if build == "seed":
+            sp_body = ParallelSelfAttention(d, heads, dtype=D, sequence_parallel=True)
+        else:
+            sp_body = ParallelSelfAttention.from_dense(body.qkv, body.proj, heads, sequence_parallel=True)
+    dense = _Residual(norm, body)
+    block = _Residual(mark_sequence_parallel(copy.deepcopy(norm)), sp_body)
+
+    lo, hi = r * t // n, (r + 1) * t // n  # this rank's sequence chunk
+    full = inputs(2, t, d, seed=18)
+    x, xd = full[:, lo:hi].clone().requires_grad_(), full.clone().requires_grad_()
+    y, yd = block(x), dense(xd)
+    assert y.shape == (2, t // n, d)
+    close(gather_seq_from_tp(y.detach(), group), yd)
+    w = inputs(2, t, d, seed=19)
+    (y * w[:, lo:hi]).sum().backward()
+    (yd * w).sum().backward()
+    allreduce_sequence_parallel_grads(block, group)
+    close(x.grad, xd.grad[:, lo:hi])
+    close(block.norm.weight.grad, dense.norm.weight.grad)
+    close(block.norm.bias.grad, dense.norm.bias.grad)
+    if kind == "mlp":
+        flo, fhi = r * hidden // n, (r + 1) * hidden // n
+        close(sp_body.fc1.weight.grad, body[0].weight.grad[flo:fhi])
+        close(sp_body.fc1.bias.grad, body[0].bias.grad[flo:fhi])
+        close(sp_body.fc2.weight.grad, body[2].weight.grad[:, flo:fhi])
+        close(sp_body.fc2.bias.grad, body[2].bias.grad)
+    else:
+        hd, per = d // heads, heads // n
+        rows = torch.cat([torch.arange(p * d + r * per * hd, p * d + (r + 1) * per * hd) for p in range(3)])
+        close(sp_body.qkv_weight.grad, body.qkv.weight.grad[rows])
+        close(sp_body.qkv_bias.grad, body.qkv.bias.grad[rows])
+        plo, phi = r * d // n, (r + 1) * d // n
+        close(sp_body.proj.weight.grad, body.proj.weight.grad[:, plo:phi])
+        close(sp_body.proj.bias.grad, body.proj.bias.grad)
     g.close()
