@@ -197,3 +197,43 @@ class Pipeline(nn.Module):
             raise PipelineError(failed[0])
         link.finish()  # every stage ran its whole schedule: every send is matched
         return said[-1][1]
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        inputs: torch.Tensor | None,
+        targets: torch.Tensor | None,
+        metric_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Forward of one batch through every stage, without gradients, in ``chunks``
+        micro-batches; returns the sum over the micro-batches of ``metric_fn(outputs,
+        targets)`` (a tensor of sums, e.g. the summed loss and the count), computed on the
+        last stage and returned on every stage."""
+        g, link = self.grid, self._link
+        s, m = g.pp_rank, self.chunks
+        xs = torch.tensor_split(inputs, m) if g.is_first_stage else [None] * m
+        ts = torch.tensor_split(targets, m) if g.is_last_stage else [None] * m
+        total: torch.Tensor | None = None
+        problem = None
+        try:
+            for i in range(m):
+                x = xs[i] if g.is_first_stage else link.recv(s - 1, ACT)
+                out = self.stage(x)
+                if g.is_last_stage:
+                    value = metric_fn(out, ts[i]).detach()
+                    total = value if total is None else total + value
+                else:
+                    link.send(out, s + 1, ACT)
+        except PipelineError as exc:
+            problem = str(exc)
+        except Exception as exc:  # noqa: BLE001 - every stage must hear of it
+            problem = f"pipeline stage {s} failed: {type(exc).__name__}: {exc}"
+        if problem is not None and s + 1 < g.pp:
+            link.send_error(problem, s + 1, ACT)
+        said = allgather_object((problem, total), process_set=g.pp_group)
+        failed = [text for text, _ in said if text is not None]
+        if failed:
+            link.abandon()
+            raise PipelineError(failed[0])
+        link.finish()
+        return said[-1][1]
