@@ -21,20 +21,26 @@ def _dry_run(cfg) -> None:
     import hpcdl as hvd
 
     from .launch import launcher, layout, pick_device
-    from .loop import init_runtime
+    from .loop import build_grid, init_runtime
 
     init_runtime(cfg)
     ranks = layout(hvd, pick_device(cfg.device, hvd.local_rank()))
+    grid = build_grid(cfg)  # a RunError, on every rank, when it does not fit the world
+    coords = hvd.allgather_object((grid.dp_rank, grid.tp_rank, grid.pp_rank) if grid else (hvd.rank(), 0, 0))
     if hvd.rank() == 0:
         print("# resolved configuration")
         print(json.dumps(cfg.to_dict(), indent=1))
         print(f"# rank layout: {hvd.size()} ranks on {len({r['host'] for r in ranks})} node(s), launcher {launcher()}")
-        print(f"{'rank':>5} {'local':>6} {'node':>5}  {'device':<7} host (pid)")
-        for r in ranks:
+        dp, tp, pp = (grid.dp, grid.tp, grid.pp) if grid else (hvd.size(), 1, 1)
+        print(f"# grid: dp {dp} x tp {tp} x pp {pp} (tp fastest: a tensor-parallel group is consecutive ranks)")
+        print(f"{'rank':>5} {'local':>6} {'node':>5}  {'dp':>3} {'tp':>3} {'pp':>3}  {'device':<7} host (pid)")
+        for r, (d, t, p) in zip(ranks, coords, strict=True):
             print(
-                f"{r['rank']:>5} {r['local_rank']:>4}/{r['local_size']:<1} {r['node']:>5}  {r['device']:<7} "
-                f"{r['host']} ({r['pid']})"
+                f"{r['rank']:>5} {r['local_rank']:>4}/{r['local_size']:<1} {r['node']:>5}  {d:>3} {t:>3} {p:>3}  "
+                f"{r['device']:<7} {r['host']} ({r['pid']})"
             )
+    if grid:
+        grid.close()
     hvd.shutdown()
 
 
@@ -49,8 +55,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         _say_once(f"hpcdl.train: error: {exc}\n(see python -m hpcdl.train --help)")
         return 2
     if cfg.dry_run:
-        run_main(lambda: _dry_run(cfg))
-        return 0
+
+        def dry_run() -> int:
+            import hpcdl as hvd
+
+            from .config import RunError
+
+            try:
+                _dry_run(cfg)
+            except RunError as exc:  # every rank raises it alike
+                _say_once(f"hpcdl.train: error: {exc}")
+                hvd.shutdown()
+                return 2
+            return 0
+
+        return run_main(dry_run)
 
     def train() -> int:
         import hpcdl as hvd

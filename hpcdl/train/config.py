@@ -70,6 +70,14 @@ class TrainConfig:
     momentum: float = _field(0.9, "SGD momentum", min=0.0)
     weight_decay: float = _field(0.0, "weight decay (decoupled for adamw)", min=0.0)
     zero: Literal[0, 1, 2] = _field(0, "0: DistributedOptimizer; 1 or 2: ZeroOptimizer of that stage")
+    # model parallelism (gpt): a dp x tp x pp grid, dp = world size / (tp x pp)
+    tp: int = _field(1, "gpt: tensor-parallel ranks (attention heads, MLP and vocabulary split over them)", min=1)
+    pp: int = _field(1, "gpt: pipeline stages (the embeddings, blocks and head cut into pp stages)", min=1)
+    pp_schedule: Literal["1f1b", "gpipe"] = _field("1f1b", "the pipeline's schedule")
+    chunks: int = _field(1, "gpt: micro-batches per batch, pipelined over the stages when pp > 1", min=1)
+    sequence_parallel: bool = _field(
+        False, "gpt with tp > 1: layer norms and dropout on each TP rank's part of the sequence"
+    )
     runtime: Config = dataclasses.field(
         default_factory=Config,
         metadata={"help": "the hpcdl runtime's configuration (hpcdl.Config: fusion, buckets, engine)"},
@@ -79,8 +87,10 @@ class TrainConfig:
         "auto",
         "cuda: each rank trains on GPU local_rank % GPUs of its node; auto: cuda when torch sees a GPU, else cpu",
     )
-    precision: Literal["fp32", "bf16", "fp16"] = _field(
-        "fp32", "bf16: autocast to bfloat16; fp16: autocast to float16 with dynamic loss scaling"
+    precision: Literal["fp32", "bf16", "fp16", "fp64"] = _field(
+        "fp32",
+        "bf16: autocast to bfloat16; fp16: autocast to float16 with dynamic loss scaling; fp64: float64 "
+        "weights and arithmetic (to compare runs to rounding)",
     )
     activation_checkpointing: bool = _field(False, "recompute the transformer blocks in backward (gpt)")
     seed: int = _field(0, "seed of initial weights, data order and dropout", min=0)
@@ -137,6 +147,7 @@ class TrainConfig:
             raise ConfigError(
                 f"activation_checkpointing applies to the transformer blocks of model='gpt', not model={self.model!r}"
             )
+        self._validate_grid()
         if self.precision == "fp16" and self.zero == 2:
             raise ConfigError(
                 "precision='fp16' needs the full gradients to unscale them, which zero=2 does not keep; "
@@ -148,6 +159,41 @@ class TrainConfig:
             raise ConfigError("resume needs run_dir: the run directory whose newest checkpoint to continue from")
         if self.resume and self.overwrite:
             raise ConfigError("resume continues the run in run_dir and overwrite deletes its checkpoints: pass one")
+
+    def _validate_grid(self) -> None:
+        """The relations the model-parallel fields need (the world size is checked at start)."""
+        split = self.tp * self.pp > 1
+        if split and self.model != "gpt":
+            raise ConfigError(f"tp and pp split the transformer of model='gpt', not model={self.model!r}")
+        if (self.chunks > 1 or self.sequence_parallel) and self.model != "gpt":
+            what = "chunks" if self.chunks > 1 else "sequence_parallel"
+            raise ConfigError(f"{what} applies to model='gpt', not model={self.model!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("sequence_parallel splits the sequence over the tensor-parallel ranks: it needs tp > 1")
+        if self.model != "gpt":
+            return
+        for what, n in (("n_head", self.n_head), ("the vocabulary of 256 bytes", 256)):
+            if n % self.tp:
+                raise ConfigError(f"tp={self.tp} must divide {what} ({n})")
+        if self.sequence_parallel and self.block_size % self.tp:
+            raise ConfigError(f"sequence_parallel: tp={self.tp} must divide block_size={self.block_size}")
+        if self.pp > self.n_layer + 2:
+            raise ConfigError(
+                f"pp={self.pp} stages need at least as many layers; the gpt has {self.n_layer + 2} "
+                f"(embeddings, {self.n_layer} blocks, head)"
+            )
+        if self.chunks > self.batch_size:
+            raise ConfigError(f"chunks={self.chunks} micro-batches need batch_size >= chunks, not {self.batch_size}")
+        if split and self.precision == "fp16":
+            raise ConfigError(
+                "precision='fp16' skips steps whose gradients overflow, which each rank of a tp/pp grid would "
+                "judge on its own parameters alone; use precision='bf16' or 'fp32' with tp or pp"
+            )
+        if self.sequence_parallel and self.zero == 2:
+            raise ConfigError(
+                "sequence_parallel sums the layer norms' gradients over the TP ranks after the data-parallel "
+                "reduction, and zero=2 keeps only a shard of them; use zero=0 or 1"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,5 +1,10 @@
 """The training run: build the model, data and optimizer from a :class:`TrainConfig`, train
-data-parallel over the world, evaluate, checkpoint, and write the run directory."""
+data-parallel over the world (or, for the GPT with ``tp``/``pp``/``chunks``, over a DP x TP x
+PP grid), evaluate, checkpoint, and write the run directory.
+
+A checkpoint always holds the dense model's ``state_dict`` and its optimizer's state in the
+plain optimizer's format: a grid's slices are consolidated on rank 0, so a checkpoint of
+one grid resumes on another grid, or on one rank, and the other way round."""
 
 from __future__ import annotations
 
@@ -16,12 +21,14 @@ import torch
 import torch.nn.functional as F
 
 import hpcdl as hvd
+from hpcdl.parallel import Grid, Pipeline, allreduce_sequence_parallel_grads
+from hpcdl.parallel.dense import gather_dense, gather_dense_optimizer, load_dense, local_optimizer_state
 
 from . import checkpoint as ckpt
 from .config import RunError, TrainConfig
-from .data import ShardedOrder, corpus, digits, eval_indices
+from .data import ShardedOrder, Split, corpus, digits, eval_indices
 from .launch import check_world, launcher, layout, pick_device
-from .models import GPT, DigitsCNN, DigitsMLP
+from .models import GPT, DigitsCNN, DigitsMLP, parallel_gpt, parallel_gpt_loss, wide
 from .report import Metrics, plot, write_json
 
 __all__ = ["run", "Trainer"]
@@ -33,6 +40,22 @@ def init_runtime(cfg: TrainConfig) -> None:
     """Start hpcdl with the job's runtime section and check that MPI sees the launcher's tasks."""
     hvd.init(config=cfg.runtime)
     check_world(hvd.size())
+
+
+def uses_grid(cfg: TrainConfig) -> bool:
+    """Whether the run splits the GPT over a grid (tp or pp > 1, or micro-batches)."""
+    return cfg.model == "gpt" and (cfg.tp * cfg.pp > 1 or cfg.chunks > 1)
+
+
+def build_grid(cfg: TrainConfig) -> Grid | None:
+    """The run's DP x TP x PP grid (dp inferred), or None for a data-parallel run; a grid
+    that does not fit the world is a :class:`RunError` on every rank (collective)."""
+    if not uses_grid(cfg):
+        return None
+    try:
+        return Grid(dp=-1, tp=cfg.tp, pp=cfg.pp)
+    except hvd.HpcdlArgumentError as exc:
+        raise RunError(f"--tp {cfg.tp} --pp {cfg.pp} on {hvd.size()} ranks: {exc}") from None
 
 
 def _resolve_run_dir(cfg: TrainConfig) -> str:
@@ -69,7 +92,9 @@ _SAME_MODEL = ("model", "block_size", "n_layer", "n_head", "d_model", "optimizer
 state only load into the same model and optimizer."""
 _PER_RUN = ("epochs", "max_steps", "run_dir", "resume", "overwrite", "progress", "checkpoint_every")
 _PER_RUN += ("keep_checkpoints", "timeline", "dry_run", "threads", "device", "runtime")
-"""Fields a resumed run may change without comment."""
+_PER_RUN += ("tp", "pp", "pp_schedule", "chunks", "sequence_parallel")
+"""Fields a resumed run may change without comment (a checkpoint holds the dense model, so
+it resumes on any grid)."""
 
 
 def _differences(saved: dict[str, Any], cfg: TrainConfig, fields: Any) -> list[str]:
@@ -122,27 +147,47 @@ class Trainer:
             train_set, test_set = corpus(cfg.block_size)
         else:
             train_set, test_set = digits(image=cfg.model == "cnn")
+        if cfg.precision == "fp64" and cfg.model != "gpt":  # the images in float64 as the weights
+            train_set, test_set = (Split(s.x.double(), s.y) for s in (train_set, test_set))
         self.train_set, self.test_set = train_set.to(self.device), test_set.to(self.device)
-        self.order = ShardedOrder(len(self.train_set), self.world, self.rank, cfg.seed, cfg.batch_size)
+        # the grid: data-parallel replicas of a model cut over tp x pp ranks (a grid of
+        # world x 1 x 1 without one); the ranks of a replica read the same samples
+        self.grid = build_grid(cfg)
+        self.shape = (self.grid.dp, self.grid.tp, self.grid.pp) if self.grid else (self.world, 1, 1)
+        self.replicas = self.shape[0]
+        self.replica = self.grid.dp_rank if self.grid else self.rank
+        self.order = ShardedOrder(len(self.train_set), self.replicas, self.replica, cfg.seed, cfg.batch_size)
         # model: the same initial weights on every rank (seeded, then broadcast from rank 0)
         torch.manual_seed(cfg.seed)
         if cfg.model == "gpt":
-            self.model: torch.nn.Module = GPT(
+            dense: torch.nn.Module = GPT(
                 cfg.block_size, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.dropout, cfg.activation_checkpointing
             )
         else:
-            self.model = DigitsCNN() if cfg.model == "cnn" else DigitsMLP()
-        self.model.to(self.device)
-        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
-        # each rank its own dropout stream (manual_seed seeds the CUDA generators too)
-        torch.manual_seed(cfg.seed * 1_000_003 + 7919 * (self.rank + 1))
+            dense = DigitsCNN() if cfg.model == "cnn" else DigitsMLP()
+        dense.to(self.device, torch.float64 if cfg.precision == "fp64" else None)
+        hvd.broadcast_parameters(dense.state_dict(), root_rank=0)
+        self.dense_shapes = {n: tuple(p.shape) for n, p in dense.named_parameters()}
+        """The dense model's parameter names (in its optimizer's order) and shapes."""
+        self.model: torch.nn.Module = dense
+        if self.grid:  # this rank's slices of this rank's stage
+            layers = parallel_gpt(dense, self.grid, cfg.sequence_parallel, cfg.activation_checkpointing)
+            self.model = Pipeline(layers, self.grid, chunks=cfg.chunks, schedule=cfg.pp_schedule)
+            del dense, layers
+        # each rank its own dropout stream but the ranks of a TP group one stream (their
+        # replicated activations must drop alike); manual_seed seeds the CUDA generators too
+        torch.manual_seed(cfg.seed * 1_000_003 + 7919 * (self.rank // self.shape[1] + 1))
         # optimizer
-        self.base_lr = cfg.lr * (self.world if cfg.lr_scaling == "linear" else 1)
+        self.base_lr = cfg.lr * (self.replicas if cfg.lr_scaling == "linear" else 1)
         kwargs: dict[str, Any] = {"lr": self.base_lr, "weight_decay": cfg.weight_decay}
         if cfg.optimizer == "sgd":
             kwargs["momentum"] = cfg.momentum
         inner = _OPTIMIZERS[cfg.optimizer](self.model.parameters(), **kwargs)
-        common = dict(named_parameters=self.model.named_parameters(), backward_passes_per_step=cfg.grad_accum)
+        self.passes = cfg.grad_accum * (cfg.chunks if self.grid else 1)
+        """Backward passes per step through each parameter: one per micro-batch."""
+        common = dict(named_parameters=self.model.named_parameters(), backward_passes_per_step=self.passes)
+        if self.grid:
+            common["process_set"] = self.grid.dp_group
         if cfg.zero:
             self.opt = hvd.ZeroOptimizer(inner, stage=cfg.zero, **common)
         else:
@@ -183,30 +228,42 @@ class Trainer:
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self._autocast():
             out = self.model(x)
-            return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+            return F.cross_entropy(wide(out.reshape(-1, out.shape[-1])), y.reshape(-1))
+
+    def _chunks(self, batch: int) -> int:
+        """Micro-batches of a batch of ``batch`` samples (fewer for a short last batch)."""
+        return min(self.cfg.chunks, batch)
 
     def train_step(self, group: list[torch.Tensor]) -> float:
         """One optimizer step over the batches in ``group`` (gradient accumulation: their
         mean loss, weighted by batch size); returns the loss averaged over the ranks."""
         for g in self.opt.param_groups:
             g["lr"] = self.lr_at(self.step)
-        if self.opt.backward_passes_per_step != len(group):  # a short last group of the epoch
-            self.opt.set_backward_passes_per_step(len(group))
+        passes = sum(self._chunks(len(b)) for b in group) if self.grid else len(group)
+        if self.opt.backward_passes_per_step != passes:  # a short last group of the epoch
+            self.opt.set_backward_passes_per_step(passes)
         self.opt.zero_grad()
         total = sum(len(b) for b in group)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self.model.train()
         for idx in group:
             x, y = self.train_set.batch(idx)
-            loss = self.loss(x, y)
             # the passes' gradients add up (as in Horovod): weighting each pass by its share of
             # the group's samples makes the sum their mean, also when batch sizes differ
-            scaled = loss * (len(idx) / total)
-            (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            share = len(idx) / total
+            if self.grid:
+                loss = self._pipeline_step(x, y, share)
+            else:
+                loss = self.loss(x, y)
+                scaled = loss * share
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach().double() * len(idx)
+        # the ranks of a replica agree on its loss: the world's average is the replicas'
         mean = hvd.allreduce_async(loss_sum / total, op=hvd.Average, name="train.loss")
         t = time.perf_counter()
         self.opt.synchronize()
+        if self.cfg.sequence_parallel:  # the layer norms saw this rank's part of the sequence
+            allreduce_sequence_parallel_grads(self.model, self.grid.tp_group)
         self.sync_s += time.perf_counter() - t
         with self.opt.skip_synchronize():
             if self.scaler:
@@ -215,27 +272,41 @@ class Trainer:
                 self.scaler.update()
             else:
                 self.opt.step()
-        if self.opt.backward_passes_per_step != self.cfg.grad_accum:
-            self.opt.set_backward_passes_per_step(self.cfg.grad_accum)
-        self.samples += total * self.world
+        if self.opt.backward_passes_per_step != self.passes:
+            self.opt.set_backward_passes_per_step(self.passes)
+        self.samples += total * self.replicas
         return float(hvd.synchronize(mean))
+
+    def _pipeline_step(self, x: torch.Tensor, y: torch.Tensor, share: float) -> torch.Tensor:
+        """Forward and backward of one batch through the pipeline, its gradients weighted by
+        ``share``; the batch's mean loss (every stage gets it)."""
+        self.model.chunks = self._chunks(len(x))
+        with self._autocast():
+            loss = self.model.train_step(x, y, lambda out, t: parallel_gpt_loss(out, t, self.grid) * share)
+        return torch.tensor(loss / share, dtype=torch.float64)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Loss (and accuracy for digits) over the whole held-out split, shared by the ranks."""
         self.model.eval()
-        idx = eval_indices(len(self.test_set), self.world, self.rank)
+        idx = eval_indices(len(self.test_set), self.replicas, self.replica)
         sums = torch.zeros(3, dtype=torch.float64)  # loss x targets, correct, targets
         for part in torch.split(idx, 256):
             x, y = self.test_set.batch(part)
             with self._autocast():
-                out = self.model(x).float()
+                if self.grid:
+                    self.model.chunks = self._chunks(len(part))
+                    sums += self.model.evaluate(x, y, self._pipeline_sums).cpu()
+                    continue
+                out = wide(self.model(x))
             out, y = out.reshape(-1, out.shape[-1]), y.reshape(-1)
             sums += torch.tensor(
                 [F.cross_entropy(out, y, reduction="sum").item(), (out.argmax(-1) == y).sum().item(), len(y)],
                 dtype=torch.float64,
             )
-        loss_sum, correct, n = hvd.allreduce(sums, op=hvd.Sum, name="train.eval").tolist()
+        # the ranks of a replica hold the same sums: add up the replicas'
+        group = self.grid.dp_group if self.grid else hvd.global_process_set
+        loss_sum, correct, n = hvd.allreduce(sums, op=hvd.Sum, name="train.eval", process_set=group).tolist()
         res = {"loss": loss_sum / n}
         if self.cfg.model == "gpt":
             res["perplexity"] = math.exp(res["loss"])
@@ -243,10 +314,21 @@ class Trainer:
             res["accuracy"] = correct / n
         return res
 
+    def _pipeline_sums(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The summed loss and the target count of a micro-batch on the last stage (the
+        GPT's accuracy is not reported, so its count of correct bytes is left at 0)."""
+        loss = parallel_gpt_loss(logits, y, self.grid).double() * y.numel()
+        return torch.stack([loss, torch.zeros_like(loss), torch.full_like(loss, y.numel())])
+
     # -- checkpoints --------------------------------------------------------------------------
     def state(self) -> dict[str, Any] | None:
-        """The checkpoint (collective: ZeroOptimizer consolidates its shards); None off rank 0."""
+        """The checkpoint (collective: ZeroOptimizer consolidates its shards, a grid its
+        slices); None off rank 0."""
         opt_state = self.opt.state_dict()
+        model_state = self.model.state_dict()
+        if self.grid:  # the dense model's weights and optimizer state, from every rank's slices
+            model_state = gather_dense(self.model, self.grid, self.dense_shapes)
+            opt_state = gather_dense_optimizer(self.model, opt_state, self.grid, self.dense_shapes)
         rngs = hvd.allgather_object(torch.get_rng_state(), name="train.rng")
         cuda_rngs = None
         if self.device.type == "cuda":
@@ -259,7 +341,8 @@ class Trainer:
             "epoch": self.epoch,
             "step_in_epoch": self.step_in_epoch,
             "world_size": self.world,
-            "model": self.model.state_dict(),
+            "grid": list(self.shape),
+            "model": model_state,
             "optimizer": opt_state,
             "scaler": self.scaler.state_dict() if self.scaler else {},
             "rng": rngs,
@@ -282,16 +365,22 @@ class Trainer:
         problem = None
         try:
             st = ckpt.load(path) if st is None else st
-            self.model.load_state_dict(st["model"])
+            if self.grid:  # this rank's slices of the dense model
+                load_dense(self.model, st["model"])
+            else:
+                self.model.load_state_dict(st["model"])
         except (ValueError, RuntimeError, KeyError) as exc:
             problem = f"resume: {path} does not fit this run: {str(exc).splitlines()[0]}"
         problems = [p for p in hvd.allgather_object(problem, name="train.restore") if p is not None]
         if problems:
             raise RunError(problems[0])
-        self.opt.load_state_dict(st["optimizer"])
+        if self.grid:
+            self.opt.load_state_dict(local_optimizer_state(self.model, st["optimizer"], list(self.dense_shapes)))
+        else:
+            self.opt.load_state_dict(st["optimizer"])
         if self.scaler and st["scaler"]:
             self.scaler.load_state_dict(st["scaler"])
-        if st["world_size"] == self.world:
+        if st["world_size"] == self.world and st.get("grid", [self.world, 1, 1]) == list(self.shape):
             torch.set_rng_state(st["rng"][self.rank])
             if self.device.type == "cuda" and st.get("cuda_rng"):
                 torch.cuda.set_rng_state(st["cuda_rng"][self.rank], self.device)
@@ -396,11 +485,11 @@ class Trainer:
             "exposed_comm_share": self.sync_s / self.train_s if self.train_s else 0.0,
             "resumed_from": resumed_from,
             "checkpoint": ckpt.latest(ck_dir) if self.rank == 0 else None,
-            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "parameters": sum(math.prod(s) for s in self.dense_shapes.values()),
+            "grid": dict(zip(("dp", "tp", "pp"), self.shape, strict=True)),
         }
         if cfg.model == "gpt":  # what the model learned to write
-            prompt = b"The "
-            summary["sample"] = (prompt + self.model.generate(prompt, 120)).decode("utf-8", "replace")
+            summary["sample"] = self._sample(b"The ", 120)
         if self.rank == 0:
             write_json(os.path.join(run_dir, "summary.json"), summary)
             plot(
@@ -409,6 +498,26 @@ class Trainer:
                 f"hpcdl.train: {cfg.model}, {self.world} ranks",
             )
         return summary
+
+    def close(self) -> None:
+        """Free the pipeline's communicator and the grid's process sets (collective)."""
+        if self.grid:
+            self.model.close()
+            self.grid.close()
+
+    def _sample(self, prompt: bytes, n: int) -> str:
+        """The GPT's greedy continuation of ``prompt`` (collective; on a grid, rank 0 writes
+        it with the consolidated dense model)."""
+        if not self.grid:
+            return (prompt + self.model.generate(prompt, n)).decode("utf-8", "replace")
+        weights = gather_dense(self.model, self.grid, self.dense_shapes)
+        text = None
+        if self.rank == 0:
+            cfg = self.cfg
+            gpt = GPT(cfg.block_size, cfg.n_layer, cfg.n_head, cfg.d_model).to(self.device)
+            gpt.load_state_dict({k: v.float() for k, v in weights.items()})
+            text = (prompt + gpt.eval().generate(prompt, n)).decode("utf-8", "replace")
+        return hvd.broadcast_object(text, 0, name="train.sample")
 
     def _progress(self, resumed_from: str | None) -> Any:
         if self.rank != 0 or not self.cfg.progress:
@@ -424,7 +533,9 @@ class Trainer:
             unit="step",
             mininterval=0.5,
             dynamic_ncols=True,
-            desc=f"{self.cfg.model} x{self.world}" + (" (resumed)" if resumed_from else ""),
+            desc=f"{self.cfg.model} x{self.world}"
+            + (" ({}x{}x{})".format(*self.shape) if self.grid else "")
+            + (" (resumed)" if resumed_from else ""),
         )
 
 
@@ -435,5 +546,6 @@ def run(cfg: TrainConfig, on_step: Callable[[int], None] | None = None) -> dict[
     run_dir = _resolve_run_dir(cfg)
     trainer = Trainer(cfg, on_step)
     summary = trainer.run(run_dir)
+    trainer.close()  # collective: not after a failure, which ends the job (or is every rank's RunError)
     summary["run_dir"] = run_dir
     return summary

@@ -1,13 +1,33 @@
-"""The models ``hpcdl.train`` trains: two digit classifiers and a small byte-level GPT."""
+"""The models ``hpcdl.train`` trains: two digit classifiers and a small byte-level GPT, and
+the GPT cut over a tensor- and pipeline-parallel grid (:func:`parallel_gpt`)."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["DigitsMLP", "DigitsCNN", "GPT"]
+from hpcdl.parallel import (
+    ColumnParallelLinear,
+    Grid,
+    ParallelMLP,
+    ParallelSelfAttention,
+    VocabParallelEmbedding,
+    mark_sequence_parallel,
+    scatter_seq_to_tp,
+    vocab_parallel_cross_entropy,
+)
+from hpcdl.parallel.dense import Slice, tp_slices
+
+__all__ = ["DigitsMLP", "DigitsCNN", "GPT", "parallel_gpt", "parallel_gpt_loss", "wide"]
+
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 when it is half precision (losses are summed in float32 or wider)."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
 class DigitsMLP(nn.Sequential):
@@ -105,3 +125,104 @@ class GPT(nn.Module):
             logits = self(idx[:, -self.block_size :])
             idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
         return bytes(idx[0, len(prompt) :].tolist())
+
+
+# -- the GPT over a grid ------------------------------------------------------------------------
+def _whole(module: nn.Module, prefix: str, dense_prefix: str) -> dict[str, Slice]:
+    """``module``'s parameters, replicated: each whole, under ``dense_prefix``."""
+    return {prefix + n: Slice(dense_prefix + n) for n, _ in module.named_parameters()}
+
+
+class GPTInput(nn.Module):
+    """The GPT's embeddings: the token table split by vocabulary over the TP ranks, the
+    positions replicated (with sequence parallelism, the output is this rank's part of the
+    sequence)."""
+
+    def __init__(self, gpt: GPT, grid: Grid, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.tok = VocabParallelEmbedding.from_dense(gpt.tok, grid=grid)
+        self.pos = copy.deepcopy(gpt.pos)
+        self.drop = nn.Dropout(gpt.drop.p)
+        self.sequence_parallel, self.group = sequence_parallel, grid.tp_group
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        if self.sequence_parallel:
+            x = scatter_seq_to_tp(x, self.group)
+        return self.drop(x)
+
+    def dense_slices(self) -> dict[str, Slice]:
+        return {"tok.weight": tp_slices(self.tok, "tok.")["weight"], **_whole(self.pos, "pos.", "pos.")}
+
+
+class ParallelBlock(nn.Module):
+    """Transformer block ``index`` of the GPT with its attention heads and MLP split over
+    the TP ranks (Megatron-LM): layer norms replicated (or, with sequence parallelism, run
+    on this rank's part of the sequence), one allreduce after the attention and one after
+    the MLP (a reduce-scatter each with sequence parallelism)."""
+
+    def __init__(
+        self, block: nn.Module, index: int, grid: Grid, sequence_parallel: bool = False, checkpointing: bool = False
+    ) -> None:
+        super().__init__()
+        self.index, self.checkpointing = index, checkpointing
+        self.ln1, self.ln2 = copy.deepcopy(block.ln1), copy.deepcopy(block.ln2)
+        sp = {"sequence_parallel": True} if sequence_parallel else {}
+        self.attn = ParallelSelfAttention.from_dense(block.qkv, block.proj, block.heads, block.dropout, grid=grid, **sp)
+        self.mlp = ParallelMLP.from_dense(block.mlp, grid=grid, **sp)
+        self.drop = nn.Dropout(block.dropout)
+        if sequence_parallel:
+            mark_sequence_parallel(self.ln1)
+            mark_sequence_parallel(self.ln2)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointing and self.training:
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+    def dense_slices(self) -> dict[str, Slice]:
+        pre = f"blocks.{self.index}."
+        out = {**_whole(self.ln1, "ln1.", pre + "ln1."), **_whole(self.ln2, "ln2.", pre + "ln2.")}
+        out.update({f"attn.{k}": v for k, v in tp_slices(self.attn, pre).items()})
+        out.update({f"mlp.{k}": v for k, v in tp_slices(self.mlp, pre + "mlp.").items()})
+        return out
+
+
+class GPTOutput(nn.Module):
+    """The final layer norm and the output head, split by vocabulary over the TP ranks: the
+    output is this rank's slice of the logits (for :func:`parallel_gpt_loss`)."""
+
+    def __init__(self, gpt: GPT, grid: Grid, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.ln = copy.deepcopy(gpt.ln)
+        sp = {"sequence_parallel": True} if sequence_parallel else {}
+        self.head = ColumnParallelLinear.from_dense(gpt.head, grid=grid, **sp)
+        if sequence_parallel:
+            mark_sequence_parallel(self.ln)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln(x))
+
+    def dense_slices(self) -> dict[str, Slice]:
+        return {**_whole(self.ln, "ln.", "ln."), **{f"head.{k}": v for k, v in tp_slices(self.head, "head.").items()}}
+
+
+def parallel_gpt(
+    gpt: GPT, grid: Grid, sequence_parallel: bool = False, activation_checkpointing: bool = False
+) -> list[nn.Module]:
+    """This rank's tensor-parallel slices of ``gpt`` as a list of layers (embeddings, each
+    block, the head) for :class:`hpcdl.parallel.Pipeline`, which keeps the stage's share.
+    Each layer's ``dense_slices()`` says where its parameters sit in ``gpt``, so
+    :mod:`hpcdl.parallel.dense` consolidates them into ``gpt``'s ``state_dict`` format."""
+    blocks = [ParallelBlock(b, i, grid, sequence_parallel, activation_checkpointing) for i, b in enumerate(gpt.blocks)]
+    return [GPTInput(gpt, grid, sequence_parallel), *blocks, GPTOutput(gpt, grid, sequence_parallel)]
+
+
+def parallel_gpt_loss(logits: torch.Tensor, targets: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """The mean cross-entropy of ``targets`` under logits split by vocabulary over the TP
+    ranks (equal to ``F.cross_entropy`` of the whole logits)."""
+    return vocab_parallel_cross_entropy(wide(logits), targets, grid).mean()
