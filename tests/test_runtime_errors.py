@@ -316,6 +316,29 @@ def test_timeline_started_twice_raises_on_every_rank(shared_dir):
     usable()
 
 
+def test_a_name_belongs_to_its_process_set_and_crossed_sets_raise_on_every_rank():
+    """As in Horovod, disjoint sets (a grid's data-parallel groups) use one name at once;
+    ranks that submit one name in two sets, each waiting for the other's ranks, raise."""
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    evens, odds = hvd.add_process_set(range(0, n, 2)), hvd.add_process_set(range(1, n, 2))
+    mine = evens if r % 2 == 0 else odds
+    for _ in range(2):  # the second time from the response cache
+        got = hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum, name="shared", process_set=mine)
+        assert got.item() == sum(mine.ranks)
+    both = hvd.add_process_set([0, 1])
+    other = hvd.add_process_set([0, 1, *range(2, n)])  # every rank, as a second set
+    if r in (0, 1):  # rank 0 names the world's copy, rank 1 the pair's: each waits for the other
+        ps = both if r == 1 else other
+    else:
+        ps = other
+    with pytest.raises(hvd.HpcdlError, match=r"ranks disagree on request 'crossed': process set differs"):
+        hvd.allreduce(torch.ones(2), name="crossed", process_set=ps)
+    usable()
+    for ps in (evens, odds, both, other):
+        hvd.remove_process_set(ps)
+
+
 def test_removing_a_process_set_with_a_request_pending_raises_on_every_rank():
     hvd.init()
     ps = hvd.add_process_set([0, 1])

@@ -8,8 +8,11 @@ uncached requests, a second, pickled gather of their descriptors. From this ever
 keeps the same table of who submitted what, so every rank makes the same decisions.
 
 A request is ready when every member of its process set submitted it (or has joined).
-Ranks that disagree on its kind, dtype, shape, op, root, scale factors or process set make
-it fail on every rank with a message naming ranks and values; the runtime stays usable.
+A name belongs to its process set, as in Horovod: disjoint sets (the data-parallel groups
+of a grid) may use the same names at once. Ranks that disagree on its kind, dtype, shape,
+op, root or scale factors make it fail on every rank with a message naming ranks and
+values, and so do ranks that submit one name in two sets each waiting for the other's
+ranks; the runtime stays usable.
 Ready allreduces of one dtype, op, scale factors and process set are planned into
 batches of at most ``fusion_threshold`` bytes.
 """
@@ -40,7 +43,7 @@ F_SHUTDOWN, F_JOIN = 1, 2
 
 @dataclasses.dataclass(slots=True)
 class Entry:
-    """A request name some ranks submitted: their descriptors, by rank."""
+    """A request (a name in a process set) some ranks submitted: their descriptors, by rank."""
 
     descs: dict[int, tuple]
     first: int  # rank 0's clock (us) in the cycle it was first announced
@@ -63,7 +66,8 @@ class Controller:
         self.node_channel = node_channel  # negotiate through the node channel (it sleeps while it waits)
         self.polite = polite
         self.cache = ResponseCache(config.cache_capacity)
-        self.table: dict[str, Entry] = {}
+        self.table: dict[tuple[int, str], Entry] = {}
+        """The requests in negotiation, by (process set id, name)."""
         self.joined: set[int] = set()
         self.last_joined = -1
 
@@ -88,9 +92,9 @@ class Controller:
         now_ref = int(table[0, 1])
         for r in range(self.size):
             for d in cache.decode(table[r, _H:]) + lists[r]:
-                ent = self.table.get(d[0])
+                ent = self.table.get((d[2], d[0]))
                 if ent is None:
-                    ent = self.table[d[0]] = Entry({}, now_ref)
+                    ent = self.table[(d[2], d[0])] = Entry({}, now_ref)
                 ent.descs[r] = d
             if table[r, 0] & F_JOIN:
                 self.joined.add(r)
@@ -120,7 +124,7 @@ class Controller:
 
     def pending_on(self, sid: int) -> list[str]:
         """Names of the requests in the table that use process set ``sid``."""
-        return sorted(name for name, e in self.table.items() if any(d[2] == sid for d in e.descs.values()))
+        return sorted(name for (s, name) in self.table if s == sid)
 
     def plan(self) -> list[list[Ready]]:
         """Take the ready requests out of the table and return what runs this cycle, in
@@ -128,13 +132,20 @@ class Controller:
         order). Removing a process set comes after the cycle's other requests, which may
         use it."""
         ready: list[Ready] = []
-        for name, ent in self.table.items():
+        done: list[tuple[int, str]] = []
+        for key, ent in self.table.items():
             if all(r in ent.descs or r in self.joined for r in self.members(ent)):
-                ready.append((name, ent, self.judge(name, ent)))
+                ready.append((key[1], ent, self.judge(key[1], ent)))
+                done.append(key)
+        for keys in self._crossed():
+            both = Entry({r: d for k in keys for r, d in self.table[k].descs.items()}, self.table[keys[0]].first)
+            problem = self.judge(keys[0][1], both)
+            ready += [(k[1], self.table[k], problem) for k in keys]
+            done += keys
         if not ready:
             return []
-        for name, _, _ in ready:
-            del self.table[name]
+        for key in done:
+            del self.table[key]
         plan: list[list[Ready]] = []
         open_batch: dict[tuple, tuple[list, int]] = {}
         limit = self.cfg.fusion_threshold
@@ -157,6 +168,22 @@ class Controller:
             plan.append([item])
         last = [g for g in plan if next(iter(g[0][1].descs.values()))[1] == "remove_process_set"]
         return [g for g in plan if g not in last] + last
+
+    def _crossed(self) -> list[list[tuple[int, str]]]:
+        """Pairs of waiting requests of one name in two process sets where each waits for a
+        rank that submitted the other: ranks that disagree on the name's set, which would
+        otherwise wait for ever (a rank has one request of a name in flight at a time)."""
+        by_name: dict[str, list[tuple[int, str]]] = {}
+        for key in self.table:
+            by_name.setdefault(key[1], []).append(key)
+        out = []
+        for keys in by_name.values():
+            for i, a in enumerate(keys):
+                for b in keys[i + 1 :]:
+                    ea, eb = self.table[a], self.table[b]
+                    if set(self.missing(ea)) & set(eb.descs) and set(self.missing(eb)) & set(ea.descs):
+                        out.append([a, b])
+        return out
 
     def remember(self, group: list[Ready]) -> None:
         """Cache every rank's descriptor of ``group`` (on every rank alike, members or not)."""

@@ -59,7 +59,7 @@ class Engine:
         self.stall = StallInspector(config, self.rank)
         self.done = 0  # cycles run
         self.last_cycle = -math.inf
-        self.mine: dict[str, Request] = {}  # this rank's announced requests, by name
+        self.mine: dict[tuple[int, str], Request] = {}  # this rank's announced requests, by (set id, name)
         self.tl: Timeline | None = None
         if config.timeline:
             self.tl = Timeline(self.rank, config.timeline, time.perf_counter(), config.timeline_mark_cycles)
@@ -172,7 +172,7 @@ class Engine:
         self.last_cycle = t_start
         new, stopping, joining = self.queue.take()
         for req in new:
-            self.mine[req.name] = req
+            self.mine[(req.set_id, req.name)] = req
         if self.tl is not None:
             self.tl.cycle(self.done + 1, t_start)
         flags = (F_SHUTDOWN if stopping else 0) | (F_JOIN if joining else 0)
@@ -198,7 +198,7 @@ class Engine:
         return False
 
     def _execute(self, group: list[Ready], t_now: float) -> None:
-        reqs = [self.mine.pop(name, None) for name, _, _ in group]
+        reqs = [self.mine.pop((next(iter(ent.descs.values()))[2], name), None) for name, ent, _ in group]
         d0 = next(iter(group[0][1].descs.values()))
         kind, set_id = d0[1], d0[2]
         info = self.sets.get(set_id)

@@ -37,18 +37,19 @@ class StallInspector:
             self.period = min(max(limit / 10, 0.01), 1.0)
 
     def check(self, waiting: dict, now_ref: int, missing: Callable[[object], list[int]]) -> HpcdlError | None:
-        """Look at ``waiting`` (name -> entry with ``first``, rank 0's clock in us when it
+        """Look at ``waiting`` ((process set id, name) -> entry with ``first``, rank 0's clock in us when it
         was first announced) at rank 0's time ``now_ref`` (us); ``missing(entry)`` lists
         the ranks it waits for. Return the error that stops the engine, if it is due."""
         cfg = self.cfg
         if not waiting or (cfg.stall_check_disable and cfg.stall_shutdown_time_seconds <= 0):
             return None
         stalled = []
-        for name, ent in waiting.items():
+        for (sid, name), ent in waiting.items():
             age = (now_ref - ent.first) / 1e6
             if age >= min(cfg.stall_check_time_seconds, cfg.stall_shutdown_time_seconds or math.inf):
                 have = sorted(ent.descs)
-                stalled.append((age, f"'{name}' submitted by ranks {have}, missing on ranks {missing(ent)}"))
+                where = f" (process set {sid})" if sid else ""
+                stalled.append((age, f"'{name}'{where} submitted by ranks {have}, missing on ranks {missing(ent)}"))
         if not stalled:
             return None
         text = "; ".join(s for _, s in stalled)
