@@ -9,9 +9,10 @@ backward, and keeps all m micro-batches' activations; 1F1B starts backwards as s
 last stage can, and keeps at most ``stages - stage`` of them alive. :attr:`Pipeline.peak_live`
 reports the count of the last step.
 
-The schedule is written once, over :class:`~.pp_comm.Link`. A stage whose layers raise, or
-that hears that another did, tells its neighbours; every stage then raises the same
-:class:`~hpcdl.errors.PipelineError`, and the pipeline is usable again on the next step.
+The schedule is written once, over :class:`~.pp_comm.Link`, which sends each micro-batch's
+shape once and then its tensors alone while the shape stays the same. A stage whose layers
+raise, or that hears that another did, tells its neighbours; every stage then raises the
+same :class:`~hpcdl.errors.PipelineError`, and the pipeline is usable again on the next step.
 """
 
 from __future__ import annotations
@@ -144,10 +145,10 @@ class Pipeline(nn.Module):
 
         def fwd(i: int) -> None:
             nonlocal live, peak
-            x = xs[i] if g.is_first_stage else link.recv(s - 1, ACT).requires_grad_()
+            x = xs[i] if g.is_first_stage else link.recv(s - 1, ACT, i).requires_grad_()
             out = self.stage(x)
             if not g.is_last_stage:
-                link.send(out, s + 1, ACT)
+                link.send(out, s + 1, ACT, i)
             kept[i] = (None if g.is_first_stage else x, out)
             live += 1
             peak = max(peak, live)
@@ -160,9 +161,9 @@ class Pipeline(nn.Module):
                 losses.append(float(loss.detach()) * len(ts[i]) / total)
                 (loss * (len(ts[i]) / total)).backward()
             else:
-                out.backward(link.recv(s + 1, GRAD))
+                out.backward(link.recv(s + 1, GRAD, i))
             if x is not None:
-                link.send(x.grad, s - 1, GRAD)
+                link.send(x.grad, s - 1, GRAD, i)
             live -= 1
 
         problem = None
