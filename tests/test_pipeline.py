@@ -2,7 +2,7 @@
 unpipelined model on the whole batch (float64 gradients to 1e-10) for m in {1, p, 2p + 1}
 micro-batches and for batch shapes that change between steps and within one; shapes sent
 once per micro-batch, then data alone; activation counts; a failing stage is an error on
-every rank."""
+every rank; balancing by parameter count and by measured layer time."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch import nn
 
 import hpcdl as hvd
 from hpcdl.parallel import Grid, Pipeline, balance_by_parameters
+from hpcdl.parallel.pipeline import balance_by_time
 from hpcdl.parallel.pp_comm import ACT, Link
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120), pytest.mark.usefixtures("runtime")]
@@ -215,5 +216,84 @@ def test_after_a_failed_step_shapes_travel_again_and_the_same_pipeline_is_right(
     want_loss, want = reference(p + 1, x[:10], y[:10])
     assert loss == pytest.approx(want_loss, rel=1e-12)
     check_stage(pipe, grid, [*want, []])
+    pipe.close()
+    grid.close()
+
+
+def _stack(n: int) -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(512, 512) for _ in range(n)])
+
+
+class _Products(nn.Module):
+    """``n`` products with fixed 512 x 512 matrices: the work of ``n`` linears, no parameter."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.register_buffer("w", torch.randn(n, 512, 512) / 512**0.5)
+
+    def forward(self, x):
+        for w in self.w:
+            x = x @ w
+        return x
+
+
+def test_balance_by_time_gives_the_slow_layers_stages_of_their_own_on_every_rank():
+    torch.manual_seed(4)
+    # 2 stacked linears cost some 30 times the 4 ReLUs after them together, and the 32
+    # products at the end some 10 times the 2 linears: the best partitions leave the products
+    # alone, and the best split of the layers before them leaves the 2 linears alone
+    lay = [_stack(2), nn.ReLU(), nn.ReLU(), nn.ReLU(), nn.ReLU(), _Products(32)]
+    x = torch.randn(128, 512)
+    got = [balance_by_time(lay, stages, x) for stages in (2, 3)]
+    assert got == [[5, 1], [1, 4, 1]]
+    assert [balance_by_parameters(lay, stages) for stages in (2, 3)] == [[1, 5], [1, 1, 4]]  # blind to the products
+    assert all(other == got for other in hvd.allgather_object(got))
+    assert all(prm.grad is None for prm in nn.ModuleList(lay).parameters())  # nothing accumulated
+    # buffers and the random number generator's state are restored
+    norm, sample, rng = nn.BatchNorm1d(4), torch.randn(8, 4), torch.get_rng_state()
+    assert balance_by_time([norm, nn.Dropout(0.5)], 2, sample, repeats=2) == [1, 1]
+    assert norm.num_batches_tracked.item() == 0 and norm.running_mean.abs().max().item() == 0
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_balance_by_time_bad_arguments_fail_on_every_rank():
+    lay = [nn.Linear(4, 4), nn.ReLU()]
+    x = torch.randn(8, 4)
+    for args, match in (
+        ((lay, 0, x), "stages=0 must be a positive integer"),
+        ((lay, 3, x), "2 layers cannot fill 3 pipeline stages"),
+        ((lay, 2, x, 0), "repeats=0 must be a positive integer"),
+        ((lay, 2, [[1.0] * 4]), "sample must be a tensor .* not list"),
+        ((lay, 2, torch.randn(8, 3)), r"the sample could not pass layer 0 \(Linear\): RuntimeError"),
+    ):
+        with pytest.raises(hvd.HpcdlArgumentError, match=match):
+            balance_by_time(*args)
+    if hvd.size() > 1:  # one rank's bad sample is every rank's error
+        mine = torch.randn(8, 5) if hvd.rank() == 1 else x
+        with pytest.raises(hvd.HpcdlArgumentError, match=r"could not pass layer 0 .*\(on rank 1\)$"):
+            balance_by_time(lay, 2, mine)
+    p = hvd.size()
+    grid = Grid(dp=1, tp=1, pp=p)
+    with pytest.raises(hvd.HpcdlArgumentError, match="balance='time' needs sample="):
+        Pipeline(layers(p + 1), balance="time")
+    with pytest.raises(hvd.HpcdlArgumentError, match="balance='flops' is not one of"):
+        Pipeline(layers(p + 1), balance="flops")
+    with pytest.raises(hvd.HpcdlArgumentError, match="sample= is read only with balance='time'"):
+        Pipeline(layers(p + 1), sample=x)
+    grid.close()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_pipeline_balanced_by_time_gives_the_whole_batch_gradients(schedule):
+    p = hvd.size()
+    grid = Grid(dp=1, tp=1, pp=p)
+    x, y = batch()
+    pipe = Pipeline(layers(p + 1), chunks=3, schedule=schedule, balance="time", sample=x[:4])
+    assert len(pipe.balance) == p and sum(pipe.balance) == len(layers(p + 1))
+    assert all(b == pipe.balance for b in hvd.allgather_object(pipe.balance))
+    loss = pipe.train_step(x, y, F.mse_loss)
+    want_loss, want = reference(p + 1, x, y)
+    assert loss == pytest.approx(want_loss, rel=1e-12)
+    check_stage(pipe, grid, want)
     pipe.close()
     grid.close()
