@@ -1,6 +1,8 @@
 """hpcdl.parallel.Pipeline: a model cut into one stage per rank, GPipe and 1F1B, against the
 unpipelined model on the whole batch (float64 gradients to 1e-10) for m in {1, p, 2p + 1}
-micro-batches; activation counts; a failing stage is an error on every rank."""
+micro-batches and for batch shapes that change between steps and within one; shapes sent
+once per micro-batch, then data alone; activation counts; a failing stage is an error on
+every rank; balancing by parameter count and by measured layer time."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from torch import nn
 
 import hpcdl as hvd
 from hpcdl.parallel import Grid, Pipeline, balance_by_parameters
+from hpcdl.parallel.pipeline import balance_by_time
+from hpcdl.parallel.pp_comm import ACT, Link
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120), pytest.mark.usefixtures("runtime")]
 
@@ -34,34 +38,105 @@ def batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(11, 4, generator=g, dtype=torch.float64), torch.randn(11, 2, generator=g, dtype=torch.float64)
 
 
+def reference(depth: int, x: torch.Tensor, y: torch.Tensor) -> tuple[float, list[list[torch.Tensor]]]:
+    """The unpipelined model's loss on the whole batch and its gradients, layer by layer."""
+    model = nn.Sequential(*layers(depth))
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    return loss.item(), [[prm.grad for prm in lay.parameters()] for lay in model]
+
+
+def check_stage(pipe: Pipeline, grid: Grid, want: list[list[torch.Tensor]]) -> None:
+    """This stage's gradients are those of its slice of the whole model's layers, in order."""
+    lo = sum(pipe.balance[: grid.pp_rank])
+    mine = [g for lay in want[lo : lo + pipe.balance[grid.pp_rank]] for g in lay]
+    got = [prm.grad for prm in pipe.parameters()]
+    assert len(got) == len(mine)
+    for a, b in zip(got, mine, strict=True):
+        close(a, b)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_pipelined_gradients_equal_the_whole_batch_for_every_micro_batch_count(schedule):
     p = hvd.size()
     grid = Grid(dp=1, tp=1, pp=p)
     x, y = batch()
-    reference = nn.Sequential(*layers(p + 1))
-    want_loss = F.mse_loss(reference(x), y)
-    want_loss.backward()
-    want = [prm.grad for prm in reference.parameters()]
+    want_loss, want = reference(p + 1, x, y)
     for m in sorted({1, p, 2 * p + 1}):
         pipe = Pipeline(layers(p + 1), chunks=m, schedule=schedule)
         loss = pipe.train_step(x, y, F.mse_loss)
-        assert loss == pytest.approx(want_loss.item(), rel=1e-12)
-        # this stage's parameters are a slice of the whole model's, in order
-        lo = sum(pipe.balance[: grid.pp_rank])
-        whole = [list(lay.parameters()) for lay in layers(p + 1)]
-        mine = [i for i, lay in enumerate(whole) if lo <= i < lo + pipe.balance[grid.pp_rank] for _ in lay]
-        offsets = [sum(len(w) for w in whole[:i]) for i in range(len(whole))]
-        flat_want = [want[offsets[i] + k] for i in sorted(set(mine)) for k in range(len(whole[i]))]
-        got = [prm.grad for prm in pipe.parameters()]
-        assert len(got) == len(flat_want)
-        for a, b in zip(got, flat_want, strict=True):
-            close(a, b)
+        assert loss == pytest.approx(want_loss, rel=1e-12)
+        check_stage(pipe, grid, want)
         stages_left = p - grid.pp_rank
         assert pipe.peak_live == (m if schedule == "gpipe" else min(stages_left, m))
         pipe.close()
         assert pipe._link.comm == MPI.COMM_NULL  # freed
     grid.close()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_shapes_travel_once_per_micro_batch_and_a_changed_batch_shape_gives_the_whole_batch_gradients(schedule):
+    p = hvd.size()
+    grid = Grid(dp=1, tp=1, pp=p)
+    s = grid.pp_rank
+    pipe = Pipeline(layers(p + 1), chunks=3, schedule=schedule)
+    link = pipe._link
+    streams = (s > 0) + (s < p - 1)  # gradients to the previous stage, activations to the next
+    x, y = batch()
+    # rows of each step, and how many of its 3 micro-batches differ in size from the last
+    # step's: 11 rows are 4 + 4 + 3, 10 are 4 + 3 + 3, 3 are 1 + 1 + 1
+    for rows, changed in ((11, 3), (11, 0), (10, 1), (10, 0), (11, 1), (3, 3), (3, 0)):
+        pipe.zero_grad()
+        headers, messages = link.headers_sent, link.messages_sent
+        loss = pipe.train_step(x[:rows], y[:rows], F.mse_loss)
+        assert link.messages_sent - messages == 3 * streams
+        assert link.headers_sent - headers == changed * streams
+        want_loss, want = reference(p + 1, x[:rows], y[:rows])
+        assert loss == pytest.approx(want_loss, rel=1e-12)
+        check_stage(pipe, grid, want)
+    pipe.close()
+    grid.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_link_sends_a_shape_only_when_it_changes_and_both_ends_forget_shapes_on_abandon():
+    rank = MPI.COMM_WORLD.rank
+    link = Link(MPI.COMM_WORLD.Dup())
+    g = torch.Generator().manual_seed(3)
+    sent = [  # (micro-batch slot, tensor): 7 of the 9 need their shape sent
+        (0, torch.randn(2, 3, generator=g)),
+        (0, torch.randn(2, 3, generator=g)),  # the same dtype and shape: data alone
+        (0, torch.randn(2, 3, generator=g, dtype=torch.float64)),  # another dtype
+        (1, torch.randn(2, 3, generator=g)),  # another slot keeps its own shape
+        (0, torch.arange(5)),
+        (0, torch.tensor(2.5, dtype=torch.bfloat16)),  # no dimension
+        (0, torch.empty(0, 4)),  # no element
+        (1, torch.randn(2, 3, generator=g)),  # slot 1's shape still holds
+        (0, torch.randn(*[2] * 8, generator=g)),  # eight dimensions
+    ]
+    if rank == 0:
+        for slot, t in sent:
+            link.send(t, 1, ACT, slot)
+        link.send_error("pipeline stage 0 failed: RuntimeError: boom", 1, ACT)
+        link.finish()
+        assert (link.headers_sent, link.messages_sent) == (7, 9)
+    elif rank == 1:
+        for slot, t in sent:
+            got = link.recv(0, ACT, slot)
+            assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t)
+        with pytest.raises(hvd.PipelineError, match="^pipeline stage 0 failed: RuntimeError: boom$"):
+            link.recv(0, ACT, 0)
+    first = link.comm
+    link.abandon()
+    first.Free()
+    last = sent[-1][1]
+    if rank == 0:  # the receiver forgot the shape too: it travels again
+        link.send(last, 1, ACT, 0)
+        link.finish()
+        assert (link.headers_sent, link.messages_sent) == (8, 10)
+    elif rank == 1:
+        assert torch.equal(link.recv(0, ACT, 0), last)
+    link.comm.Free()
 
 
 def test_balance_by_parameters_and_bad_arguments():
@@ -102,4 +177,123 @@ def test_a_failing_stage_is_an_error_on_every_stage_and_the_next_step_works(wher
     # a pipeline of good layers on the same grid runs afterwards
     good = Pipeline(layers(p + 1), chunks=2, schedule=schedule)
     assert good.train_step(x, y, F.mse_loss) > 0
+    grid.close()
+
+
+class _FailOnce(nn.Module):
+    """The identity, but its call number ``countdown`` (counted from when it is set) raises."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.countdown = 0
+
+    def forward(self, x):
+        self.countdown -= 1
+        if self.countdown == 0:
+            raise RuntimeError("once")
+        return x
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_after_a_failed_step_shapes_travel_again_and_the_same_pipeline_is_right(schedule):
+    p = hvd.size()
+    grid = Grid(dp=1, tp=1, pp=p)
+    s = grid.pp_rank
+    flaky = _FailOnce()  # the last layer: on the last stage
+    pipe = Pipeline([*layers(p + 1), flaky], chunks=3, schedule=schedule)
+    link = pipe._link
+    streams = (s > 0) + (s < p - 1)
+    x, y = batch()
+    pipe.train_step(x, y, F.mse_loss)
+    flaky.countdown = 2  # the second micro-batch of the next step fails
+    with pytest.raises(hvd.PipelineError, match=rf"pipeline stage {p - 1} failed: RuntimeError: once"):
+        pipe.train_step(x[:10], y[:10], F.mse_loss)
+    pipe.zero_grad()
+    headers = link.headers_sent
+    loss = pipe.train_step(x[:10], y[:10], F.mse_loss)
+    assert link.headers_sent - headers == 3 * streams  # every shape again
+    want_loss, want = reference(p + 1, x[:10], y[:10])
+    assert loss == pytest.approx(want_loss, rel=1e-12)
+    check_stage(pipe, grid, [*want, []])
+    pipe.close()
+    grid.close()
+
+
+def _stack(n: int) -> nn.Sequential:
+    return nn.Sequential(*[nn.Linear(512, 512) for _ in range(n)])
+
+
+class _Products(nn.Module):
+    """``n`` products with fixed 512 x 512 matrices: the work of ``n`` linears, no parameter."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.register_buffer("w", torch.randn(n, 512, 512) / 512**0.5)
+
+    def forward(self, x):
+        for w in self.w:
+            x = x @ w
+        return x
+
+
+def test_balance_by_time_gives_the_slow_layers_stages_of_their_own_on_every_rank():
+    torch.manual_seed(4)
+    # 2 stacked linears cost some 30 times the 4 ReLUs after them together, and the 32
+    # products at the end some 10 times the 2 linears: the best partitions leave the products
+    # alone, and the best split of the layers before them leaves the 2 linears alone
+    lay = [_stack(2), nn.ReLU(), nn.ReLU(), nn.ReLU(), nn.ReLU(), _Products(32)]
+    x = torch.randn(128, 512)
+    got = [balance_by_time(lay, stages, x) for stages in (2, 3)]
+    assert got == [[5, 1], [1, 4, 1]]
+    assert [balance_by_parameters(lay, stages) for stages in (2, 3)] == [[1, 5], [1, 1, 4]]  # blind to the products
+    assert all(other == got for other in hvd.allgather_object(got))
+    assert all(prm.grad is None for prm in nn.ModuleList(lay).parameters())  # nothing accumulated
+    # buffers and the random number generator's state are restored
+    norm, sample, rng = nn.BatchNorm1d(4), torch.randn(8, 4), torch.get_rng_state()
+    assert balance_by_time([norm, nn.Dropout(0.5)], 2, sample, repeats=2) == [1, 1]
+    assert norm.num_batches_tracked.item() == 0 and norm.running_mean.abs().max().item() == 0
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_balance_by_time_bad_arguments_fail_on_every_rank():
+    lay = [nn.Linear(4, 4), nn.ReLU()]
+    x = torch.randn(8, 4)
+    for args, match in (
+        ((lay, 0, x), "stages=0 must be a positive integer"),
+        ((lay, 3, x), "2 layers cannot fill 3 pipeline stages"),
+        ((lay, 2, x, 0), "repeats=0 must be a positive integer"),
+        ((lay, 2, [[1.0] * 4]), "sample must be a tensor .* not list"),
+        ((lay, 2, torch.randn(8, 3)), r"the sample could not pass layer 0 \(Linear\): RuntimeError"),
+    ):
+        with pytest.raises(hvd.HpcdlArgumentError, match=match):
+            balance_by_time(*args)
+    if hvd.size() > 1:  # one rank's bad sample is every rank's error
+        mine = torch.randn(8, 5) if hvd.rank() == 1 else x
+        with pytest.raises(hvd.HpcdlArgumentError, match=r"could not pass layer 0 .*\(on rank 1\)$"):
+            balance_by_time(lay, 2, mine)
+    p = hvd.size()
+    grid = Grid(dp=1, tp=1, pp=p)
+    with pytest.raises(hvd.HpcdlArgumentError, match="balance='time' needs sample="):
+        Pipeline(layers(p + 1), balance="time")
+    with pytest.raises(hvd.HpcdlArgumentError, match="balance='flops' is not one of"):
+        Pipeline(layers(p + 1), balance="flops")
+    with pytest.raises(hvd.HpcdlArgumentError, match="sample= is read only with balance='time'"):
+        Pipeline(layers(p + 1), sample=x)
+    grid.close()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_pipeline_balanced_by_time_gives_the_whole_batch_gradients(schedule):
+    p = hvd.size()
+    grid = Grid(dp=1, tp=1, pp=p)
+    x, y = batch()
+    pipe = Pipeline(layers(p + 1), chunks=3, schedule=schedule, balance="time", sample=x[:4])
+    assert len(pipe.balance) == p and sum(pipe.balance) == len(layers(p + 1))
+    assert all(b == pipe.balance for b in hvd.allgather_object(pipe.balance))
+    loss = pipe.train_step(x, y, F.mse_loss)
+    want_loss, want = reference(p + 1, x, y)
+    assert loss == pytest.approx(want_loss, rel=1e-12)
+    check_stage(pipe, grid, want)
+    pipe.close()
     grid.close()

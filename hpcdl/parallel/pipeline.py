@@ -9,13 +9,19 @@ backward, and keeps all m micro-batches' activations; 1F1B starts backwards as s
 last stage can, and keeps at most ``stages - stage`` of them alive. :attr:`Pipeline.peak_live`
 reports the count of the last step.
 
-The schedule is written once, over :class:`~.pp_comm.Link`. A stage whose layers raise, or
-that hears that another did, tells its neighbours; every stage then raises the same
-:class:`~hpcdl.errors.PipelineError`, and the pipeline is usable again on the next step.
+The layers are cut into contiguous stages that minimise the slowest stage: by parameter
+count (:func:`balance_by_parameters`, the default), by each layer's measured forward and
+backward time (:func:`balance_by_time`, agreed across ranks), or as given.
+
+The schedule is written once, over :class:`~.pp_comm.Link`, which sends each micro-batch's
+shape once and then its tensors alone while the shape stays the same. A stage whose layers
+raise, or that hears that another did, tells its neighbours; every stage then raises the
+same :class:`~hpcdl.errors.PipelineError`, and the pipeline is usable again on the next step.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -28,20 +34,126 @@ from ..functions import allgather_object
 from .grid import Grid, current_grid
 from .pp_comm import ACT, GRAD, Link
 
-__all__ = ["Pipeline", "balance_by_parameters"]
+__all__ = ["Pipeline", "balance_by_parameters", "balance_by_time"]
 
 SCHEDULES = ("gpipe", "1f1b")
+BALANCES = ("parameters", "time")
 
 
 def balance_by_parameters(layers: Sequence[nn.Module], stages: int) -> list[int]:
     """Layers per stage, contiguous, that minimise the largest stage's parameter count
     (every stage gets at least one layer)."""
-    n = len(layers)
+    return _partition([sum(p.numel() for p in layer.parameters()) for layer in layers], stages)
+
+
+def balance_by_time(layers: Sequence[nn.Module], stages: int, sample: torch.Tensor, repeats: int = 3) -> list[int]:
+    """Layers per stage, contiguous, that minimise the largest stage's time.
+
+    ``sample`` runs through the layers one at a time; each layer's forward and backward
+    (to its parameters and, after the first layer, to its input) is timed, the best of
+    ``repeats`` runs, and the times are split as :func:`balance_by_parameters` splits
+    parameter counts. The layers are left as they were: no gradient accumulates in their
+    parameters, and their buffers (batch-norm statistics) and the random number
+    generators' state are restored.
+
+    While the runtime runs the call is collective over every rank: a layer's time is the
+    largest any rank measured, so every rank gets the same list, and a problem on any rank
+    (bad arguments, a sample the layers cannot take) is an
+    :class:`~hpcdl.errors.HpcdlArgumentError` on every rank.
+
+    Args:
+        layers: the whole model as a sequence of modules.
+        stages: the number of pipeline stages.
+        sample: an input of the first layer; a micro-batch of the training data times the
+            layers as the pipeline will run them.
+        repeats: runs of each layer; the fastest counts.
+    """
+    layers = list(layers)
+    problem, times = None, None
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        problem = f"balance_by_time: stages={stages!r} must be a positive integer"
+    elif len(layers) < stages:
+        problem = f"balance_by_time: {len(layers)} layers cannot fill {stages} pipeline stages"
+    elif not isinstance(repeats, int) or isinstance(repeats, bool) or repeats < 1:
+        problem = f"balance_by_time: repeats={repeats!r} must be a positive integer"
+    elif not isinstance(sample, torch.Tensor):
+        problem = f"balance_by_time: sample must be a tensor (an input of the first layer), not {type(sample).__name__}"
+    else:
+        try:
+            times = _layer_times(layers, sample, repeats)
+        except _LayerError as exc:
+            problem = str(exc)
+    rt = state.peek()
+    if rt is not None and rt.engine is not None:
+        said = allgather_object((problem, times))
+        failed = [(r, text) for r, (text, _) in enumerate(said) if text is not None]
+        if failed:
+            r, text = failed[0]
+            raise HpcdlArgumentError(text if len(failed) == len(said) else f"{text} (on rank {r})")
+        counts = [len(t) for _, t in said]
+        if len(set(counts)) > 1:
+            raise HpcdlArgumentError(f"balance_by_time: ranks disagree on the number of layers ({counts}, by rank)")
+        times = [max(column) for column in zip(*(t for _, t in said), strict=True)]
+    elif problem is not None:
+        raise HpcdlArgumentError(problem)
+    return _partition(times, stages)
+
+
+class _LayerError(Exception):
+    """A layer could not take the sample (its message names the layer)."""
+
+
+def _layer_times(layers: list[nn.Module], sample: torch.Tensor, repeats: int) -> list[float]:
+    """Each layer's best forward-and-backward time over ``repeats`` runs, fed the previous
+    layer's output (the first, ``sample``)."""
+    cuda = sample.is_cuda
+
+    def now() -> float:
+        if cuda:
+            torch.cuda.synchronize(sample.device)
+        return time.perf_counter()
+
+    times: list[float] = []
+    x = sample.detach()
+    with torch.random.fork_rng(devices=[sample.device] if cuda else []):
+        for i, layer in enumerate(layers):
+            saved = [(b, b.detach().clone()) for b in layer.buffers()]
+            x.requires_grad_(i > 0 and x.is_floating_point())
+            wrt = ([x] if x.requires_grad else []) + [p for p in layer.parameters() if p.requires_grad]
+            best = float("inf")
+            try:
+                for _ in range(repeats):
+                    start = now()
+                    out = layer(x)
+                    if not isinstance(out, torch.Tensor):
+                        raise TypeError(f"it returned a {type(out).__name__}, not a tensor")
+                    if out.requires_grad and wrt:
+                        torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
+                    best = min(best, now() - start)
+            except Exception as exc:  # noqa: BLE001 - reported on every rank as a bad sample
+                raise _LayerError(
+                    f"balance_by_time: the sample could not pass layer {i} ({type(layer).__name__}): "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            finally:
+                with torch.no_grad():
+                    for b, value in saved:
+                        b.copy_(value)
+            times.append(best)
+            x = out.detach()
+    return times
+
+
+def _partition(weights: Sequence[float], stages: int) -> list[int]:
+    """Counts of contiguous layers per stage that minimise the largest stage's total
+    weight, every stage getting at least one layer (a dynamic programme over the cuts)."""
+    n = len(weights)
+    if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+        raise HpcdlArgumentError(f"stages={stages!r} must be a positive integer")
     if n < stages:
         raise HpcdlArgumentError(f"{n} layers cannot fill {stages} pipeline stages")
-    w = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-    prefix = [0]
-    for x in w:
+    prefix = [0.0]
+    for x in weights:
         prefix.append(prefix[-1] + x)
     inf = float("inf")
     # best[s][i]: the least largest stage when the first i layers fill s stages
@@ -72,7 +184,10 @@ class Pipeline(nn.Module):
         grid: the grid (default: the most recently built).
         chunks: micro-batches per step.
         schedule: ``"1f1b"`` (default) or ``"gpipe"``.
-        balance: layers per stage (default: :func:`balance_by_parameters`).
+        balance: layers per stage, or how to find them: ``"parameters"`` (the default,
+            :func:`balance_by_parameters`) or ``"time"`` (:func:`balance_by_time` over
+            ``sample``, every rank agreeing).
+        sample: with ``balance="time"``, an input of the first layer (a micro-batch).
     """
 
     def __init__(
@@ -81,7 +196,8 @@ class Pipeline(nn.Module):
         grid: Grid | None = None,
         chunks: int = 1,
         schedule: str = "1f1b",
-        balance: Sequence[int] | None = None,
+        balance: Sequence[int] | str | None = None,
+        sample: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         grid = grid or current_grid()
@@ -91,7 +207,18 @@ class Pipeline(nn.Module):
             raise HpcdlArgumentError(f"schedule={schedule!r} is not one of {SCHEDULES}")
         if not isinstance(chunks, int) or chunks < 1:
             raise HpcdlArgumentError(f"chunks={chunks!r} must be a positive integer")
-        balance = list(balance) if balance is not None else balance_by_parameters(layers, p)
+        by = "parameters" if balance is None else balance if isinstance(balance, str) else None
+        if by is not None and by not in BALANCES:
+            raise HpcdlArgumentError(f"balance={balance!r} is not one of {BALANCES} or a list of layers per stage")
+        if by == "time" and sample is None:
+            raise HpcdlArgumentError("balance='time' needs sample=, an input of the first layer to time the layers on")
+        if by != "time" and sample is not None:
+            raise HpcdlArgumentError("sample= is read only with balance='time'")
+        if by == "time":
+            balance = balance_by_time(layers, p, sample)
+        elif by == "parameters":
+            balance = balance_by_parameters(layers, p)
+        balance = list(balance)
         if len(balance) != p or any(b < 1 for b in balance) or sum(balance) != len(layers):
             raise HpcdlArgumentError(
                 f"balance={balance} must give each of the {p} stages at least one of the {len(layers)} layers"
@@ -144,10 +271,10 @@ class Pipeline(nn.Module):
 
         def fwd(i: int) -> None:
             nonlocal live, peak
-            x = xs[i] if g.is_first_stage else link.recv(s - 1, ACT).requires_grad_()
+            x = xs[i] if g.is_first_stage else link.recv(s - 1, ACT, i).requires_grad_()
             out = self.stage(x)
             if not g.is_last_stage:
-                link.send(out, s + 1, ACT)
+                link.send(out, s + 1, ACT, i)
             kept[i] = (None if g.is_first_stage else x, out)
             live += 1
             peak = max(peak, live)
@@ -160,9 +287,9 @@ class Pipeline(nn.Module):
                 losses.append(float(loss.detach()) * len(ts[i]) / total)
                 (loss * (len(ts[i]) / total)).backward()
             else:
-                out.backward(link.recv(s + 1, GRAD))
+                out.backward(link.recv(s + 1, GRAD, i))
             if x is not None:
-                link.send(x.grad, s - 1, GRAD)
+                link.send(x.grad, s - 1, GRAD, i)
             live -= 1
 
         problem = None

@@ -1,11 +1,28 @@
 """Point-to-point messages between neighbouring pipeline stages: tensors (activations
-forward, their gradients backward) and the error that stops a pipeline.
+forward on the :data:`ACT` stream, their gradients backward on :data:`GRAD`) and the error
+that stops a pipeline.
 
-Every message is a header of int64 words (status, dtype, rank of the shape, the shape)
-followed by the tensor's bytes, or by the text of an error (status -1). Sends are
-nonblocking; a stage waits for them at the end of its schedule. A stage that fails, or
-learns that a neighbour failed, sends the error on to both neighbours, so a stage blocked
-on a receive always gets either its tensor or the error, never waits for ever.
+Each stream has three tags: DATA (a tensor's bytes alone), SHAPE (int64 words: the
+micro-batch slot, the dtype's code, the shape) and ERROR (the UTF-8 text of a failure).
+Shapes are agreed once, then reused: the sender records the dtype and shape it last sent
+to each neighbour on each stream for each micro-batch slot, and sends a SHAPE message
+before a tensor only when they differ. While the batch shape stays the same, every step
+after the first sends DATA alone; micro-batches of different sizes (11 rows in 3) keep
+their own records, so they do not send headers every step either.
+
+The receiver keeps the same records. It probes the next message from the source with any
+tag: messages from one source on one communicator are not overtaken by later ones, and a
+stage receives a single stream from each neighbour (activations from the previous stage,
+gradients from the next), so that message is the stream's. A SHAPE updates the record (it
+names its slot, which must be the one expected), DATA lands in a new tensor of the
+recorded dtype and shape, an ERROR is raised as :class:`~hpcdl.errors.PipelineError`.
+
+Sends, errors included, are nonblocking; a stage waits for them at the end of its
+schedule. A stage that fails, or learns that a neighbour failed, sends the error on to
+both neighbours, so a stage blocked on a receive always gets either its tensor or the
+error, never waits for ever. After a failure every stage calls :meth:`Link.abandon`, which
+moves to a fresh communicator and forgets both sides' records, so the next step starts
+again with shapes.
 """
 
 from __future__ import annotations
@@ -21,50 +38,92 @@ from ..errors import PipelineError
 __all__ = ["Link", "ACT", "GRAD"]
 
 ACT, GRAD = 1, 2
-"""Tags: activations travel forward on ACT, their gradients backward on GRAD."""
+"""Streams: activations travel forward on ACT, their gradients backward on GRAD."""
 
+_DATA, _SHAPE, _ERROR = 0, 1, 2  # the kinds of message on a stream
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
-_HEADER = 10  # status, dtype code, ndim, up to 7 dimensions
+
+
+def _tag(stream: int, kind: int) -> int:
+    return 3 * stream + kind
 
 
 class Link:
-    """This stage's messages over ``comm`` (the pipeline's own communicator, ranks = stages)."""
+    """This stage's messages over ``comm`` (the pipeline's own communicator, ranks = stages).
+
+    Attributes:
+        comm: the communicator in use (a fresh one after :meth:`abandon`).
+        headers_sent: SHAPE messages sent so far (over the link's whole life).
+        messages_sent: tensors (DATA messages) sent so far.
+    """
 
     def __init__(self, comm: MPI.Comm) -> None:
         self.comm = comm
         self.pending: list[MPI.Request] = []
         self._keep: list[Any] = []  # buffers of sends in flight
+        # (peer, stream, slot) -> (dtype, shape) last sent to / received from the peer
+        self._sent: dict[tuple[int, int, int], tuple[torch.dtype, tuple[int, ...]]] = {}
+        self._received: dict[tuple[int, int, int], tuple[torch.dtype, tuple[int, ...]]] = {}
+        self.headers_sent = 0
+        self.messages_sent = 0
 
-    def send(self, t: torch.Tensor, dest: int, tag: int) -> None:
-        """Start sending tensor ``t`` to stage ``dest``."""
-        if t.dtype not in _DTYPES or t.dim() > _HEADER - 3:
-            raise TypeError(f"a pipeline stage can pass tensors of {_DTYPES} up to 7 dimensions, not {t.dtype}")
+    def send(self, t: torch.Tensor, dest: int, stream: int, slot: int = 0) -> None:
+        """Start sending tensor ``t`` to stage ``dest`` on ``stream`` for micro-batch
+        ``slot``, preceded by its dtype and shape when they differ from the last sent there."""
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"a pipeline stage can pass tensors of {_DTYPES}, not {t.dtype}")
         data = t.detach().contiguous().cpu()
-        head = np.zeros(_HEADER, np.int64)
-        head[0], head[1], head[2] = 1, _DTYPES.index(t.dtype), t.dim()
-        head[3 : 3 + t.dim()] = t.shape
+        key, kind = (dest, stream, slot), (t.dtype, tuple(t.shape))
+        if self._sent.get(key) != kind:
+            head = np.array([slot, _DTYPES.index(t.dtype), *t.shape], np.int64)
+            self._keep.append(head)
+            self.pending.append(self.comm.Isend([head, MPI.INT64_T], dest, _tag(stream, _SHAPE)))
+            self._sent[key] = kind
+            self.headers_sent += 1
         raw = data.reshape(-1).view(torch.uint8).numpy()
-        self._keep += [head, raw, data]
-        self.pending += [self.comm.Isend(head, dest, tag), self.comm.Isend(raw, dest, tag)]
+        self._keep += [raw, data]
+        self.pending.append(self.comm.Isend([raw, MPI.BYTE], dest, _tag(stream, _DATA)))
+        self.messages_sent += 1
 
-    def recv(self, source: int, tag: int) -> torch.Tensor:
-        """The next tensor from stage ``source``; :class:`~hpcdl.errors.PipelineError` (with
-        the failed stage's text) if it sent an error."""
-        head = np.empty(_HEADER, np.int64)
-        self.comm.Recv(head, source, tag)
-        if head[0] < 0:
-            raise PipelineError(self.comm.recv(source=source, tag=tag))
-        shape = tuple(int(d) for d in head[3 : 3 + head[2]])
-        out = torch.empty(shape, dtype=_DTYPES[int(head[1])])
-        self.comm.Recv(out.reshape(-1).view(torch.uint8).numpy(), source, tag)
-        return out
+    def recv(self, source: int, stream: int, slot: int = 0) -> torch.Tensor:
+        """The next tensor from stage ``source`` on ``stream`` (micro-batch ``slot``);
+        :class:`~hpcdl.errors.PipelineError` (with the failed stage's text) if it sent an error."""
+        status = MPI.Status()
+        while True:
+            msg = self.comm.Mprobe(source, MPI.ANY_TAG, status)
+            tag, size = status.Get_tag(), status.Get_count(MPI.BYTE)
+            if tag == _tag(stream, _SHAPE):
+                head = np.empty(size // 8, np.int64)
+                msg.Recv([head, MPI.INT64_T])
+                if int(head[0]) != slot:
+                    raise RuntimeError(
+                        f"stage {source} sent the shape of micro-batch {int(head[0])} where {slot} was due"
+                    )
+                self._received[(source, stream, slot)] = (_DTYPES[int(head[1])], tuple(int(d) for d in head[2:]))
+                continue
+            if tag != _tag(stream, _DATA):
+                text = bytearray(size)
+                msg.Recv([text, MPI.BYTE])
+                if tag == _tag(stream, _ERROR):
+                    raise PipelineError(text.decode(errors="replace"))
+                raise RuntimeError(f"stage {source} sent a message with tag {tag}, not one of stream {stream}")
+            known = self._received.get((source, stream, slot))
+            out = torch.empty(known[1], dtype=known[0]) if known is not None else torch.empty(0)
+            raw = out.reshape(-1).view(torch.uint8).numpy()
+            if known is None or raw.nbytes != size:
+                msg.Recv([bytearray(size), MPI.BYTE])
+                raise RuntimeError(
+                    f"stage {source} sent {size} bytes for micro-batch {slot} on stream {stream}, where the "
+                    f"shape agreed was {'none' if known is None else f'{known[0]} {list(known[1])}'}"
+                )
+            msg.Recv([raw, MPI.BYTE])
+            return out
 
-    def send_error(self, text: str, dest: int, tag: int) -> None:
-        """Tell stage ``dest`` (waiting on ``tag``, or later) that the pipeline failed."""
-        head = np.zeros(_HEADER, np.int64)
-        head[0] = -1
-        self.comm.Send(head, dest, tag)  # small: completes without the receiver
-        self.comm.send(text, dest=dest, tag=tag)
+    def send_error(self, text: str, dest: int, stream: int) -> None:
+        """Tell stage ``dest`` (waiting on ``stream``, or later) that the pipeline failed."""
+        raw = np.frombuffer(text.encode(), np.uint8)
+        self._keep.append(raw)
+        self.pending.append(self.comm.Isend([raw, MPI.BYTE], dest, _tag(stream, _ERROR)))
 
     def finish(self) -> None:
         """Wait for every send of this schedule (all matched when no stage failed)."""
@@ -72,9 +131,12 @@ class Link:
         self.pending, self._keep = [], []
 
     def abandon(self) -> MPI.Comm:
-        """After a failure: drop the sends that may never be matched and move to a fresh
-        communicator (collective over the pipeline's stages), so stale messages can never
-        be taken for the next step's."""
+        """After a failure: drop the sends that may never be matched, forget the shapes
+        sent and received, and move to a fresh communicator (collective over the pipeline's
+        stages), so stale messages can never be taken for the next step's. Every stage
+        calls it, so both ends of every link start again from no shapes."""
         self.pending, self._keep = [], []
+        self._sent.clear()
+        self._received.clear()
         self.comm = self.comm.Dup()
         return self.comm
