@@ -6,6 +6,8 @@ every rank; balancing by parameter count and by measured layer time."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -295,5 +297,31 @@ def test_a_pipeline_balanced_by_time_gives_the_whole_batch_gradients(schedule):
     want_loss, want = reference(p + 1, x, y)
     assert loss == pytest.approx(want_loss, rel=1e-12)
     check_stage(pipe, grid, want)
+    pipe.close()
+    grid.close()
+
+
+def test_the_timeline_shows_every_micro_batchs_forward_and_backward_on_its_stage(tmp_path):
+    p = hvd.size()
+    grid = Grid(dp=1, tp=1, pp=p)
+    pipe = Pipeline(layers(p + 1), chunks=3)
+    x, y = batch()
+    pipe.train_step(x, y, F.mse_loss)  # untraced
+    path = MPI.COMM_WORLD.bcast(str(tmp_path / "timeline.json"), root=0)
+    hvd.start_timeline(path)
+    pipe.train_step(x, y, F.mse_loss)
+    hvd.stop_timeline()
+    seen = None
+    if hvd.rank() == 0:
+        with open(path) as fh:
+            events = json.load(fh)
+        events = events["traceEvents"] if isinstance(events, dict) else events
+        seen = sorted(
+            (e["pid"], e["name"], e["args"]["step"], e["args"]["micro_batch"])
+            for e in events
+            if e.get("name", "").startswith("PIPELINE_")
+        )
+    want = sorted((s, f"PIPELINE_{k}", 1, i) for s in range(p) for k in ("FORWARD", "BACKWARD") for i in range(3))
+    assert MPI.COMM_WORLD.bcast(seen, root=0) == want
     pipe.close()
     grid.close()

@@ -115,6 +115,14 @@ class Engine:
         such an error sees this False)."""
         return self.queue.running
 
+    def record(self, row: str, phase: str, start: float, end: float, **args: Any) -> None:
+        """Add a span of the caller's own work (``start``/``end``: ``time.perf_counter``
+        seconds) to the timeline on row ``row``, when one is being written; nothing
+        otherwise (the pipeline's forward and backward passes use it)."""
+        tl = self.tl
+        if tl is not None:
+            tl.span(row, phase, start, end, **args)
+
     def thread_cpu_seconds(self) -> float:
         """CPU seconds the engine thread has used so far (its thread CPU clock; Linux)."""
         return time.clock_gettime(time.pthread_getcpuclockid(self.thread.ident))

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from .grid import Grid, current_grid
-from .pipeline import Pipeline, balance_by_parameters
+from .pipeline import Pipeline, balance_by_parameters, balance_by_time
 from .tensor import (
     ColumnParallelLinear,
     ParallelMLP,
@@ -31,6 +31,7 @@ __all__ = [
     "current_grid",
     "Pipeline",
     "balance_by_parameters",
+    "balance_by_time",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from mpi4py import MPI
@@ -228,6 +229,11 @@ class Pipeline(nn.Module):
         self.grid, self.chunks, self.schedule, self.balance = grid, chunks, schedule, balance
         self.peak_live = 0
         """The most micro-batches whose activations this stage held at once in the last step."""
+        self.steps_done = 0
+        """Schedules run (training steps and evaluations); the timeline's ``step`` argument.
+        Each micro-batch's forward and backward compute is a ``PIPELINE_FORWARD`` or
+        ``PIPELINE_BACKWARD`` span on the row ``pipeline stage <s>`` while a timeline is
+        written."""
         # the pipeline's own communicator: its stages, ranked by stage (collective over the world)
         line = grid.dp_rank * grid.tp + grid.tp_rank
         self._link = Link(state.running().comm.Split(line, grid.pp_rank))
@@ -272,7 +278,9 @@ class Pipeline(nn.Module):
         def fwd(i: int) -> None:
             nonlocal live, peak
             x = xs[i] if g.is_first_stage else link.recv(s - 1, ACT, i).requires_grad_()
+            t0 = time.perf_counter()
             out = self.stage(x)
+            self._span("PIPELINE_FORWARD", t0, i)
             if not g.is_last_stage:
                 link.send(out, s + 1, ACT, i)
             kept[i] = (None if g.is_first_stage else x, out)
@@ -283,11 +291,15 @@ class Pipeline(nn.Module):
             nonlocal live
             x, out = kept.pop(i)
             if g.is_last_stage:
+                t0 = time.perf_counter()
                 loss = loss_fn(out, ts[i])
                 losses.append(float(loss.detach()) * len(ts[i]) / total)
                 (loss * (len(ts[i]) / total)).backward()
             else:
-                out.backward(link.recv(s + 1, GRAD, i))
+                grad = link.recv(s + 1, GRAD, i)
+                t0 = time.perf_counter()
+                out.backward(grad)
+            self._span("PIPELINE_BACKWARD", t0, i)
             if x is not None:
                 link.send(x.grad, s - 1, GRAD, i)
             live -= 1
@@ -317,13 +329,32 @@ class Pipeline(nn.Module):
                 if 0 <= peer < p:
                     link.send_error(problem, peer, tag)
         self.peak_live = peak
-        said = allgather_object((problem, sum(losses)), process_set=g.pp_group)
+        return self._conclude(problem, sum(losses))
+
+    def _conclude(self, problem: str | None, value: Any) -> Any:
+        """End a schedule on every stage: the last stage's ``value``, or the first failure
+        as a :class:`PipelineError` on every stage."""
+        said = allgather_object((problem, value), process_set=self.grid.pp_group)
+        self.steps_done += 1
         failed = [text for text, _ in said if text is not None]
         if failed:  # sends to a failed stage may never be matched: leave them behind
-            link.abandon()
+            self._link.abandon()
             raise PipelineError(failed[0])
-        link.finish()  # every stage ran its whole schedule: every send is matched
+        self._link.finish()  # every stage ran its whole schedule: every send is matched
         return said[-1][1]
+
+    def _span(self, phase: str, t0: float, micro_batch: int) -> None:
+        """This stage's compute from ``t0`` to now, on the timeline when one is written."""
+        engine = state.running().engine
+        if engine is not None:
+            engine.record(
+                f"pipeline stage {self.grid.pp_rank}",
+                phase,
+                t0,
+                time.perf_counter(),
+                step=self.steps_done,
+                micro_batch=micro_batch,
+            )
 
     @torch.no_grad()
     def evaluate(
@@ -344,23 +375,17 @@ class Pipeline(nn.Module):
         problem = None
         try:
             for i in range(m):
-                x = xs[i] if g.is_first_stage else link.recv(s - 1, ACT)
+                x = xs[i] if g.is_first_stage else link.recv(s - 1, ACT, i)
                 out = self.stage(x)
                 if g.is_last_stage:
                     value = metric_fn(out, ts[i]).detach()
                     total = value if total is None else total + value
                 else:
-                    link.send(out, s + 1, ACT)
+                    link.send(out, s + 1, ACT, i)
         except PipelineError as exc:
             problem = str(exc)
         except Exception as exc:  # noqa: BLE001 - every stage must hear of it
             problem = f"pipeline stage {s} failed: {type(exc).__name__}: {exc}"
         if problem is not None and s + 1 < g.pp:
             link.send_error(problem, s + 1, ACT)
-        said = allgather_object((problem, total), process_set=g.pp_group)
-        failed = [text for text, _ in said if text is not None]
-        if failed:
-            link.abandon()
-            raise PipelineError(failed[0])
-        link.finish()
-        return said[-1][1]
+        return self._conclude(problem, total)
