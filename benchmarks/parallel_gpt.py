@@ -1,0 +1,309 @@
+"""Tensor, pipeline and data parallelism side by side: the byte-level GPT of ``hpcdl.train``
+trained on each DP x TP x PP grid of the job's ranks, and a pipeline of equal stages.
+
+Run: ``mpiexec -n 4 python -m benchmarks.parallel_gpt [--grids 2x2x1,1x2x2,2x1x2,1x1x4,1x4x1]
+[--steps 6] [--chunks 8] [--schedule 1f1b] [--json F]``.
+
+Per grid (dp x tp x pp), the GPT (``--n-layer`` blocks of width ``--d-model``, context
+``--block-size``) trains with Adam under ``DistributedOptimizer`` over the grid's DP group,
+``--batch-size`` sequences per replica in ``--chunks`` micro-batches. Columns:
+
+- tokens/s: the tokens of every replica's batches per second of the slowest rank's median
+  step;
+- act MiB: the largest stage's peak of activation memory held for backward during a step
+  (the bytes of the distinct tensors autograd saved and had not yet released, counted with
+  ``torch.autograd.graph.saved_tensors_hooks``; received activations included);
+- live: the most micro-batches whose activations a stage held at once (1F1B: at most the
+  stages from it to the last; GPipe: every micro-batch);
+- param MiB/rank: the largest rank's parameter bytes (the dense model's divided by tp x pp,
+  give or take the replicated layer norms and position table);
+- bubble: the pipeline's idle share, from the timeline: every stage's forward and backward
+  spans of traced steps; a step lasts from its first span's start to its last span's end
+  on any stage, and a stage's bubble is the share of that time it does not compute;
+  mean over stages and steps. Beside it the schedule's own ``(p - 1) / (m + p - 1)``.
+
+The last line is a pipeline of ``p`` equal stages (each a stack of Linear layers, tp = 1,
+dp = 1 over the job's ranks), where the measured bubble should be within 10% of the
+formula: its communication is small beside its compute.
+
+With more ranks than cores (4 ranks on the 2-core reference machine) the ranks take turns
+on the cores, so a stage's idle time is partly another's compute: the figures are then
+correctness and memory, not speed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+from torch import nn
+
+import hpcdl as hvd
+from collectives.cli import ArgumentParser, dump_json, run_main
+from hpcdl.parallel import Grid, Pipeline
+from hpcdl.train.data import corpus
+from hpcdl.train.models import GPT, parallel_gpt, parallel_gpt_loss
+
+GRIDS = "2x2x1,1x2x2,2x1x2,1x1x4,1x4x1"
+
+
+class ActivationMeter:
+    """Peak bytes of the distinct tensors autograd holds for backward (by storage)."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, list[int]] = {}  # storage pointer -> [references, bytes]
+        self.now = self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        key = t.untyped_storage().data_ptr()
+        entry = self.live.get(key)
+        if entry is None:
+            entry = self.live[key] = [0, t.untyped_storage().nbytes()]
+            self.now += entry[1]
+            self.peak = max(self.peak, self.now)
+        entry[0] += 1
+        return _Held(self, key, t)
+
+    @staticmethod
+    def unpack(held: _Held) -> torch.Tensor:
+        return held.t
+
+    def release(self, key: int) -> None:
+        entry = self.live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.now -= entry[1]
+            del self.live[key]
+
+
+class _Held:
+    """A saved tensor; its release is counted when autograd drops it."""
+
+    def __init__(self, meter: ActivationMeter, key: int, t: torch.Tensor) -> None:
+        self.meter, self.key, self.t = meter, key, t
+
+    def __del__(self) -> None:
+        self.meter.release(self.key)
+
+
+def _max_over_ranks(x: float) -> float:
+    return MPI.COMM_WORLD.allreduce(x, op=MPI.MAX)
+
+
+def _bubble(trace: dict[str, Any], first_step: int) -> float | None:
+    """Mean idle share of the pipeline's stages over the traced steps (``first_step`` on)."""
+    by_step: dict[int, dict[int, list[tuple[float, float]]]] = {}
+    for ev in trace.get("traceEvents", trace if isinstance(trace, list) else []):
+        args = ev.get("args", {})
+        if ev.get("ph") != "X" or ev.get("name") not in ("PIPELINE_FORWARD", "PIPELINE_BACKWARD"):
+            continue
+        if args.get("step", -1) < first_step:
+            continue
+        spans = by_step.setdefault(args["step"], {}).setdefault(ev["pid"], [])
+        spans.append((ev["ts"], ev["ts"] + ev["dur"]))
+    shares = []
+    for stages in by_step.values():
+        start = min(a for s in stages.values() for a, _ in s)
+        end = max(b for s in stages.values() for _, b in s)
+        for spans in stages.values():
+            shares.append(1.0 - sum(b - a for a, b in spans) / (end - start))
+    return statistics.mean(shares) if shares else None
+
+
+def _timeline_path() -> tuple[str, str | None]:
+    scratch = tempfile.mkdtemp(prefix="hpcdl-pgpt-") if hvd.rank() == 0 else None
+    return MPI.COMM_WORLD.bcast(None if scratch is None else os.path.join(scratch, "timeline.json"), root=0), scratch
+
+
+def measure(
+    layers: list[nn.Module],
+    grid: Grid,
+    batch: Any,
+    loss_fn: Any,
+    chunks: int,
+    schedule: str,
+    steps: int,
+    tokens_per_batch: int,
+) -> dict[str, Any]:
+    """Train ``layers`` on ``grid`` and measure one row (collective over the world)."""
+    pipe = Pipeline(layers, grid, chunks=chunks, schedule=schedule)
+    inner = torch.optim.Adam(pipe.parameters(), lr=1e-3)
+    opt = hvd.DistributedOptimizer(
+        inner, named_parameters=pipe.named_parameters(), backward_passes_per_step=chunks, process_set=grid.dp_group
+    )
+
+    def step(k: int) -> None:
+        opt.zero_grad()
+        x, y = batch(k)
+        pipe.train_step(x, y, loss_fn)
+        opt.step()
+
+    for k in range(2):  # warm-up
+        step(k)
+    times = []
+    for k in range(steps):
+        MPI.COMM_WORLD.Barrier()
+        t0 = time.perf_counter()
+        step(2 + k)
+        times.append(_max_over_ranks(time.perf_counter() - t0))
+    meter = ActivationMeter()
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+        step(0)
+    live = pipe.peak_live
+    path, scratch = _timeline_path()
+    hvd.start_timeline(path)
+    first = pipe.steps_done
+    for k in range(3):
+        step(k)
+    hvd.stop_timeline()
+    bubble = None
+    if hvd.rank() == 0:
+        with open(path) as fh:
+            bubble = _bubble(json.load(fh), first)
+        shutil.rmtree(scratch, ignore_errors=True)
+    param_bytes = sum(p.numel() * p.element_size() for p in pipe.parameters())
+    row = {
+        "grid": f"{grid.dp}x{grid.tp}x{grid.pp}",
+        "chunks": chunks,
+        "schedule": schedule,
+        "step_s": statistics.median(times),
+        "tokens_per_s": grid.dp * tokens_per_batch / statistics.median(times),
+        "activation_bytes": _max_over_ranks(meter.peak),
+        "live": int(_max_over_ranks(live)),
+        "param_bytes": _max_over_ranks(param_bytes),
+        "bubble": MPI.COMM_WORLD.bcast(bubble, root=0),
+        "bubble_formula": (grid.pp - 1) / (chunks + grid.pp - 1),
+    }
+    pipe.close()
+    return row
+
+
+def gpt_row(shape: tuple[int, int, int], a: Any, train: Any) -> dict[str, Any]:
+    dp, tp, pp = shape
+    grid = Grid(dp=dp, tp=tp, pp=pp)
+    torch.manual_seed(0)
+    gpt = GPT(a.block_size, a.n_layer, a.n_head, a.d_model)
+    layers = parallel_gpt(gpt, grid)
+    dense_bytes = sum(p.numel() * p.element_size() for p in gpt.parameters())
+
+    def batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * k + grid.dp_rank)
+        return train.batch(torch.randint(len(train), (a.batch_size,), generator=g))
+
+    row = measure(
+        layers,
+        grid,
+        batch,
+        lambda out, t: parallel_gpt_loss(out, t, grid),
+        a.chunks,
+        a.schedule,
+        a.steps,
+        a.batch_size * a.block_size,
+    )
+    row["dense_param_bytes"] = dense_bytes
+    grid.close()
+    return row
+
+
+def equal_row(a: Any) -> dict[str, Any]:
+    """A pipeline of equal stages over every rank (tp = dp = 1)."""
+    n = hvd.size()
+    grid = Grid(dp=1, tp=1, pp=n)
+    torch.manual_seed(0)
+    width = a.equal_width
+    layers = [nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(4)]) for _ in range(n)]
+
+    def batch(k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(k)
+        return torch.randn(a.batch_size * 8, width, generator=g), torch.randn(a.batch_size * 8, width, generator=g)
+
+    row = measure(layers, grid, batch, F.mse_loss, a.chunks, a.schedule, a.steps, 0)
+    row["grid"] = f"1x1x{n} equal"
+    row["tokens_per_s"] = None
+    row["dense_param_bytes"] = row["param_bytes"] * n
+    grid.close()
+    return row
+
+
+def report(rows: list[dict[str, Any]], command: str, a: Any) -> str:
+    mib = 1 << 20
+    lines = [
+        f"# {command}",
+        f"# gpt: {a.n_layer} blocks, d_model {a.d_model}, {a.n_head} heads, context {a.block_size}; "
+        f"{a.batch_size} sequences per replica in {a.chunks} micro-batches, {a.schedule}; median of {a.steps} steps",
+        f"{'grid dp x tp x pp':<18} {'step ms':>8} {'tokens/s':>9} {'act MiB':>8} {'live':>5} "
+        f"{'param MiB/rank':>15} {'of dense':>8} {'bubble':>7} {'(p-1)/(m+p-1)':>14}",
+    ]
+    for r in rows:
+        tok = f"{r['tokens_per_s']:.0f}" if r["tokens_per_s"] is not None else "-"
+        bub = f"{r['bubble']:.3f}" if r["bubble"] is not None else "-"
+        lines.append(
+            f"{r['grid']:<18} {r['step_s'] * 1e3:>8.1f} {tok:>9} {r['activation_bytes'] / mib:>8.2f} {r['live']:>5} "
+            f"{r['param_bytes'] / mib:>15.3f} {r['param_bytes'] / r['dense_param_bytes']:>8.2f} {bub:>7} "
+            f"{r['bubble_formula']:>14.3f}"
+        )
+    eq = [r for r in rows if r["grid"].endswith("equal")]
+    if eq and eq[0]["bubble"] is not None:
+        r = eq[0]
+        off = r["bubble"] / r["bubble_formula"] - 1 if r["bubble_formula"] else 0.0
+        lines.append(
+            f"equal stages: bubble {r['bubble']:.3f} against (p-1)/(m+p-1) = {r['bubble_formula']:.3f} "
+            f"({off:+.1%}; the bar is within 10%)"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--grids", default=GRIDS, help=f"comma-separated dp x tp x pp (default {GRIDS})")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per grid")
+    p.add_argument("--chunks", type=int, default=8, help="micro-batches per batch")
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    p.add_argument("--batch-size", type=int, default=32, help="sequences per replica")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--n-layer", type=int, default=2)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--equal-width", type=int, default=512, help="width of the equal stages' Linear layers")
+    p.add_argument("--no-equal", action="store_true", help="skip the pipeline of equal stages")
+    p.add_argument("--json", default=None, help="also write the figures to this file (rank 0)")
+    argv = sys.argv[1:] if argv is None else argv
+    a = p.parse_args(argv)
+    shapes = []
+    for text in a.grids.split(","):
+        try:
+            shapes.append(tuple(int(v) for v in text.lower().split("x")))
+        except ValueError:
+            p.error(f"--grids: {text!r} is not dp x tp x pp")
+        if len(shapes[-1]) != 3:
+            p.error(f"--grids: {text!r} is not dp x tp x pp")
+    torch.set_num_threads(1)
+    hvd.init()
+    n = hvd.size()
+    bad = [s for s in shapes if s[0] * s[1] * s[2] != n]
+    if bad:
+        p.error(f"--grids: {['x'.join(map(str, s)) for s in bad]} do not have {n} ranks")
+    train, _ = corpus(a.block_size)
+    rows = [gpt_row(s, a, train) for s in shapes]
+    if not a.no_equal and n > 1:
+        rows.append(equal_row(a))
+    if hvd.rank() == 0:
+        cmd = f"mpiexec -n {n} python -m benchmarks.parallel_gpt " + " ".join(argv)
+        print(report(rows, cmd.strip(), a), flush=True)
+        if a.json:
+            with open(a.json, "w") as fh:
+                dump_json(rows, fh, indent=1)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    run_main(main)
