@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -149,7 +150,36 @@ def test_dry_run_prints_the_configuration_and_the_rank_layout():
     assert [r[:3] for r in rows] == [["0", "0/2", "0"], ["1", "1/2", "0"]]
     # device auto: GPU local_rank % GPUs where torch sees one, else the CPU
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    assert [r[3] for r in rows] == [f"cuda:{k % gpus}" if gpus else "cpu" for k in range(2)]
+    assert [r[6] for r in rows] == [f"cuda:{k % gpus}" if gpus else "cpu" for k in range(2)]
+    assert "# grid: dp 2 x tp 1 x pp 1" in out and [r[3:6] for r in rows] == [["0", "0", "0"], ["1", "0", "0"]]
+
+
+def test_dry_run_prints_the_grid_and_a_grid_that_does_not_fit_is_one_line_and_status_2():
+    proc = mpiexec_job(["-m", "hpcdl.train", "--dry-run", "--model", "gpt", "--tp", "2"])
+    assert proc.returncode == 0, proc.stderr
+    assert "# grid: dp 1 x tp 2 x pp 1" in proc.stdout
+    rows = [line.split() for line in proc.stdout.splitlines()[-2:]]
+    assert [r[3:6] for r in rows] == [["0", "0", "0"], ["0", "1", "0"]]  # dp, tp, pp of ranks 0 and 1
+    proc = mpiexec_job(["-m", "hpcdl.train", "--dry-run", "--model", "gpt", "--tp", "2", "--pp", "2"])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("hpcdl.train: error: --tp 2 --pp 2 on 2 ranks: Grid: ") == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, text",
+    [
+        (["--tp", "2"], "tp and pp split the transformer of model='gpt', not model='cnn'"),
+        (["--model", "gpt", "--tp", "3"], "tp=3 must divide n_head (4)"),
+        (["--model", "gpt", "--pp", "5"], "pp=5 stages need at least as many layers; the gpt has 4"),
+        (["--model", "gpt", "--sequence-parallel"], "sequence_parallel splits the sequence"),
+        (["--model", "gpt", "--tp", "2", "--precision", "fp16"], "precision='fp16' skips steps"),
+        (["--model", "gpt", "--chunks", "8", "--batch-size", "4"], "chunks=8 micro-batches need batch_size >= chunks"),
+    ],
+)
+def test_grid_options_that_cannot_work_are_refused_before_work(argv, text):
+    with pytest.raises(ConfigError, match=re.escape(text)):
+        parse_config(argv)
 
 
 def test_launcher_detection_and_the_srun_without_plugin_mistake():
