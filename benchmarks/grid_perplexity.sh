@@ -21,7 +21,7 @@ print(f"{sys.argv[2]:<10} {sys.argv[3]:>5}  {g['dp']}x{g['tp']}x{g['pp']:<4} {s[
       f"{sys.argv[4]:>6}  {sys.argv[5]}", flush=True)
 PY
 }
-echo "# $(date -u +%Y-%m-%d) $(uname -n), $(nproc) cores; hpcdl.train ${common[*]:2}"
+echo "# $(date -u +%Y-%m-%d) $(uname -n), $(nproc --all) cores; hpcdl.train ${common[*]:2}"
 printf "%-10s %5s  %-9s %5s %10s %6s  %s\n" run ranks grid steps perplexity wall_s flags
 run one-rank 1
 run 1x2x2 4 --tp 2 --pp 2 --chunks 4
