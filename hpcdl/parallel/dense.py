@@ -55,11 +55,6 @@ class Slice(NamedTuple):
             dense.index_copy_(self.dim, self.index, part.to(dense.dtype))
 
 
-def _rows(group_rank: int, total: int, parts: int) -> torch.Tensor:
-    k = total // parts
-    return torch.arange(group_rank * k, (group_rank + 1) * k)
-
-
 def tp_slices(layer: nn.Module, prefix: str = "") -> dict[str, Slice]:
     """The slices of ``layer``'s parameters, keyed by their names in ``layer``, with the
     dense names of the layer it was cut from (``from_dense``) under ``prefix``:
@@ -74,23 +69,20 @@ def tp_slices(layer: nn.Module, prefix: str = "") -> dict[str, Slice]:
     - any other module: every parameter whole, under its own name.
     """
     if isinstance(layer, ColumnParallelLinear):
-        rows = _rows(layer.group.rank(), layer.out_features, layer.group.size())
+        rows = torch.arange(layer.start, layer.end)
         out = {"weight": Slice(prefix + "weight", 0, rows)}
         if layer.bias is not None:
             out["bias"] = Slice(prefix + "bias", 0, rows)
         return out
     if isinstance(layer, RowParallelLinear):
-        out = {"weight": Slice(prefix + "weight", 1, _rows(layer.group.rank(), layer.in_features, layer.group.size()))}
+        out = {"weight": Slice(prefix + "weight", 1, torch.arange(layer.start, layer.end))}
         if layer.bias is not None:
             out["bias"] = Slice(prefix + "bias")
         return out
     if isinstance(layer, VocabParallelEmbedding):
         return {"weight": Slice(prefix + "weight", 0, torch.arange(layer.start, layer.end))}
     if isinstance(layer, ParallelSelfAttention):
-        d = layer.proj.in_features
-        h0 = layer.group.rank() * layer.local_heads
-        lo, hi = h0 * layer.head_size, (h0 + layer.local_heads) * layer.head_size
-        rows = torch.cat([torch.arange(p * d + lo, p * d + hi) for p in range(3)])
+        rows = layer.qkv_rows
         out = {"qkv_weight": Slice(prefix + "qkv.weight", 0, rows), "qkv_bias": Slice(prefix + "qkv.bias", 0, rows)}
         out.update({f"proj.{k}": v for k, v in tp_slices(layer.proj, prefix + "proj.").items()})
         return out

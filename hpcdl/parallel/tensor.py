@@ -123,6 +123,7 @@ class ColumnParallelLinear(nn.Module):
     def _adopt(self, dense: nn.Linear, gather_output: bool, grid: Grid, sequence_parallel: bool = False) -> None:
         _check_gather_output(gather_output, sequence_parallel)
         lo, hi = _share(dense.out_features, grid, "out_features")
+        self.start, self.end = lo, hi  # the output features this rank holds
         self.in_features, self.out_features = dense.in_features, dense.out_features
         self.gather_output, self.group = gather_output, grid.tp_group
         self.sequence_parallel = sequence_parallel
@@ -182,6 +183,7 @@ class RowParallelLinear(nn.Module):
     def _adopt(self, dense: nn.Linear, input_is_parallel: bool, grid: Grid, sequence_parallel: bool = False) -> None:
         _check_input_is_parallel(input_is_parallel, sequence_parallel)
         lo, hi = _share(dense.in_features, grid, "in_features")
+        self.start, self.end = lo, hi  # the input features this rank holds
         self.in_features, self.out_features = dense.in_features, dense.out_features
         self.input_is_parallel, self.group = input_is_parallel, grid.tp_group
         self.sequence_parallel = sequence_parallel
@@ -367,6 +369,7 @@ class ParallelSelfAttention(nn.Module):
         h0, h1 = _share(n_head, grid, "n_head")
         hd = d // n_head
         rows = torch.cat([torch.arange(p * d + h0 * hd, p * d + h1 * hd) for p in range(3)])
+        self.qkv_rows = rows  # the rows of the dense qkv projection this rank holds
         self.local_heads, self.head_size, self.dropout = h1 - h0, hd, dropout
         self.group, self.sequence_parallel = grid.tp_group, sequence_parallel
         self.qkv_weight = nn.Parameter(qkv.weight.detach()[rows].clone())

@@ -128,9 +128,11 @@ class GPT(nn.Module):
 
 
 # -- the GPT over a grid ------------------------------------------------------------------------
-def _whole(module: nn.Module, prefix: str, dense_prefix: str) -> dict[str, Slice]:
-    """``module``'s parameters, replicated: each whole, under ``dense_prefix``."""
-    return {prefix + n: Slice(dense_prefix + n) for n, _ in module.named_parameters()}
+def _slices(module: nn.Module, local: str, dense: str) -> dict[str, Slice]:
+    """The slices of submodule ``local`` (a prefix of its parameter names), cut from the
+    dense GPT's module at ``dense`` (:func:`~hpcdl.parallel.dense.tp_slices`: a replicated
+    module's parameters are whole)."""
+    return {local + k: v for k, v in tp_slices(module, dense).items()}
 
 
 class GPTInput(nn.Module):
@@ -152,7 +154,7 @@ class GPTInput(nn.Module):
         return self.drop(x)
 
     def dense_slices(self) -> dict[str, Slice]:
-        return {"tok.weight": tp_slices(self.tok, "tok.")["weight"], **_whole(self.pos, "pos.", "pos.")}
+        return {**_slices(self.tok, "tok.", "tok."), **_slices(self.pos, "pos.", "pos.")}
 
 
 class ParallelBlock(nn.Module):
@@ -186,10 +188,12 @@ class ParallelBlock(nn.Module):
 
     def dense_slices(self) -> dict[str, Slice]:
         pre = f"blocks.{self.index}."
-        out = {**_whole(self.ln1, "ln1.", pre + "ln1."), **_whole(self.ln2, "ln2.", pre + "ln2.")}
-        out.update({f"attn.{k}": v for k, v in tp_slices(self.attn, pre).items()})
-        out.update({f"mlp.{k}": v for k, v in tp_slices(self.mlp, pre + "mlp.").items()})
-        return out
+        return {
+            **_slices(self.ln1, "ln1.", pre + "ln1."),
+            **_slices(self.ln2, "ln2.", pre + "ln2."),
+            **_slices(self.attn, "attn.", pre),  # qkv and proj sit in the block itself
+            **_slices(self.mlp, "mlp.", pre + "mlp."),
+        }
 
 
 class GPTOutput(nn.Module):
@@ -208,7 +212,7 @@ class GPTOutput(nn.Module):
         return self.head(self.ln(x))
 
     def dense_slices(self) -> dict[str, Slice]:
-        return {**_whole(self.ln, "ln.", "ln."), **{f"head.{k}": v for k, v in tp_slices(self.head, "head.").items()}}
+        return {**_slices(self.ln, "ln.", "ln."), **_slices(self.head, "head.", "head.")}
 
 
 def parallel_gpt(
