@@ -325,10 +325,11 @@ class Trainer:
         """The checkpoint (collective: ZeroOptimizer consolidates its shards, a grid its
         slices); None off rank 0."""
         opt_state = self.opt.state_dict()
-        model_state = self.model.state_dict()
         if self.grid:  # the dense model's weights and optimizer state, from every rank's slices
             model_state = gather_dense(self.model, self.grid, self.dense_shapes)
             opt_state = gather_dense_optimizer(self.model, opt_state, self.grid, self.dense_shapes)
+        else:
+            model_state = self.model.state_dict()
         rngs = hvd.allgather_object(torch.get_rng_state(), name="train.rng")
         cuda_rngs = None
         if self.device.type == "cuda":
@@ -365,8 +366,10 @@ class Trainer:
         problem = None
         try:
             st = ckpt.load(path) if st is None else st
-            if self.grid:  # this rank's slices of the dense model
+            opt_state = st["optimizer"]
+            if self.grid:  # this rank's slices of the dense model and of its optimizer state
                 load_dense(self.model, st["model"])
+                opt_state = local_optimizer_state(self.model, opt_state, list(self.dense_shapes))
             else:
                 self.model.load_state_dict(st["model"])
         except (ValueError, RuntimeError, KeyError) as exc:
@@ -374,10 +377,7 @@ class Trainer:
         problems = [p for p in hvd.allgather_object(problem, name="train.restore") if p is not None]
         if problems:
             raise RunError(problems[0])
-        if self.grid:
-            self.opt.load_state_dict(local_optimizer_state(self.model, st["optimizer"], list(self.dense_shapes)))
-        else:
-            self.opt.load_state_dict(st["optimizer"])
+        self.opt.load_state_dict(opt_state)
         if self.scaler and st["scaler"]:
             self.scaler.load_state_dict(st["scaler"])
         if st["world_size"] == self.world and st.get("grid", [self.world, 1, 1]) == list(self.shape):
