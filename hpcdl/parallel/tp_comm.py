@@ -68,11 +68,10 @@ def _gather_last(t: torch.Tensor, group: ProcessSet) -> torch.Tensor:
     return front.movedim(0, -1).contiguous()
 
 
-def _my_chunk(t: torch.Tensor, group: ProcessSet) -> torch.Tensor:
-    """This rank's equal chunk of ``t``'s last dimension."""
-    n, r = group.size(), group.rank()
-    k = t.shape[-1] // n
-    return t[..., r * k : (r + 1) * k].contiguous()
+def _chunk(t: torch.Tensor, group: ProcessSet, dim: int) -> torch.Tensor:
+    """This rank's equal chunk of ``t``'s dimension ``dim``."""
+    k = t.shape[dim] // group.size()
+    return t.narrow(dim, group.rank() * k, k).contiguous()
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -110,7 +109,7 @@ class _GatherFromTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _my_chunk(grad, ctx.group), None
+        return _chunk(grad, ctx.group, -1), None
 
 
 class _ScatterToTP(torch.autograd.Function):
@@ -119,7 +118,7 @@ class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _my_chunk(x, group)
+        return _chunk(x, group, -1)
 
     @staticmethod
     def backward(ctx, grad):
@@ -158,13 +157,6 @@ def _check_seq(t: torch.Tensor, group: ProcessSet, what: str) -> None:
         )
 
 
-def _seq_chunk(t: torch.Tensor, group: ProcessSet) -> torch.Tensor:
-    """This rank's equal chunk of ``t``'s dimension 1."""
-    n, r = group.size(), group.rank()
-    k = t.shape[1] // n
-    return t[:, r * k : (r + 1) * k].contiguous()
-
-
 def _gather_seq(t: torch.Tensor, group: ProcessSet) -> torch.Tensor:
     """Every rank's ``t`` concatenated along dimension 1, in the group's rank order; the
     ranks' lengths travel with it, so unequal chunks raise on every rank."""
@@ -190,7 +182,7 @@ class _ScatterSeqToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _seq_chunk(x, group)
+        return _chunk(x, group, 1)
 
     @staticmethod
     def backward(ctx, grad):
