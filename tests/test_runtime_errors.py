@@ -330,8 +330,9 @@ def test_a_name_belongs_to_its_process_set_and_crossed_sets_raise_on_every_rank(
     other = hvd.add_process_set([0, 1, *range(2, n)])  # every rank, as a second set
     if r in (0, 1):  # rank 0 names the world's copy, rank 1 the pair's: each waits for the other
         ps = both if r == 1 else other
-    else:
+    else:  # a member of the world's copy that comes late must get the error too, not wait alone
         ps = other
+        time.sleep(0.5)
     with pytest.raises(hvd.HpcdlError, match=r"ranks disagree on request 'crossed': process set differs"):
         hvd.allreduce(torch.ones(2), name="crossed", process_set=ps)
     usable()

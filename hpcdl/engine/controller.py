@@ -172,7 +172,10 @@ class Controller:
     def _crossed(self) -> list[list[tuple[int, str]]]:
         """Pairs of waiting requests of one name in two process sets where each waits for a
         rank that submitted the other: ranks that disagree on the name's set, which would
-        otherwise wait for ever (a rank has one request of a name in flight at a time)."""
+        otherwise wait for ever (a rank has one request of a name in flight at a time).
+        A pair is declared only once every member of both sets has submitted one of the
+        two: a member still on its way would otherwise announce into an entry already
+        failed, and wait alone for ever while the others move on."""
         by_name: dict[str, list[tuple[int, str]]] = {}
         for key in self.table:
             by_name.setdefault(key[1], []).append(key)
@@ -181,7 +184,9 @@ class Controller:
             for i, a in enumerate(keys):
                 for b in keys[i + 1 :]:
                     ea, eb = self.table[a], self.table[b]
-                    if set(self.missing(ea)) & set(eb.descs) and set(self.missing(eb)) & set(ea.descs):
+                    if not (set(self.missing(ea)) & set(eb.descs) and set(self.missing(eb)) & set(ea.descs)):
+                        continue
+                    if self.members(ea) | self.members(eb) <= set(ea.descs) | set(eb.descs) | self.joined:
                         out.append([a, b])
         return out
 
