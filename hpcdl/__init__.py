@@ -75,7 +75,7 @@ from .ops import (
     stop_timeline,
     synchronize,
 )
-from .optim import DistributedOptimizer, ZeroOptimizer
+from .optim import DistributedOptimizer, HybridOptimizer, ZeroOptimizer
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .sync_batch_norm import SyncBatchNorm
 
@@ -150,4 +150,5 @@ __all__ = [
     "SyncBatchNorm",
     "DistributedOptimizer",
     "ZeroOptimizer",
+    "HybridOptimizer",
 ]

@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 from collectives import agreed as collectives_agreed
 
+from . import ps as ps_roles
 from . import state
 from .config import AGREED, Config, load_config
 from .engine import Engine
@@ -47,7 +48,11 @@ __all__ = [
 
 
 def init(
-    comm: MPI.Comm | Sequence[int] | None = None, process_sets: Sequence[Any] | None = None, *, config: Any = None
+    comm: MPI.Comm | Sequence[int] | None = None,
+    process_sets: Sequence[Any] | None = None,
+    *,
+    config: Any = None,
+    ps_servers: int | None = None,
 ) -> None:
     """Start the runtime on ``comm`` (an mpi4py communicator, a list of world ranks, or None
     for ``MPI.COMM_WORLD``) and its background engine. Collective over ``comm``'s ranks
@@ -63,6 +68,10 @@ def init(
         comm: the communicator or world ranks to run on.
         process_sets: :class:`~hpcdl.ProcessSet` objects (or rank lists) to register now.
         config: a :class:`hpcdl.Config`; by default read from the ``HPCDL_*`` environment.
+        ps_servers: make the last this many world ranks parameter servers (default:
+            ``Config.ps_servers``, ``HPCDL_PS_SERVERS``). On them ``init`` serves until every
+            worker has called :func:`shutdown` (or exited), then ends the process with exit
+            status 0; on the workers the runtime counts the workers only. Needs ``comm=None``.
     """
     with state.LOCK:
         old = state.peek()
@@ -70,6 +79,7 @@ def init(
             if old.engine.running:
                 return
             _end(state.take())  # shut down by another rank (or failed): start afresh
+        comm, ps_job = _ps_roles(comm, config, ps_servers)
         listed = comm is not None and not isinstance(comm, MPI.Comm)
         base = comm if isinstance(comm, MPI.Comm) else MPI.COMM_WORLD
         if base == MPI.COMM_NULL:
@@ -128,7 +138,7 @@ def init(
                 f"init: ranks {differ} configure the collectives layer differently from rank 0 (HPCDL_* "
                 "variables such as HPCDL_TUNING_FILE or HPCDL_SHM_SMALL_BYTES, or the tuning file itself)"
             )
-        comm, owned = base, False
+        comm, owned = base, ps_job is not None
         if listed:
             if base.rank not in ranks:
                 raise HpcdlError(f"init(comm={ranks}): world rank {base.rank} is not in the list")
@@ -138,11 +148,42 @@ def init(
             group.Free()
             whole.Free()
         rt = Runtime(comm, owned, config)
+        rt.ps = ps_job
         rt.engine = Engine(comm, config)
         state.install(rt)
     if process_sets:
         for ps in process_sets:
             add_process_set(ps)
+
+
+def _ps_roles(comm: Any, config: Any, ps_servers: int | None) -> tuple[Any, Any]:
+    """With parameter servers asked for (``ps_servers`` or the configuration's), split the
+    world into servers, which serve here and end the process, and workers, which go on
+    with their communicator and the :class:`hpcdl.ps.PSJob`. Every world rank raises alike
+    on a bad or disagreeing number."""
+    k = ps_servers
+    if k is None:
+        try:
+            k = (config if isinstance(config, Config) else load_config()).ps_servers
+        except HpcdlError:
+            k = 0  # the configuration's own error is reported by init's checks
+    if comm is not None:
+        if k:
+            raise HpcdlError(f"init(ps_servers={k}) takes the servers from MPI.COMM_WORLD: pass no comm")
+        return comm, None
+    world = MPI.COMM_WORLD
+    said = world.allgather(k)
+    if len(set(said)) > 1:
+        raise HpcdlError(
+            "init: every rank needs the same ps_servers (HPCDL_PS_SERVERS); got "
+            + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(said))
+        )
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise HpcdlError(f"init(ps_servers={k!r}) must be an integer >= 0")
+    if k == 0:
+        return None, None
+    stall = config.stall_check_time_seconds if isinstance(config, Config) else Config().stall_check_time_seconds
+    return ps_roles.split_roles(world, k, stall)
 
 
 def _rank_list(ranks: Any) -> list[int]:
@@ -171,6 +212,10 @@ def _end(rt: Runtime) -> None:
     forget the process sets' ids, free what ``init`` created."""
     if MPI.Is_finalized():
         return
+    for fn in rt.at_shutdown:  # co-located parameter servers: goodbye before the engine stops
+        fn()
+    if rt.ps is not None:
+        rt.ps.end()
     if rt.engine is not None:
         rt.engine.stop()
     for ps in rt.process_sets:  # their ids mean nothing to a later init

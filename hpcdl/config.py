@@ -66,6 +66,10 @@ class Config:
     timeline_mark_cycles: bool = False
     """Mark each negotiation cycle in the timeline."""
 
+    ps_servers: int = 0
+    """Make the last this many ranks of ``MPI.COMM_WORLD`` parameter servers (``init`` serves
+    on them, then ends the process); the others are the workers (0: no dedicated servers)."""
+
     shm_doorbell: bool = True
     """With every rank on one node (and Linux futexes), ring doorbells and let idle engines
     sleep through shared memory instead of polling for MPI messages (False: always MPI)."""
@@ -80,6 +84,8 @@ class Config:
             raise HpcdlError(f"cycle_time={self.cycle_time} ms must be in [0, 10000]")
         if self.cache_capacity < 0:
             raise HpcdlError(f"cache_capacity={self.cache_capacity} must be >= 0 (0 turns the cache off)")
+        if self.ps_servers < 0:
+            raise HpcdlError(f"ps_servers={self.ps_servers} must be >= 0 (0: no dedicated parameter servers)")
         if self.stall_check_time_seconds <= 0:
             raise HpcdlError(f"stall_check_time_seconds={self.stall_check_time_seconds} must be > 0")
         if self.stall_shutdown_time_seconds < 0:

@@ -34,6 +34,9 @@ class Runtime:
         counters: per (kind, process set) count of unnamed requests, for their names.
         process_sets: the registered :class:`~hpcdl.ProcessSet` objects (unregistered at shutdown).
         grid: the most recently built ``hpcdl.parallel.Grid`` (None before one is built).
+        ps: the job's dedicated parameter servers (:class:`hpcdl.ps.PSJob`), or None.
+        at_shutdown: callables ``shutdown`` runs before it stops the engine (co-located
+            parameter servers say goodbye there).
     """
 
     def __init__(self, comm: MPI.Comm, owned: bool, config: Config) -> None:
@@ -51,6 +54,8 @@ class Runtime:
         self.counters: dict[tuple[str, int], int] = {}
         self.process_sets: list[Any] = []
         self.grid: Any = None
+        self.ps: Any = None
+        self.at_shutdown: list[Any] = []
 
 
 _current: Runtime | None = None

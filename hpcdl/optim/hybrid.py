@@ -1,0 +1,568 @@
+"""``HybridOptimizer``: data parallelism through parameter servers, with bounded staleness.
+
+The gradient buckets are those of :func:`DistributedOptimizer` (hooks fire as gradients
+are ready, so pushes overlap backward). Each bucket's way through the servers:
+
+- ``sync`` (BSP, BytePS's and Herring's scheme): inside a node the bucket is
+  reduce-scattered over the node's workers (``node_reduce``); the owner of each shard
+  pushes its partitions to the servers that hold them, the servers add the nodes'
+  contributions, and the owner pulls the sums; an allgather inside the node completes the
+  bucket. Every step sums every worker, and the wrapped optimizer steps on each worker as
+  with ``DistributedOptimizer``. Without node reduction (or one worker per node) every
+  worker pushes its whole gradient.
+- ``ssp`` with staleness ``s``: the servers hold the parameters and the wrapped
+  optimizer's state (the update runs on the servers). Each worker pushes its whole
+  gradient and pulls parameters that miss at most ``s`` clocks of the other workers'
+  updates; it waits only when it is more than ``s`` steps ahead of the slowest worker.
+  ``s = 0`` equals ``sync``.
+- ``async``: no bound; each gradient is applied as it comes.
+
+Partitions of about ``partition_bytes`` are spread over the servers by bytes
+(:class:`hpcdl.ps.Layout`). The servers are the dedicated server ranks of
+``hpcdl.init(ps_servers=k)``, or else a server thread on every node leader (co-located).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .. import state
+from ..compression import Compression, Compressor
+from ..errors import HpcdlArgumentError, HpcdlError
+from ..functions import allgather_object
+from ..ops import Average, ReduceOp, Sum, allgather_into_async, barrier, poll, reducescatter_into_async, synchronize
+from ..process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from ..ps import CTRL, Layout, PSJob, Server, Tags, wait_politely
+from ..ps.server import as_bytes
+from .buckets import Bucket, Reducer
+
+__all__ = ["HybridOptimizer", "MODES"]
+
+MODES = ("sync", "ssp", "async")
+_NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+
+
+def HybridOptimizer(  # noqa: N802 - a factory that looks like a class, as DistributedOptimizer
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+    mode: str = "sync",
+    staleness: int = 4,
+    servers: str | None = None,
+    partition_bytes: int = 4 << 20,
+    process_set: ProcessSet = global_process_set,
+    *,
+    node_reduce: bool = True,
+    backward_passes_per_step: int = 1,
+    op: ReduceOp = Average,
+    compression: type[Compressor] = Compression.none,
+    bucket_bytes: int | None = None,
+) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` for data-parallel training through parameter servers.
+
+    Returns an instance of a subclass of the optimizer's class over the same parameter
+    groups (``isinstance`` holds). Collective over ``process_set``: every worker builds it
+    with the same model and arguments, after the parameters were made equal (e.g. with
+    :func:`hpcdl.broadcast_parameters`).
+
+    Args:
+        optimizer: the optimizer to wrap (an element-wise one for ``ssp`` and ``async``,
+            whose update the servers run on their partitions: SGD, Adam, AdamW, ...).
+        named_parameters: ``model.named_parameters()``, for names in messages.
+        mode: ``"sync"``, ``"ssp"`` or ``"async"``.
+        staleness: ``ssp``: how many clocks of the other workers' updates a worker's
+            parameters may miss (0 equals ``sync``).
+        servers: None: the job's dedicated server ranks when it has them, else
+            ``"colocated"``: a server thread on every node leader.
+        partition_bytes: the most bytes in one partition.
+        process_set: the workers that train together.
+        node_reduce: ``sync``: reduce-scatter inside a node before pushing (the hybrid);
+            False: every worker pushes its whole gradient (a pure parameter server).
+        backward_passes_per_step, op, bucket_bytes: as for :func:`DistributedOptimizer`
+            (``op`` is ``Average`` or ``Sum``; ``ssp`` and ``async`` average).
+        compression: only ``Compression.none``.
+    """
+    base = type(optimizer)
+    cls = type(base.__name__, (HybridReducer, base), {"__module__": base.__module__})
+    obj = cls(optimizer.param_groups)
+    if optimizer.state:
+        obj.load_state_dict_local(optimizer.state_dict())
+    obj._hpcdl_setup(named_parameters, compression, backward_passes_per_step, op, 1.0, process_set, bucket_bytes)
+    obj._hybrid_setup(base, mode, staleness, servers, partition_bytes, node_reduce)
+    return obj
+
+
+class _Flat:
+    """A bucket's buffers: ``flat`` (its gradients, padded to whole shards), ``shard`` (this
+    rank's block after the node's reduce-scatter) and ``full`` (the result: sums, or the
+    parameters, with this rank's block filled by the servers' replies)."""
+
+    __slots__ = ("offsets", "numels", "numel", "flat", "shard", "full", "mine", "reqs", "rs")
+
+    def __init__(self, params: list[torch.nn.Parameter], padded: int, lo: int, hi: int, node_reduce: bool) -> None:
+        self.offsets, self.numels, total = [], [p.numel() for p in params], 0
+        for p in params:
+            self.offsets.append(total)
+            total += p.numel()
+        self.numel = total
+        dtype = params[0].dtype
+        self.flat = torch.zeros(padded, dtype=dtype)
+        self.shard = torch.zeros(hi - lo, dtype=dtype) if node_reduce else self.flat
+        self.full = torch.zeros(padded, dtype=dtype)
+        self.mine = self.full[lo:hi]
+        self.reqs: list[Any] = []
+        self.rs: int | None = None
+
+    def gather(self, tensors: list[torch.Tensor | None]) -> None:
+        """Copy ``tensors`` (shaped like the parameters) into ``flat``; None reads as zeros."""
+        for o, p_numel, t in zip(self.offsets, self.numels, tensors, strict=True):
+            seg = self.flat[o : o + p_numel]
+            if t is None:
+                seg.zero_()
+            else:
+                seg.copy_(t.reshape(-1))
+
+    def pieces(self, params: list[torch.nn.Parameter], src: torch.Tensor) -> list[torch.Tensor]:
+        return [src[o : o + p.numel()].view_as(p) for p, o in zip(params, self.offsets, strict=True)]
+
+
+def _hyper_keys(groups: list[dict]) -> list[tuple[int, str, int]]:
+    """The numeric hyperparameters of every group, sent with each step (a scheduler may
+    change them): (group, key, length); tuples of numbers (Adam's betas) count their length."""
+    out = []
+    for gi, g in enumerate(groups):
+        for k in sorted(g):
+            v = g[k]
+            if k == "params" or isinstance(v, bool):
+                continue
+            if isinstance(v, (int, float)):
+                out.append((gi, k, 1))
+            elif isinstance(v, tuple) and v and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
+                out.append((gi, k, len(v)))
+    return out
+
+
+class HybridReducer(Reducer):
+    """The worker side of :func:`HybridOptimizer` (put in front of the optimizer's class)."""
+
+    _kind = "HybridOptimizer"
+
+    def load_state_dict_local(self, sd: dict[str, Any]) -> None:
+        torch.optim.Optimizer.load_state_dict(self, sd)  # type: ignore[arg-type]
+
+    def _hybrid_setup(
+        self, base: type, mode: str, staleness: int, servers: str | None, partition_bytes: int, node_reduce: bool
+    ) -> None:
+        if mode not in MODES:
+            raise HpcdlArgumentError(f"HybridOptimizer: mode={mode!r} must be one of {MODES}")
+        if mode == "ssp" and (not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0):
+            raise HpcdlArgumentError(f"HybridOptimizer: staleness={staleness!r} must be an integer >= 0")
+        if not isinstance(partition_bytes, int) or partition_bytes <= 0:
+            raise HpcdlArgumentError(f"HybridOptimizer: partition_bytes={partition_bytes!r} must be a positive integer")
+        if servers not in (None, "colocated"):
+            raise HpcdlArgumentError(f"HybridOptimizer: servers={servers!r} must be None or 'colocated'")
+        if self._compression is not Compression.none:
+            raise HpcdlArgumentError("HybridOptimizer: only Compression.none is supported")
+        if mode != "sync" and self._op != Average:
+            raise HpcdlArgumentError(f"HybridOptimizer(mode={mode!r}) averages the gradients: op must be Average")
+        if mode != "sync" and base.__name__ in _NOT_ELEMENTWISE:
+            raise HpcdlArgumentError(
+                f"HybridOptimizer(mode={mode!r}) runs {base.__name__} on partitions of the parameters, but its "
+                "update of an element depends on other elements; use an element-wise optimizer or mode='sync'"
+            )
+        rt = state.running()
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for b in self._buckets for p in b.params})
+        if len(dtypes) > 1:
+            raise HpcdlArgumentError(f"HybridOptimizer: the parameters have several dtypes {dtypes}; use one")
+        if not self._buckets:
+            raise HpcdlArgumentError("HybridOptimizer: no parameter requires a gradient")
+        job: PSJob | None = rt.ps if servers is None else None
+        where = "dedicated" if job is not None else "colocated"
+        self.mode, self.staleness = mode, (staleness if mode == "ssp" else None)
+        self.partition_bytes = partition_bytes
+        members = self._process_set.ranks
+        me = members.index(rt.rank)
+        # the nodes among the members: who reduces with whom before pushing
+        world = rt.comm
+        grp_all = world.Get_group()
+        grp = grp_all.Incl(members)
+        sub = world.Create_group(grp)
+        grp.Free()
+        grp_all.Free()
+        node = sub.Split_type(MPI.COMM_TYPE_SHARED, key=sub.rank)
+        k = _ranks_per_node()
+        if k:
+            cut = node.Split(node.rank // k, node.rank)
+            node.Free()
+            node = cut
+        mine = node.allgather(rt.rank)
+        node.Free()
+        nodes = []
+        for n in sub.allgather(mine):
+            if n not in nodes:
+                nodes.append(n)
+        same = len({len(n) for n in nodes}) == 1
+        per_node = len(mine) if (mode == "sync" and node_reduce and same) else 1
+        mine_agreed = {
+            "mode": mode,
+            "staleness": self.staleness,
+            "partition_bytes": partition_bytes,
+            "node_reduce": bool(node_reduce),
+            "servers": where,
+            "optimizer": base.__name__,
+            "buckets": [[(tuple(p.shape), str(p.dtype)) for p in b.params] for b in self._buckets],
+        }
+        every = allgather_object(mine_agreed, name=f"{self._prefix}.layout", process_set=self._process_set)
+        for key in mine_agreed:
+            values = [e[key] for e in every]
+            if any(v != values[0] for v in values):
+                if key == "buckets":
+                    shown = {members[i]: [len(b) for b in v] for i, v in enumerate(values)}
+                    raise HpcdlError(
+                        "HybridOptimizer: ranks disagree on the model (parameters per bucket, by rank: "
+                        f"{shown}); the models, their dtypes or bucket_bytes differ"
+                    )
+                raise HpcdlError(
+                    f"HybridOptimizer: ranks disagree on {key}: "
+                    + ", ".join(f"{values[i]!r} on rank {members[i]}" for i in range(len(values)))
+                )
+        if job is None:  # co-located: a server thread on every node leader, over the members' communicator
+            leaders = [members.index(n[0]) for n in nodes]
+            hosts = sub.allgather((socket.gethostname(), os.getpid()))
+            job = PSJob(sub, leaders, [hosts[r] for r in leaders], dedicated=False)
+            if sub.rank in leaders:
+                srv = Server(sub, leaders.index(sub.rank), list(range(sub.size)), rt.config.stall_check_time_seconds)
+                t = threading.Thread(target=srv.serve, name="hpcdl-ps-server", daemon=True)
+                t.start()
+                job.threads.append(t)
+            rt.at_shutdown.append(job.end)
+            self._own_job = True
+            to_ps = members.index
+        else:
+            sub.Free()
+            self._own_job = False
+            to_ps = lambda r: r  # noqa: E731 - dedicated: a worker's rank there is its runtime rank
+        self._job = job
+        self._me_ps = to_ps(rt.rank)
+        self._workers_ps = [to_ps(r) for r in members]
+        nodes_ps = [[to_ps(r) for r in n] for n in nodes] if per_node > 1 else [[w] for w in self._workers_ps]
+        self._L = per_node
+        self._shard = mine.index(rt.rank) if per_node > 1 else 0
+        self._node_set: ProcessSet | None = None
+        if per_node > 1:  # every worker registers every node's set, in the same order
+            made = [add_process_set([members[members.index(r)] for r in n]) for n in nodes]
+            self._node_set = next(ps for ps in made if rt.rank in ps.ranks)
+            self._made_sets = made
+        itemsize = self._buckets[0].params[0].element_size()
+        numels = [sum(p.numel() for p in b.params) for b in self._buckets]
+        self._layout = Layout(numels, itemsize, per_node, len(job.servers), partition_bytes)
+        self._slot = job.next_slot()
+        self._tags = Tags(self._slot, len(self._layout.pieces))
+        self._n = len(members)
+        self._clock = 0
+        self._hyper_sent = False
+        self._hyper_reqs: list[Any] = []
+        lay = self._layout
+        for b in self._buckets:
+            m = lay.shard_numels[b.index]
+            lo = self._shard * m
+            b.zero = _Flat(b.params, lay.padded(b.index), lo, lo + m, per_node > 1)
+        spec: dict[str, Any] = {
+            "name": self._prefix,
+            "slot": self._slot,
+            "mode": mode,
+            "staleness": self.staleness,
+            "bucket_numels": numels,
+            "itemsize": itemsize,
+            "dtype": dtypes[0],
+            "node_ranks": per_node,
+            "nodes": nodes_ps,
+            "partition_bytes": partition_bytes,
+            "servers": job.servers,
+            "workers": self._workers_ps,
+        }
+        if mode != "sync":
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+            spec.update(
+                optimizer=base,
+                groups=groups,
+                hyper_keys=_hyper_keys(groups),
+                bucket_group=[b.group for b in self._buckets],
+                init=self._initial_pieces() if me == 0 else None,
+            )
+            self._hyper_keys = spec["hyper_keys"]
+        for dest in job.servers:  # every server first, then the answers: no server waits on another
+            job.comm.send(("register", spec), dest=dest, tag=CTRL)
+        for s in range(len(job.servers)):
+            job.answer(s)
+
+    # -- what the servers start from (ssp, async) ------------------------------------------------
+    def _flat_params(self, b: Bucket) -> torch.Tensor:
+        f = torch.zeros(self._layout.padded(b.index), dtype=b.params[0].dtype)
+        for p, o in zip(b.params, b.zero.offsets, strict=True):
+            f[o : o + p.numel()] = p.detach().reshape(-1).cpu()
+        return f
+
+    def _initial_pieces(self) -> dict[int, np.ndarray]:
+        out = {}
+        flats = {b.index: self._flat_params(b) for b in self._buckets}
+        for pc in self._layout.pieces:
+            out[pc.index] = flats[pc.bucket][pc.lo : pc.hi].numpy().copy()
+        return out
+
+    # -- the step ------------------------------------------------------------------------------
+    def _send_hyper(self) -> None:
+        vec = []
+        for gi, key, n in self._hyper_keys:
+            v = self.param_groups[gi][key]
+            vec.extend([float(x) for x in v] if n > 1 else [float(v)])
+        buf = np.asarray(vec, np.float64)
+        MPI.Request.Waitall(self._hyper_reqs)
+        job = self._job
+        self._hyper_buf = buf
+        self._hyper_reqs = [job.comm.Isend(buf, dest, self._tags.hyper) for dest in job.servers]
+
+    def _submit(self, b: Bucket) -> None:
+        if self.mode != "sync" and not self._hyper_sent:
+            self._send_hyper()
+            self._hyper_sent = True
+        f: _Flat = b.zero
+        grads = []
+        for p in b.params:
+            g = p.grad
+            if g is not None and g.is_sparse:
+                g = g.to_dense()
+            grads.append(g)
+        f.gather([None if g is None else g.detach().cpu() for g in grads])
+        b.handle = 0  # in flight outside the engine: _unpack waits for it
+        if self._L > 1:
+            f.rs = reducescatter_into_async(
+                f.flat, f.shard, f"{self._prefix}.rs{b.index}", Sum, self._node_set, 1.0, 1.0
+            )
+        else:
+            self._push(b)
+        self._poll_node_reductions()
+
+    def _poll_node_reductions(self) -> None:
+        """Push the buckets whose reduce-scatter inside the node has finished."""
+        for b in self._buckets:
+            f = b.zero
+            if f.rs is not None and poll(f.rs):
+                synchronize(f.rs)
+                f.rs = None
+                self._push(b)
+
+    def _send_flags(self, missing: list[int]) -> int | None:
+        """``sync`` checks missing gradients as DistributedOptimizer does; ``ssp`` and ``async``
+        send nothing between workers, which would tie them together step by step."""
+        return super()._send_flags(missing) if self.mode == "sync" else None
+
+    def _push(self, b: Bucket) -> None:
+        """Post the receives of the replies, then send this rank's partitions of ``b``."""
+        f: _Flat = b.zero
+        job, tags = self._job, self._tags
+        reqs = []
+        for pc in self._layout.of_bucket(b.index, self._shard):
+            dest = job.servers[pc.server]
+            reqs.append(job.comm.Irecv(as_bytes(f.mine[pc.lo : pc.hi]), dest, tags.reply(pc.index)))
+            reqs.append(job.comm.Isend(as_bytes(f.shard[pc.lo : pc.hi]), dest, tags.push(pc.index)))
+            nbytes = pc.numel * self._layout.itemsize
+            job.counter.sent += nbytes
+            job.counter.received += nbytes
+        f.reqs = reqs
+
+    def _stalled(self, seconds: float) -> None:
+        for s in range(len(self._job.servers)):
+            self._job.check_alive(s)
+
+    def _unpack(self, b: Bucket, result: Any) -> None:
+        f: _Flat = b.zero
+        if f.rs is not None:
+            synchronize(f.rs)
+            f.rs = None
+            self._push(b)
+        wait_politely(f.reqs, self._stalled)
+        f.reqs = []
+        if self._L > 1:
+            synchronize(allgather_into_async(f.mine, f.full, f"{self._prefix}.ag{b.index}", self._node_set))
+        if self.mode == "sync":
+            scale = 1.0 / self._n if self._op == Average else 1.0
+            for p, v in zip(b.params, f.pieces(b.params, f.full), strict=True):
+                if p.grad is None or p.grad.is_sparse:
+                    p.grad = torch.zeros_like(p)
+                p.grad.copy_(v)
+                if scale != 1.0:
+                    p.grad.mul_(scale)
+        else:
+            with torch.no_grad():
+                for p, v in zip(b.params, f.pieces(b.params, f.full), strict=True):
+                    p.copy_(v)
+
+    def synchronize(self) -> None:
+        """Finish this step's pushes and pulls: ``sync`` leaves the summed gradients in
+        ``p.grad``; ``ssp`` and ``async`` put the servers' parameters in the model."""
+        if self.mode == "sync":
+            super().synchronize()
+            return
+        for b in self._buckets:  # buckets whose hooks did not all fire go now, zeros for the missing
+            if b.handle is None:
+                self._submit(b)
+        for b in self._buckets:
+            self._finish(b)
+        for p in self._passes:
+            self._passes[p] = 0
+        self._sent = 0
+        self._flags = None
+        self._synchronized = True
+
+    def step(self, closure: Any = None) -> Any:
+        """``sync``: reduce and run the wrapped optimizer's step. ``ssp``/``async``: push the
+        gradients and pull the parameters the servers stepped."""
+        if self.mode == "sync":
+            return super().step(closure)
+        loss = closure() if closure is not None else None
+        if not self._synchronized:
+            self.synchronize()
+        self._synchronized = False
+        self._hyper_sent = False
+        self._clock += 1
+        return loss
+
+    # -- statistics, state and the end ---------------------------------------------------------
+    @property
+    def clock(self) -> int:
+        """Steps this worker has taken (its clock)."""
+        return self._clock
+
+    def ps_stats(self) -> list[dict[str, Any]]:
+        """Every server's record of this optimizer: ``lags`` (worker -> the largest lag of
+        parameters sent to it: its clock minus their version), ``lag_counts`` and the
+        server's ``bytes`` (sent, received)."""
+        return [self._job.ask(s, ("stats", self._slot)) for s in range(len(self._job.servers))]
+
+    def state_dict(self) -> dict[str, Any]:
+        """``sync``: the wrapped optimizer's own state. ``ssp``/``async``: the servers' state
+        of every partition consolidated into the wrapped optimizer's format, as if one
+        optimizer held it, with the servers' parameters (``ps_params``) and version
+        (``ps_version``). Every rank of the process set gets the whole state."""
+        if self.mode == "sync":
+            return super().state_dict()  # type: ignore[misc]
+        got: dict[int, Any] = {}
+        for s in range(len(self._job.servers)):
+            got.update(self._job.ask(s, ("state", self._slot)))
+        params = [p for g in self.param_groups for p in g["params"]]
+        index = {p: i for i, p in enumerate(params)}
+        st: dict[int, dict[str, Any]] = {}
+        values: dict[int, torch.Tensor] = {}
+        version = min(v for _, _, v in got.values())
+        for b in self._buckets:
+            pcs = self._layout.of_bucket(b.index, 0)
+            flat = torch.cat([torch.from_numpy(got[pc.index][0]) for pc in pcs])
+            states = [got[pc.index][1] for pc in pcs]
+            whole = {  # per-element entries joined over the partitions; others (Adam's step) as they are
+                k: torch.cat([s[k] for s in states]) if _elementwise(k, v, pcs[0].numel) else v
+                for k, v in states[0].items()
+            }
+            for j, p in enumerate(b.params):
+                o = b.zero.offsets[j]
+                values[index[p]] = flat[o : o + p.numel()].view_as(p).clone()
+                if whole:
+                    st[index[p]] = {
+                        k: v[o : o + p.numel()].view_as(p).clone() if _elementwise(k, v, flat.numel()) else _copy(v)
+                        for k, v in whole.items()
+                    }
+        groups, start = [], 0
+        for g in self.param_groups:
+            hyper = {k: v for k, v in g.items() if k != "params"}
+            groups.append({**hyper, "params": list(range(start, start + len(g["params"])))})
+            start += len(g["params"])
+        return {"state": st, "param_groups": groups, "ps_params": values, "ps_version": version}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load :meth:`state_dict`'s format (or, for ``sync``, the plain optimizer's).
+        Collective over the process set for ``ssp``/``async``: the first worker sends each
+        server its partitions, and every worker takes the servers' parameters."""
+        if self.mode == "sync" or not hasattr(self, "_job"):
+            plain = {k: v for k, v in state_dict.items() if not k.startswith("ps_")}
+            torch.optim.Optimizer.load_state_dict(self, plain)  # type: ignore[arg-type]
+            return
+        params = [p for g in self.param_groups for p in g["params"]]
+        index = {p: i for i, p in enumerate(params)}
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for g, s in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            g.update({k: v for k, v in s.items() if k != "params"})
+        values = state_dict.get("ps_params", {})
+        version = int(state_dict.get("ps_version", 0))
+        with torch.no_grad():
+            for p in params:
+                v = values.get(ids[index[p]])
+                if v is not None:
+                    p.copy_(v)
+        if self._process_set.rank() == 0:
+            per_server: dict[int, dict[int, Any]] = {s: {} for s in range(len(self._job.servers))}
+            for b in self._buckets:
+                flat = self._flat_params(b)
+                sts = [state_dict["state"].get(ids[index[p]], {}) for p in b.params]
+                keys = sts[0].keys() if sts[0] else []
+                flat_state = {}
+                for k in keys:
+                    v0 = sts[0][k]
+                    if torch.is_tensor(v0) and v0.shape == b.params[0].shape and k != "step":
+                        t = torch.zeros(self._layout.padded(b.index), dtype=b.params[0].dtype)
+                        for p, o, s in zip(b.params, b.zero.offsets, sts, strict=True):
+                            t[o : o + p.numel()] = s[k].reshape(-1)
+                        flat_state[k] = t
+                    else:
+                        flat_state[k] = v0
+                for pc in self._layout.of_bucket(b.index, 0):
+                    st = {
+                        k: v[pc.lo : pc.hi].clone() if _elementwise(k, v, flat.numel()) else _copy(v)
+                        for k, v in flat_state.items()
+                    }
+                    per_server[pc.server][pc.index] = (flat[pc.lo : pc.hi].numpy().copy(), st, version)
+            for s, pieces in per_server.items():
+                self._job.ask(s, ("load", self._slot, pieces))
+        barrier(process_set=self._process_set)
+        self._clock = version
+
+    def close(self) -> None:
+        """Release this optimizer's partitions on the servers (collective over the process
+        set); co-located servers end with it."""
+        job = getattr(self, "_job", None)
+        if job is None or job.ended:
+            return
+        barrier(process_set=self._process_set)
+        if self._own_job:
+            job.end()
+            rt = state.peek()
+            if rt is not None and job.end in rt.at_shutdown:
+                rt.at_shutdown.remove(job.end)
+        elif self._process_set.rank() == 0:
+            for s in range(len(job.servers)):
+                job.ask(s, ("release", self._slot))
+        barrier(process_set=self._process_set)
+        for ps in getattr(self, "_made_sets", []):
+            remove_process_set(ps)
+        self._made_sets = []
+
+
+def _elementwise(key: str, value: Any, numel: int) -> bool:
+    """An optimizer state entry with one value per element of a ``numel``-long flat tensor."""
+    return key != "step" and torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if torch.is_tensor(value) else value
+
+
+def _ranks_per_node() -> int:
+    from collectives.config import load_config
+
+    return load_config().ranks_per_node

@@ -1,0 +1,142 @@
+"""The parameter-server side of the runtime: roles, servers, partitions.
+
+With ``hpcdl.init(ps_servers=k)`` (or ``HPCDL_PS_SERVERS=k``) the last ``k`` ranks of
+``MPI.COMM_WORLD`` are servers: on them ``init`` serves until every worker has called
+``shutdown()`` (or exited), then ends the process with exit status 0, so one script serves
+both roles. On the workers the runtime runs over the first ``W`` ranks alone (``size()``,
+``rank()`` and the global process set count workers only) and :class:`PSJob` holds what
+:class:`~hpcdl.optim.HybridOptimizer` needs to reach the servers. Without dedicated
+servers the optimizer starts a server thread on every node leader (co-located).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+from mpi4py import MPI
+
+from ..errors import HpcdlError
+from .layout import Layout, Piece
+from .server import Server, serve
+from .wire import CTRL, CTRL_REPLY, Counter, Tags, wait_politely
+
+__all__ = [
+    "PSJob",
+    "split_roles",
+    "Layout",
+    "Piece",
+    "Server",
+    "Tags",
+    "Counter",
+    "wait_politely",
+    "CTRL",
+    "CTRL_REPLY",
+]
+
+
+class PSJob:
+    """How the workers reach the servers of the job.
+
+    Attributes:
+        comm: the communicator workers and servers talk over (a duplicate of the world for
+            dedicated servers; the ranks of a worker in it equal its runtime rank).
+        servers: the server ranks in ``comm``.
+        where: for each server, ``(host, pid)``, to tell a dead one by name.
+        counter: bytes this worker moved on the parameter-server path.
+        dedicated: True for server ranks of their own, False for co-located threads.
+    """
+
+    def __init__(self, comm: MPI.Comm, servers: list[int], where: list[tuple[str, int]], dedicated: bool) -> None:
+        self.comm = comm
+        self.servers = servers
+        self.where = where
+        self.dedicated = dedicated
+        self.counter = Counter()
+        self.threads: list[threading.Thread] = []
+        self.ended = False
+        self.slots = 0
+
+    def next_slot(self) -> int:
+        """A table number, the same on every worker (optimizers are built collectively)."""
+        s = self.slots
+        self.slots += 1
+        return s
+
+    def ask(self, server: int, msg: tuple) -> Any:
+        """Send a control message to server ``server`` (an index) and return its answer."""
+        dest = self.servers[server]
+        self.comm.send(msg, dest=dest, tag=CTRL)
+        return self.answer(server)
+
+    def answer(self, server: int) -> Any:
+        """The next control answer of server ``server``; an error answer raises."""
+        src = self.servers[server]
+        start = time.monotonic()
+        while (msg := self.comm.improbe(source=src, tag=CTRL_REPLY)) is None:
+            if time.monotonic() - start > 1.0:
+                self.check_alive(server)
+                start = time.monotonic()
+            time.sleep(2e-4)
+        kind, payload = msg.recv()
+        if kind == "error":
+            raise HpcdlError(payload)
+        return payload
+
+    def check_alive(self, server: int) -> None:
+        """End the job naming server ``server`` if its process on this host has died."""
+        host, pid = self.where[server]
+        if host != socket.gethostname() or pid == os.getpid():
+            return
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            sys.stderr.write(
+                f"hpcdl: parameter server {server} (rank {self.servers[server]}, pid {pid} on {host}) has died; "
+                "ending the job\n"
+            )
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+        except PermissionError:
+            pass
+
+    def end(self) -> None:
+        """Say goodbye to every server (once); join co-located server threads."""
+        if self.ended:
+            return
+        self.ended = True
+        for dest in self.servers:
+            self.comm.send(("bye",), dest=dest, tag=CTRL)
+        for t in self.threads:
+            t.join()
+        if not self.dedicated:
+            self.comm.Free()
+
+
+def split_roles(world: MPI.Comm, k: int, stall_seconds: float) -> tuple[MPI.Comm, PSJob]:
+    """Collective over ``world``: make its last ``k`` ranks servers. On a server, serve and
+    then end the process (exit status 0); on a worker, return the workers' communicator
+    and the :class:`PSJob`. Every rank raises alike on a bad ``k``."""
+    n = world.size
+    if k >= n:
+        raise HpcdlError(
+            f"ps_servers={k} leaves no worker: the job has {n} ranks; start it with more ranks "
+            f"(mpiexec -n W+{k}) or use fewer servers"
+        )
+    first = n - k
+    is_server = world.rank >= first
+    comm = world.Dup()
+    where = comm.allgather((socket.gethostname(), os.getpid()))[first:]
+    part = world.Split(1 if is_server else 0, world.rank)
+    if not is_server:
+        return part, PSJob(comm, list(range(first, n)), where, dedicated=True)
+    part.Free()
+    serve(comm, world.rank - first, list(range(first)), stall_seconds)
+    comm.Free()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(0)

@@ -1,0 +1,425 @@
+"""A parameter server: sums partitions (``sync``) or holds them and steps them (``ssp``,
+``async``), over nonblocking MPI point-to-point messages.
+
+One loop serves every table (one per :class:`~hpcdl.optim.HybridOptimizer`) and every
+worker. A receive is posted for every (partition, contributor) straight into the buffer
+it lands in, so a partition is summed or stepped as soon as its last contribution is in,
+while the next ones are still arriving. The loop polls and, with nothing to do, sleeps in
+short naps, so a server that shares cores with workers does not take one of them.
+
+- ``sync``: the contributions of a partition (one per node, or per worker without
+  node reduction) are added in contributor order, so the result does not depend on the
+  order of arrival, and sent back to every contributor.
+- ``ssp`` with staleness ``s``: the server holds the partition's parameters and an
+  instance of the workers' optimizer class. The gradients of clock ``c`` from every worker
+  are averaged (in worker order) and stepped as version ``c + 1``. A worker that pushed
+  clock ``t`` is sent the parameters once their version is at least ``t + 1 - s``: it
+  misses at most ``s`` clocks of the others' updates, and waits only when it is more than
+  ``s`` clocks ahead of the slowest worker. ``s = 0`` is ``sync`` with the update on the
+  server.
+- ``async``: each worker's gradient is stepped as it comes (divided by the number of
+  workers) and the parameters sent back at once.
+
+Every reply to a worker records its lag: the worker's next clock minus the version sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .layout import Layout, Piece
+from .wire import CTRL, CTRL_REPLY, Counter, Tags
+
+__all__ = ["Server", "serve"]
+
+log = logging.getLogger("hpcdl")
+
+
+def as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's memory as a uint8 numpy array (any dtype, bfloat16 too)."""
+    return t.view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+
+
+class _Table:
+    """What a server holds of one optimizer: its partitions, receives, sums or parameters."""
+
+    def __init__(self, spec: dict[str, Any], index: int, comm: MPI.Comm, counter: Counter) -> None:
+        self.spec = spec
+        self.name = spec["name"]
+        self.mode = spec["mode"]
+        self.s = spec["staleness"]
+        self.comm = comm
+        self.counter = counter
+        self.dtype = getattr(torch, spec["dtype"])
+        self.layout = Layout(
+            spec["bucket_numels"], spec["itemsize"], spec["node_ranks"], len(spec["servers"]), spec["partition_bytes"]
+        )
+        self.tags = Tags(spec["slot"], len(self.layout.pieces))
+        self.pieces = self.layout.of_server(index)
+        nodes = spec["nodes"]
+        # a piece of shard l is pushed by local rank l of every node
+        self.contrib = {p.index: [node[p.shard] for node in nodes] for p in self.pieces}
+        self.bufs: dict[tuple[int, int], torch.Tensor] = {}
+        self.reqs: dict[tuple[int, int], Any] = {}
+        self.sends: dict[int, list[Any]] = {p.index: [] for p in self.pieces}
+        self.arrived: dict[int, set[int]] = {p.index: set() for p in self.pieces}
+        self.acc = {p.index: torch.zeros(p.numel, dtype=self.dtype) for p in self.pieces}
+        self.lags: dict[int, int] = {}  # worker -> largest lag sent
+        self.lag_counts: dict[tuple[int, int], int] = {}  # (worker, lag) -> replies
+        if self.mode != "sync":
+            self._setup_update(spec)
+        for p in self.pieces:
+            for c in self.contrib[p.index]:
+                self.bufs[p.index, c] = torch.empty(p.numel, dtype=self.dtype)
+                self._arm(p, c)
+
+    # -- ssp / async: the parameters and the optimizer live here -------------------------------
+    def _setup_update(self, spec: dict[str, Any]) -> None:
+        cls = spec["optimizer"]
+        self.groups = spec["groups"]
+        self.hyper_keys = spec["hyper_keys"]
+        self.params: dict[int, torch.nn.Parameter] = {}
+        self.opts: dict[int, torch.optim.Optimizer] = {}
+        for p in self.pieces:
+            init = spec["init"][p.index]
+            self.params[p.index] = torch.nn.Parameter(torch.from_numpy(init.copy()).to(self.dtype), requires_grad=False)
+            group = self.groups[spec["bucket_group"][p.bucket]]
+            self.opts[p.index] = cls([{**group, "params": [self.params[p.index]]}])
+        self.version = {p.index: 0 for p in self.pieces}
+        self.next_clock = {(p.index, c): 0 for p in self.pieces for c in self.contrib[p.index]}
+        self.pending: dict[int, dict[int, dict[int, torch.Tensor]]] = {p.index: {} for p in self.pieces}
+        self.owed: dict[int, list[tuple[int, int]]] = {p.index: [] for p in self.pieces}
+        self.waiting_since: dict[int, float] = {}
+        self.workers = spec["workers"]
+        self.hyper_len = sum(n for _, _, n in self.hyper_keys)
+        self.hyper: dict[tuple[int, int], np.ndarray] = {}  # (worker, clock) -> the step's hyperparameters
+        self.hyper_clock = {c: 0 for c in self.workers}
+        self.hbufs = {c: np.empty(self.hyper_len, np.float64) for c in self.workers}
+        self.hreqs = {c: self.comm.Irecv(self.hbufs[c], c, self.tags.hyper) for c in self.workers}
+
+    def _hyper_arrived(self, c: int) -> None:
+        self.hyper[c, self.hyper_clock[c]] = self.hbufs[c].copy()
+        self.hyper_clock[c] += 1
+        self.hreqs[c] = self.comm.Irecv(self.hbufs[c], c, self.tags.hyper)
+
+    def _apply_hyper(self, piece: Piece, vec: np.ndarray) -> None:
+        group = self.opts[piece.index].param_groups[0]
+        gi = self.spec["bucket_group"][piece.bucket]
+        at = 0
+        for g, key, n in self.hyper_keys:
+            if g == gi:
+                vals = vec[at : at + n]
+                group[key] = float(vals[0]) if n == 1 and not isinstance(group[key], tuple) else tuple(map(float, vals))
+            at += n
+
+    def _step(self, piece: Piece, grad: torch.Tensor, hyper: np.ndarray) -> None:
+        i = piece.index
+        MPI.Request.Waitall(self.sends[i])  # replies still being sent read the parameters
+        self.sends[i] = []
+        self._apply_hyper(piece, hyper)
+        param = self.params[i]
+        param.grad = grad
+        self.opts[i].step()
+        param.grad = None
+        self.version[i] += 1
+
+    def _reply(self, piece: Piece, c: int, data: torch.Tensor, lag: int | None = None) -> None:
+        self.sends[piece.index].append(self.comm.Isend(as_bytes(data), c, self.tags.reply(piece.index)))
+        self.counter.sent += data.numel() * data.element_size()
+        if lag is not None:
+            self.lags[c] = max(self.lags.get(c, 0), lag)
+            self.lag_counts[c, lag] = self.lag_counts.get((c, lag), 0) + 1
+
+    # -- arrivals ------------------------------------------------------------------------------
+    def _arm(self, p: Piece, c: int) -> None:
+        self.reqs[p.index, c] = self.comm.Irecv(as_bytes(self.bufs[p.index, c]), c, self.tags.push(p.index))
+
+    def requests(self) -> list[tuple[Any, tuple]]:
+        out: list[tuple[Any, tuple]] = [(r, ("data", key)) for key, r in self.reqs.items() if r is not None]
+        if self.mode != "sync":
+            out += [(r, ("hyper", c)) for c, r in self.hreqs.items()]
+        return out
+
+    def arrived_from(self, what: tuple) -> None:
+        kind, key = what
+        if kind == "hyper":
+            self._hyper_arrived(key)
+            self.advance_all()
+            return
+        i, c = key
+        piece = self.layout.pieces[i]
+        self.reqs[i, c] = None
+        self.counter.received += piece.numel * self.layout.itemsize
+        if self.mode == "sync":
+            self._sync_arrival(piece, c)
+        else:
+            t = self.next_clock[i, c]
+            self.next_clock[i, c] = t + 1
+            self.pending[i].setdefault(t, {})[c] = self.bufs[i, c].clone()
+            self.owed[i].append((c, t))
+            self._arm(piece, c)
+            self.advance(piece)
+
+    def _sync_arrival(self, piece: Piece, c: int) -> None:
+        i = piece.index
+        self.arrived[i].add(c)
+        who = self.contrib[i]
+        if len(self.arrived[i]) < len(who):
+            return
+        MPI.Request.Waitall(self.sends[i])
+        acc = self.acc[i]
+        acc.copy_(self.bufs[i, who[0]])
+        for w in who[1:]:
+            acc.add_(self.bufs[i, w])
+        self.arrived[i].clear()
+        self.sends[i] = []
+        for w in who:
+            self._arm(piece, w)
+            self._reply(piece, w, acc)
+
+    def advance_all(self) -> None:
+        if self.mode != "sync":
+            for p in self.pieces:
+                self.advance(p)
+
+    def advance(self, piece: Piece) -> None:
+        """Step what can be stepped and send what is owed (ssp, async)."""
+        i = piece.index
+        pend, who = self.pending[i], self.contrib[i]
+        if self.mode == "ssp":
+            while True:
+                v = self.version[i]
+                got = pend.get(v)
+                hyper = next((self.hyper[c, v] for c in who if (c, v) in self.hyper), None)
+                if got is None or len(got) < len(who) or hyper is None:
+                    break
+                grad = got[who[0]].clone()
+                for c in who[1:]:
+                    grad.add_(got[c])
+                grad.div_(len(who))
+                self._step(piece, grad, hyper)
+                del pend[v]
+            still = []
+            for c, t in self.owed[i]:
+                v = self.version[i]
+                if v >= t + 1 - self.s:
+                    self._reply(piece, c, self.params[i].detach(), lag=t + 1 - v)
+                else:
+                    still.append((c, t))
+            self.owed[i] = still
+        else:  # async: each gradient is one step, as it comes
+            still = []
+            for c, t in self.owed[i]:
+                hyper = self.hyper.get((c, t))
+                if hyper is None:
+                    still.append((c, t))
+                    continue
+                grad = pend[t].pop(c)
+                if not pend[t]:
+                    del pend[t]
+                self._step(piece, grad.div_(len(who)), hyper)
+                self._reply(piece, c, self.params[i].detach(), lag=0)
+            self.owed[i] = still
+        self._forget_hyper()
+
+    def _forget_hyper(self) -> None:
+        done = {c: min(self.next_clock[p.index, c] for p in self.pieces) for c in self.workers}
+        if self.mode == "ssp":
+            low = min(self.version.values()) if self.version else 0
+            stale = [k for k in self.hyper if k[1] < low]
+        else:
+            owed = {k for o in self.owed.values() for k in o}
+            stale = [k for k in self.hyper if k[1] < done[k[0]] and k not in owed]
+        for k in stale:
+            del self.hyper[k]
+
+    def held_back(self, now: float, after: float) -> list[str]:
+        """ssp: what the workers waiting longer than ``after`` seconds wait for."""
+        if self.mode != "ssp":
+            return []
+        out = []
+        for p in self.pieces:
+            i = p.index
+            if not self.owed[i]:
+                self.waiting_since.pop(i, None)
+                continue
+            since = self.waiting_since.setdefault(i, now)
+            if now - since < after:
+                continue
+            self.waiting_since[i] = now  # once per period
+            v = self.version[i]
+            have = self.pending[i].get(v, {})
+            slow = [c for c in self.contrib[i] if c not in have]
+            waiting = sorted({c for c, _ in self.owed[i]})
+            out.append(
+                f"'{self.name}' partition {i}: workers {waiting} wait for version {v + 1}, "
+                f"held back by workers {slow} (clock {v} not pushed)"
+            )
+        return out
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def state(self) -> dict[int, Any]:
+        if self.mode == "sync":
+            return {}
+        out = {}
+        for p in self.pieces:
+            i = p.index
+            st = self.opts[i].state_dict()["state"].get(0, {})
+            out[i] = (
+                self.params[i].detach().numpy().copy(),
+                {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()},
+                self.version[i],
+            )
+        return out
+
+    def load(self, pieces: dict[int, Any]) -> None:
+        for p in self.pieces:
+            i = p.index
+            param, st, version = pieces[i]
+            with torch.no_grad():
+                self.params[i].copy_(torch.from_numpy(np.asarray(param)))
+            sd = self.opts[i].state_dict()
+            self.opts[i].load_state_dict({"state": {0: st} if st else {}, "param_groups": sd["param_groups"]})
+            self.version[i] = version
+            self.pending[i].clear()
+            self.owed[i].clear()
+            for c in self.contrib[i]:
+                self.next_clock[i, c] = version
+        for c in self.workers:
+            self.hyper_clock[c] = min(self.version.values()) if self.version else 0
+        self.hyper.clear()
+
+    def close(self) -> None:
+        for r in list(self.reqs.values()) + (list(self.hreqs.values()) if self.mode != "sync" else []):
+            if r is not None:
+                r.Cancel()
+                r.Wait()
+        for sends in self.sends.values():
+            MPI.Request.Waitall(sends)
+
+
+class Server:
+    """The server with index ``index`` among ``servers`` (ranks of ``comm``), serving the
+    workers ``workers`` (ranks of ``comm``) until each of them has said goodbye."""
+
+    def __init__(self, comm: MPI.Comm, index: int, workers: list[int], stall_seconds: float = 60.0) -> None:
+        self.comm = comm
+        self.index = index
+        self.workers = list(workers)
+        self.left = set(workers)
+        self.tables: dict[int, _Table] = {}
+        self.registering: dict[int, dict[int, dict]] = {}
+        self.counter = Counter()
+        self.stall_seconds = stall_seconds
+        self._reqs: list[Any] | None = None
+        self._what: list[tuple[_Table, tuple]] = []
+
+    def serve(self) -> None:
+        """Serve until every worker said goodbye."""
+        status = MPI.Status()
+        sleep = 0.0
+        last_check = time.monotonic()
+        while self.left:
+            busy = False
+            while self.comm.Iprobe(MPI.ANY_SOURCE, CTRL, status):
+                src = status.Get_source()
+                self._control(src, self.comm.recv(source=src, tag=CTRL))
+                busy = True
+            if self._reqs is None:
+                self._collect()
+            if self._reqs:
+                done = MPI.Request.Testsome(self._reqs)
+                if done:
+                    busy = True
+                    what = [self._what[k] for k in done]
+                    self._reqs = None
+                    for table, w in what:
+                        table.arrived_from(w)
+            if busy:
+                sleep = 0.0
+                continue
+            now = time.monotonic()
+            if now - last_check > 1.0:
+                last_check = now
+                for t in self.tables.values():
+                    for line in t.held_back(now, self.stall_seconds):
+                        log.warning("parameter server %d: %s", self.index, line)
+            sleep = min(1e-3, max(sleep * 2, 20e-6))
+            time.sleep(sleep)
+        for t in self.tables.values():
+            t.close()
+
+    def _collect(self) -> None:
+        self._reqs, self._what = [], []
+        for t in self.tables.values():
+            for r, w in t.requests():
+                self._reqs.append(r)
+                self._what.append((t, w))
+
+    def _control(self, src: int, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "bye":
+            self.left.discard(src)
+        elif kind == "register":
+            spec = msg[1]
+            slot = spec["slot"]
+            waiting = self.registering.setdefault(slot, {})
+            waiting[src] = spec
+            if set(waiting) >= set(spec["workers"]):
+                del self.registering[slot]
+                self._register(slot, waiting)
+        elif kind == "release":
+            t = self.tables.pop(msg[1], None)
+            if t is not None:
+                t.close()
+                self._reqs = None
+            self.comm.send(("ok", None), dest=src, tag=CTRL_REPLY)
+        elif kind == "state":
+            t = self.tables[msg[1]]
+            self.comm.send(("ok", t.state()), dest=src, tag=CTRL_REPLY)
+        elif kind == "load":
+            t = self.tables[msg[1]]
+            t.load(msg[2])
+            self.comm.send(("ok", None), dest=src, tag=CTRL_REPLY)
+        elif kind == "stats":
+            t = self.tables[msg[1]]
+            stats = {"lags": dict(t.lags), "lag_counts": dict(t.lag_counts)}
+            stats["bytes"] = (self.counter.sent, self.counter.received)
+            self.comm.send(("ok", stats), dest=src, tag=CTRL_REPLY)
+        else:
+            self.comm.send(("error", f"parameter server: unknown request {kind!r}"), dest=src, tag=CTRL_REPLY)
+
+    def _register(self, slot: int, specs: dict[int, dict]) -> None:
+        first = specs[min(specs)]
+        keys = [k for k in first if k != "init"]
+        differ = [k for k in keys if any(s.get(k) != first.get(k) for s in specs.values())]
+        problem = None
+        if differ:
+            problem = f"parameter server {self.index}: workers registered '{first['name']}' differently ({differ})"
+        else:
+            if first["mode"] != "sync":
+                first = dict(first, init=next(s["init"] for s in specs.values() if s.get("init") is not None))
+            old = self.tables.pop(slot, None)
+            if old is not None:
+                old.close()
+            try:
+                self.tables[slot] = _Table(first, self.index, self.comm, self.counter)
+            except Exception as exc:  # a table this server cannot build: every worker is told
+                problem = f"parameter server {self.index}: {type(exc).__name__}: {exc}"
+            self._reqs = None
+        for w in specs:
+            self.comm.send(("error", problem) if problem else ("ok", None), dest=w, tag=CTRL_REPLY)
+
+
+def serve(comm: MPI.Comm, index: int, workers: list[int], stall_seconds: float = 60.0) -> Counter:
+    """Run server ``index`` over ``comm`` until every worker in ``workers`` said goodbye;
+    return its byte counter."""
+    srv = Server(comm, index, workers, stall_seconds)
+    srv.serve()
+    return srv.counter
