@@ -161,12 +161,11 @@ def _ps_roles(comm: Any, config: Any, ps_servers: int | None) -> tuple[Any, Any]
     world into servers, which serve here and end the process, and workers, which go on
     with their communicator and the :class:`hpcdl.ps.PSJob`. Every world rank raises alike
     on a bad or disagreeing number."""
-    k = ps_servers
-    if k is None:
-        try:
-            k = (config if isinstance(config, Config) else load_config()).ps_servers
-        except HpcdlError:
-            k = 0  # the configuration's own error is reported by init's checks
+    try:
+        cfg = config if isinstance(config, Config) else load_config()
+    except HpcdlError:
+        cfg = Config()  # the configuration's own error is reported by init's checks
+    k = cfg.ps_servers if ps_servers is None else ps_servers
     if comm is not None:
         if k:
             raise HpcdlError(f"init(ps_servers={k}) takes the servers from MPI.COMM_WORLD: pass no comm")
@@ -182,8 +181,7 @@ def _ps_roles(comm: Any, config: Any, ps_servers: int | None) -> tuple[Any, Any]
         raise HpcdlError(f"init(ps_servers={k!r}) must be an integer >= 0")
     if k == 0:
         return None, None
-    stall = config.stall_check_time_seconds if isinstance(config, Config) else Config().stall_check_time_seconds
-    return ps_roles.split_roles(world, k, stall)
+    return ps_roles.split_roles(world, k, cfg.stall_check_time_seconds)
 
 
 def _rank_list(ranks: Any) -> list[int]:

@@ -133,6 +133,10 @@ def split_roles(world: MPI.Comm, k: int, stall_seconds: float) -> tuple[MPI.Comm
     where = comm.allgather((socket.gethostname(), os.getpid()))[first:]
     part = world.Split(1 if is_server else 0, world.rank)
     if not is_server:
+        if world.rank == 0:  # a launcher that ends the job when a rank dies names its pid: say whose it is
+            told = ", ".join(f"{i} = rank {first + i} (pid {pid} on {host})" for i, (host, pid) in enumerate(where))
+            sys.stderr.write(f"hpcdl: {first} workers; parameter servers {told}\n")
+            sys.stderr.flush()
         return part, PSJob(comm, list(range(first, n)), where, dedicated=True)
     part.Free()
     serve(comm, world.rank - first, list(range(first)), stall_seconds)

@@ -349,7 +349,7 @@ class Server:
                 last_check = now
                 for t in self.tables.values():
                     for line in t.held_back(now, self.stall_seconds):
-                        log.warning("parameter server %d: %s", self.index, line)
+                        log.warning("hpcdl: parameter server %d: %s", self.index, line)
             sleep = min(1e-3, max(sleep * 2, 20e-6))
             time.sleep(sleep)
         for t in self.tables.values():

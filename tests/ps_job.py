@@ -1,0 +1,259 @@
+"""Scenarios of the parameter-server hybrid, run as a whole job by tests/test_ps.py:
+``mpiexec -n N python tests/ps_job.py SCENARIO [ARGS]`` (with ``HPCDL_PS_SERVERS`` for
+dedicated servers). Each worker prints ``OK <scenario>`` when every check held; the
+servers serve inside ``hpcdl.init`` and end there."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import sys
+import time
+
+import torch
+
+import hpcdl as hvd
+
+STEPS = 20
+
+
+def model(seed: int = 0, width: int = 7) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(5, width),
+        torch.nn.Tanh(),
+        torch.nn.Linear(width, width),
+        torch.nn.Tanh(),
+        torch.nn.Linear(width, 3),
+    )
+
+
+def make_inner(kind: str, m: torch.nn.Module) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    return torch.optim.Adam(m.parameters(), lr=0.01, betas=(0.8, 0.99))
+
+
+def batches(steps: int, start: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's batches: a different stream per rank, the same in every run."""
+    out = []
+    for s in range(start, steps):
+        g = torch.Generator().manual_seed(1000 * hvd.rank() + s)
+        out.append((torch.randn(6, 5, generator=g), torch.randn(6, 3, generator=g)))
+    return out
+
+
+def train(opt: torch.optim.Optimizer, m: torch.nn.Module, data: list, delay: float = 0.0, sched: bool = False) -> None:
+    lr_sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5) if sched else None
+    for x, y in data:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(m(x), y).backward()
+        if delay:
+            time.sleep(delay)
+        opt.step()
+        if lr_sched is not None:
+            lr_sched.step()
+
+
+def digest(m: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in m.parameters():
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def same_on_every_worker(m: torch.nn.Module) -> None:
+    every = hvd.allgather_object(digest(m))
+    assert len(set(every)) == 1, f"the workers' parameters differ: {every}"
+
+
+def close(a: torch.nn.Module, b: torch.nn.Module, rtol: float) -> float:
+    worst = 0.0
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        scale = max(p.detach().abs().max().item(), 1e-30)
+        worst = max(worst, (p - q).abs().max().item() / scale)
+    assert worst <= rtol, f"relative difference {worst} > {rtol}"
+    return worst
+
+
+# -- scenarios -------------------------------------------------------------------------------
+def equivalence(servers: str | None) -> None:
+    """sync equals DistributedOptimizer, and ssp with s=0 equals sync (float64, 20 steps,
+    SGD with momentum and Adam, a learning-rate schedule, several partitions per bucket)."""
+    torch.set_default_dtype(torch.float64)
+    for kind in ("sgd", "adam"):
+        ref = model()
+        dist = hvd.DistributedOptimizer(make_inner(kind, ref), ref.named_parameters())
+        train(dist, ref, batches(STEPS), sched=True)
+        runs = {}
+        for mode in ("sync", "ssp"):
+            m = model()
+            opt = hvd.HybridOptimizer(
+                make_inner(kind, m), m.named_parameters(), mode=mode, staleness=0, servers=servers, partition_bytes=96
+            )
+            assert isinstance(opt, torch.optim.SGD if kind == "sgd" else torch.optim.Adam)
+            train(opt, m, batches(STEPS), sched=True)
+            same_on_every_worker(m)
+            runs[mode] = m
+            if mode == "ssp":
+                lags = [st["lags"] for st in opt.ps_stats()]
+                assert all(v == 0 for lg in lags for v in lg.values()), lags
+            opt.close()
+        close(ref, runs["sync"], 1e-10)
+        close(runs["sync"], runs["ssp"], 1e-10)
+    print("OK equivalence", flush=True)
+
+
+def straggler(servers: str | None) -> None:
+    """ssp: with worker 1 slowed, no pull is more than s clocks stale, and the fast worker
+    does use stale parameters; async: a stalled worker does not hold the others back."""
+    s = 2
+    m = model()
+    opt = hvd.HybridOptimizer(make_inner("sgd", m), m.named_parameters(), mode="ssp", staleness=s, servers=servers)
+    slow = hvd.rank() == 1
+    train(opt, m, batches(12), delay=0.15 if slow else 0.0)
+    stats = opt.ps_stats()
+    lags = {w: max(st["lags"].get(w, 0) for st in stats) for w in range(hvd.size())}
+    assert all(v <= s for v in lags.values()), f"a pull was more than {s} clocks stale: {lags}"
+    assert lags[0] >= 1, f"the fast worker never ran ahead of the slow one: {lags}"
+    opt.close()
+    m = model()
+    opt = hvd.HybridOptimizer(make_inner("sgd", m), m.named_parameters(), mode="async", servers=servers)
+    start = time.monotonic()
+    if slow:
+        time.sleep(3.0)  # stalled while the others train
+        train(opt, m, batches(2))
+    else:
+        train(opt, m, batches(30))
+        took = time.monotonic() - start
+        assert took < 3.0, f"30 async steps took {took:.1f} s while worker 1 was stalled: it held them back"
+        assert opt.clock == 30
+    hvd.barrier()
+    opt.close()
+    print("OK straggler", flush=True)
+
+
+def checkpoint(mode: str) -> None:
+    """A checkpoint of the servers' state (ssp s=0) or the workers' (sync) resumes bitwise."""
+    torch.set_default_dtype(torch.float64)
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        m = model()
+        return m, hvd.HybridOptimizer(make_inner("adam", m), m.named_parameters(), mode=mode, staleness=0)
+
+    m, opt = build()
+    train(opt, m, batches(4))
+    saved_model = {k: v.clone() for k, v in m.state_dict().items()}
+    saved_opt = copy.deepcopy(opt.state_dict())  # a checkpoint is a copy: torch's state_dict holds references
+    train(opt, m, batches(8, start=4))
+    straight = digest(m)
+    opt.close()
+    m2, opt2 = build()
+    m2.load_state_dict(saved_model)
+    opt2.load_state_dict(saved_opt)
+    train(opt2, m2, batches(8, start=4))
+    assert digest(m2) == straight, "resumed parameters differ from the uninterrupted run's"
+    if mode != "sync":  # consolidated into the plain optimizer's format, which torch loads
+        plain = torch.optim.Adam(model().parameters(), lr=0.01)
+        plain.load_state_dict({k: v for k, v in opt2.state_dict().items() if not k.startswith("ps_")})
+    opt2.close()
+    print("OK checkpoint", flush=True)
+
+
+def errors() -> None:
+    """Bad input raises on every worker and the next optimizer still works."""
+    r = hvd.rank()
+    m = model(width=7 + (r == 1))
+    try:
+        hvd.HybridOptimizer(make_inner("sgd", m), m.named_parameters())
+    except hvd.HpcdlError as exc:
+        assert "ranks disagree on the model" in str(exc), exc
+    else:
+        raise AssertionError("different models on the workers were accepted")
+    m = model()
+    try:
+        hvd.HybridOptimizer(make_inner("sgd", m), m.named_parameters(), partition_bytes=64 + 8 * r)
+    except hvd.HpcdlError as exc:
+        assert "ranks disagree on partition_bytes" in str(exc), exc
+    else:
+        raise AssertionError("different partition_bytes on the workers were accepted")
+    for kwargs, pattern in (
+        ({"mode": "bsp"}, "mode='bsp' must be one of"),
+        ({"mode": "ssp", "staleness": -1}, "staleness=-1 must be an integer >= 0"),
+        ({"partition_bytes": 0}, "partition_bytes=0 must be a positive integer"),
+        ({"mode": "ssp", "op": hvd.Sum}, "op must be Average"),
+    ):
+        try:
+            hvd.HybridOptimizer(make_inner("sgd", m), m.named_parameters(), **kwargs)
+        except hvd.HpcdlArgumentError as exc:
+            assert pattern in str(exc), (pattern, exc)
+        else:
+            raise AssertionError(f"{kwargs} was accepted")
+    opt = hvd.HybridOptimizer(make_inner("sgd", m), m.named_parameters())
+    train(opt, m, batches(3))
+    same_on_every_worker(m)
+    opt.close()
+    print("OK errors", flush=True)
+
+
+def stall() -> None:
+    """ssp s=0: a worker far behind makes the server name it after the warning time."""
+    m = model()
+    opt = hvd.HybridOptimizer(make_inner("sgd", m), m.named_parameters(), mode="ssp", staleness=0)
+    if hvd.rank() == 1:
+        time.sleep(3.5)
+    train(opt, m, batches(2))
+    opt.close()
+    print("OK stall", flush=True)
+
+
+def serve_forever() -> None:
+    """Train slowly until killed (the test kills a server)."""
+    m = model()
+    opt = hvd.HybridOptimizer(make_inner("sgd", m), m.named_parameters(), mode="sync")
+    if hvd.rank() == 0:
+        print("SERVER_PID", hvd.state.current().ps.where[0][1], flush=True)
+    for _ in range(100000):
+        train(opt, m, batches(1))
+        time.sleep(0.05)
+
+
+def init_errors() -> None:
+    """ps_servers that disagree between ranks, or leave no worker, raise on every rank
+    before any rank starts serving; then a plain runtime starts."""
+    from mpi4py import MPI
+
+    world = MPI.COMM_WORLD
+    for k, pattern in ((world.rank % 2, "every rank needs the same ps_servers"), (world.size, "leaves no worker")):
+        try:
+            hvd.init(ps_servers=k)
+        except hvd.HpcdlError as exc:
+            assert pattern in str(exc), exc
+        else:
+            raise AssertionError(f"init(ps_servers={k}) was accepted")
+    hvd.init()
+    assert hvd.size() == world.size
+    print("OK init_errors", flush=True)
+
+
+def main() -> None:
+    scenario, *args = sys.argv[1:]
+    if scenario == "init_errors":
+        init_errors()
+        hvd.shutdown()
+        return
+    hvd.init()
+    arg = args[0] if args else None
+    {
+        "equivalence": lambda: equivalence(arg),
+        "straggler": lambda: straggler(arg),
+        "checkpoint": lambda: checkpoint(arg or "ssp"),
+        "errors": errors,
+        "stall": stall,
+        "forever": serve_forever,
+    }[scenario]()
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

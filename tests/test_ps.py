@@ -1,0 +1,135 @@
+"""The parameter-server hybrid (hpcdl.ps, HybridOptimizer): the partition layout against
+its invariants, then whole jobs under mpiexec (tests/ps_job.py) with dedicated servers
+(HPCDL_PS_SERVERS), on simulated nodes (HPCDL_RANKS_PER_NODE) and with co-located ones:
+sync equals DistributedOptimizer and ssp with s=0 equals sync (float64, 20 steps);
+bounded staleness under a straggler; async progress past a stalled worker; checkpoints
+that resume bitwise; bad input on every rank; stalls named; a dead server ends the job."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+from conftest import mpiexec_job, mpiexec_start
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hpcdl.ps import Layout
+
+JOB = ["tests/ps_job.py"]
+
+
+# -- the layout --------------------------------------------------------------------------------
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(
+    numels=st.lists(st.integers(1, 5000), min_size=1, max_size=6),
+    node_ranks=st.integers(1, 4),
+    servers=st.integers(1, 5),
+    partition_bytes=st.integers(1, 4096),
+    itemsize=st.sampled_from([2, 4, 8]),
+)
+def test_partitions_cover_every_element_once_within_the_cap_and_balance_the_servers(
+    numels, node_ranks, servers, partition_bytes, itemsize
+):
+    lay = Layout(numels, itemsize, node_ranks, servers, partition_bytes)
+    per = max(1, partition_bytes // itemsize)
+    for b, n in enumerate(numels):
+        m = lay.shard_numels[b]
+        assert m * node_ranks >= n > (m - 1) * node_ranks  # whole shards, less than one of padding
+        for shard in range(node_ranks):
+            covered = sorted((p.lo, p.hi) for p in lay.of_bucket(b, shard))
+            assert covered[0][0] == 0 and covered[-1][1] == m
+            assert all(a[1] == c[0] for a, c in zip(covered, covered[1:], strict=False))  # contiguous, no overlap
+    assert all(0 < p.numel <= per and 0 <= p.server < servers for p in lay.pieces)
+    load = [sum(p.numel * itemsize for p in lay.of_server(s)) for s in range(servers)]
+    assert load == lay.server_bytes
+    largest = max(p.numel for p in lay.pieces) * itemsize
+    assert max(load) - min(load) <= largest  # largest first onto the lightest server
+
+
+def test_the_layout_is_the_same_whatever_computes_it():
+    a = Layout([1000, 17, 4096], 4, 2, 3, 1024)
+    b = Layout([1000, 17, 4096], 4, 2, 3, 1024)
+    # shards of 500, 9 and 2048 elements, cut every 256: 2, 1 and 8 partitions per shard
+    assert a.pieces == b.pieces and len(a.pieces) == 2 * (2 + 1 + 8)
+
+
+# -- whole jobs --------------------------------------------------------------------------------
+SHAPES = {
+    "2 workers + 1 server": (3, {"HPCDL_PS_SERVERS": "1"}, []),
+    "2 nodes x 2 workers + 2 servers": (6, {"HPCDL_PS_SERVERS": "2", "HPCDL_RANKS_PER_NODE": "2"}, []),
+    "co-located, 2 nodes x 1 worker": (2, {"HPCDL_RANKS_PER_NODE": "1"}, ["colocated"]),
+    "co-located, 1 node x 2 workers": (2, {}, ["colocated"]),
+}
+
+
+def run(scenario: list[str], n: int, env: dict[str, str], workers: int, timeout: float = 150) -> str:
+    proc = mpiexec_job(JOB + scenario, n=n, env=env, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert out.count(f"OK {scenario[0]}") == workers, out[-4000:]
+    return out
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_sync_equals_distributed_optimizer_and_ssp_zero_equals_sync(shape):
+    n, env, args = SHAPES[shape]
+    workers = n - int(env.get("HPCDL_PS_SERVERS", 0))
+    run(["equivalence", *args], n, env, workers)
+
+
+@pytest.mark.parametrize("shape", ["2 workers + 1 server", "co-located, 2 nodes x 1 worker"])
+def test_staleness_stays_bounded_with_a_straggler_and_async_passes_a_stalled_worker(shape):
+    n, env, args = SHAPES[shape]
+    run(["straggler", *args], n, env, 2)
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_a_checkpoint_of_the_servers_state_resumes_bitwise(mode):
+    run(["checkpoint", mode], 3, {"HPCDL_PS_SERVERS": "1"}, 2)
+
+
+@pytest.mark.parametrize("shape", ["2 workers + 1 server", "co-located, 1 node x 2 workers"])
+def test_bad_input_raises_on_every_worker_and_the_next_optimizer_works(shape):
+    n, env, _ = SHAPES[shape]
+    run(["errors"], n, env, 2)
+
+
+def test_server_counts_that_disagree_or_leave_no_worker_raise_on_every_rank():
+    run(["init_errors"], 2, {}, 2)
+    proc = mpiexec_job(JOB + ["errors"], n=2, env={"HPCDL_PS_SERVERS": "2"}, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count("ps_servers=2 leaves no worker: the job has 2 ranks") == 2, out[-3000:]
+
+
+def test_a_worker_far_behind_is_named_by_the_server():
+    env = {"HPCDL_PS_SERVERS": "1", "HPCDL_STALL_CHECK_TIME_SECONDS": "1"}
+    out = run(["stall"], 3, env, 2)
+    assert re.search(r"parameter server 0: .* workers \[0\] wait for version 1, held back by workers \[1\]", out), out
+
+
+def test_a_killed_server_ends_the_job_and_its_pid_is_named():
+    job = mpiexec_start(JOB + ["forever"], n=3, env={"HPCDL_PS_SERVERS": "1"})
+    try:
+        pid = None
+        for line in job.stdout:
+            if line.startswith(b"SERVER_PID"):
+                pid = int(line.split()[1])
+                break
+        assert pid is not None
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        out, err = job.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if job.poll() is None:
+            job.kill()
+    text = (out + err).decode(errors="replace")
+    assert job.returncode != 0 and took < 60
+    assert re.search(rf"parameter servers 0 = rank 2 \(pid {pid} on", err.decode(errors="replace") + text)
+    assert str(pid) in text  # the launcher's report of the dead process
