@@ -60,6 +60,7 @@ def HybridOptimizer(  # noqa: N802 - a factory that looks like a class, as Distr
     process_set: ProcessSet = global_process_set,
     *,
     node_reduce: bool = True,
+    damp_stale: bool = True,
     backward_passes_per_step: int = 1,
     op: ReduceOp = Average,
     compression: type[Compressor] = Compression.none,
@@ -85,6 +86,9 @@ def HybridOptimizer(  # noqa: N802 - a factory that looks like a class, as Distr
         process_set: the workers that train together.
         node_reduce: ``sync``: reduce-scatter inside a node before pushing (the hybrid);
             False: every worker pushes its whole gradient (a pure parameter server).
+        damp_stale: ``ssp``: divide each update's step size by 1 + the mean lag (in clocks) of
+            the parameters its gradients were computed on (Zhang et al., "Staleness-aware
+            Async-SGD", 2016); False: every update takes the full step.
         backward_passes_per_step, op, bucket_bytes: as for :func:`DistributedOptimizer`
             (``op`` is ``Average`` or ``Sum``; ``ssp`` and ``async`` average).
         compression: only ``Compression.none``.
@@ -95,7 +99,7 @@ def HybridOptimizer(  # noqa: N802 - a factory that looks like a class, as Distr
     if optimizer.state:
         obj.load_state_dict_local(optimizer.state_dict())
     obj._hpcdl_setup(named_parameters, compression, backward_passes_per_step, op, 1.0, process_set, bucket_bytes)
-    obj._hybrid_setup(base, mode, staleness, servers, partition_bytes, node_reduce)
+    obj._hybrid_setup(base, mode, staleness, servers, partition_bytes, node_reduce, damp_stale)
     return obj
 
 
@@ -158,7 +162,14 @@ class HybridReducer(Reducer):
         torch.optim.Optimizer.load_state_dict(self, sd)  # type: ignore[arg-type]
 
     def _hybrid_setup(
-        self, base: type, mode: str, staleness: int, servers: str | None, partition_bytes: int, node_reduce: bool
+        self,
+        base: type,
+        mode: str,
+        staleness: int,
+        servers: str | None,
+        partition_bytes: int,
+        node_reduce: bool,
+        damp_stale: bool = True,
     ) -> None:
         if mode not in MODES:
             raise HpcdlArgumentError(f"HybridOptimizer: mode={mode!r} must be one of {MODES}")
@@ -215,6 +226,7 @@ class HybridReducer(Reducer):
             "staleness": self.staleness,
             "partition_bytes": partition_bytes,
             "node_reduce": bool(node_reduce),
+            "damp_stale": bool(damp_stale),
             "servers": where,
             "optimizer": base.__name__,
             "buckets": [[(tuple(p.shape), str(p.dtype)) for p in b.params] for b in self._buckets],
@@ -287,6 +299,7 @@ class HybridReducer(Reducer):
             "partition_bytes": partition_bytes,
             "servers": job.servers,
             "workers": self._workers_ps,
+            "damp_stale": bool(damp_stale),
         }
         if mode != "sync":
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -379,8 +392,16 @@ class HybridReducer(Reducer):
         f.reqs = reqs
 
     def _stalled(self, seconds: float) -> None:
+        """While a pull waits: a server that died ends the job naming it; a runtime shut down
+        by another rank (which will push no more) is an error here too, not a wait for ever."""
         for s in range(len(self._job.servers)):
             self._job.check_alive(s)
+        rt = state.peek()
+        if rt is None or not rt.engine.running:
+            raise HpcdlError(
+                f"{self._kind}: the runtime was shut down (by this or another rank) while this rank waited for "
+                "the parameter servers"
+            )
 
     def _unpack(self, b: Bucket, result: Any) -> None:
         f: _Flat = b.zero
@@ -388,7 +409,7 @@ class HybridReducer(Reducer):
             synchronize(f.rs)
             f.rs = None
             self._push(b)
-        wait_politely(f.reqs, self._stalled)
+        wait_politely(f.reqs, self._stalled, nap=1e-3 if self._job.dedicated else 0.0)
         f.reqs = []
         if self._L > 1:
             synchronize(allgather_into_async(f.mine, f.full, f"{self._prefix}.ag{b.index}", self._node_set))
@@ -447,16 +468,57 @@ class HybridReducer(Reducer):
         server's ``bytes`` (sent, received)."""
         return [self._job.ask(s, ("stats", self._slot)) for s in range(len(self._job.servers))]
 
+    def _updates_taken(self) -> int:
+        """The updates every partition has taken once every worker's steps so far are in
+        (collective over the process set): the common clock (``ssp``), or the sum of the
+        clocks (``async``, one update per worker step)."""
+        clocks = allgather_object(self._clock, name=f"{self._prefix}.clocks", process_set=self._process_set)
+        return max(clocks) if self.mode == "ssp" else sum(clocks)
+
+    def refresh(self) -> None:
+        """``ssp``/``async``: put the servers' newest parameters into the model, once every
+        worker's steps so far are in (collective over the process set; e.g. before an
+        evaluation, whose parameters would otherwise be up to ``staleness`` clocks old).
+        ``sync``: nothing to do."""
+        if self.mode == "sync":
+            return
+        need = self._updates_taken()
+        got: dict[int, np.ndarray] = {}
+        for s in range(len(self._job.servers)):
+            got.update(self._job.ask(s, ("params", self._slot, need)))
+        with torch.no_grad():
+            for b in self._buckets:
+                flat = torch.cat([torch.from_numpy(got[pc.index]) for pc in self._layout.of_bucket(b.index, 0)])
+                for p, v in zip(b.params, b.zero.pieces(b.params, flat), strict=True):
+                    p.copy_(v)
+
+    def ps_stats_summary(self) -> dict[str, Any]:
+        """The largest lag every server sent each worker, and how often each lag was sent
+        (``{"max_lag": {worker: lag}, "lag_counts": {lag: replies}}``)."""
+        stats = self.ps_stats()
+        workers = sorted({w for st in stats for w in st["lags"]})
+        counts: dict[int, int] = {}
+        for st in stats:
+            for (_, lag), k in st["lag_counts"].items():
+                counts[lag] = counts.get(lag, 0) + k
+        return {
+            "max_lag": {w: max(st["lags"].get(w, 0) for st in stats) for w in workers},
+            "lag_counts": dict(sorted(counts.items())),
+        }
+
     def state_dict(self) -> dict[str, Any]:
         """``sync``: the wrapped optimizer's own state. ``ssp``/``async``: the servers' state
         of every partition consolidated into the wrapped optimizer's format, as if one
-        optimizer held it, with the servers' parameters (``ps_params``) and version
-        (``ps_version``). Every rank of the process set gets the whole state."""
+        optimizer held it, with the servers' parameters (``ps_params``), their version
+        (``ps_version``: updates taken) and the workers' clock (``ps_clock``). Collective
+        over the process set: it waits until every worker's steps so far are in; every
+        rank gets the whole state."""
         if self.mode == "sync":
             return super().state_dict()  # type: ignore[misc]
+        need = self._updates_taken()
         got: dict[int, Any] = {}
         for s in range(len(self._job.servers)):
-            got.update(self._job.ask(s, ("state", self._slot)))
+            got.update(self._job.ask(s, ("state", self._slot, need)))
         params = [p for g in self.param_groups for p in g["params"]]
         index = {p: i for i, p in enumerate(params)}
         st: dict[int, dict[str, Any]] = {}
@@ -483,7 +545,13 @@ class HybridReducer(Reducer):
             hyper = {k: v for k, v in g.items() if k != "params"}
             groups.append({**hyper, "params": list(range(start, start + len(g["params"])))})
             start += len(g["params"])
-        return {"state": st, "param_groups": groups, "ps_params": values, "ps_version": version}
+        return {
+            "state": st,
+            "param_groups": groups,
+            "ps_params": values,
+            "ps_version": version,
+            "ps_clock": self._clock,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load :meth:`state_dict`'s format (or, for ``sync``, the plain optimizer's).
@@ -500,6 +568,7 @@ class HybridReducer(Reducer):
             g.update({k: v for k, v in s.items() if k != "params"})
         values = state_dict.get("ps_params", {})
         version = int(state_dict.get("ps_version", 0))
+        clock = int(state_dict.get("ps_clock", version))
         with torch.no_grad():
             for p in params:
                 v = values.get(ids[index[p]])
@@ -528,9 +597,9 @@ class HybridReducer(Reducer):
                     }
                     per_server[pc.server][pc.index] = (flat[pc.lo : pc.hi].numpy().copy(), st, version)
             for s, pieces in per_server.items():
-                self._job.ask(s, ("load", self._slot, pieces))
+                self._job.ask(s, ("load", self._slot, pieces, clock))
         barrier(process_set=self._process_set)
-        self._clock = version
+        self._clock = clock
 
     def close(self) -> None:
         """Release this optimizer's partitions on the servers (collective over the process

@@ -16,7 +16,8 @@ short naps, so a server that shares cores with workers does not take one of them
   clock ``t`` is sent the parameters once their version is at least ``t + 1 - s``: it
   misses at most ``s`` clocks of the others' updates, and waits only when it is more than
   ``s`` clocks ahead of the slowest worker. ``s = 0`` is ``sync`` with the update on the
-  server.
+  server. A step whose gradients were computed on parameters ``lag`` clocks old (on
+  average over the workers) takes a step size divided by ``1 + lag``.
 - ``async``: each worker's gradient is stepped as it comes (divided by the number of
   workers) and the parameters sent back at once.
 
@@ -95,6 +96,9 @@ class _Table:
         self.next_clock = {(p.index, c): 0 for p in self.pieces for c in self.contrib[p.index]}
         self.pending: dict[int, dict[int, dict[int, torch.Tensor]]] = {p.index: {} for p in self.pieces}
         self.owed: dict[int, list[tuple[int, int]]] = {p.index: [] for p in self.pieces}
+        self.lag_of: dict[int, dict[tuple[int, int], int]] = {p.index: {} for p in self.pieces}
+        """Per partition, (worker, clock) -> the lag of the parameters its gradient of that
+        clock was computed on (what the reply before it sent)."""
         self.waiting_since: dict[int, float] = {}
         self.workers = spec["workers"]
         self.hyper_len = sum(n for _, _, n in self.hyper_keys)
@@ -118,11 +122,17 @@ class _Table:
                 group[key] = float(vals[0]) if n == 1 and not isinstance(group[key], tuple) else tuple(map(float, vals))
             at += n
 
-    def _step(self, piece: Piece, grad: torch.Tensor, hyper: np.ndarray) -> None:
+    def _step(self, piece: Piece, grad: torch.Tensor, hyper: np.ndarray, lag: float = 0.0) -> None:
+        """One update of ``piece``; ``lag``: the mean staleness (in clocks) of the parameters
+        the gradients were computed on. Unless the table turned it off, the step size is
+        divided by ``1 + lag`` (the staleness-dependent step of Zhang et al., "Staleness-aware
+        Async-SGD", IJCAI 2016): fresh gradients step as in ``sync``."""
         i = piece.index
         MPI.Request.Waitall(self.sends[i])  # replies still being sent read the parameters
         self.sends[i] = []
         self._apply_hyper(piece, hyper)
+        if lag > 0.0 and self.spec.get("damp_stale", True):
+            self.opts[i].param_groups[0]["lr"] /= 1.0 + lag
         param = self.params[i]
         param.grad = grad
         self.opts[i].step()
@@ -203,13 +213,15 @@ class _Table:
                 for c in who[1:]:
                     grad.add_(got[c])
                 grad.div_(len(who))
-                self._step(piece, grad, hyper)
+                lags = [self.lag_of[i].pop((c, v), 0) for c in who]
+                self._step(piece, grad, hyper, sum(lags) / len(lags))
                 del pend[v]
             still = []
             for c, t in self.owed[i]:
                 v = self.version[i]
                 if v >= t + 1 - self.s:
                     self._reply(piece, c, self.params[i].detach(), lag=t + 1 - v)
+                    self.lag_of[i][c, t + 1] = t + 1 - v
                 else:
                     still.append((c, t))
             self.owed[i] = still
@@ -264,6 +276,14 @@ class _Table:
         return out
 
     # -- checkpoints ---------------------------------------------------------------------------
+    def reached(self, need: int) -> bool:
+        """Whether every partition here has taken ``need`` updates (``sync``: always)."""
+        return self.mode == "sync" or all(v >= need for v in self.version.values())
+
+    def params_now(self) -> dict[int, np.ndarray]:
+        """Every partition's parameters (``ssp``, ``async``)."""
+        return {p.index: self.params[p.index].detach().numpy().copy() for p in self.pieces}
+
     def state(self) -> dict[int, Any]:
         if self.mode == "sync":
             return {}
@@ -278,7 +298,9 @@ class _Table:
             )
         return out
 
-    def load(self, pieces: dict[int, Any]) -> None:
+    def load(self, pieces: dict[int, Any], clock: int) -> None:
+        """Take the partitions' parameters, optimizer state and version from a checkpoint
+        whose workers stood at ``clock`` (their next pushes are of that clock)."""
         for p in self.pieces:
             i = p.index
             param, st, version = pieces[i]
@@ -290,9 +312,9 @@ class _Table:
             self.pending[i].clear()
             self.owed[i].clear()
             for c in self.contrib[i]:
-                self.next_clock[i, c] = version
+                self.next_clock[i, c] = clock
         for c in self.workers:
-            self.hyper_clock[c] = min(self.version.values()) if self.version else 0
+            self.hyper_clock[c] = clock
         self.hyper.clear()
 
     def close(self) -> None:
@@ -319,6 +341,7 @@ class Server:
         self.stall_seconds = stall_seconds
         self._reqs: list[Any] | None = None
         self._what: list[tuple[_Table, tuple]] = []
+        self.deferred: list[tuple[int, str, int, int]] = []  # (worker, kind, slot, version needed)
 
     def serve(self) -> None:
         """Serve until every worker said goodbye."""
@@ -341,6 +364,7 @@ class Server:
                     self._reqs = None
                     for table, w in what:
                         table.arrived_from(w)
+                    self._answer_deferred()
             if busy:
                 sleep = 0.0
                 continue
@@ -380,12 +404,12 @@ class Server:
                 t.close()
                 self._reqs = None
             self.comm.send(("ok", None), dest=src, tag=CTRL_REPLY)
-        elif kind == "state":
-            t = self.tables[msg[1]]
-            self.comm.send(("ok", t.state()), dest=src, tag=CTRL_REPLY)
+        elif kind in ("state", "params"):  # once every partition has taken the updates asked for
+            self.deferred.append((src, kind, msg[1], msg[2]))
+            self._answer_deferred()
         elif kind == "load":
             t = self.tables[msg[1]]
-            t.load(msg[2])
+            t.load(msg[2], msg[3])
             self.comm.send(("ok", None), dest=src, tag=CTRL_REPLY)
         elif kind == "stats":
             t = self.tables[msg[1]]
@@ -394,6 +418,16 @@ class Server:
             self.comm.send(("ok", stats), dest=src, tag=CTRL_REPLY)
         else:
             self.comm.send(("error", f"parameter server: unknown request {kind!r}"), dest=src, tag=CTRL_REPLY)
+
+    def _answer_deferred(self) -> None:
+        still = []
+        for src, kind, slot, need in self.deferred:
+            t = self.tables[slot]
+            if t.reached(need):
+                self.comm.send(("ok", t.state() if kind == "state" else t.params_now()), dest=src, tag=CTRL_REPLY)
+            else:
+                still.append((src, kind, slot, need))
+        self.deferred = still
 
     def _register(self, slot: int, specs: dict[int, dict]) -> None:
         first = specs[min(specs)]

@@ -61,8 +61,10 @@ def wait_politely(
 ) -> None:
     """Wait for every request in ``reqs`` without holding a core: poll, and once nothing
     has completed for ``spin`` seconds sleep between polls, up to ``nap`` seconds (a
-    rank that waits on a server shares the machine with it). ``stall(seconds)`` is called
-    about once a second while the wait goes on."""
+    rank that waits on a server shares the machine with it). ``nap=0`` only yields the
+    interpreter between polls: for a process whose own thread serves the requests (a
+    co-located server), which a napping waiter would have to win the GIL back from at
+    every wake-up. ``stall(seconds)`` is called about once a second while the wait goes on."""
     if not reqs:
         return
     if MPI.Request.Testall(reqs):
@@ -72,7 +74,7 @@ def wait_politely(
     while not MPI.Request.Testall(reqs):
         now = time.perf_counter()
         if now - start > spin:
-            sleep = min(nap, max(sleep * 2, 20e-6))
+            sleep = min(nap, max(sleep * 2, 20e-6)) if nap else 0.0
             time.sleep(sleep)
         if stall is not None and now - told >= 1.0:
             told = now

@@ -20,7 +20,7 @@ def _say_once(text: str) -> None:
 def _dry_run(cfg) -> None:
     import hpcdl as hvd
 
-    from .launch import launcher, layout, pick_device
+    from .launch import launcher, layout, pick_device, servers
     from .loop import build_grid, init_runtime
 
     init_runtime(cfg)
@@ -39,6 +39,8 @@ def _dry_run(cfg) -> None:
                 f"{r['rank']:>5} {r['local_rank']:>4}/{r['local_size']:<1} {r['node']:>5}  {d:>3} {t:>3} {p:>3}  "
                 f"{r['device']:<7} {r['host']} ({r['pid']})"
             )
+        for srv in servers(hvd).get("servers", []):
+            print(f"{srv['rank']:>5} parameter server          {'':<7} {srv['host']} ({srv['pid']})")
     if grid:
         grid.close()
     hvd.shutdown()

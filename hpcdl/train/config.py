@@ -70,6 +70,19 @@ class TrainConfig:
     momentum: float = _field(0.9, "SGD momentum", min=0.0)
     weight_decay: float = _field(0.0, "weight decay (decoupled for adamw)", min=0.0)
     zero: Literal[0, 1, 2] = _field(0, "0: DistributedOptimizer; 1 or 2: ZeroOptimizer of that stage")
+    # data parallelism through parameter servers (HybridOptimizer)
+    dp: Literal["allreduce", "ps"] = _field(
+        "allreduce",
+        "allreduce: gradients allreduced over the ranks; ps: through parameter servers (HybridOptimizer), the "
+        "last --ps-servers ranks dedicated ones, or with --ps-servers 0 a server thread on every node leader",
+    )
+    ps_mode: Literal["sync", "ssp", "async"] = _field(
+        "sync",
+        "dp=ps: sync sums every worker each step; ssp lets a worker run up to --staleness steps ahead of the "
+        "slowest (the update runs on the servers); async has no bound",
+    )
+    staleness: int = _field(4, "dp=ps, ps_mode=ssp: steps of the others' updates a worker's parameters may miss", min=0)
+    ps_partition_bytes: int = _field(4 << 20, "dp=ps: the most bytes in one server partition", min=1)
     # model parallelism (gpt): a dp x tp x pp grid, dp = world size / (tp x pp)
     tp: int = _field(1, "gpt: tensor-parallel ranks (attention heads, MLP and vocabulary split over them)", min=1)
     pp: int = _field(1, "gpt: pipeline stages (the embeddings, blocks and head cut into pp stages)", min=1)
@@ -148,6 +161,7 @@ class TrainConfig:
                 f"activation_checkpointing applies to the transformer blocks of model='gpt', not model={self.model!r}"
             )
         self._validate_grid()
+        self._validate_ps()
         if self.precision == "fp16" and self.zero == 2:
             raise ConfigError(
                 "precision='fp16' needs the full gradients to unscale them, which zero=2 does not keep; "
@@ -159,6 +173,23 @@ class TrainConfig:
             raise ConfigError("resume needs run_dir: the run directory whose newest checkpoint to continue from")
         if self.resume and self.overwrite:
             raise ConfigError("resume continues the run in run_dir and overwrite deletes its checkpoints: pass one")
+
+    def _validate_ps(self) -> None:
+        """The relations the parameter-server fields need (the world size is checked at start)."""
+        if self.dp != "ps":
+            if self.runtime.ps_servers:
+                k = self.runtime.ps_servers
+                raise ConfigError(f"ps_servers={k} dedicates ranks to parameter servers, which only dp='ps' uses")
+            return
+        if self.zero:
+            raise ConfigError(f"dp='ps' sends gradients to parameter servers; zero={self.zero} shards them: use one")
+        if self.tp * self.pp > 1 or self.chunks > 1:
+            raise ConfigError("dp='ps' trains the whole model on each worker: it does not run on a tp/pp grid")
+        if self.precision == "fp16" and self.ps_mode != "sync":
+            raise ConfigError(
+                f"precision='fp16' unscales the gradients on the workers, but ps_mode={self.ps_mode!r} steps on the "
+                "servers: use ps_mode='sync', or precision='bf16'"
+            )
 
     def _validate_grid(self) -> None:
         """The relations the model-parallel fields need (the world size is checked at start)."""

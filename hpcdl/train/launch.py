@@ -13,7 +13,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["launcher", "launcher_size", "check_world", "layout", "pick_device"]
+__all__ = ["launcher", "launcher_size", "check_world", "layout", "pick_device", "servers"]
 
 # (launcher, a variable only it sets, the variable holding the task count), looked at in
 # this order: hydra's and Open MPI's ranks inside a Slurm allocation still see SLURM_*, and
@@ -89,3 +89,11 @@ def layout(hvd: Any, device: Any = None) -> list[dict[str, Any]]:
         "device": str(device) if device is not None else "cpu",
     }
     return hvd.allgather_object(me)
+
+
+def servers(hvd: Any) -> dict[str, Any]:
+    """The job's dedicated parameter servers (their rank, host and pid), when it has them."""
+    job = hvd.state.current().ps
+    if job is None:
+        return {}
+    return {"servers": [{"rank": r, "host": h, "pid": p} for r, (h, p) in zip(job.servers, job.where, strict=True)]}

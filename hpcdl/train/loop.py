@@ -27,7 +27,7 @@ from hpcdl.parallel.dense import gather_dense, gather_dense_optimizer, load_dens
 from . import checkpoint as ckpt
 from .config import RunError, TrainConfig
 from .data import ShardedOrder, Split, corpus, digits, eval_indices
-from .launch import check_world, launcher, layout, pick_device
+from .launch import check_world, launcher, layout, pick_device, servers
 from .models import GPT, DigitsCNN, DigitsMLP, parallel_gpt, parallel_gpt_loss, wide
 from .report import Metrics, plot, write_json
 
@@ -188,7 +188,13 @@ class Trainer:
         common = dict(named_parameters=self.model.named_parameters(), backward_passes_per_step=self.passes)
         if self.grid:
             common["process_set"] = self.grid.dp_group
-        if cfg.zero:
+        # ssp and async workers run apart: no collective may tie their steps together
+        self.apart = cfg.dp == "ps" and cfg.ps_mode != "sync"
+        if cfg.dp == "ps":
+            self.opt = hvd.HybridOptimizer(
+                inner, mode=cfg.ps_mode, staleness=cfg.staleness, partition_bytes=cfg.ps_partition_bytes, **common
+            )
+        elif cfg.zero:
             self.opt = hvd.ZeroOptimizer(inner, stage=cfg.zero, **common)
         else:
             self.opt = hvd.DistributedOptimizer(inner, **common)
@@ -258,8 +264,9 @@ class Trainer:
                 scaled = loss * share
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             loss_sum += loss.detach().double() * len(idx)
-        # the ranks of a replica agree on its loss: the world's average is the replicas'
-        mean = hvd.allreduce_async(loss_sum / total, op=hvd.Average, name="train.loss")
+        # the ranks of a replica agree on its loss: the world's average is the replicas' (ssp
+        # and async workers log their own, which averaging would hold in step)
+        mean = None if self.apart else hvd.allreduce_async(loss_sum / total, op=hvd.Average, name="train.loss")
         t = time.perf_counter()
         self.opt.synchronize()
         if self.cfg.sequence_parallel:  # the layer norms saw this rank's part of the sequence
@@ -275,7 +282,7 @@ class Trainer:
         if self.opt.backward_passes_per_step != self.passes:
             self.opt.set_backward_passes_per_step(self.passes)
         self.samples += total * self.replicas
-        return float(hvd.synchronize(mean))
+        return float(loss_sum / total) if mean is None else float(hvd.synchronize(mean))
 
     def _pipeline_step(self, x: torch.Tensor, y: torch.Tensor, share: float) -> torch.Tensor:
         """Forward and backward of one batch through the pipeline, its gradients weighted by
@@ -287,7 +294,10 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Loss (and accuracy for digits) over the whole held-out split, shared by the ranks."""
+        """Loss (and accuracy for digits) over the whole held-out split, shared by the ranks
+        (with ssp or async, of the servers' newest parameters)."""
+        if self.apart:
+            self.opt.refresh()
         self.model.eval()
         idx = eval_indices(len(self.test_set), self.replicas, self.replica)
         sums = torch.zeros(3, dtype=torch.float64)  # loss x targets, correct, targets
@@ -406,7 +416,7 @@ class Trainer:
         if self.rank == 0:
             ckpt.remove_partial(ck_dir)
             write_json(os.path.join(run_dir, "config.json"), cfg.to_dict())
-            write_json(os.path.join(run_dir, "ranks.json"), {"launcher": launcher(), "ranks": ranks})
+            write_json(os.path.join(run_dir, "ranks.json"), {"launcher": launcher(), "ranks": ranks, **servers(hvd)})
             metrics = Metrics(os.path.join(run_dir, "metrics.jsonl"), self.step if resumed_from else None)
         if cfg.timeline:
             hvd.start_timeline(cfg.timeline)
@@ -487,7 +497,10 @@ class Trainer:
             "checkpoint": ckpt.latest(ck_dir) if self.rank == 0 else None,
             "parameters": sum(math.prod(s) for s in self.dense_shapes.values()),
             "grid": dict(zip(("dp", "tp", "pp"), self.shape, strict=True)),
+            "dp": cfg.dp if cfg.dp == "allreduce" else f"ps {cfg.ps_mode}",
         }
+        if self.apart:
+            summary["staleness"] = self.opt.ps_stats_summary()
         if cfg.model == "gpt":  # what the model learned to write
             summary["sample"] = self._sample(b"The ", 120)
         if self.rank == 0:
@@ -500,7 +513,10 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        """Free the pipeline's communicator and the grid's process sets (collective)."""
+        """Free the pipeline's communicator and the grid's process sets, or the parameter
+        servers' tables (collective)."""
+        if self.cfg.dp == "ps":
+            self.opt.close()
         if self.grid:
             self.model.close()
             self.grid.close()
