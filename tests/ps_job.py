@@ -218,6 +218,45 @@ def serve_forever() -> None:
         time.sleep(0.05)
 
 
+def train_resume(mode: str) -> None:
+    """hpcdl.train with --dp ps: a run stopped after a checkpoint and resumed ends bitwise
+    where an uninterrupted one does (the servers' state travels in the checkpoint)."""
+    import os
+    import tempfile
+
+    from hpcdl.train import checkpoint as ckpt
+    from hpcdl.train.config import TrainConfig
+    from hpcdl.train.loop import run
+
+    class StopError(Exception):
+        pass
+
+    def stop(step: int) -> None:
+        if step == 10:  # checkpoints at 4 and 8: steps 9 and 10 are lost
+            raise StopError
+
+    root = hvd.broadcast_object(tempfile.mkdtemp(prefix="hpcdl-ps-") if hvd.rank() == 0 else None, 0)
+    base = dict(
+        model="mlp", dp="ps", ps_mode=mode, staleness=0, epochs=2, max_steps=14, checkpoint_every=4, progress=False
+    )
+    whole = run(TrainConfig(run_dir=os.path.join(root, "whole"), **base))
+    parted = os.path.join(root, "parted")
+    try:
+        run(TrainConfig(run_dir=parted, **base), on_step=stop)
+    except StopError:
+        pass
+    resumed = run(TrainConfig(run_dir=parted, resume=True, **base))
+    if hvd.rank() == 0:
+        assert ckpt.steps_in(os.path.join(parted, "checkpoints"))[-1] == 14
+        assert resumed["resumed_from"].endswith("step-00000008.pt"), resumed["resumed_from"]
+        a = torch.load(whole["checkpoint"], weights_only=True)
+        b = torch.load(resumed["checkpoint"], weights_only=True)
+        for k, v in a["model"].items():
+            assert torch.equal(b["model"][k], v), k
+        assert whole["final"] == resumed["final"], (whole["final"], resumed["final"])
+    print("OK train_resume", flush=True)
+
+
 def init_errors() -> None:
     """ps_servers that disagree between ranks, or leave no worker, raise on every rank
     before any rank starts serving; then a plain runtime starts."""
@@ -249,6 +288,7 @@ def main() -> None:
         "straggler": lambda: straggler(arg),
         "checkpoint": lambda: checkpoint(arg or "ssp"),
         "errors": errors,
+        "train_resume": lambda: train_resume(arg or "ssp"),
         "stall": stall,
         "forever": serve_forever,
     }[scenario]()

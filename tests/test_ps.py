@@ -7,6 +7,7 @@ that resume bitwise; bad input on every rank; stalls named; a dead server ends t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -18,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpcdl.ps import Layout
+from hpcdl.train.config import ConfigError, parse_config
 
 JOB = ["tests/ps_job.py"]
 
@@ -133,3 +135,44 @@ def test_a_killed_server_ends_the_job_and_its_pid_is_named():
     assert job.returncode != 0 and took < 60
     assert re.search(rf"parameter servers 0 = rank 2 \(pid {pid} on", err.decode(errors="replace") + text)
     assert str(pid) in text  # the launcher's report of the dead process
+
+
+# -- the training job ------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "shape, mode, least",
+    [
+        ("2 workers + 1 server", "sync", 0.97),
+        ("2 nodes x 2 workers + 2 servers", "sync", 0.97),
+        # ssp's result depends on timing (how stale each pull is): the 97% bar is measured by
+        # benchmarks/ps_vs_allreduce.py; this guards against a broken ssp with some margin
+        ("2 workers + 1 server", "ssp", 0.96),
+    ],
+)
+def test_the_default_digits_run_trains_through_parameter_servers(tmp_path, shape, mode, least):
+    n, env, _ = SHAPES[shape]
+    args = ["-m", "hpcdl.train", "--dp", "ps", "--ps-mode", mode, "--no-progress", "--run-dir", str(tmp_path)]
+    proc = mpiexec_job(args, n=n, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["dp"] == f"ps {mode}" and summary["world_size"] == n - int(env["HPCDL_PS_SERVERS"])
+    assert summary["final"]["accuracy"] >= least, summary["final"]
+    ranks = json.loads((tmp_path / "ranks.json").read_text())
+    assert [s["rank"] for s in ranks["servers"]] == list(range(summary["world_size"], n))
+    if mode == "ssp":
+        assert max(int(v) for v in summary["staleness"]["max_lag"].values()) <= 4
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_the_training_job_resumes_bitwise_through_parameter_servers(mode):
+    run(["train_resume", mode], 3, {"HPCDL_PS_SERVERS": "1"}, 2, timeout=240)
+
+
+def test_parameter_server_options_that_cannot_work_are_refused_before_work():
+    for argv, text in (
+        (["--ps-servers", "1"], "only dp='ps' uses"),
+        (["--dp", "ps", "--zero", "2"], "zero=2 shards them"),
+        (["--dp", "ps", "--model", "gpt", "--tp", "2"], "does not run on a tp/pp grid"),
+        (["--dp", "ps", "--ps-mode", "async", "--precision", "fp16"], "steps on the servers"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(text)):
+            parse_config(argv, environ={})
