@@ -53,18 +53,25 @@ def _raw(buf: np.ndarray) -> np.ndarray:
 
 
 class MPITransport:
-    """A :class:`Transport` over an mpi4py communicator, using buffer calls only."""
+    """A :class:`Transport` over an mpi4py communicator, using buffer calls only.
+
+    ``sent`` and ``received`` count the bytes of the point-to-point messages it started
+    (shared-memory traffic is not counted: it is copies, not messages)."""
 
     def __init__(self, comm: MPI.Comm) -> None:
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self._windows: list[MPI.Win] = []
+        self.sent = 0
+        self.received = 0
 
     def isend(self, buf: np.ndarray, dest: int, tag: int) -> MPI.Request:
+        self.sent += buf.nbytes
         return self.comm.Isend(_raw(buf), dest, tag)
 
     def irecv(self, buf: np.ndarray, source: int, tag: int) -> MPI.Request:
+        self.received += buf.nbytes
         return self.comm.Irecv(_raw(buf), source, tag)
 
     def split(self, color: int, key: int) -> MPITransport:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -279,6 +280,8 @@ class HybridReducer(Reducer):
         self._tags = Tags(self._slot, len(self._layout.pieces))
         self._n = len(members)
         self._clock = 0
+        self.wait_seconds = 0.0
+        """Seconds this worker has waited for the servers' replies (after pushing)."""
         self._hyper_sent = False
         self._hyper_reqs: list[Any] = []
         lay = self._layout
@@ -409,7 +412,9 @@ class HybridReducer(Reducer):
             synchronize(f.rs)
             f.rs = None
             self._push(b)
+        t0 = time.perf_counter()
         wait_politely(f.reqs, self._stalled, nap=1e-3 if self._job.dedicated else 0.0)
+        self.wait_seconds += time.perf_counter() - t0
         f.reqs = []
         if self._L > 1:
             synchronize(allgather_into_async(f.mine, f.full, f"{self._prefix}.ag{b.index}", self._node_set))
@@ -458,14 +463,30 @@ class HybridReducer(Reducer):
 
     # -- statistics, state and the end ---------------------------------------------------------
     @property
+    def node_set(self) -> ProcessSet | None:
+        """The process set of this worker's node that buckets are reduce-scattered over
+        before pushing (None without node reduction)."""
+        return self._node_set
+
+    @property
+    def layout(self) -> Layout:
+        """The buckets' shards and partitions (:class:`hpcdl.ps.Layout`)."""
+        return self._layout
+
+    @property
+    def job(self) -> PSJob:
+        """The servers this optimizer talks to (its ``counter`` holds this worker's bytes)."""
+        return self._job
+
+    @property
     def clock(self) -> int:
         """Steps this worker has taken (its clock)."""
         return self._clock
 
     def ps_stats(self) -> list[dict[str, Any]]:
         """Every server's record of this optimizer: ``lags`` (worker -> the largest lag of
-        parameters sent to it: its clock minus their version), ``lag_counts`` and the
-        server's ``bytes`` (sent, received)."""
+        parameters sent to it: its clock minus their version), ``lag_counts``, the server's
+        ``bytes`` (sent, received) and ``cpu_s`` (its process's CPU time so far)."""
         return [self._job.ask(s, ("stats", self._slot)) for s in range(len(self._job.servers))]
 
     def _updates_taken(self) -> int:

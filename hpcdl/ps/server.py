@@ -100,6 +100,11 @@ class _Table:
         """Per partition, (worker, clock) -> the lag of the parameters its gradient of that
         clock was computed on (what the reply before it sent)."""
         self.waiting_since: dict[int, float] = {}
+        # replies are sent from a copy of the parameters taken once per version, so an update
+        # never waits for a reply still on its way (to a worker that is computing, say, and
+        # not progressing MPI): one slow worker would otherwise stall every partition
+        self.snaps: dict[int, tuple[int, torch.Tensor, list[Any]]] = {}
+        self.retiring: list[tuple[int, torch.Tensor, list[Any]]] = []
         self.workers = spec["workers"]
         self.hyper_len = sum(n for _, _, n in self.hyper_keys)
         self.hyper: dict[tuple[int, int], np.ndarray] = {}  # (worker, clock) -> the step's hyperparameters
@@ -128,8 +133,6 @@ class _Table:
         divided by ``1 + lag`` (the staleness-dependent step of Zhang et al., "Staleness-aware
         Async-SGD", IJCAI 2016): fresh gradients step as in ``sync``."""
         i = piece.index
-        MPI.Request.Waitall(self.sends[i])  # replies still being sent read the parameters
-        self.sends[i] = []
         self._apply_hyper(piece, hyper)
         if lag > 0.0 and self.spec.get("damp_stale", True):
             self.opts[i].param_groups[0]["lr"] /= 1.0 + lag
@@ -140,7 +143,19 @@ class _Table:
         self.version[i] += 1
 
     def _reply(self, piece: Piece, c: int, data: torch.Tensor, lag: int | None = None) -> None:
-        self.sends[piece.index].append(self.comm.Isend(as_bytes(data), c, self.tags.reply(piece.index)))
+        """Send ``data`` (a sum) to worker ``c``; with ``lag``, the partition's parameters
+        instead, from this version's snapshot, recording the lag."""
+        i = piece.index
+        if lag is not None:
+            snap = self.snaps.get(i)
+            if snap is None or snap[0] != self.version[i]:
+                if snap is not None and snap[2]:
+                    self.retiring.append(snap)
+                snap = self.snaps[i] = (self.version[i], self.params[i].detach().clone(), [])
+            data = snap[1]
+            snap[2].append(self.comm.Isend(as_bytes(data), c, self.tags.reply(i)))
+        else:
+            self.sends[i].append(self.comm.Isend(as_bytes(data), c, self.tags.reply(i)))
         self.counter.sent += data.numel() * data.element_size()
         if lag is not None:
             self.lags[c] = max(self.lags.get(c, 0), lag)
@@ -149,6 +164,11 @@ class _Table:
     # -- arrivals ------------------------------------------------------------------------------
     def _arm(self, p: Piece, c: int) -> None:
         self.reqs[p.index, c] = self.comm.Irecv(as_bytes(self.bufs[p.index, c]), c, self.tags.push(p.index))
+
+    def retire(self) -> None:
+        """Free the snapshots whose replies have all been sent."""
+        if self.mode != "sync":
+            self.retiring = [s for s in self.retiring if not MPI.Request.Testall(s[2])]
 
     def requests(self) -> list[tuple[Any, tuple]]:
         out: list[tuple[Any, tuple]] = [(r, ("data", key)) for key, r in self.reqs.items() if r is not None]
@@ -309,6 +329,9 @@ class _Table:
             sd = self.opts[i].state_dict()
             self.opts[i].load_state_dict({"state": {0: st} if st else {}, "param_groups": sd["param_groups"]})
             self.version[i] = version
+            snap = self.snaps.pop(i, None)  # a snapshot of this version number holds other values
+            if snap is not None and snap[2]:
+                self.retiring.append(snap)
             self.pending[i].clear()
             self.owed[i].clear()
             for c in self.contrib[i]:
@@ -324,6 +347,9 @@ class _Table:
                 r.Wait()
         for sends in self.sends.values():
             MPI.Request.Waitall(sends)
+        if self.mode != "sync":
+            for snap in [*self.snaps.values(), *self.retiring]:
+                MPI.Request.Waitall(snap[2])
 
 
 class Server:
@@ -368,6 +394,8 @@ class Server:
             if busy:
                 sleep = 0.0
                 continue
+            for t in self.tables.values():
+                t.retire()
             now = time.monotonic()
             if now - last_check > 1.0:
                 last_check = now
@@ -415,6 +443,7 @@ class Server:
             t = self.tables[msg[1]]
             stats = {"lags": dict(t.lags), "lag_counts": dict(t.lag_counts)}
             stats["bytes"] = (self.counter.sent, self.counter.received)
+            stats["cpu_s"] = time.process_time()  # this process's CPU time so far
             self.comm.send(("ok", stats), dest=src, tag=CTRL_REPLY)
         else:
             self.comm.send(("error", f"parameter server: unknown request {kind!r}"), dest=src, tag=CTRL_REPLY)
