@@ -10,12 +10,13 @@ are ready, so pushes overlap backward). Each bucket's way through the servers:
   bucket. Every step sums every worker, and the wrapped optimizer steps on each worker as
   with ``DistributedOptimizer``. Without node reduction (or one worker per node) every
   worker pushes its whole gradient.
-- ``ssp`` with staleness ``s``: the servers hold the parameters and the wrapped
-  optimizer's state (the update runs on the servers). Each worker pushes its whole
-  gradient and pulls parameters that miss at most ``s`` clocks of the other workers'
+- ``ssp`` with staleness ``s`` (Ho et al.'s stale synchronous parallel): the servers hold
+  the parameters and the wrapped optimizer's state (the update runs on the servers). Each
+  worker pushes its whole gradient, which the servers step as it comes (divided by the
+  number of workers), and pulls parameters that miss at most ``s`` clocks of any worker's
   updates; it waits only when it is more than ``s`` steps ahead of the slowest worker.
-  ``s = 0`` equals ``sync``.
-- ``async``: no bound; each gradient is applied as it comes.
+  ``s = 0`` is bulk synchronous (one averaged step per clock) and equals ``sync``.
+- ``async``: no bound.
 
 Partitions of about ``partition_bytes`` are spread over the servers by bytes
 (:class:`hpcdl.ps.Layout`). The servers are the dedicated server ranks of
@@ -61,7 +62,6 @@ def HybridOptimizer(  # noqa: N802 - a factory that looks like a class, as Distr
     process_set: ProcessSet = global_process_set,
     *,
     node_reduce: bool = True,
-    damp_stale: bool = True,
     backward_passes_per_step: int = 1,
     op: ReduceOp = Average,
     compression: type[Compressor] = Compression.none,
@@ -87,9 +87,6 @@ def HybridOptimizer(  # noqa: N802 - a factory that looks like a class, as Distr
         process_set: the workers that train together.
         node_reduce: ``sync``: reduce-scatter inside a node before pushing (the hybrid);
             False: every worker pushes its whole gradient (a pure parameter server).
-        damp_stale: ``ssp``: divide each update's step size by 1 + the mean lag (in clocks) of
-            the parameters its gradients were computed on (Zhang et al., "Staleness-aware
-            Async-SGD", 2016); False: every update takes the full step.
         backward_passes_per_step, op, bucket_bytes: as for :func:`DistributedOptimizer`
             (``op`` is ``Average`` or ``Sum``; ``ssp`` and ``async`` average).
         compression: only ``Compression.none``.
@@ -100,7 +97,7 @@ def HybridOptimizer(  # noqa: N802 - a factory that looks like a class, as Distr
     if optimizer.state:
         obj.load_state_dict_local(optimizer.state_dict())
     obj._hpcdl_setup(named_parameters, compression, backward_passes_per_step, op, 1.0, process_set, bucket_bytes)
-    obj._hybrid_setup(base, mode, staleness, servers, partition_bytes, node_reduce, damp_stale)
+    obj._hybrid_setup(base, mode, staleness, servers, partition_bytes, node_reduce)
     return obj
 
 
@@ -170,7 +167,6 @@ class HybridReducer(Reducer):
         servers: str | None,
         partition_bytes: int,
         node_reduce: bool,
-        damp_stale: bool = True,
     ) -> None:
         if mode not in MODES:
             raise HpcdlArgumentError(f"HybridOptimizer: mode={mode!r} must be one of {MODES}")
@@ -227,7 +223,6 @@ class HybridReducer(Reducer):
             "staleness": self.staleness,
             "partition_bytes": partition_bytes,
             "node_reduce": bool(node_reduce),
-            "damp_stale": bool(damp_stale),
             "servers": where,
             "optimizer": base.__name__,
             "buckets": [[(tuple(p.shape), str(p.dtype)) for p in b.params] for b in self._buckets],
@@ -302,7 +297,6 @@ class HybridReducer(Reducer):
             "partition_bytes": partition_bytes,
             "servers": job.servers,
             "workers": self._workers_ps,
-            "damp_stale": bool(damp_stale),
         }
         if mode != "sync":
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -491,10 +485,10 @@ class HybridReducer(Reducer):
 
     def _updates_taken(self) -> int:
         """The updates every partition has taken once every worker's steps so far are in
-        (collective over the process set): the common clock (``ssp``), or the sum of the
-        clocks (``async``, one update per worker step)."""
+        (collective over the process set): the common clock (bulk-synchronous ``ssp``,
+        staleness 0), or the sum of the clocks (one update per worker step)."""
         clocks = allgather_object(self._clock, name=f"{self._prefix}.clocks", process_set=self._process_set)
-        return max(clocks) if self.mode == "ssp" else sum(clocks)
+        return max(clocks) if self.staleness == 0 else sum(clocks)
 
     def refresh(self) -> None:
         """``ssp``/``async``: put the servers' newest parameters into the model, once every

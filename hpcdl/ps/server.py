@@ -10,18 +10,20 @@ short naps, so a server that shares cores with workers does not take one of them
 - ``sync``: the contributions of a partition (one per node, or per worker without
   node reduction) are added in contributor order, so the result does not depend on the
   order of arrival, and sent back to every contributor.
-- ``ssp`` with staleness ``s``: the server holds the partition's parameters and an
-  instance of the workers' optimizer class. The gradients of clock ``c`` from every worker
-  are averaged (in worker order) and stepped as version ``c + 1``. A worker that pushed
-  clock ``t`` is sent the parameters once their version is at least ``t + 1 - s``: it
-  misses at most ``s`` clocks of the others' updates, and waits only when it is more than
-  ``s`` clocks ahead of the slowest worker. ``s = 0`` is ``sync`` with the update on the
-  server. A step whose gradients were computed on parameters ``lag`` clocks old (on
-  average over the workers) takes a step size divided by ``1 + lag``.
-- ``async``: each worker's gradient is stepped as it comes (divided by the number of
-  workers) and the parameters sent back at once.
+- ``ssp`` with staleness ``s`` (stale synchronous parallel, Ho et al., NIPS 2013): the
+  server holds the partition's parameters and an instance of the workers' optimizer class.
+  Each worker's gradient is stepped as it comes, divided by the number of workers ``W``.
+  A worker that pushed clock ``t`` is sent the parameters, with every update applied so
+  far, once every worker's updates of clocks up to ``t - s`` are in: it misses at most
+  ``s`` clocks of any worker's updates, and waits only when it is more than ``s`` clocks
+  ahead of the slowest worker.
+- ``ssp`` with ``s = 0`` is bulk synchronous: the gradients of clock ``c`` from every worker
+  are averaged (in worker order) and stepped once, so it equals ``sync`` (with the update
+  on the server) for any optimizer, momentum and Adam too.
+- ``async``: ``ssp`` without the bound; the parameters go back at once.
 
-Every reply to a worker records its lag: the worker's next clock minus the version sent.
+Every reply to a worker records its lag: the clocks by which it is ahead of the slowest
+worker's applied updates (at most ``s`` under ``ssp``).
 """
 
 from __future__ import annotations
@@ -96,9 +98,12 @@ class _Table:
         self.next_clock = {(p.index, c): 0 for p in self.pieces for c in self.contrib[p.index]}
         self.pending: dict[int, dict[int, dict[int, torch.Tensor]]] = {p.index: {} for p in self.pieces}
         self.owed: dict[int, list[tuple[int, int]]] = {p.index: [] for p in self.pieces}
-        self.lag_of: dict[int, dict[tuple[int, int], int]] = {p.index: {} for p in self.pieces}
-        """Per partition, (worker, clock) -> the lag of the parameters its gradient of that
-        clock was computed on (what the reply before it sent)."""
+        """Per partition, the (worker, clock) pushes whose reply has not been sent."""
+        self.aggregate = self.mode == "ssp" and self.s == 0
+        """Bulk synchronous: one averaged step per clock (else one step per gradient)."""
+        self.to_apply: dict[int, list[tuple[int, int]]] = {p.index: [] for p in self.pieces}
+        self.applied = {(p.index, c): 0 for p in self.pieces for c in self.contrib[p.index]}
+        """(partition, worker) -> the worker's clocks applied there (one step per gradient)."""
         self.waiting_since: dict[int, float] = {}
         # replies are sent from a copy of the parameters taken once per version, so an update
         # never waits for a reply still on its way (to a worker that is computing, say, and
@@ -127,15 +132,10 @@ class _Table:
                 group[key] = float(vals[0]) if n == 1 and not isinstance(group[key], tuple) else tuple(map(float, vals))
             at += n
 
-    def _step(self, piece: Piece, grad: torch.Tensor, hyper: np.ndarray, lag: float = 0.0) -> None:
-        """One update of ``piece``; ``lag``: the mean staleness (in clocks) of the parameters
-        the gradients were computed on. Unless the table turned it off, the step size is
-        divided by ``1 + lag`` (the staleness-dependent step of Zhang et al., "Staleness-aware
-        Async-SGD", IJCAI 2016): fresh gradients step as in ``sync``."""
+    def _step(self, piece: Piece, grad: torch.Tensor, hyper: np.ndarray) -> None:
+        """One update of ``piece`` with the step's hyperparameters ``hyper``."""
         i = piece.index
         self._apply_hyper(piece, hyper)
-        if lag > 0.0 and self.spec.get("damp_stale", True):
-            self.opts[i].param_groups[0]["lr"] /= 1.0 + lag
         param = self.params[i]
         param.grad = grad
         self.opts[i].step()
@@ -192,7 +192,10 @@ class _Table:
             t = self.next_clock[i, c]
             self.next_clock[i, c] = t + 1
             self.pending[i].setdefault(t, {})[c] = self.bufs[i, c].clone()
-            self.owed[i].append((c, t))
+            if self.aggregate:
+                self.owed[i].append((c, t))
+            else:
+                self.to_apply[i].append((c, t))
             self._arm(piece, c)
             self.advance(piece)
 
@@ -220,54 +223,71 @@ class _Table:
 
     def advance(self, piece: Piece) -> None:
         """Step what can be stepped and send what is owed (ssp, async)."""
-        i = piece.index
-        pend, who = self.pending[i], self.contrib[i]
-        if self.mode == "ssp":
-            while True:
-                v = self.version[i]
-                got = pend.get(v)
-                hyper = next((self.hyper[c, v] for c in who if (c, v) in self.hyper), None)
-                if got is None or len(got) < len(who) or hyper is None:
-                    break
-                grad = got[who[0]].clone()
-                for c in who[1:]:
-                    grad.add_(got[c])
-                grad.div_(len(who))
-                lags = [self.lag_of[i].pop((c, v), 0) for c in who]
-                self._step(piece, grad, hyper, sum(lags) / len(lags))
-                del pend[v]
-            still = []
-            for c, t in self.owed[i]:
-                v = self.version[i]
-                if v >= t + 1 - self.s:
-                    self._reply(piece, c, self.params[i].detach(), lag=t + 1 - v)
-                    self.lag_of[i][c, t + 1] = t + 1 - v
-                else:
-                    still.append((c, t))
-            self.owed[i] = still
-        else:  # async: each gradient is one step, as it comes
-            still = []
-            for c, t in self.owed[i]:
-                hyper = self.hyper.get((c, t))
-                if hyper is None:
-                    still.append((c, t))
-                    continue
-                grad = pend[t].pop(c)
-                if not pend[t]:
-                    del pend[t]
-                self._step(piece, grad.div_(len(who)), hyper)
-                self._reply(piece, c, self.params[i].detach(), lag=0)
-            self.owed[i] = still
+        if self.aggregate:
+            self._advance_bulk(piece)
+        else:
+            self._advance_each(piece)
         self._forget_hyper()
 
+    def _advance_bulk(self, piece: Piece) -> None:
+        """ssp, s = 0: one averaged step once every worker's gradient of the clock is in."""
+        i = piece.index
+        pend, who = self.pending[i], self.contrib[i]
+        while True:
+            v = self.version[i]
+            got = pend.get(v)
+            hyper = next((self.hyper[c, v] for c in who if (c, v) in self.hyper), None)
+            if got is None or len(got) < len(who) or hyper is None:
+                break
+            grad = got[who[0]].clone()
+            for c in who[1:]:
+                grad.add_(got[c])
+            self._step(piece, grad.div_(len(who)), hyper)
+            del pend[v]
+        still = []
+        for c, t in self.owed[i]:
+            if self.version[i] >= t + 1:
+                self._reply(piece, c, self.params[i].detach(), lag=0)
+            else:
+                still.append((c, t))
+        self.owed[i] = still
+
+    def _advance_each(self, piece: Piece) -> None:
+        """ssp (s >= 1), async: step each gradient as it comes, in each worker's clock order
+        (a step waits for its hyperparameters); reply within the staleness bound."""
+        i = piece.index
+        pend, who = self.pending[i], self.contrib[i]
+        waiting, still = set(), []
+        for c, t in self.to_apply[i]:
+            hyper = self.hyper.get((c, t))
+            if c in waiting or hyper is None:
+                waiting.add(c)
+                still.append((c, t))
+                continue
+            grad = pend[t].pop(c)
+            if not pend[t]:
+                del pend[t]
+            self._step(piece, grad.div_(len(who)), hyper)
+            self.applied[i, c] = t + 1
+            self.owed[i].append((c, t))
+        self.to_apply[i] = still
+        low = min(self.applied[i, w] for w in who)
+        still = []
+        for c, t in self.owed[i]:
+            if self.mode == "async" or low >= t + 1 - self.s:
+                self._reply(piece, c, self.params[i].detach(), lag=t + 1 - low)
+            else:
+                still.append((c, t))
+        self.owed[i] = still
+
     def _forget_hyper(self) -> None:
-        done = {c: min(self.next_clock[p.index, c] for p in self.pieces) for c in self.workers}
-        if self.mode == "ssp":
+        """Drop the hyperparameters of steps every partition has taken."""
+        if self.aggregate:
             low = min(self.version.values()) if self.version else 0
             stale = [k for k in self.hyper if k[1] < low]
         else:
-            owed = {k for o in self.owed.values() for k in o}
-            stale = [k for k in self.hyper if k[1] < done[k[0]] and k not in owed]
+            done = {c: min(self.applied[p.index, c] for p in self.pieces) for c in self.workers}
+            stale = [k for k in self.hyper if k[1] < done[k[0]]]
         for k in stale:
             del self.hyper[k]
 
@@ -285,19 +305,24 @@ class _Table:
             if now - since < after:
                 continue
             self.waiting_since[i] = now  # once per period
-            v = self.version[i]
-            have = self.pending[i].get(v, {})
-            slow = [c for c in self.contrib[i] if c not in have]
             waiting = sorted({c for c, _ in self.owed[i]})
+            if self.aggregate:  # the clock being summed
+                clock = self.version[i]
+                have = self.pending[i].get(clock, {})
+                slow = [c for c in self.contrib[i] if c not in have]
+            else:  # the clock the longest-waiting push needs from everyone
+                clock = min(t for _, t in self.owed[i]) - self.s
+                slow = [c for c in self.contrib[i] if self.applied[i, c] <= clock]
             out.append(
-                f"'{self.name}' partition {i}: workers {waiting} wait for version {v + 1}, "
-                f"held back by workers {slow} (clock {v} not pushed)"
+                f"'{self.name}' partition {i}: workers {waiting} wait for every worker's clock {clock}, "
+                f"held back by workers {slow} (not pushed yet)"
             )
         return out
 
     # -- checkpoints ---------------------------------------------------------------------------
     def reached(self, need: int) -> bool:
-        """Whether every partition here has taken ``need`` updates (``sync``: always)."""
+        """Whether every partition here has taken ``need`` updates (``sync``: always; a clock
+        is one update in bulk-synchronous ``ssp``, one per worker otherwise)."""
         return self.mode == "sync" or all(v >= need for v in self.version.values())
 
     def params_now(self) -> dict[int, np.ndarray]:
@@ -334,8 +359,10 @@ class _Table:
                 self.retiring.append(snap)
             self.pending[i].clear()
             self.owed[i].clear()
+            self.to_apply[i].clear()
             for c in self.contrib[i]:
                 self.next_clock[i, c] = clock
+                self.applied[i, c] = clock
         for c in self.workers:
             self.hyper_clock[c] = clock
         self.hyper.clear()
