@@ -58,7 +58,7 @@ def train(opt: torch.optim.Optimizer, m: torch.nn.Module, data: list, delay: flo
 def digest(m: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for p in m.parameters():
-        h.update(p.detach().contiguous().numpy().tobytes())
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -158,6 +158,27 @@ def checkpoint(mode: str) -> None:
         plain.load_state_dict({k: v for k, v in opt2.state_dict().items() if not k.startswith("ps_")})
     opt2.close()
     print("OK checkpoint", flush=True)
+
+
+def bfloat16() -> None:
+    """Partitions of any dtype travel: a bfloat16 model under ssp and async (the servers hold
+    it) is equal on every worker once refreshed, and matches sync to bfloat16 rounding."""
+    runs = {}
+    for mode in ("sync", "ssp", "async"):
+        m = model().to(torch.bfloat16)
+        sgd = torch.optim.SGD(m.parameters(), lr=0.05)
+        opt = hvd.HybridOptimizer(sgd, m.named_parameters(), mode=mode, staleness=0)
+        data = [(x.to(torch.bfloat16), y.to(torch.bfloat16)) for x, y in batches(3)]
+        train(opt, m, data)
+        opt.refresh()  # async: each worker pulled after its own last update; now every update is in
+        same_on_every_worker(m)
+        runs[mode] = m
+        opt.close()
+    for mode in ("ssp", "async"):
+        for p, q in zip(runs["sync"].parameters(), runs[mode].parameters(), strict=True):
+            assert p.dtype == q.dtype == torch.bfloat16
+            assert torch.allclose(p.float(), q.float(), atol=3e-2), (mode, (p - q).abs().max())
+    print("OK bfloat16", flush=True)
 
 
 def errors() -> None:
@@ -288,6 +309,7 @@ def main() -> None:
         "straggler": lambda: straggler(arg),
         "checkpoint": lambda: checkpoint(arg or "ssp"),
         "errors": errors,
+        "bfloat16": bfloat16,
         "train_resume": lambda: train_resume(arg or "ssp"),
         "stall": stall,
         "forever": serve_forever,

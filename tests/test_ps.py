@@ -94,6 +94,10 @@ def test_a_checkpoint_of_the_servers_state_resumes_bitwise(mode):
     run(["checkpoint", mode], 3, {"HPCDL_PS_SERVERS": "1"}, 2)
 
 
+def test_partitions_of_a_bfloat16_model_travel_to_the_servers_and_back():
+    run(["bfloat16"], 3, {"HPCDL_PS_SERVERS": "1"}, 2)
+
+
 @pytest.mark.parametrize("shape", ["2 workers + 1 server", "co-located, 1 node x 2 workers"])
 def test_bad_input_raises_on_every_worker_and_the_next_optimizer_works(shape):
     n, env, _ = SHAPES[shape]

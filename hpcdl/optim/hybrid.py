@@ -106,14 +106,13 @@ class _Flat:
     rank's block after the node's reduce-scatter) and ``full`` (the result: sums, or the
     parameters, with this rank's block filled by the servers' replies)."""
 
-    __slots__ = ("offsets", "numels", "numel", "flat", "shard", "full", "mine", "reqs", "rs")
+    __slots__ = ("offsets", "numels", "flat", "shard", "full", "mine", "reqs", "rs")
 
     def __init__(self, params: list[torch.nn.Parameter], padded: int, lo: int, hi: int, node_reduce: bool) -> None:
         self.offsets, self.numels, total = [], [p.numel() for p in params], 0
         for p in params:
             self.offsets.append(total)
             total += p.numel()
-        self.numel = total
         dtype = params[0].dtype
         self.flat = torch.zeros(padded, dtype=dtype)
         self.shard = torch.zeros(hi - lo, dtype=dtype) if node_reduce else self.flat
@@ -258,14 +257,13 @@ class HybridReducer(Reducer):
             self._own_job = False
             to_ps = lambda r: r  # noqa: E731 - dedicated: a worker's rank there is its runtime rank
         self._job = job
-        self._me_ps = to_ps(rt.rank)
         self._workers_ps = [to_ps(r) for r in members]
         nodes_ps = [[to_ps(r) for r in n] for n in nodes] if per_node > 1 else [[w] for w in self._workers_ps]
         self._L = per_node
         self._shard = mine.index(rt.rank) if per_node > 1 else 0
         self._node_set: ProcessSet | None = None
         if per_node > 1:  # every worker registers every node's set, in the same order
-            made = [add_process_set([members[members.index(r)] for r in n]) for n in nodes]
+            made = [add_process_set(n) for n in nodes]
             self._node_set = next(ps for ps in made if rt.rank in ps.ranks)
             self._made_sets = made
         itemsize = self._buckets[0].params[0].element_size()
@@ -320,12 +318,10 @@ class HybridReducer(Reducer):
             f[o : o + p.numel()] = p.detach().reshape(-1).cpu()
         return f
 
-    def _initial_pieces(self) -> dict[int, np.ndarray]:
-        out = {}
+    def _initial_pieces(self) -> dict[int, torch.Tensor]:
+        """Every partition's starting parameters (tensors travel in any dtype, bfloat16 too)."""
         flats = {b.index: self._flat_params(b) for b in self._buckets}
-        for pc in self._layout.pieces:
-            out[pc.index] = flats[pc.bucket][pc.lo : pc.hi].numpy().copy()
-        return out
+        return {pc.index: flats[pc.bucket][pc.lo : pc.hi].clone() for pc in self._layout.pieces}
 
     # -- the step ------------------------------------------------------------------------------
     def _send_hyper(self) -> None:
@@ -498,12 +494,12 @@ class HybridReducer(Reducer):
         if self.mode == "sync":
             return
         need = self._updates_taken()
-        got: dict[int, np.ndarray] = {}
+        got: dict[int, torch.Tensor] = {}
         for s in range(len(self._job.servers)):
             got.update(self._job.ask(s, ("params", self._slot, need)))
         with torch.no_grad():
             for b in self._buckets:
-                flat = torch.cat([torch.from_numpy(got[pc.index]) for pc in self._layout.of_bucket(b.index, 0)])
+                flat = torch.cat([got[pc.index] for pc in self._layout.of_bucket(b.index, 0)])
                 for p, v in zip(b.params, b.zero.pieces(b.params, flat), strict=True):
                     p.copy_(v)
 
@@ -541,7 +537,7 @@ class HybridReducer(Reducer):
         version = min(v for _, _, v in got.values())
         for b in self._buckets:
             pcs = self._layout.of_bucket(b.index, 0)
-            flat = torch.cat([torch.from_numpy(got[pc.index][0]) for pc in pcs])
+            flat = torch.cat([got[pc.index][0] for pc in pcs])
             states = [got[pc.index][1] for pc in pcs]
             whole = {  # per-element entries joined over the partitions; others (Adam's step) as they are
                 k: torch.cat([s[k] for s in states]) if _elementwise(k, v, pcs[0].numel) else v
@@ -610,7 +606,7 @@ class HybridReducer(Reducer):
                         k: v[pc.lo : pc.hi].clone() if _elementwise(k, v, flat.numel()) else _copy(v)
                         for k, v in flat_state.items()
                     }
-                    per_server[pc.server][pc.index] = (flat[pc.lo : pc.hi].numpy().copy(), st, version)
+                    per_server[pc.server][pc.index] = (flat[pc.lo : pc.hi].clone(), st, version)
             for s, pieces in per_server.items():
                 self._job.ask(s, ("load", self._slot, pieces, clock))
         barrier(process_set=self._process_set)

@@ -91,7 +91,7 @@ class _Table:
         self.opts: dict[int, torch.optim.Optimizer] = {}
         for p in self.pieces:
             init = spec["init"][p.index]
-            self.params[p.index] = torch.nn.Parameter(torch.from_numpy(init.copy()).to(self.dtype), requires_grad=False)
+            self.params[p.index] = torch.nn.Parameter(init.clone().to(self.dtype), requires_grad=False)
             group = self.groups[spec["bucket_group"][p.bucket]]
             self.opts[p.index] = cls([{**group, "params": [self.params[p.index]]}])
         self.version = {p.index: 0 for p in self.pieces}
@@ -325,9 +325,9 @@ class _Table:
         is one update in bulk-synchronous ``ssp``, one per worker otherwise)."""
         return self.mode == "sync" or all(v >= need for v in self.version.values())
 
-    def params_now(self) -> dict[int, np.ndarray]:
+    def params_now(self) -> dict[int, torch.Tensor]:
         """Every partition's parameters (``ssp``, ``async``)."""
-        return {p.index: self.params[p.index].detach().numpy().copy() for p in self.pieces}
+        return {p.index: self.params[p.index].detach().clone() for p in self.pieces}
 
     def state(self) -> dict[int, Any]:
         if self.mode == "sync":
@@ -337,7 +337,7 @@ class _Table:
             i = p.index
             st = self.opts[i].state_dict()["state"].get(0, {})
             out[i] = (
-                self.params[i].detach().numpy().copy(),
+                self.params[i].detach().clone(),
                 {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()},
                 self.version[i],
             )
@@ -350,7 +350,7 @@ class _Table:
             i = p.index
             param, st, version = pieces[i]
             with torch.no_grad():
-                self.params[i].copy_(torch.from_numpy(np.asarray(param)))
+                self.params[i].copy_(param)
             sd = self.opts[i].state_dict()
             self.opts[i].load_state_dict({"state": {0: st} if st else {}, "param_groups": sd["param_groups"]})
             self.version[i] = version
