@@ -210,6 +210,12 @@ def errors() -> None:
             assert pattern in str(exc), (pattern, exc)
         else:
             raise AssertionError(f"{kwargs} was accepted")
+    try:  # one rank alone with a bad argument: every rank raises, none waits for it
+        hvd.HybridOptimizer(make_inner("sgd", m), m.named_parameters(), mode="bsp" if r == 1 else "sync")
+    except hvd.HpcdlArgumentError as exc:
+        assert "rank 1: HybridOptimizer: mode='bsp' must be one of" in str(exc), exc
+    else:
+        raise AssertionError("a bad mode on rank 1 was accepted")
     opt = hvd.HybridOptimizer(make_inner("sgd", m), m.named_parameters())
     train(opt, m, batches(3))
     same_on_every_worker(m)

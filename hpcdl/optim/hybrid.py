@@ -96,9 +96,49 @@ def HybridOptimizer(  # noqa: N802 - a factory that looks like a class, as Distr
     obj = cls(optimizer.param_groups)
     if optimizer.state:
         obj.load_state_dict_local(optimizer.state_dict())
-    obj._hpcdl_setup(named_parameters, compression, backward_passes_per_step, op, 1.0, process_set, bucket_bytes)
+    problem = None
+    try:  # checked here, then agreed: a rank alone with bad arguments must not leave the others waiting
+        obj._hpcdl_setup(named_parameters, compression, backward_passes_per_step, op, 1.0, process_set, bucket_bytes)
+        _check_arguments(obj, base, mode, staleness, servers, partition_bytes)
+    except HpcdlArgumentError as exc:
+        problem = str(exc)
+    said = allgather_object(problem, process_set=process_set)
+    if any(said):
+        bad = {p for p in said if p}
+        if len(bad) == 1 and all(said):
+            raise HpcdlArgumentError(bad.pop())
+        ranks = process_set.ranks
+        raise HpcdlArgumentError("; ".join(f"rank {ranks[i]}: {p}" for i, p in enumerate(said) if p))
     obj._hybrid_setup(base, mode, staleness, servers, partition_bytes, node_reduce)
     return obj
+
+
+def _check_arguments(
+    opt: Any, base: type, mode: str, staleness: int, servers: str | None, partition_bytes: int
+) -> None:
+    """Raise :class:`HpcdlArgumentError` for arguments :func:`HybridOptimizer` cannot use."""
+    if mode not in MODES:
+        raise HpcdlArgumentError(f"HybridOptimizer: mode={mode!r} must be one of {MODES}")
+    if mode == "ssp" and (not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0):
+        raise HpcdlArgumentError(f"HybridOptimizer: staleness={staleness!r} must be an integer >= 0")
+    if not isinstance(partition_bytes, int) or partition_bytes <= 0:
+        raise HpcdlArgumentError(f"HybridOptimizer: partition_bytes={partition_bytes!r} must be a positive integer")
+    if servers not in (None, "colocated"):
+        raise HpcdlArgumentError(f"HybridOptimizer: servers={servers!r} must be None or 'colocated'")
+    if opt._compression is not Compression.none:
+        raise HpcdlArgumentError("HybridOptimizer: only Compression.none is supported")
+    if mode != "sync" and opt._op != Average:
+        raise HpcdlArgumentError(f"HybridOptimizer(mode={mode!r}) averages the gradients: op must be Average")
+    if mode != "sync" and base.__name__ in _NOT_ELEMENTWISE:
+        raise HpcdlArgumentError(
+            f"HybridOptimizer(mode={mode!r}) runs {base.__name__} on partitions of the parameters, but its "
+            "update of an element depends on other elements; use an element-wise optimizer or mode='sync'"
+        )
+    dtypes = sorted({str(p.dtype) for b in opt._buckets for p in b.params})
+    if len(dtypes) > 1:
+        raise HpcdlArgumentError(f"HybridOptimizer: the parameters have several dtypes {dtypes}; use one")
+    if not opt._buckets:
+        raise HpcdlArgumentError("HybridOptimizer: no parameter requires a gradient")
 
 
 class _Flat:
@@ -158,7 +198,7 @@ class HybridReducer(Reducer):
     def load_state_dict_local(self, sd: dict[str, Any]) -> None:
         torch.optim.Optimizer.load_state_dict(self, sd)  # type: ignore[arg-type]
 
-    def _hybrid_setup(
+    def _hybrid_setup(  # collective over the process set; the arguments were checked and agreed
         self,
         base: type,
         mode: str,
@@ -167,29 +207,8 @@ class HybridReducer(Reducer):
         partition_bytes: int,
         node_reduce: bool,
     ) -> None:
-        if mode not in MODES:
-            raise HpcdlArgumentError(f"HybridOptimizer: mode={mode!r} must be one of {MODES}")
-        if mode == "ssp" and (not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0):
-            raise HpcdlArgumentError(f"HybridOptimizer: staleness={staleness!r} must be an integer >= 0")
-        if not isinstance(partition_bytes, int) or partition_bytes <= 0:
-            raise HpcdlArgumentError(f"HybridOptimizer: partition_bytes={partition_bytes!r} must be a positive integer")
-        if servers not in (None, "colocated"):
-            raise HpcdlArgumentError(f"HybridOptimizer: servers={servers!r} must be None or 'colocated'")
-        if self._compression is not Compression.none:
-            raise HpcdlArgumentError("HybridOptimizer: only Compression.none is supported")
-        if mode != "sync" and self._op != Average:
-            raise HpcdlArgumentError(f"HybridOptimizer(mode={mode!r}) averages the gradients: op must be Average")
-        if mode != "sync" and base.__name__ in _NOT_ELEMENTWISE:
-            raise HpcdlArgumentError(
-                f"HybridOptimizer(mode={mode!r}) runs {base.__name__} on partitions of the parameters, but its "
-                "update of an element depends on other elements; use an element-wise optimizer or mode='sync'"
-            )
         rt = state.running()
-        dtypes = sorted({str(p.dtype).removeprefix("torch.") for b in self._buckets for p in b.params})
-        if len(dtypes) > 1:
-            raise HpcdlArgumentError(f"HybridOptimizer: the parameters have several dtypes {dtypes}; use one")
-        if not self._buckets:
-            raise HpcdlArgumentError("HybridOptimizer: no parameter requires a gradient")
+        dtype = str(self._buckets[0].params[0].dtype).removeprefix("torch.")
         job: PSJob | None = rt.ps if servers is None else None
         where = "dedicated" if job is not None else "colocated"
         self.mode, self.staleness = mode, (staleness if mode == "ssp" else None)
@@ -289,7 +308,7 @@ class HybridReducer(Reducer):
             "staleness": self.staleness,
             "bucket_numels": numels,
             "itemsize": itemsize,
-            "dtype": dtypes[0],
+            "dtype": dtype,
             "node_ranks": per_node,
             "nodes": nodes_ps,
             "partition_bytes": partition_bytes,
