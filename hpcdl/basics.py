@@ -79,7 +79,6 @@ def init(
             if old.engine.running:
                 return
             _end(state.take())  # shut down by another rank (or failed): start afresh
-        comm, ps_job = _ps_roles(comm, config, ps_servers)
         listed = comm is not None and not isinstance(comm, MPI.Comm)
         base = comm if isinstance(comm, MPI.Comm) else MPI.COMM_WORLD
         if base == MPI.COMM_NULL:
@@ -95,6 +94,11 @@ def init(
                     "MPI was initialized without thread support; hpcdl's engine thread needs at least "
                     "MPI_THREAD_SERIALIZED (mpi4py's default is MPI_THREAD_MULTIPLE)"
                 )
+            servers = config.ps_servers if ps_servers is None else ps_servers
+            if not isinstance(servers, int) or isinstance(servers, bool) or servers < 0:
+                raise HpcdlError(f"init(ps_servers={servers!r}) must be an integer >= 0")
+            if servers and comm is not None:
+                raise HpcdlError(f"init(ps_servers={servers}) takes the servers from MPI.COMM_WORLD: pass no comm")
         except HpcdlError as exc:
             problem = str(exc)
         if problem is None and listed:
@@ -105,6 +109,7 @@ def init(
         agreed = None
         if problem is None:
             agreed = {f: getattr(config, f) for f in AGREED}
+            agreed["ps_servers"] = servers
             try:  # the engine's collectives skip their own agreement: their configuration must match
                 agreed["collectives"] = collectives_agreed.fingerprint()
             except Exception as exc:  # a bad HPCDL_* value of the collectives layer
@@ -138,6 +143,9 @@ def init(
                 f"init: ranks {differ} configure the collectives layer differently from rank 0 (HPCDL_* "
                 "variables such as HPCDL_TUNING_FILE or HPCDL_SHM_SMALL_BYTES, or the tuning file itself)"
             )
+        ps_job = None
+        if servers:  # on the servers this serves, then ends the process
+            base, ps_job = ps_roles.split_roles(base, servers, config.stall_check_time_seconds)
         comm, owned = base, ps_job is not None
         if listed:
             if base.rank not in ranks:
@@ -154,34 +162,6 @@ def init(
     if process_sets:
         for ps in process_sets:
             add_process_set(ps)
-
-
-def _ps_roles(comm: Any, config: Any, ps_servers: int | None) -> tuple[Any, Any]:
-    """With parameter servers asked for (``ps_servers`` or the configuration's), split the
-    world into servers, which serve here and end the process, and workers, which go on
-    with their communicator and the :class:`hpcdl.ps.PSJob`. Every world rank raises alike
-    on a bad or disagreeing number."""
-    try:
-        cfg = config if isinstance(config, Config) else load_config()
-    except HpcdlError:
-        cfg = Config()  # the configuration's own error is reported by init's checks
-    k = cfg.ps_servers if ps_servers is None else ps_servers
-    if comm is not None:
-        if k:
-            raise HpcdlError(f"init(ps_servers={k}) takes the servers from MPI.COMM_WORLD: pass no comm")
-        return comm, None
-    world = MPI.COMM_WORLD
-    said = world.allgather(k)
-    if len(set(said)) > 1:
-        raise HpcdlError(
-            "init: every rank needs the same ps_servers (HPCDL_PS_SERVERS); got "
-            + ", ".join(f"{v!r} on rank {r}" for r, v in enumerate(said))
-        )
-    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-        raise HpcdlError(f"init(ps_servers={k!r}) must be an integer >= 0")
-    if k == 0:
-        return None, None
-    return ps_roles.split_roles(world, k, cfg.stall_check_time_seconds)
 
 
 def _rank_list(ranks: Any) -> list[int]:

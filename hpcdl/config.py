@@ -104,6 +104,7 @@ AGREED = (
     "stall_check_disable",
     "stall_check_time_seconds",
     "stall_shutdown_time_seconds",
+    "ps_servers",
 )
 """Fields that steer decisions every rank must make alike (what is fused, how gradients are
 bucketed, when a stall ends the job): ``init`` refuses ranks that differ in them."""
