@@ -79,6 +79,11 @@ def init(
             if old.engine.running:
                 return
             _end(state.take())  # shut down by another rank (or failed): start afresh
+        if state.servers_ended():
+            raise HpcdlError(
+                "init: this job's parameter servers ended with shutdown(), and their ranks are gone; "
+                "hpcdl cannot start again in this job (call shutdown() only at the end)"
+            )
         listed = comm is not None and not isinstance(comm, MPI.Comm)
         base = comm if isinstance(comm, MPI.Comm) else MPI.COMM_WORLD
         if base == MPI.COMM_NULL:
@@ -194,6 +199,7 @@ def _end(rt: Runtime) -> None:
         fn()
     if rt.ps is not None:
         rt.ps.end()
+        state.mark_servers_ended()
     if rt.engine is not None:
         rt.engine.stop()
     for ps in rt.process_sets:  # their ids mean nothing to a later init

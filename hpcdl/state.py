@@ -18,7 +18,7 @@ from collectives.context import get_context
 from .config import Config
 from .errors import NOT_INITIALIZED, HpcdlError
 
-__all__ = ["Runtime", "current", "running", "peek", "install", "take", "LOCK"]
+__all__ = ["Runtime", "current", "running", "peek", "install", "take", "LOCK", "servers_ended", "mark_servers_ended"]
 
 
 class Runtime:
@@ -59,6 +59,7 @@ class Runtime:
 
 
 _current: Runtime | None = None
+_servers_ended = False  # this job's dedicated parameter servers have exited (part of the runtime's record)
 
 LOCK = threading.Lock()
 """Held by ``init`` and ``shutdown`` while they build or end the runtime."""
@@ -96,3 +97,15 @@ def take() -> Runtime | None:
     global _current
     rt, _current = _current, None
     return rt
+
+
+def mark_servers_ended() -> None:
+    """Record that this job's dedicated parameter servers were told to end (``shutdown``)."""
+    global _servers_ended
+    _servers_ended = True
+
+
+def servers_ended() -> bool:
+    """True once this job's dedicated parameter servers have ended: their ranks are gone, so
+    no collective over the world can run again in this job."""
+    return _servers_ended

@@ -157,7 +157,53 @@ def checkpoint(mode: str) -> None:
         plain = torch.optim.Adam(model().parameters(), lr=0.01)
         plain.load_state_dict({k: v for k, v in opt2.state_dict().items() if not k.startswith("ps_")})
     opt2.close()
+    if mode != "sync":
+        # the bulk-synchronous checkpoint into async, whose versions count every worker's steps
+        m3 = model()
+        opt3 = hvd.HybridOptimizer(make_inner("adam", m3), m3.named_parameters(), mode="async")
+        m3.load_state_dict(saved_model)
+        opt3.load_state_dict(saved_opt)
+        train(opt3, m3, batches(6, start=4))
+        opt3.refresh()
+        same_on_every_worker(m3)
+        opt3.close()
+        # a plain optimizer's state where some parameters have none (no gradient yet)
+        m4 = model()
+        plain = make_inner("adam", m4)
+        m4[0].weight.grad = torch.ones_like(m4[0].weight)
+        plain.step()
+        opt4 = hvd.HybridOptimizer(make_inner("adam", m4), m4.named_parameters(), mode=mode, staleness=0)
+        opt4.load_state_dict({**plain.state_dict(), "ps_clock": 0})
+        train(opt4, m4, batches(2))
+        same_on_every_worker(m4)
+        opt4.close()
     print("OK checkpoint", flush=True)
+
+
+def subsets() -> None:
+    """Two disjoint process sets of one node build their optimizers at once (each server
+    gives each table a slot of its own): each equals DistributedOptimizer on its set."""
+    torch.set_default_dtype(torch.float64)
+    n, r = hvd.size(), hvd.rank()
+    halves = [hvd.add_process_set(range(0, n // 2)), hvd.add_process_set(range(n // 2, n))]
+    mine = halves[0] if r < n // 2 else halves[1]
+    ref = model()
+    dist = hvd.DistributedOptimizer(make_inner("sgd", ref), ref.named_parameters(), process_set=mine)
+    train(dist, ref, batches(4))
+    m = model()
+    opt = hvd.HybridOptimizer(make_inner("sgd", m), m.named_parameters(), process_set=mine, partition_bytes=96)
+    train(opt, m, batches(4))
+    close(ref, m, 1e-10)
+    opt.close()
+    for ps in halves:
+        hvd.remove_process_set(ps)
+    m = model()  # the released slots serve the next table
+    opt = hvd.HybridOptimizer(make_inner("adam", m), m.named_parameters(), mode="ssp", staleness=1)
+    train(opt, m, batches(3))
+    opt.refresh()
+    same_on_every_worker(m)
+    opt.close()
+    print("OK subsets", flush=True)
 
 
 def bfloat16() -> None:
@@ -309,6 +355,7 @@ def main() -> None:
         hvd.shutdown()
         return
     hvd.init()
+    dedicated = hvd.state.current().ps is not None
     arg = args[0] if args else None
     {
         "equivalence": lambda: equivalence(arg),
@@ -316,11 +363,20 @@ def main() -> None:
         "checkpoint": lambda: checkpoint(arg or "ssp"),
         "errors": errors,
         "bfloat16": bfloat16,
+        "subsets": subsets,
         "train_resume": lambda: train_resume(arg or "ssp"),
         "stall": stall,
         "forever": serve_forever,
     }[scenario]()
     hvd.shutdown()
+    if dedicated and scenario == "errors":  # the servers are gone: a later init says so, not hangs
+        try:
+            hvd.init()
+        except hvd.HpcdlError as exc:
+            assert "parameter servers ended with shutdown()" in str(exc), exc
+        else:
+            raise AssertionError("init after the servers ended was accepted")
+        print("OK init after the servers ended", flush=True)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,10 @@ def test_a_checkpoint_of_the_servers_state_resumes_bitwise(mode):
     run(["checkpoint", mode], 3, {"HPCDL_PS_SERVERS": "1"}, 2)
 
 
+def test_optimizers_of_disjoint_process_sets_on_one_node_share_the_servers():
+    run(["subsets"], 5, {"HPCDL_PS_SERVERS": "1"}, 4, timeout=240)
+
+
 def test_partitions_of_a_bfloat16_model_travel_to_the_servers_and_back():
     run(["bfloat16"], 3, {"HPCDL_PS_SERVERS": "1"}, 2)
 
@@ -101,7 +105,9 @@ def test_partitions_of_a_bfloat16_model_travel_to_the_servers_and_back():
 @pytest.mark.parametrize("shape", ["2 workers + 1 server", "co-located, 1 node x 2 workers"])
 def test_bad_input_raises_on_every_worker_and_the_next_optimizer_works(shape):
     n, env, _ = SHAPES[shape]
-    run(["errors"], n, env, 2)
+    out = run(["errors"], n, env, 2)
+    if "HPCDL_PS_SERVERS" in env:  # and once the servers have ended, a later init says so
+        assert out.count("OK init after the servers ended") == 2, out[-3000:]
 
 
 def test_server_counts_that_disagree_or_leave_no_worker_raise_on_every_rank():

@@ -42,8 +42,7 @@ from ..errors import HpcdlArgumentError, HpcdlError
 from ..functions import allgather_object
 from ..ops import Average, ReduceOp, Sum, allgather_into_async, barrier, poll, reducescatter_into_async, synchronize
 from ..process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from ..ps import CTRL, Layout, PSJob, Server, Tags, wait_politely
-from ..ps.server import as_bytes
+from ..ps import Layout, PSJob, Server, Tags, as_bytes, wait_politely
 from .buckets import Bucket, Reducer
 
 __all__ = ["HybridOptimizer", "MODES"]
@@ -235,7 +234,9 @@ class HybridReducer(Reducer):
             if n not in nodes:
                 nodes.append(n)
         same = len({len(n) for n in nodes}) == 1
-        per_node = len(mine) if (mode == "sync" and node_reduce and same) else 1
+        # the node sets are registered by every rank of the runtime: only a set of all of them can
+        whole = len(members) == rt.size
+        per_node = len(mine) if (mode == "sync" and node_reduce and same and whole) else 1
         mine_agreed = {
             "mode": mode,
             "staleness": self.staleness,
@@ -288,8 +289,7 @@ class HybridReducer(Reducer):
         itemsize = self._buckets[0].params[0].element_size()
         numels = [sum(p.numel() for p in b.params) for b in self._buckets]
         self._layout = Layout(numels, itemsize, per_node, len(job.servers), partition_bytes)
-        self._slot = job.next_slot()
-        self._tags = Tags(self._slot, len(self._layout.pieces))
+        self._holding = sorted({pc.server for pc in self._layout.pieces})  # servers with partitions
         self._n = len(members)
         self._clock = 0
         self.wait_seconds = 0.0
@@ -303,7 +303,6 @@ class HybridReducer(Reducer):
             b.zero = _Flat(b.params, lay.padded(b.index), lo, lo + m, per_node > 1)
         spec: dict[str, Any] = {
             "name": self._prefix,
-            "slot": self._slot,
             "mode": mode,
             "staleness": self.staleness,
             "bucket_numels": numels,
@@ -322,13 +321,16 @@ class HybridReducer(Reducer):
                 groups=groups,
                 hyper_keys=_hyper_keys(groups),
                 bucket_group=[b.group for b in self._buckets],
-                init=self._initial_pieces() if me == 0 else None,
             )
             self._hyper_keys = spec["hyper_keys"]
-        for dest in job.servers:  # every server first, then the answers: no server waits on another
-            job.comm.send(("register", spec), dest=dest, tag=CTRL)
-        for s in range(len(job.servers)):
-            job.answer(s)
+        init = self._initial_pieces() if mode != "sync" and me == 0 else None
+        specs = [  # each server gets the starting values of its own partitions only
+            {**spec, "init": None if init is None else {i: t for i, t in init.items() if lay.pieces[i].server == s}}
+            for s in range(len(job.servers))
+        ]
+        self._slots = job.register(specs)
+        self._tags = [Tags(slot, len(lay.pieces)) for slot in self._slots]
+        self._closed = False
 
     # -- what the servers start from (ssp, async) ------------------------------------------------
     def _flat_params(self, b: Bucket) -> torch.Tensor:
@@ -352,9 +354,11 @@ class HybridReducer(Reducer):
         MPI.Request.Waitall(self._hyper_reqs)
         job = self._job
         self._hyper_buf = buf
-        self._hyper_reqs = [job.comm.Isend(buf, dest, self._tags.hyper) for dest in job.servers]
+        self._hyper_reqs = [job.comm.Isend(buf, job.servers[s], self._tags[s].hyper) for s in self._holding]
 
     def _submit(self, b: Bucket) -> None:
+        if self._closed:
+            raise HpcdlError(f"{self._kind} {self._prefix} was closed: build a new one to train on")
         if self.mode != "sync" and not self._hyper_sent:
             self._send_hyper()
             self._hyper_sent = True
@@ -392,10 +396,10 @@ class HybridReducer(Reducer):
     def _push(self, b: Bucket) -> None:
         """Post the receives of the replies, then send this rank's partitions of ``b``."""
         f: _Flat = b.zero
-        job, tags = self._job, self._tags
+        job = self._job
         reqs = []
         for pc in self._layout.of_bucket(b.index, self._shard):
-            dest = job.servers[pc.server]
+            dest, tags = job.servers[pc.server], self._tags[pc.server]
             reqs.append(job.comm.Irecv(as_bytes(f.mine[pc.lo : pc.hi]), dest, tags.reply(pc.index)))
             reqs.append(job.comm.Isend(as_bytes(f.shard[pc.lo : pc.hi]), dest, tags.push(pc.index)))
             nbytes = pc.numel * self._layout.itemsize
@@ -496,7 +500,7 @@ class HybridReducer(Reducer):
         """Every server's record of this optimizer: ``lags`` (worker -> the largest lag of
         parameters sent to it: its clock minus their version), ``lag_counts``, the server's
         ``bytes`` (sent, received) and ``cpu_s`` (its process's CPU time so far)."""
-        return [self._job.ask(s, ("stats", self._slot)) for s in range(len(self._job.servers))]
+        return [self._job.ask(s, ("stats", slot)) for s, slot in enumerate(self._slots)]
 
     def _updates_taken(self) -> int:
         """The updates every partition has taken once every worker's steps so far are in
@@ -514,13 +518,14 @@ class HybridReducer(Reducer):
             return
         need = self._updates_taken()
         got: dict[int, torch.Tensor] = {}
-        for s in range(len(self._job.servers)):
-            got.update(self._job.ask(s, ("params", self._slot, need)))
+        for s, slot in enumerate(self._slots):
+            got.update(self._job.ask(s, ("params", slot, need)))
         with torch.no_grad():
             for b in self._buckets:
                 flat = torch.cat([got[pc.index] for pc in self._layout.of_bucket(b.index, 0)])
                 for p, v in zip(b.params, b.zero.pieces(b.params, flat), strict=True):
                     p.copy_(v)
+        barrier(process_set=self._process_set)  # no rank pushes its next step before every rank has these
 
     def ps_stats_summary(self) -> dict[str, Any]:
         """The largest lag every server sent each worker, and how often each lag was sent
@@ -547,8 +552,8 @@ class HybridReducer(Reducer):
             return super().state_dict()  # type: ignore[misc]
         need = self._updates_taken()
         got: dict[int, Any] = {}
-        for s in range(len(self._job.servers)):
-            got.update(self._job.ask(s, ("state", self._slot, need)))
+        for s, slot in enumerate(self._slots):
+            got.update(self._job.ask(s, ("state", slot, need)))
         params = [p for g in self.param_groups for p in g["params"]]
         index = {p: i for i, p in enumerate(params)}
         st: dict[int, dict[str, Any]] = {}
@@ -575,6 +580,8 @@ class HybridReducer(Reducer):
             hyper = {k: v for k, v in g.items() if k != "params"}
             groups.append({**hyper, "params": list(range(start, start + len(g["params"])))})
             start += len(g["params"])
+        # no rank pushes its next step before every rank has its state of this one
+        barrier(process_set=self._process_set)
         return {
             "state": st,
             "param_groups": groups,
@@ -604,39 +611,54 @@ class HybridReducer(Reducer):
                 v = values.get(ids[index[p]])
                 if v is not None:
                     p.copy_(v)
-        if self._process_set.rank() == 0:
-            per_server: dict[int, dict[int, Any]] = {s: {} for s in range(len(self._job.servers))}
-            for b in self._buckets:
-                flat = self._flat_params(b)
-                sts = [state_dict["state"].get(ids[index[p]], {}) for p in b.params]
-                keys = sts[0].keys() if sts[0] else []
-                flat_state = {}
-                for k in keys:
-                    v0 = sts[0][k]
-                    if torch.is_tensor(v0) and v0.shape == b.params[0].shape and k != "step":
-                        t = torch.zeros(self._layout.padded(b.index), dtype=b.params[0].dtype)
-                        for p, o, s in zip(b.params, b.zero.offsets, sts, strict=True):
-                            t[o : o + p.numel()] = s[k].reshape(-1)
-                        flat_state[k] = t
-                    else:
-                        flat_state[k] = v0
-                for pc in self._layout.of_bucket(b.index, 0):
-                    st = {
-                        k: v[pc.lo : pc.hi].clone() if _elementwise(k, v, flat.numel()) else _copy(v)
-                        for k, v in flat_state.items()
-                    }
-                    per_server[pc.server][pc.index] = (flat[pc.lo : pc.hi].clone(), st, version)
-            for s, pieces in per_server.items():
-                self._job.ask(s, ("load", self._slot, pieces, clock))
-        barrier(process_set=self._process_set)
+        problem = None
+        if self._process_set.rank() == 0:  # a failure here must reach every rank, not leave them waiting
+            try:
+                for srv, pieces in self._partitions_of(state_dict["state"], ids, index, version).items():
+                    self._job.ask(srv, ("load", self._slots[srv], pieces, clock))
+            except (HpcdlError, KeyError, RuntimeError, TypeError, ValueError) as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+        said = allgather_object(problem, name=f"{self._prefix}.load", process_set=self._process_set)
+        if said[0] is not None:
+            raise HpcdlError(f"{self._kind}.load_state_dict: the servers did not take the state: {said[0]}")
         self._clock = clock
+
+    def _partitions_of(
+        self, saved: dict[int, dict[str, Any]], ids: list[int], index: dict[Any, int], version: int
+    ) -> dict[int, dict[int, Any]]:
+        """Cut the model's parameters and the saved per-parameter state into the servers'
+        partitions: server -> partition -> (parameters, state, version). A parameter with
+        no saved state (unused, say) gets zeros for the per-element entries the others have."""
+        out: dict[int, dict[int, Any]] = {s: {} for s in range(len(self._job.servers))}
+        for b in self._buckets:
+            flat = self._flat_params(b)
+            sts = [saved.get(ids[index[p]], {}) for p in b.params]
+            flat_state: dict[str, Any] = {}
+            for k in dict.fromkeys(k for st in sts for k in st):  # every key any parameter has, in order
+                v0 = next(st[k] for st in sts if k in st)
+                if k != "step" and torch.is_tensor(v0) and v0.dim() > 0:
+                    t = torch.zeros(self._layout.padded(b.index), dtype=b.params[0].dtype)
+                    for p, o, st in zip(b.params, b.zero.offsets, sts, strict=True):
+                        if k in st:
+                            t[o : o + p.numel()] = st[k].reshape(-1)
+                    flat_state[k] = t
+                else:
+                    flat_state[k] = v0
+            for pc in self._layout.of_bucket(b.index, 0):
+                st = {
+                    k: v[pc.lo : pc.hi].clone() if _elementwise(k, v, flat.numel()) else _copy(v)
+                    for k, v in flat_state.items()
+                }
+                out[pc.server][pc.index] = (flat[pc.lo : pc.hi].clone(), st, version)
+        return out
 
     def close(self) -> None:
         """Release this optimizer's partitions on the servers (collective over the process
         set); co-located servers end with it."""
         job = getattr(self, "_job", None)
-        if job is None or job.ended:
+        if job is None or job.ended or self._closed:
             return
+        self._closed = True
         barrier(process_set=self._process_set)
         if self._own_job:
             job.end()
@@ -644,8 +666,8 @@ class HybridReducer(Reducer):
             if rt is not None and job.end in rt.at_shutdown:
                 rt.at_shutdown.remove(job.end)
         elif self._process_set.rank() == 0:
-            for s in range(len(job.servers)):
-                job.ask(s, ("release", self._slot))
+            for s, slot in enumerate(self._slots):
+                job.ask(s, ("release", slot))
         barrier(process_set=self._process_set)
         for ps in getattr(self, "_made_sets", []):
             remove_process_set(ps)

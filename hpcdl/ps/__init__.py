@@ -23,7 +23,7 @@ from mpi4py import MPI
 from ..errors import HpcdlError
 from .layout import Layout, Piece
 from .server import Server, serve
-from .wire import CTRL, CTRL_REPLY, Counter, Tags, wait_politely
+from .wire import CTRL, CTRL_REPLY, Counter, Tags, as_bytes, wait_politely
 
 __all__ = [
     "PSJob",
@@ -34,6 +34,7 @@ __all__ = [
     "Tags",
     "Counter",
     "wait_politely",
+    "as_bytes",
     "CTRL",
     "CTRL_REPLY",
 ]
@@ -59,13 +60,14 @@ class PSJob:
         self.counter = Counter()
         self.threads: list[threading.Thread] = []
         self.ended = False
-        self.slots = 0
 
-    def next_slot(self) -> int:
-        """A table number, the same on every worker (optimizers are built collectively)."""
-        s = self.slots
-        self.slots += 1
-        return s
+    def register(self, specs: list[dict[str, Any]]) -> list[int]:
+        """Register a table with every server (``specs[s]`` for server ``s``), all of them
+        first and then their answers, so no server waits on another; return the slot each
+        server gave the table. A server's error raises."""
+        for dest, spec in zip(self.servers, specs, strict=True):
+            self.comm.send(("register", spec), dest=dest, tag=CTRL)
+        return [self.answer(s) for s in range(len(self.servers))]
 
     def ask(self, server: int, msg: tuple) -> Any:
         """Send a control message to server ``server`` (an index) and return its answer."""

@@ -37,23 +37,19 @@ import torch
 from mpi4py import MPI
 
 from .layout import Layout, Piece
-from .wire import CTRL, CTRL_REPLY, Counter, Tags
+from .wire import CTRL, CTRL_REPLY, MAX_TABLES, Counter, Tags, as_bytes
 
 __all__ = ["Server", "serve"]
 
 log = logging.getLogger("hpcdl")
 
 
-def as_bytes(t: torch.Tensor) -> np.ndarray:
-    """A contiguous CPU tensor's memory as a uint8 numpy array (any dtype, bfloat16 too)."""
-    return t.view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
-
-
 class _Table:
     """What a server holds of one optimizer: its partitions, receives, sums or parameters."""
 
-    def __init__(self, spec: dict[str, Any], index: int, comm: MPI.Comm, counter: Counter) -> None:
-        self.spec = spec
+    def __init__(self, spec: dict[str, Any], slot: int, index: int, comm: MPI.Comm, counter: Counter) -> None:
+        self.spec = {k: v for k, v in spec.items() if k != "init"}  # the starting values go to the parameters
+        self.slot = slot
         self.name = spec["name"]
         self.mode = spec["mode"]
         self.s = spec["staleness"]
@@ -63,7 +59,7 @@ class _Table:
         self.layout = Layout(
             spec["bucket_numels"], spec["itemsize"], spec["node_ranks"], len(spec["servers"]), spec["partition_bytes"]
         )
-        self.tags = Tags(spec["slot"], len(self.layout.pieces))
+        self.tags = Tags(slot, len(self.layout.pieces))
         self.pieces = self.layout.of_server(index)
         nodes = spec["nodes"]
         # a piece of shard l is pushed by local rank l of every node
@@ -115,7 +111,8 @@ class _Table:
         self.hyper: dict[tuple[int, int], np.ndarray] = {}  # (worker, clock) -> the step's hyperparameters
         self.hyper_clock = {c: 0 for c in self.workers}
         self.hbufs = {c: np.empty(self.hyper_len, np.float64) for c in self.workers}
-        self.hreqs = {c: self.comm.Irecv(self.hbufs[c], c, self.tags.hyper) for c in self.workers}
+        # a server that holds no partition is sent no hyperparameters (nothing would forget them)
+        self.hreqs = {c: self.comm.Irecv(self.hbufs[c], c, self.tags.hyper) for c in self.workers if self.pieces}
 
     def _hyper_arrived(self, c: int) -> None:
         self.hyper[c, self.hyper_clock[c]] = self.hbufs[c].copy()
@@ -344,11 +341,14 @@ class _Table:
         return out
 
     def load(self, pieces: dict[int, Any], clock: int) -> None:
-        """Take the partitions' parameters, optimizer state and version from a checkpoint
-        whose workers stood at ``clock`` (their next pushes are of that clock)."""
+        """Take the partitions' parameters and optimizer state from a checkpoint whose
+        workers stood at ``clock`` (their next pushes are of that clock). The version is
+        counted again for this table's mode and workers (one update a clock in bulk ssp,
+        one a worker step otherwise), whatever mode or worker count wrote the checkpoint."""
+        version = clock if self.aggregate else clock * len(self.workers)
         for p in self.pieces:
             i = p.index
-            param, st, version = pieces[i]
+            param, st, _ = pieces[i]
             with torch.no_grad():
                 self.params[i].copy_(param)
             sd = self.opts[i].state_dict()
@@ -389,7 +389,9 @@ class Server:
         self.workers = list(workers)
         self.left = set(workers)
         self.tables: dict[int, _Table] = {}
-        self.registering: dict[int, dict[int, dict]] = {}
+        """Tables by slot (this server's number for a table: it picks the data tags)."""
+        self.registering: dict[str, dict[int, dict]] = {}
+        """Registrations under way, by table name: worker -> its spec."""
         self.counter = Counter()
         self.stall_seconds = stall_seconds
         self._reqs: list[Any] | None = None
@@ -418,11 +420,11 @@ class Server:
                     for table, w in what:
                         table.arrived_from(w)
                     self._answer_deferred()
+            for t in self.tables.values():  # every pass, busy or not: snapshots pile up otherwise
+                t.retire()
             if busy:
                 sleep = 0.0
                 continue
-            for t in self.tables.values():
-                t.retire()
             now = time.monotonic()
             if now - last_check > 1.0:
                 last_check = now
@@ -447,12 +449,17 @@ class Server:
             self.left.discard(src)
         elif kind == "register":
             spec = msg[1]
-            slot = spec["slot"]
-            waiting = self.registering.setdefault(slot, {})
+            waiting = self.registering.setdefault(spec["name"], {})
             waiting[src] = spec
             if set(waiting) >= set(spec["workers"]):
-                del self.registering[slot]
-                self._register(slot, waiting)
+                del self.registering[spec["name"]]
+                self._register(waiting)
+        elif kind != "release" and msg[1] not in self.tables:
+            self.comm.send(
+                ("error", f"parameter server {self.index}: no table {msg[1]} (the optimizer was closed?)"),
+                dest=src,
+                tag=CTRL_REPLY,
+            )
         elif kind == "release":
             t = self.tables.pop(msg[1], None)
             if t is not None:
@@ -478,33 +485,42 @@ class Server:
     def _answer_deferred(self) -> None:
         still = []
         for src, kind, slot, need in self.deferred:
-            t = self.tables[slot]
-            if t.reached(need):
+            t = self.tables.get(slot)
+            if t is None:
+                self.comm.send(("error", f"parameter server {self.index}: table {slot} was released"), src, CTRL_REPLY)
+            elif t.reached(need):
                 self.comm.send(("ok", t.state() if kind == "state" else t.params_now()), dest=src, tag=CTRL_REPLY)
             else:
                 still.append((src, kind, slot, need))
         self.deferred = still
 
-    def _register(self, slot: int, specs: dict[int, dict]) -> None:
+    def _register(self, specs: dict[int, dict]) -> None:
+        """Build the table every worker of ``specs`` registered, in the slot this server
+        picks (a table of the same name is replaced), and tell each worker the slot."""
         first = specs[min(specs)]
         keys = [k for k in first if k != "init"]
         differ = [k for k in keys if any(s.get(k) != first.get(k) for s in specs.values())]
-        problem = None
+        problem, slot = None, None
         if differ:
             problem = f"parameter server {self.index}: workers registered '{first['name']}' differently ({differ})"
         else:
             if first["mode"] != "sync":
                 first = dict(first, init=next(s["init"] for s in specs.values() if s.get("init") is not None))
-            old = self.tables.pop(slot, None)
-            if old is not None:
-                old.close()
-            try:
-                self.tables[slot] = _Table(first, self.index, self.comm, self.counter)
-            except Exception as exc:  # a table this server cannot build: every worker is told
-                problem = f"parameter server {self.index}: {type(exc).__name__}: {exc}"
+            slot = next((k for k, t in self.tables.items() if t.name == first["name"]), None)
+            if slot is not None:
+                self.tables.pop(slot).close()
+            else:
+                slot = next((k for k in range(MAX_TABLES) if k not in self.tables), None)
+            if slot is None:
+                problem = f"parameter server {self.index}: {MAX_TABLES} tables are registered already; close one"
+            else:
+                try:
+                    self.tables[slot] = _Table(first, slot, self.index, self.comm, self.counter)
+                except Exception as exc:  # a table this server cannot build: every worker is told
+                    problem = f"parameter server {self.index}: {type(exc).__name__}: {exc}"
             self._reqs = None
         for w in specs:
-            self.comm.send(("error", problem) if problem else ("ok", None), dest=w, tag=CTRL_REPLY)
+            self.comm.send(("error", problem) if problem else ("ok", slot), dest=w, tag=CTRL_REPLY)
 
 
 def serve(comm: MPI.Comm, index: int, workers: list[int], stall_seconds: float = 60.0) -> Counter:

@@ -14,19 +14,29 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+import torch
 from mpi4py import MPI
 
-__all__ = ["CTRL", "CTRL_REPLY", "MAX_TABLES", "Tags", "wait_politely", "Counter"]
+__all__ = ["CTRL", "CTRL_REPLY", "MAX_TABLES", "Tags", "wait_politely", "Counter", "as_bytes"]
 
 CTRL, CTRL_REPLY = 1, 2
 MAX_TABLES = 64
-"""Tables (optimizers) a job may have registered at once; their tags are disjoint."""
+"""Tables (optimizers) a server may hold at once; each picks a slot for its tables, whose
+data tags are disjoint."""
 
 _FIRST = 16
 
 
+def as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's memory as a uint8 numpy array (any dtype, bfloat16 too):
+    what a partition's message carries."""
+    return t.view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
+
+
 class Tags:
-    """The data tags of table ``slot`` with ``pieces`` partitions."""
+    """The data tags of the table in slot ``slot`` (of the server it is exchanged with)
+    with ``pieces`` partitions."""
 
     def __init__(self, slot: int, pieces: int) -> None:
         stride = (MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) - _FIRST) // MAX_TABLES
