@@ -29,11 +29,19 @@ import torch
 from .. import state
 from ..compression import Compressor
 from ..errors import HpcdlArgumentError, HpcdlError
+from ..functions import allgather_object
 from ..handles import request_name, synchronize
 from ..ops import Adasum, Average, ReduceOp, Sum, allreduce_async, grouped_allreduce_async_, sparse_allreduce_async
 from ..process_sets import ProcessSet, registered_id
 
-__all__ = ["Bucket", "Reducer"]
+__all__ = ["Bucket", "Reducer", "elementwise_state"]
+
+
+def elementwise_state(key: str, value: Any, numel: int) -> bool:
+    """Whether optimizer state entry ``key`` holds one value per element of a flat tensor of
+    ``numel`` elements (momentum, Adam's moments) rather than per tensor (Adam's ``step``):
+    what the optimizers that cut parameters into pieces (shards, partitions) cut alike."""
+    return key != "step" and torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel
 
 
 class Bucket:
@@ -67,7 +75,7 @@ class Reducer:
     bucket's gradients are allreduced in place (``DistributedOptimizer``); a subclass
     changes how a bucket is sent (:meth:`_submit`) and its result put in place
     (:meth:`_unpack`), as ``ZeroOptimizer`` does. These two, :meth:`_request_args`,
-    :attr:`_buckets` and :attr:`_prefix` are the interface for subclasses."""
+    :meth:`_agree`, :attr:`_buckets` and :attr:`_prefix` are the interface for subclasses."""
 
     _kind = "DistributedOptimizer"
 
@@ -305,6 +313,24 @@ class Reducer:
                     # every hook fired, so nothing is missing here: send the check with the
                     # last bucket instead of in a cycle of its own at synchronize()
                     self._flags = self._send_flags([])
+
+    def _agree(self, mine: dict[str, Any]) -> None:
+        """Compare ``mine`` (what every rank of the process set must have alike; ``buckets``:
+        the parameters' shapes and dtypes per bucket) across the ranks, once, and raise on
+        every rank naming the key that differs (collective over the process set)."""
+        every = allgather_object(mine, name=f"{self._prefix}.layout", process_set=self._process_set)
+        for key in mine:
+            values = [e[key] for e in every]
+            if any(v != values[0] for v in values):
+                ranks = self._process_set.ranks
+                if key == "buckets":
+                    shown = {
+                        ranks[i]: f"{len(v)} buckets of {[len(b) for b in v]} parameters" for i, v in enumerate(values)
+                    }
+                    why = " (the models or bucket_bytes differ)"
+                else:
+                    shown, why = {ranks[i]: v for i, v in enumerate(values)}, ""
+                raise HpcdlError(f"{self._kind}: ranks disagree on {key}{why}: {shown}")
 
     def _request_args(self, b: Bucket) -> dict[str, Any]:
         """Name, op and scale factors of bucket ``b``'s reduction: the prescale predivides

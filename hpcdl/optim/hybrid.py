@@ -43,7 +43,7 @@ from ..functions import allgather_object
 from ..ops import Average, ReduceOp, Sum, allgather_into_async, barrier, poll, reducescatter_into_async, synchronize
 from ..process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from ..ps import Layout, PSJob, Server, Tags, as_bytes, wait_politely
-from .buckets import Bucket, Reducer
+from .buckets import Bucket, Reducer, elementwise_state
 
 __all__ = ["HybridOptimizer", "MODES"]
 
@@ -246,20 +246,7 @@ class HybridReducer(Reducer):
             "optimizer": base.__name__,
             "buckets": [[(tuple(p.shape), str(p.dtype)) for p in b.params] for b in self._buckets],
         }
-        every = allgather_object(mine_agreed, name=f"{self._prefix}.layout", process_set=self._process_set)
-        for key in mine_agreed:
-            values = [e[key] for e in every]
-            if any(v != values[0] for v in values):
-                if key == "buckets":
-                    shown = {members[i]: [len(b) for b in v] for i, v in enumerate(values)}
-                    raise HpcdlError(
-                        "HybridOptimizer: ranks disagree on the model (parameters per bucket, by rank: "
-                        f"{shown}); the models, their dtypes or bucket_bytes differ"
-                    )
-                raise HpcdlError(
-                    f"HybridOptimizer: ranks disagree on {key}: "
-                    + ", ".join(f"{values[i]!r} on rank {members[i]}" for i in range(len(values)))
-                )
+        self._agree(mine_agreed)
         if job is None:  # co-located: a server thread on every node leader, over the members' communicator
             leaders = [members.index(n[0]) for n in nodes]
             hosts = sub.allgather((socket.gethostname(), os.getpid()))
@@ -382,11 +369,14 @@ class HybridReducer(Reducer):
     def _poll_node_reductions(self) -> None:
         """Push the buckets whose reduce-scatter inside the node has finished."""
         for b in self._buckets:
-            f = b.zero
-            if f.rs is not None and poll(f.rs):
-                synchronize(f.rs)
-                f.rs = None
-                self._push(b)
+            if b.zero.rs is not None and poll(b.zero.rs):
+                self._push_reduced(b)
+
+    def _push_reduced(self, b: Bucket) -> None:
+        """Wait for bucket ``b``'s reduce-scatter inside the node, then push its shard."""
+        synchronize(b.zero.rs)
+        b.zero.rs = None
+        self._push(b)
 
     def _send_flags(self, missing: list[int]) -> int | None:
         """``sync`` checks missing gradients as DistributedOptimizer does; ``ssp`` and ``async``
@@ -422,9 +412,7 @@ class HybridReducer(Reducer):
     def _unpack(self, b: Bucket, result: Any) -> None:
         f: _Flat = b.zero
         if f.rs is not None:
-            synchronize(f.rs)
-            f.rs = None
-            self._push(b)
+            self._push_reduced(b)
         t0 = time.perf_counter()
         wait_politely(f.reqs, self._stalled, nap=1e-3 if self._job.dedicated else 0.0)
         self.wait_seconds += time.perf_counter() - t0
@@ -564,16 +552,16 @@ class HybridReducer(Reducer):
             flat = torch.cat([got[pc.index][0] for pc in pcs])
             states = [got[pc.index][1] for pc in pcs]
             whole = {  # per-element entries joined over the partitions; others (Adam's step) as they are
-                k: torch.cat([s[k] for s in states]) if _elementwise(k, v, pcs[0].numel) else v
+                k: torch.cat([s[k] for s in states]) if elementwise_state(k, v, pcs[0].numel) else v
                 for k, v in states[0].items()
             }
+            cut = {k: elementwise_state(k, v, flat.numel()) for k, v in whole.items()}
             for j, p in enumerate(b.params):
                 o = b.zero.offsets[j]
                 values[index[p]] = flat[o : o + p.numel()].view_as(p).clone()
                 if whole:
                     st[index[p]] = {
-                        k: v[o : o + p.numel()].view_as(p).clone() if _elementwise(k, v, flat.numel()) else _copy(v)
-                        for k, v in whole.items()
+                        k: v[o : o + p.numel()].view_as(p).clone() if cut[k] else _copy(v) for k, v in whole.items()
                     }
         groups, start = [], 0
         for g in self.param_groups:
@@ -646,7 +634,7 @@ class HybridReducer(Reducer):
                     flat_state[k] = v0
             for pc in self._layout.of_bucket(b.index, 0):
                 st = {
-                    k: v[pc.lo : pc.hi].clone() if _elementwise(k, v, flat.numel()) else _copy(v)
+                    k: v[pc.lo : pc.hi].clone() if elementwise_state(k, v, flat.numel()) else _copy(v)
                     for k, v in flat_state.items()
                 }
                 out[pc.server][pc.index] = (flat[pc.lo : pc.hi].clone(), st, version)
@@ -672,11 +660,6 @@ class HybridReducer(Reducer):
         for ps in getattr(self, "_made_sets", []):
             remove_process_set(ps)
         self._made_sets = []
-
-
-def _elementwise(key: str, value: Any, numel: int) -> bool:
-    """An optimizer state entry with one value per element of a ``numel``-long flat tensor."""
-    return key != "step" and torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel
 
 
 def _copy(value: Any) -> Any:

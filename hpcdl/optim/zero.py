@@ -44,7 +44,6 @@ import torch
 
 from ..compression import Compression, Compressor
 from ..errors import HpcdlArgumentError, HpcdlError
-from ..functions import allgather_object
 from ..ops import (
     Average,
     Max,
@@ -57,7 +56,7 @@ from ..ops import (
     synchronize,
 )
 from ..process_sets import ProcessSet, global_process_set
-from .buckets import Bucket, Reducer
+from .buckets import Bucket, Reducer, elementwise_state
 
 __all__ = ["ZeroOptimizer"]
 
@@ -245,19 +244,7 @@ class ZeroOptimizer(Reducer, torch.optim.Optimizer):
             "optimizer": optimizer,
             "buckets": [[(tuple(p.shape), str(p.dtype)) for p in b.params] for b in self._buckets],
         }
-        every = allgather_object(mine, name=f"{self._prefix}.layout", process_set=self._process_set)
-        for key in mine:
-            values = [e[key] for e in every]
-            if any(v != values[0] for v in values):
-                ranks = self._process_set.ranks
-                if key == "buckets":
-                    shown = {
-                        ranks[i]: f"{len(v)} buckets of {[len(b) for b in v]} parameters" for i, v in enumerate(values)
-                    }
-                    why = " (the models or bucket_bytes differ)"
-                else:
-                    shown, why = {ranks[i]: v for i, v in enumerate(values)}, ""
-                raise HpcdlError(f"ZeroOptimizer: ranks disagree on {key}{why}: {shown}")
+        self._agree(mine)
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer(stage={self.stage}, ranks={self._n}, optim={self.optim!r})"
@@ -368,7 +355,7 @@ class ZeroOptimizer(Reducer, torch.optim.Optimizer):
         state: dict[int, dict[str, Any]] = {}
         for b in self._buckets:
             st = inner.get(b.zero.shard, {})
-            elementwise = [k for k, v in st.items() if self._is_elementwise(k, v, b.zero.shard)]
+            elementwise = [k for k, v in st.items() if elementwise_state(k, v, b.zero.shard.numel())]
             if not st:
                 continue
             pieces: dict[str, list[torch.Tensor]] = {}
@@ -452,9 +439,3 @@ class ZeroOptimizer(Reducer, torch.optim.Optimizer):
         shards = [p for g in self.optim.param_groups for p in g["params"]]
         by_shard = {b.zero.shard: b for b in self._buckets}
         return [by_shard[s] for s in shards]
-
-    @staticmethod
-    def _is_elementwise(key: str, value: Any, shard: torch.Tensor) -> bool:
-        return (
-            key not in _SCALAR_KEYS and torch.is_tensor(value) and value.dim() == 1 and value.numel() == shard.numel()
-        )
