@@ -8,8 +8,10 @@ The caller promises that every rank passes the same dtype, shape, op and root (a
 :func:`allgather`, knows every rank's rows), and that every rank runs with the same
 configuration: :func:`fingerprint` is what to compare once, when the runtime starts.
 
-A call small enough to finish in one step through the node channel still posts its
-signature, since its data travels with it; everything else goes straight to the data.
+On one node a call still posts its signature through the node channel: a small one
+because its data travels with it, a larger one because it says where this rank's buffers
+lie in the node's arena (when every rank's do, the peers read them in place). Across nodes
+every call goes straight to the data.
 Local argument errors (a bad ``out``) still raise, on this rank only: the caller has
 already judged what the ranks passed.
 """

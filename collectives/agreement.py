@@ -77,6 +77,7 @@ class Call:
         self.resolved = algorithm
         self.seq = 0
         self._counts: list[int] | None = None
+        self._wheres: list[tuple[int, int]] | None = None
         try:
             check_dtype(self.x.dtype)
             if op is not None or collective in _REDUCING:
@@ -122,28 +123,40 @@ class Call:
         ]
 
     def agree(
-        self, count: int, item_shape: tuple[int, ...] = (), payload: np.ndarray | None = None, one_step: bool = False
+        self,
+        count: int,
+        item_shape: tuple[int, ...] = (),
+        payload: np.ndarray | None = None,
+        one_step: bool = False,
+        where: tuple[int, int] = (0, 0),
     ) -> None:
         """Check arguments on every rank; raise the same way everywhere on any problem.
 
         On a single-node communicator the signature (and ``payload``, a small message's
-        data, when given) goes through the node channel; elsewhere through a nonblocking
-        all-gather. Afterwards :meth:`counts` gives every rank's ``count``. ``one_step``
-        (or a ``payload``) says the call finishes in one step through the node channel;
-        an agreed call posts only then.
+        data, when given, and ``where`` this rank's input and output lie in the node's
+        arena) goes through the node channel; elsewhere through a nonblocking all-gather.
+        Afterwards :meth:`counts` gives every rank's ``count`` and :meth:`inplace` says
+        whether every rank's buffers lie in the arena. ``one_step`` (or a ``payload``)
+        says the call finishes in one step through the node channel; an agreed call posts
+        only then, or on one node (its buffers may lie in the arena).
         """
         t = self.t
-        if t.size == 1 or (self.agreed is not None and not (one_step or payload is not None)):
+        ch = self.ctx.chan
+        posts = one_step or payload is not None or (ch is not None and self.algorithm in ("auto", "shm"))
+        if t.size == 1 or (self.agreed is not None and not posts):
             if self.error is not None:
                 raise self.error
             self._counts = [count] if t.size == 1 else self.agreed
             return
         sig = self.signature(count, item_shape)
-        ch = self.ctx.chan
         if ch is not None:
             a, b, c = pack(sig)
-            seq = ch.exchange(a, b, c, payload if self.error is None else None, self.collective in MAY_DIFFER)
+            seq = ch.exchange(
+                a, b, c, payload if self.error is None else None, self.collective in MAY_DIFFER, where[0], where[1]
+            )
             self.seq = abs(seq)
+            if seq > 0 and (where[0] or where[1]):
+                self._wheres = ch.wheres(seq)
             if seq > 0:
                 if self.error is not None:
                     raise self.error
@@ -192,6 +205,20 @@ class Call:
         if self._counts is None:
             self._counts = [w[1] for w in self.ctx.chan.words(self.seq)]
         return self._counts
+
+    def inplace(self, output: bool, only: int | None = None, inputs: bool = True) -> list[tuple[int, int]] | None:
+        """Every rank's arena words (input, output) when this call posted them and every
+        rank's input (``only``: that rank's; ``output``: its output too; not ``inputs``: its
+        output only) lies in the node's arena, else None. Every rank reads the same words,
+        so every rank decides alike."""
+        if self.seq == 0 or self.ctx.arena is None or self.ctx.chan is None:
+            return None
+        ws = self._wheres
+        if ws is None:
+            ws = self._wheres = self.ctx.chan.wheres(self.seq)
+        if all((w[0] or not inputs) and (w[1] or not output) for w in (ws if only is None else ws[only : only + 1])):
+            return ws
+        return None
 
     def small(self, nbytes: int) -> bool:
         """True when this call finishes in one step through the node channel's slots."""

@@ -39,6 +39,9 @@ __all__ = [
     "reduce_scatter_agreed",
     "allgather_agreed",
     "broadcast_agreed",
+    "empty",
+    "is_shared",
+    "copied_bytes",
 ]
 
 _SLOW = node.SLOW
@@ -96,6 +99,58 @@ def _fast(comm: Any, key: tuple, x: np.ndarray, out: np.ndarray | None = None) -
     return res
 
 
+def _where(ctx: Context, call: Call, small: bool, x: np.ndarray | None, out: np.ndarray | None) -> tuple[int, int]:
+    """The arena words a call posts: where ``x`` and ``out`` lie in the node's arena (0: not
+    there, or not a call that could read them in place). ``auto`` reads buffers in place
+    whatever its table says: on one node nothing moves fewer bytes."""
+    arena = ctx.arena
+    if arena is None or small or call.algorithm not in ("auto", "shm") or call.error is not None or x is None:
+        return (0, 0)
+    return (arena.where(x), arena.where(out))
+
+
+# -- window-resident buffers -------------------------------------------------------------
+def empty(shape: Any, dtype: Any = np.float32, *, comm: Any = None) -> np.ndarray:
+    """An uninitialised C-contiguous array in this rank's part of the node's shared window.
+
+    Collectives whose every rank passes such arrays (the input; for ``allreduce`` also
+    ``out``, which may be the input) read them where they lie: no rank stages a copy of its
+    input into the window, and results are copied straight from their owner's output
+    (algorithm ``shm``, or ``auto`` where it picks ``shm``). Other arrays work as always.
+
+    Allocation is local (not collective) and thread-safe; the memory returns to the window
+    when the last array viewing it is garbage collected, and is valid while ``comm`` lives.
+    Where ``comm``'s ranks are not all on one node, it has a single rank, or the window
+    (``HPCDL_SHM_ARENA_BYTES`` per rank) is full, the array is ordinary memory:
+    :func:`is_shared` tells.
+
+    Args:
+        shape: the array's shape (an int or a tuple).
+        dtype: its dtype.
+        comm: mpi4py communicator (default ``MPI.COMM_WORLD``) or a transport.
+    """
+    arena = get_context(comm).arena
+    a = arena.empty(shape, dtype) if arena is not None else None
+    return np.empty(shape, dtype) if a is None else a
+
+
+def is_shared(a: np.ndarray, *, comm: Any = None) -> bool:
+    """True when all of ``a`` lies in this rank's part of ``comm``'s node window (from
+    :func:`empty`) and is C-contiguous, so the ``shm`` algorithms can read it in place."""
+    arena = get_context(comm).arena
+    return arena is not None and isinstance(a, np.ndarray) and arena.where(a) > 0
+
+
+def copied_bytes(comm: Any = None) -> dict[str, int]:
+    """Bytes this rank has written in ``comm``'s single-node ``shm`` collectives so far, by
+    kind: ``staged`` (its input copied into the window), ``reduced`` (reduction results)
+    and ``copied_out`` (results copied into its output). Calls finished in one step through
+    the control slots are not counted."""
+    ch = get_context(comm).chan
+    staged, reduced, out = ch.copied if ch is not None else (0, 0, 0)
+    return {"staged": staged, "reduced": reduced, "copied_out": out}
+
+
 # -- allreduce ---------------------------------------------------------------------------
 def _aliases(a: np.ndarray, b: np.ndarray) -> bool:
     """True when ``a`` and ``b`` are the same elements (equal views of one buffer)."""
@@ -114,12 +169,14 @@ def _allreduce(x, op, algorithm, out, comm, blocking, agreed=False):
     check_out(call, out, x.shape)
     call.resolve(x.nbytes)
     small = call.small(x.nbytes)
-    call.agree(x.size, payload=np.ascontiguousarray(x) if small else None)
+    overlap = out is not None and out is not x and not _aliases(out, x) and np.may_share_memory(out, x)
+    where = _where(ctx, call, small, x if not overlap else None, out)
+    call.agree(x.size, payload=np.ascontiguousarray(x) if small else None, where=where)
     if out is None:
         out = np.empty(x.shape, x.dtype)
     elif out is not x and _aliases(out, x):
         x = out  # two views of the same memory: in place (MPI refuses aliased buffers)
-    elif out is not x and np.may_share_memory(out, x):
+    elif overlap:
         x = x.copy()  # overlapping differently: the input must survive the writes to out
     n = ctx.transport.size
     if n == 1 or x.size == 0:
@@ -130,6 +187,9 @@ def _allreduce(x, op, algorithm, out, comm, blocking, agreed=False):
     if small:
         node.small_allreduce(ctx.chan, call.seq, out, op)
         return _done(out, blocking, ctx)
+    ws = call.inplace(output=True)
+    if ws is not None:  # every rank's input and output lie in the arena: read them there
+        return _launch(ctx, node.inplace_allreduce(ctx, buf, ws, op), blocking, out)
     fn = REGISTRY["allreduce"][call.resolved]
     on_done = lambda: finalize(buf, op, n)
     if call.resolved == "shm":
@@ -191,7 +251,8 @@ def _reduce_scatter(x, op, algorithm, out, comm, blocking, agreed=False):
     call.resolve(x.nbytes)
     small = call.small(x.nbytes)
     src = np.ascontiguousarray(x) if (small or call.resolved == "shm") and call.error is None else x
-    call.agree(x.size, payload=src if small else None)
+    overlap = isinstance(out, np.ndarray) and np.may_share_memory(out, x)
+    call.agree(x.size, payload=src if small else None, where=_where(ctx, call, small, None if overlap else x, None))
     result = np.empty(counts[r], x.dtype) if out is None else out
     if n == 1 or x.size == 0:
         result[...] = _flat(x)
@@ -199,6 +260,9 @@ def _reduce_scatter(x, op, algorithm, out, comm, blocking, agreed=False):
     if small:
         node.small_reduce_scatter(ctx.chan, call.seq, counts, result, op)
         return _done(result, blocking, ctx)
+    ws = call.inplace(output=False)
+    if ws is not None:  # every rank's input lies in the arena: read it there
+        return _launch(ctx, node.inplace_reduce_scatter(ctx, counts, result, x.dtype, ws, op), blocking, result)
     if call.resolved == "shm":
         ctx.channel()  # collective allocation, in call order
         gen = node.reduce_scatter(ctx, t, _flat(src), counts, op, 0, out=result)
@@ -272,10 +336,13 @@ def _allgather(x, algorithm, out, comm, blocking, posted=False, rows=None):
     ch = ctx.chan
     src = np.ascontiguousarray(x)
     attach = ch is not None and call.error is None and x.nbytes <= ch.small and algorithm in ("auto", "shm")
+    where = (0, 0)
+    if ctx.arena is not None and not attach and algorithm in ("auto", "shm") and call.error is None:
+        where = (0, ctx.arena.where(out))  # the peers read this rank's block of out
     if posted:  # a one-step attempt posted and agreed this call already
         call.seq = ch.seq
     else:
-        call.agree((rows % ROWS) + (out_rows + 1) * ROWS, item, payload=src if attach else None)
+        call.agree((rows % ROWS) + (out_rows + 1) * ROWS, item, payload=src if attach else None, where=where)
     words = call.counts()
     all_rows = [w % ROWS for w in words]
     total = sum(all_rows)
@@ -304,6 +371,9 @@ def _allgather(x, algorithm, out, comm, blocking, posted=False, rows=None):
     if call.resolved == "shm" and ch is not None and max(counts) * x.itemsize <= ch.small:
         node.small_allgather(ch, call.seq, counts, buf)
         return _done(out, blocking, ctx)
+    ws = call.inplace(output=True, inputs=False)
+    if ws is not None:  # every rank's out lies in the arena, its own block in place: read them there
+        return _launch(ctx, node.inplace_allgather(ctx, buf, counts, ws), blocking, out)
     if call.resolved == "shm":
         ctx.channel()  # collective allocation, in call order
     gen = REGISTRY["allgather"][call.resolved](ctx, t, buf, counts, ctx.next_tag())
@@ -346,7 +416,9 @@ def _broadcast(x, root, algorithm, out, comm, blocking, agreed=False):
     call.resolve(x.nbytes)
     small = call.small(x.nbytes)
     is_root = ctx.transport.rank == root
-    call.agree(x.size, payload=np.ascontiguousarray(x) if small and is_root else None, one_step=small)
+    overlap = isinstance(out, np.ndarray) and out is not x and np.may_share_memory(out, x)
+    where = _where(ctx, call, small, x if is_root and not overlap else None, None)
+    call.agree(x.size, payload=np.ascontiguousarray(x) if small and is_root else None, one_step=small, where=where)
     if out is None:
         out = np.empty(x.shape, x.dtype)
     if out is not x and is_root:
@@ -356,6 +428,9 @@ def _broadcast(x, root, algorithm, out, comm, blocking, agreed=False):
     if small:
         node.small_broadcast(ctx.chan, call.seq, root, _flat(out))
         return _done(out, blocking, ctx)
+    ws = call.inplace(output=False, only=root)
+    if ws is not None:  # the root's input lies in the arena: read it there
+        return _launch(ctx, node.inplace_broadcast(ctx, _flat(out), root, ws), blocking, out)
     if call.resolved == "shm":
         ctx.channel()  # collective allocation, in call order
     gen = REGISTRY["broadcast"][call.resolved](ctx, ctx.transport, _flat(out), root, ctx.next_tag())
@@ -462,7 +537,7 @@ def reduce(
     x = call.x
     call.resolve(x.nbytes)
     small = call.small(x.nbytes)
-    call.agree(x.size, payload=np.ascontiguousarray(x) if small else None)
+    call.agree(x.size, payload=np.ascontiguousarray(x) if small else None, where=_where(ctx, call, small, x, None))
     t = ctx.transport
     is_root = t.rank == root
     out = np.empty(x.shape, x.dtype) if is_root else None
@@ -473,6 +548,10 @@ def reduce(
     if small:
         if is_root:
             node.small_allreduce(ctx.chan, call.seq, out, op)
+        return out
+    ws = call.inplace(output=False)
+    if ws is not None:  # every rank's input lies in the arena: read it there
+        ctx.run(node.inplace_reduce(ctx, None if out is None else _flat(out), x.size, x.dtype, ws, op, root))
         return out
     if call.resolved == "shm":
         ctx.channel()  # collective allocation, in call order

@@ -7,8 +7,9 @@ for the thread transport), laid out as::
     [seq][stage] [slot 0: header | small data] [slot 1: ...] [buffer 0] [buffer 1]
 
 ``seq`` counts the calls this rank has *posted*; a call posts its argument signature
-(three int64 words) into slot ``seq % 2``, and for small messages the data too, then
-publishes ``seq``. Two slots suffice: a rank can post call ``k + 2`` only after every peer
+(three int64 words) and where its input and output lie in the node's arena (two more:
+:meth:`.arena.Arena.where`) into slot ``seq % 2``, and for small messages the data too,
+then publishes ``seq``. Two slots suffice: a rank can post call ``k + 2`` only after every peer
 posted ``k + 1``, which each does only after it finished reading call ``k``. ``stage`` is
 a second counter used as a barrier: a rank publishes it and waits until every peer has
 reached it. Loads and stores are ordered by the window's ``MPI_Win_sync`` around every
@@ -87,7 +88,7 @@ class Channel:
         self._seq_addr = [s[0:8].ctypes.data for s in segs]
         self._stage_addr = [s[LINE : LINE + 8].ctypes.data for s in segs]
         self.heads = [
-            [memoryview(s[self._slot0 + p * slot : self._slot0 + p * slot + 24]).cast("q") for p in (0, 1)]
+            [memoryview(s[self._slot0 + p * slot : self._slot0 + p * slot + 40]).cast("q") for p in (0, 1)]
             for s in segs
         ]
         self.slots = [[s[self._slot0 + p * slot + LINE : self._slot0 + (p + 1) * slot] for p in (0, 1)] for s in segs]
@@ -112,6 +113,10 @@ class Channel:
         self.queue: list[object] = []
         """Chunked operations in flight, oldest first: only the first uses the buffers."""
         self._views: dict[tuple, list] = {}
+        self.copied = [0, 0, 0]
+        """Bytes this rank wrote in the chunked and in-place algorithms, by kind: staged (its
+        input into the window), reduced (reduction results) and copied out (results into
+        its output). One-step calls are not counted."""
 
     # -- typed views ---------------------------------------------------------------------
     def slot_views(self, p: int, dtype: np.dtype, shape: tuple[int, ...]) -> list[np.ndarray]:
@@ -135,8 +140,9 @@ class Channel:
         return v
 
     # -- posting calls ---------------------------------------------------------------------
-    def post(self, a: int, b: int, c: int, payload: np.ndarray | None = None) -> int:
-        """Publish this rank's next call: signature words ``a, b, c`` and optionally a small
+    def post(self, a: int, b: int, c: int, payload: np.ndarray | None = None, win: int = 0, wout: int = 0) -> int:
+        """Publish this rank's next call: signature words ``a, b, c``, where its input and
+        output lie in the arena (``win``, ``wout``; 0: not there) and optionally a small
         ``payload`` (any layout); return the call's sequence number."""
         seq = self.seq + 1
         p = seq & 1
@@ -153,6 +159,8 @@ class Channel:
         h[0] = a
         h[1] = b
         h[2] = c
+        h[3] = win
+        h[4] = wout
         self.fence()
         self._my_seq[0] = seq
         self._wake_sleepers(self._my_seq_addr)
@@ -196,11 +204,20 @@ class Channel:
                         self._doze(v, addr, seq)
         self.fence()
 
-    def exchange(self, a: int, b: int, c: int, payload: np.ndarray | None = None, uneven: bool = False) -> int:
+    def exchange(
+        self,
+        a: int,
+        b: int,
+        c: int,
+        payload: np.ndarray | None = None,
+        uneven: bool = False,
+        win: int = 0,
+        wout: int = 0,
+    ) -> int:
         """Post a call, wait for every peer's post of it and compare signatures (``b``, the
         count, may differ when ``uneven``): return the call's sequence number, negated when
         the signatures differ."""
-        seq = self.post(a, b, c, payload)
+        seq = self.post(a, b, c, payload, win, wout)
         self.wait_posted(seq)
         for h in self.peer_heads[seq & 1]:
             if h[0] != a or h[2] != c or (h[1] != b and not uneven):
@@ -211,6 +228,12 @@ class Channel:
         """Every rank's signature words for call ``seq``, by rank."""
         p = seq & 1
         return [(h[p][0], h[p][1], h[p][2]) for h in self.heads]
+
+    def wheres(self, seq: int) -> list[tuple[int, int]]:
+        """Every rank's arena words (input, output) for call ``seq``, by rank; read them before
+        this rank posts again."""
+        p = seq & 1
+        return [(h[p][3], h[p][4]) for h in self.heads]
 
     # -- the stage barrier -------------------------------------------------------------------
     def arrive(self) -> None:
@@ -238,14 +261,15 @@ class Channel:
         self.arrive()
         yield from self.await_all()
 
-    def own(self) -> Schedule:
-        """Wait for this operation's turn on the buffers, then a barrier (leave with :meth:`release`)."""
+    def own(self, barrier: bool = True) -> Schedule:
+        """Wait for this operation's turn on the buffers, then a barrier unless told not to
+        (an operation that writes no buffer needs none); leave with :meth:`release`."""
         token = object()
         self.queue.append(token)
         while self.queue[0] is not token:
             yield []
-        # peers may still be reading our buffers for the operation before this one
-        yield from self.barrier()
+        if barrier:  # peers may still be reading our buffers for the operation before this one
+            yield from self.barrier()
 
     def release(self) -> None:
         """Hand the buffers to the next operation in this rank's queue."""

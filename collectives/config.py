@@ -43,6 +43,11 @@ class Config:
     shm_chunk_bytes: int = 1 << 20
     """Pipeline chunk of the single-node ``shm`` algorithms (each rank holds two), in bytes."""
 
+    shm_arena_bytes: int = 1 << 30
+    """Shared window per rank for window-resident buffers (:func:`collectives.empty`), in
+    bytes: address space reserved when a single-node communicator is first used, memory
+    only once allocated from (0: none; ``empty`` then gives ordinary memory)."""
+
     def __post_init__(self) -> None:
         if self.ranks_per_node < 0:
             raise ConfigError(f"ranks_per_node={self.ranks_per_node} must be >= 0 (0 turns it off)")
@@ -54,6 +59,8 @@ class Config:
             raise ConfigError(f"shm_small_bytes={self.shm_small_bytes} must be at least 64")
         if self.shm_chunk_bytes < 4096:
             raise ConfigError(f"shm_chunk_bytes={self.shm_chunk_bytes} must be at least 4096")
+        if self.shm_arena_bytes < 0:
+            raise ConfigError(f"shm_arena_bytes={self.shm_arena_bytes} must be >= 0 (0 turns it off)")
         if self.tuning_file and not os.path.isfile(self.tuning_file):
             raise ConfigError(f"tuning_file={self.tuning_file!r} does not exist")
 

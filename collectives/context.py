@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .arena import Arena
 from .channel import Channel
 from .config import Config, load_config
 from .transport import MPITransport
@@ -134,8 +135,13 @@ class Context:
         lay = self.layout()
         self.chan: Channel | None = None
         """The node channel, when every rank is on one node: it carries argument agreement."""
+        self.arena: Arena | None = None
+        """Window-resident buffers (:mod:`.arena`), when every rank is on one node."""
         if comm is not None and transport.size > 1 and lay.nodes == 1:
             self.chan = self.channel()
+            if self.config.shm_arena_bytes:
+                segs, _ = lay.node.shared_window(self.config.shm_arena_bytes)
+                self.arena = Arena(segs, lay.node.rank)
 
     # -- tags and driving -------------------------------------------------------------
     def next_tag(self) -> int:
@@ -215,7 +221,7 @@ class Context:
     def free(self) -> None:
         """Release sub-communicators and windows."""
         lay, self._layout, self._segments = self._layout, None, None
-        self._channel = self.chan = None
+        self._channel = self.chan = self.arena = None
         if lay is not None:
             for sub in (lay.node, lay.cross):
                 if isinstance(sub, MPITransport):

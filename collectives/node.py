@@ -245,6 +245,7 @@ def _allreduce(ch: Channel, out: np.ndarray, src: np.ndarray, op: str, root: int
         views = [ch.buf_views(0, dt), ch.buf_views(1, dt)]
         red = _reducer(op, n)
         gather = root is None or root == me
+        copied, isz = ch.copied, dt.itemsize
 
         def stage(i: int) -> None:
             # copy chunk i of our data, all but our own slice, into our buffer's regions
@@ -254,6 +255,7 @@ def _allreduce(ch: Channel, out: np.ndarray, src: np.ndarray, op: str, root: int
             for j in range(n):
                 if j != me and off[j + 1] > off[j]:
                     mine[j * per : j * per + off[j + 1] - off[j]] = src[c0 + off[j] : c0 + off[j + 1]]
+            copied[0] += (c1 - c0 - off[me + 1] + off[me]) * isz
 
         def reduce_own(i: int) -> None:
             # our slice of chunk i, reduced over every rank in rank order, into our region
@@ -267,6 +269,7 @@ def _allreduce(ch: Channel, out: np.ndarray, src: np.ndarray, op: str, root: int
                 src[c0 + off[me] : c0 + off[me] + m] if j == me else v[lo : lo + m] for j, v in enumerate(views[i & 1])
             ]
             red(parts, views[i & 1][me][lo : lo + m])
+            copied[1] += m * isz
 
         def gather_out(i: int) -> None:
             c0, c1 = chunks[i]
@@ -275,6 +278,7 @@ def _allreduce(ch: Channel, out: np.ndarray, src: np.ndarray, op: str, root: int
                 m = off[j + 1] - off[j]
                 if m:
                     out[c0 + off[j] : c0 + off[j + 1]] = v[j * per : j * per + m]
+            copied[2] += (c1 - c0) * isz
 
         # Barrier i publishes "slice i reduced" and "chunk i + 1 staged". Between barriers
         # a rank writes only its own buffer: region `me` of buffer i % 2 (the reduction)
@@ -388,5 +392,126 @@ def broadcast(ctx: Any, t: Any, buf: np.ndarray, root: int, tag: int) -> Schedul
             yield from ch.barrier()
             if me != root:
                 buf[a:z] = views[i & 1][root][: z - a]
+    finally:
+        ch.release()
+
+
+# -- in-place collectives: every rank's buffers lie in the node's arena ----------------------
+# The call's post (its signature and arena words) is the start: every rank's input was
+# written before it posted. The ranks read one another's buffers where they lie; a closing
+# barrier keeps every rank's buffers untouched until its peers have read them. No channel
+# buffer is written, so these take their turn in the queue without the opening barrier.
+_PIECE = 1 << 16
+"""Elements reduced at a time through scratch when the output is one of the inputs."""
+
+
+def _reduce_to(parts: list[np.ndarray], dst: np.ndarray, red: Callable, scratch: Any) -> None:
+    """``red(parts, dst)``, also when ``dst`` is the memory of ``parts[k]`` for some k >= 2
+    (which the rank-order reduction would overwrite before reading): then piece by piece
+    through scratch."""
+    if not any(np.may_share_memory(dst, p) for p in parts[2:]):
+        red(parts, dst)
+        return
+    m = dst.size
+    tmp = scratch.get(min(m, _PIECE), dst.dtype)
+    try:
+        for a in range(0, m, _PIECE):
+            z = min(a + _PIECE, m)
+            red([p[a:z] for p in parts], tmp[: z - a])
+            dst[a:z] = tmp[: z - a]
+    finally:
+        scratch.put(tmp)
+
+
+def inplace_allreduce(ctx: Any, out: np.ndarray, wheres: list[tuple[int, int]], op: str) -> Schedule:
+    """Allreduce every rank's input into every rank's ``out`` (flat), reading both where
+    they lie in the arena: rank ``me`` reduces slice ``me`` of every input into its own
+    ``out``; after a barrier, every rank copies the other slices from their owners' ``out``."""
+    ch, arena = ctx.chan, ctx.arena
+    n, me = ch.n, ch.me
+    dt, count = out.dtype, out.size
+    off = offsets(block_counts(count, n))
+    srcs = [arena.peer(j, w[0], dt, count) for j, w in enumerate(wheres)]
+    outs = [arena.peer(j, w[1], dt, count) for j, w in enumerate(wheres)]
+    copied, isz = ch.copied, dt.itemsize
+    yield from ch.own(barrier=False)
+    try:
+        a, z = off[me], off[me + 1]
+        if z > a:
+            _reduce_to([s[a:z] for s in srcs], out[a:z], _reducer(op, n), ctx.scratch)
+            copied[1] += (z - a) * isz
+        yield from ch.barrier()
+        for j in range(n):
+            a, z = off[j], off[j + 1]
+            if j != me and z > a:
+                out[a:z] = outs[j][a:z]
+        copied[2] += (count - off[me + 1] + off[me]) * isz
+        yield from ch.barrier()
+    finally:
+        ch.release()
+
+
+def inplace_reduce_scatter(
+    ctx: Any, counts: tuple[int, ...], out: np.ndarray, dtype: np.dtype, wheres: list[tuple[int, int]], op: str
+) -> Schedule:
+    """Reduce block ``me`` of every rank's input (read where it lies in the arena) into ``out``."""
+    ch = ctx.chan
+    n, me = ch.n, ch.me
+    off = offsets(counts)
+    a, z = off[me], off[me + 1]
+    parts = [ctx.arena.peer(j, w[0], dtype, off[-1])[a:z] for j, w in enumerate(wheres)]
+    yield from ch.own(barrier=False)
+    try:
+        if z > a:
+            _reduce_to(parts, out, _reducer(op, n), ctx.scratch)
+            ch.copied[1] += (z - a) * dtype.itemsize
+        yield from ch.barrier()
+    finally:
+        ch.release()
+
+
+def inplace_reduce(
+    ctx: Any, out: np.ndarray | None, count: int, dtype: np.dtype, wheres: list[tuple[int, int]], op: str, root: int
+) -> Schedule:
+    """Reduce every rank's input (read where it lies in the arena) into ``root``'s ``out``."""
+    ch = ctx.chan
+    parts = [ctx.arena.peer(j, w[0], dtype, count) for j, w in enumerate(wheres)]
+    yield from ch.own(barrier=False)
+    try:
+        if ch.me == root:
+            _reduce_to(parts, out, _reducer(op, ch.n), ctx.scratch)
+            ch.copied[1] += count * dtype.itemsize
+        yield from ch.barrier()
+    finally:
+        ch.release()
+
+
+def inplace_allgather(ctx: Any, buf: np.ndarray, counts: tuple[int, ...], wheres: list[tuple[int, int]]) -> Schedule:
+    """Fill every block of ``buf`` but this rank's (in place already) from the same block of
+    its owner's output, read where it lies in the arena."""
+    ch = ctx.chan
+    me = ch.me
+    off = offsets(counts)
+    dt = buf.dtype
+    yield from ch.own()  # the opening barrier: every rank's own block is in place
+    try:
+        for j, w in enumerate(wheres):
+            if j != me and counts[j]:
+                buf[off[j] : off[j + 1]] = ctx.arena.peer(j, w[1], dt, off[-1])[off[j] : off[j + 1]]
+        ch.copied[2] += (off[-1] - counts[me]) * dt.itemsize
+        yield from ch.barrier()
+    finally:
+        ch.release()
+
+
+def inplace_broadcast(ctx: Any, buf: np.ndarray, root: int, wheres: list[tuple[int, int]]) -> Schedule:
+    """Copy ``root``'s input, read where it lies in the arena, into ``buf`` on every other rank."""
+    ch = ctx.chan
+    yield from ch.own(barrier=False)
+    try:
+        if ch.me != root:
+            buf[...] = ctx.arena.peer(root, wheres[root][0], buf.dtype, buf.size)
+            ch.copied[2] += buf.nbytes
+        yield from ch.barrier()
     finally:
         ch.release()

@@ -53,19 +53,23 @@ def test_agreed_allgather_takes_every_ranks_rows(count):
     assert np.array_equal(out, np.concatenate(xs))
 
 
-def test_only_one_step_calls_post_a_signature():
-    ch = get_context(COMM).chan
+def test_agreed_calls_on_one_node_post_where_their_buffers_lie():
+    ctx = get_context(COMM)
+    ch = ctx.chan
     if ch is None:
         pytest.skip("needs a node channel (two or more ranks on one node)")
     big = np.ones(100_000, np.float32)  # above the one-step size: chunked
     seq = ch.seq
     agreed.allreduce(big, comm=COMM)
-    agreed.broadcast(big, 0, comm=COMM)
-    assert ch.seq == seq  # the caller agreed: straight to the data
-    C.allreduce(big, comm=COMM)
-    assert ch.seq == seq + 1  # the public call posts its signature first
+    assert ch.seq == seq + 1  # its signature and arena words, no more
+    assert ch.wheres(ch.seq)[ch.me] == (0, 0)  # ordinary memory
+    shared = C.empty(100_000, np.float32, comm=COMM)
+    shared[...] = 1
+    agreed.allreduce(shared, out=shared, comm=COMM)
+    assert ch.wheres(ch.seq)[ch.me] == (ctx.arena.where(shared),) * 2
+    assert np.array_equal(shared, np.full(100_000, N, np.float32))
     agreed.allreduce(np.ones(4, np.float32), comm=COMM)
-    assert ch.seq == seq + 2  # a one-step call posts, since its data travels with it
+    assert ch.seq == seq + 3  # a one-step call posts, since its data travels with it
 
 
 def test_init_refuses_ranks_that_configure_the_collectives_differently(monkeypatch):
