@@ -36,7 +36,7 @@ from .basics import (
 from .compression import Compression
 from .config import Config
 from .errors import HorovodInternalError, HpcdlArgumentError, HpcdlError, PipelineError
-from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters, empty
 from .ops import (
     Adasum,
     Average,
@@ -143,6 +143,7 @@ __all__ = [
     "add_process_set",
     "remove_process_set",
     "broadcast_parameters",
+    "empty",
     "broadcast_optimizer_state",
     "broadcast_object",
     "allgather_object",

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 import pickle
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import state
@@ -135,3 +137,30 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
 
 def _unnamed(kind: str, process_set: ProcessSet) -> str:
     return request_name(state.running(), kind, registered_id(process_set), None)
+
+
+def empty(
+    *size: int | Iterable[int], dtype: torch.dtype = torch.float32, process_set: ProcessSet = global_process_set
+) -> torch.Tensor:
+    """An uninitialised CPU tensor in this rank's part of the process set's node window
+    (the torch counterpart of ``collectives.empty``).
+
+    Gradients, buckets or any tensor reduced often can live there: when every member's
+    tensor does, the engine's collectives read them in place instead of staging a copy
+    (``ZeroOptimizer``'s flat buffers and the engine's fusion buffer are allocated there).
+    Allocation is local, not collective; the memory returns to the window when the tensor
+    is freed. Where the set's ranks span nodes or its window is full, the tensor is
+    ordinary memory.
+
+    Args:
+        size: the shape, as ints or one sequence (like ``torch.empty``).
+        dtype: the tensor's dtype.
+        process_set: the set whose collectives the tensor will take part in.
+    """
+    shape = tuple(int(d) for d in (size[0] if len(size) == 1 and not isinstance(size[0], int) else size))
+    sid = registered_id(process_set)
+    info = state.current().engine.sets.get(sid)
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    raw = info.arena.empty(nbytes, np.uint8) if info is not None and info.arena is not None else None
+    flat = torch.empty(nbytes, dtype=torch.uint8) if raw is None else torch.from_numpy(raw)
+    return flat.view(dtype).view(shape)

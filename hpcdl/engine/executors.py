@@ -6,8 +6,9 @@ The engine has already agreed every argument across ranks, so the executors call
 A rank that joined runs an allreduce with the op's identity, its result discarded, so
 the members' collectives always match (only allreduce runs while ranks have joined).
 
-Fusion: small allreduces of one group are packed into one persistent buffer (grown up to
-``fusion_threshold`` bytes) and reduced with one call; a tensor of ``fusion_alone_bytes``
+Fusion: small allreduces of one group are packed into one persistent buffer per process
+set (grown up to ``fusion_threshold`` bytes, in the set's node window where it has one, so
+the collectives read it in place) and reduced with one call; a tensor of ``fusion_alone_bytes``
 or more is reduced alone where it lies, since fusion would only copy it.
 """
 
@@ -44,12 +45,11 @@ def scale(x: np.ndarray, factor: float, out: np.ndarray) -> None:
 
 
 class Executors:
-    """The data collectives of one rank's engine, with its fusion buffer."""
+    """The data collectives of one rank's engine (each process set holds its fusion buffer)."""
 
     def __init__(self, config: Config, span: Span) -> None:
         self.cfg = config
         self.span = span
-        self.fusion = np.empty(0, np.uint8)
         self.algs: dict[tuple, str] = {}
 
     def algorithm(self, comm: Any, coll: str, nbytes: int) -> str:
@@ -111,9 +111,9 @@ class Executors:
         total = sum(x.size for x, _, _ in small)
         nbytes = total * dtype.itemsize
         alg = self.algorithm(comm, "allreduce", nbytes)
-        if self.fusion.nbytes < nbytes:
-            self.fusion = np.empty(max(nbytes, min(2 * self.fusion.nbytes, self.cfg.fusion_threshold)), np.uint8)
-        buf = self.fusion[:nbytes].view(dtype)
+        if info.fusion.nbytes < nbytes:
+            info.fusion = self.fusion_buffer(info, max(nbytes, min(2 * info.fusion.nbytes, self.cfg.fusion_threshold)))
+        buf = info.fusion[:nbytes].view(dtype)
         t0 = time.perf_counter()
         off = 0
         for x, _, _ in small:
@@ -137,6 +137,14 @@ class Executors:
                 out.reshape(-1)[...] = seg
             off += out.size
         self.span(reqs, "MEMCPY_OUT_FUSION_BUFFER", t2)
+
+    @staticmethod
+    def fusion_buffer(info: ProcessSetInfo, nbytes: int) -> np.ndarray:
+        """A fusion buffer of ``nbytes`` for ``info``'s set: in its node window where there is
+        one with room (the collectives then read every rank's buffer in place), else
+        ordinary memory."""
+        buf = info.arena.empty(nbytes, np.uint8) if info.arena is not None else None
+        return np.empty(nbytes, np.uint8) if buf is None else buf
 
     def allgather(self, descs: dict[int, tuple], req: Request, info: ProcessSetInfo, rank: int) -> Any:
         rows = [descs[r][4] for r in info.ranks]  # every member's, as its descriptor says

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from collectives.context import get_context
+
 from ..errors import HpcdlError
 from .request import ProcessSetInfo
 
@@ -20,7 +22,11 @@ class ProcessSetTable:
     def __init__(self, dcomm: Any, rank: int) -> None:
         self.dcomm = dcomm
         self.rank = rank
-        self.sets: dict[int, ProcessSetInfo] = {0: ProcessSetInfo(tuple(range(dcomm.size)), dcomm)}
+        # a communicator's context (and its node window) is set up collectively here, where
+        # every member meets, so the user thread can allocate from the window at any time
+        self.sets: dict[int, ProcessSetInfo] = {
+            0: ProcessSetInfo(tuple(range(dcomm.size)), dcomm, get_context(dcomm).arena)
+        }
         self.next_id = 1
 
     def __contains__(self, sid: int) -> bool:
@@ -33,14 +39,15 @@ class ProcessSetTable:
     def add(self, ranks: tuple[int, ...]) -> int:
         """Register a set of ``ranks`` (collective over the data communicator); return its id."""
         sid, self.next_id = self.next_id, self.next_id + 1
-        comm = None
+        comm = arena = None
         if self.rank in ranks:
             world = self.dcomm.Get_group()
             group = world.Incl(list(ranks))
             comm = self.dcomm.Create_group(group, tag=sid)
             group.Free()
             world.Free()
-        self.sets[sid] = ProcessSetInfo(tuple(ranks), comm)
+            arena = get_context(comm).arena
+        self.sets[sid] = ProcessSetInfo(tuple(ranks), comm, arena)
         return sid
 
     def remove(self, sid: int, pending: list[str]) -> int:

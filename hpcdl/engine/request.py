@@ -120,7 +120,11 @@ class Request:
 @dataclasses.dataclass(slots=True)
 class ProcessSetInfo:
     """A registered process set: its ranks (of the runtime's communicator) and, on its
-    members, its communicator."""
+    members, its communicator, the node window its buffers may live in (a
+    :class:`collectives.arena.Arena`, or None where its ranks span nodes) and the engine's
+    fusion buffer for it."""
 
     ranks: tuple[int, ...]
     comm: Any  # MPI.Comm on members, None elsewhere
+    arena: Any = None
+    fusion: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.uint8))

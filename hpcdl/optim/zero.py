@@ -44,6 +44,7 @@ import torch
 
 from ..compression import Compression, Compressor
 from ..errors import HpcdlArgumentError, HpcdlError
+from ..functions import empty
 from ..ops import (
     Average,
     Max,
@@ -74,11 +75,13 @@ class _Layout:
     themselves: the wrapped optimizer updates it in place, and the allgather writes the
     other ranks' shards straight into the parameters. ``grad`` is the shard's gradient,
     kept from step to step; ``staging`` (stage 2, buckets of several parameters) the
-    bucket's gradients laid out flat for the reduce-scatter."""
+    bucket's gradients laid out flat for the reduce-scatter. On the CPU ``flat`` and
+    ``staging`` live in the process set's node window (:func:`hpcdl.empty`), so the
+    reduce-scatter and the allgather read every member's buffer in place."""
 
-    __slots__ = ("offsets", "numel", "shard_numel", "lo", "flat", "shard", "grad", "staging", "ptrs")
+    __slots__ = ("offsets", "numel", "shard_numel", "lo", "flat", "shard", "grad", "staging", "ptrs", "process_set")
 
-    def __init__(self, params: list[torch.nn.Parameter], n: int, r: int) -> None:
+    def __init__(self, params: list[torch.nn.Parameter], n: int, r: int, process_set: ProcessSet) -> None:
         self.offsets = []
         total = 0
         for p in params:
@@ -88,12 +91,20 @@ class _Layout:
         self.shard_numel = max(1, math.ceil(total / n))
         self.lo = r * self.shard_numel  # this rank's shard is [lo, lo + shard_numel) of the flat buffer
         p0 = params[0]
-        self.flat = torch.zeros(n * self.shard_numel, dtype=p0.dtype, device=p0.device)
+        self.process_set = process_set
+        self.flat = self._zeros(n * self.shard_numel, p0)
         self.shard = self.flat[self.lo : self.lo + self.shard_numel]
         self.grad = torch.zeros_like(self.shard)
         self.staging: torch.Tensor | None = None
         self.ptrs: list[int] = []
         self.adopt(params)
+
+    def _zeros(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A zeroed flat buffer of ``like``'s dtype on its device: on the CPU in the process
+        set's node window, where the collectives read every member's buffer in place."""
+        if like.device.type != "cpu":
+            return torch.zeros(numel, dtype=like.dtype, device=like.device)
+        return empty(numel, dtype=like.dtype, process_set=self.process_set).zero_()
 
     def adopt(self, params: list[torch.nn.Parameter]) -> None:
         """Copy each parameter into ``flat`` and make ``p.data`` its view there (a no-op for
@@ -146,7 +157,7 @@ class _Layout:
             if g is not None and g.is_contiguous() and (g.dtype, g.device) == (self.flat.dtype, self.flat.device):
                 return g.reshape(-1)
         if self.staging is None:
-            self.staging = torch.zeros_like(self.flat)
+            self.staging = self._zeros(self.flat.numel(), self.flat)
         for p, o in zip(params, self.offsets, strict=True):
             seg = self.staging[o : o + p.numel()]
             if p.grad is None:
@@ -221,7 +232,7 @@ class ZeroOptimizer(Reducer, torch.optim.Optimizer):
         n, r = process_set.size(), process_set.rank()
         self._n = n
         for b in self._buckets:
-            b.zero = _Layout(b.params, n, r)
+            b.zero = _Layout(b.params, n, r, process_set)
         # the inner optimizer: one group per parameter group that has buckets, over the shards
         self._inner_group: dict[int, int] = {}
         groups = []
