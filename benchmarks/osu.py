@@ -15,8 +15,10 @@ broadcast, the whole input for reduce-scatter (each rank gets ``1/n``), and each
 contribution for allgather.
 
 Ours on top: ``-a NAME`` (any registered algorithm, ``auto``, ``native``), ``--compare
-a,b,...`` (algorithms plus ``mpi`` for the MPI library called directly and ``gloo`` for
-torch.distributed, measured in interleaved rounds, median per size, ratios to the first),
+a,b,...`` (algorithms plus ``window`` for ``auto`` on buffers from ``collectives.empty``,
+which the node algorithms read in place, ``mpi`` for the MPI library called directly and
+``gloo`` for torch.distributed, measured in interleaved rounds, median per size, ratios to
+the first),
 ``--busbw`` (nccl-tests algbw/busbw), ``--json FILE`` and ``--plot FILE.png``.
 """
 
@@ -90,7 +92,7 @@ def parse_args(bench: str, argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("-T", "--type", default="mpi_char", choices=sorted(DATATYPES), help="datatype")
     if not pt2pt:
         p.add_argument("-a", "--algorithm", default="auto", help="hpcdl algorithm (or auto, native)")
-        p.add_argument("--compare", default=None, help="comma-separated contenders: algorithms, mpi, gloo")
+        p.add_argument("--compare", default=None, help="comma-separated contenders: algorithms, window, mpi, gloo")
         p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size with --compare")
         p.add_argument("--busbw", action="store_true", help="add nccl-tests algbw/busbw columns (GB/s)")
         p.add_argument("--plot", default=None, help="write latency and busbw against size to this PNG")
@@ -112,7 +114,7 @@ def parse_args(bench: str, argv: list[str] | None = None) -> argparse.Namespace:
     args.min_size, args.max_size = lo, hi
     if not pt2pt:
         names = args.compare.split(",") if args.compare else [args.algorithm]
-        known = set(C.algorithms(_API.get(bench, bench))) | {"mpi", "gloo"}
+        known = set(C.algorithms(_API.get(bench, bench))) | {"mpi", "gloo", "window"}
         bad = [c for c in names if c not in known]
         if bad:
             p.error(f"unknown contender(s) {bad}; choose from {sorted(known)}")
@@ -190,9 +192,14 @@ def make_contender(bench: str, name: str, comm: MPI.Comm, size: int, dtype: np.d
         x = _inputs(r, count, dtype)
         want = _expected(bench, n, count, dtype)
         out = np.empty(count, dtype)
+    if name == "window":  # window-resident buffers (collectives.empty): read in place
+        x, out = _in_window(x, comm), (None if out is x else _in_window(out, comm))
+        out = x if out is None else out
     res: dict[str, Any] = {"out": out}
 
-    if name == "mpi":
+    if name == "window":
+        call = _hpcdl_call(bench, "auto", comm, x, out, res)
+    elif name == "mpi":
         call = _mpi_call(bench, comm, x, out)
     elif name == "gloo":
         call = _gloo_call(bench, comm, x, out)
@@ -211,6 +218,12 @@ def make_contender(bench: str, name: str, comm: MPI.Comm, size: int, dtype: np.d
             res["out"] = out
 
     return Contender(call, verify, comm, reset)
+
+
+def _in_window(a: np.ndarray, comm: MPI.Comm) -> np.ndarray:
+    w = C.empty(a.shape, a.dtype, comm=comm)
+    w[...] = a
+    return w
 
 
 def _hpcdl_call(bench, alg, comm, x, out, res) -> Callable[[], Any]:
