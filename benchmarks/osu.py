@@ -16,7 +16,8 @@ contribution for allgather.
 
 Ours on top: ``-a NAME`` (any registered algorithm, ``auto``, ``native``), ``--compare
 a,b,...`` (algorithms plus ``window`` for ``auto`` on buffers from ``collectives.empty``,
-which the node algorithms read in place, ``mpi`` for the MPI library called directly and
+which the node algorithms read in place, ``window_inplace`` the same with ``out=x`` (as the
+engine reduces its fusion buffer; allreduce only), ``mpi`` for the MPI library called directly and
 ``gloo`` for torch.distributed, measured in interleaved rounds, median per size, ratios to
 the first),
 ``--busbw`` (nccl-tests algbw/busbw), ``--json FILE`` and ``--plot FILE.png``.
@@ -114,7 +115,7 @@ def parse_args(bench: str, argv: list[str] | None = None) -> argparse.Namespace:
     args.min_size, args.max_size = lo, hi
     if not pt2pt:
         names = args.compare.split(",") if args.compare else [args.algorithm]
-        known = set(C.algorithms(_API.get(bench, bench))) | {"mpi", "gloo", "window"}
+        known = set(C.algorithms(_API.get(bench, bench))) | {"mpi", "gloo", "window", "window_inplace"}
         bad = [c for c in names if c not in known]
         if bad:
             p.error(f"unknown contender(s) {bad}; choose from {sorted(known)}")
@@ -192,12 +193,12 @@ def make_contender(bench: str, name: str, comm: MPI.Comm, size: int, dtype: np.d
         x = _inputs(r, count, dtype)
         want = _expected(bench, n, count, dtype)
         out = np.empty(count, dtype)
-    if name == "window":  # window-resident buffers (collectives.empty): read in place
+    if name in ("window", "window_inplace"):  # buffers from collectives.empty: read in place
         x, out = _in_window(x, comm), (None if out is x else _in_window(out, comm))
-        out = x if out is None else out
+        out = x if out is None or (name == "window_inplace" and bench == "allreduce") else out
     res: dict[str, Any] = {"out": out}
 
-    if name == "window":
+    if name in ("window", "window_inplace"):
         call = _hpcdl_call(bench, "auto", comm, x, out, res)
     elif name == "mpi":
         call = _mpi_call(bench, comm, x, out)
@@ -211,7 +212,7 @@ def make_contender(bench: str, name: str, comm: MPI.Comm, size: int, dtype: np.d
 
     def reset() -> None:
         # no result of a previous call may pass for this one's (inputs are >= 1: never 0)
-        if bench == "bcast":  # broadcast overwrites its input on the other ranks
+        if bench == "bcast" or out is x:  # the call overwrites its input
             x[...] = _inputs(r, count, dtype)
         else:
             out[...] = 0

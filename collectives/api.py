@@ -119,7 +119,8 @@ def empty(shape: Any, dtype: Any = np.float32, *, comm: Any = None) -> np.ndarra
     (algorithm ``shm``, or ``auto`` where it picks ``shm``). Other arrays work as always.
 
     Allocation is local (not collective) and thread-safe; the memory returns to the window
-    when the last array viewing it is garbage collected, and is valid while ``comm`` lives.
+    when the last array viewing it is garbage collected. An array that outlives ``comm``
+    stays valid (its window is then kept until MPI is finalized).
     Where ``comm``'s ranks are not all on one node, it has a single rank, or the window
     (``HPCDL_SHM_ARENA_BYTES`` per rank) is full, the array is ordinary memory:
     :func:`is_shared` tells.
@@ -371,7 +372,7 @@ def _allgather(x, algorithm, out, comm, blocking, posted=False, rows=None):
     if call.resolved == "shm" and ch is not None and max(counts) * x.itemsize <= ch.small:
         node.small_allgather(ch, call.seq, counts, buf)
         return _done(out, blocking, ctx)
-    ws = call.inplace(output=True, inputs=False)
+    ws = call.inplace(output=True, inputs=False) if buf.nbytes <= node.COPY_INPLACE_MAX else None
     if ws is not None:  # every rank's out lies in the arena, its own block in place: read them there
         return _launch(ctx, node.inplace_allgather(ctx, buf, counts, ws), blocking, out)
     if call.resolved == "shm":
@@ -428,7 +429,7 @@ def _broadcast(x, root, algorithm, out, comm, blocking, agreed=False):
     if small:
         node.small_broadcast(ctx.chan, call.seq, root, _flat(out))
         return _done(out, blocking, ctx)
-    ws = call.inplace(output=False, only=root)
+    ws = call.inplace(output=False, only=root) if x.nbytes <= node.COPY_INPLACE_MAX else None
     if ws is not None:  # the root's input lies in the arena: read it there
         return _launch(ctx, node.inplace_broadcast(ctx, _flat(out), root, ws), blocking, out)
     if call.resolved == "shm":

@@ -14,8 +14,8 @@ a collective posts, beside its signature, where its input and output lie in its 
 (:meth:`Arena.where`), and a peer that finds every rank's buffers there reads them in
 place (:mod:`.node`).
 
-An array from the arena is valid while its communicator lives: freeing the communicator
-(or finalizing MPI) unmaps the window under it.
+Freeing the communicator frees the window too, unless some rank still holds arrays in
+it: then the window is kept, and its arrays stay valid, until MPI is finalized.
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ class Arena:
         self._sizes: dict[int, int] = {0: self.capacity} if self.capacity else {}
         self.in_use = 0
         """Bytes of this rank's segment held by live arrays."""
+        self.window: Any = None
+        """The MPI window, once its communicator was freed while arrays still viewed it (kept
+        until MPI is finalized)."""
 
     # -- allocation ------------------------------------------------------------------------
     def empty(self, shape: Any, dtype: Any = np.float32) -> np.ndarray | None:

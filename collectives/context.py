@@ -221,7 +221,12 @@ class Context:
     def free(self) -> None:
         """Release sub-communicators and windows."""
         lay, self._layout, self._segments = self._layout, None, None
-        self._channel = self.chan = self.arena = None
+        arena, self._channel, self.chan, self.arena = self.arena, None, None, None
+        if arena is not None and isinstance(lay.node, MPITransport):
+            # arrays from the arena that outlive the communicator (a model's parameters in
+            # ZeroOptimizer's buffers) keep their memory: such a window is never freed
+            if lay.node.comm.allreduce(arena.in_use > 0, op=MPI.LOR):
+                arena.window = lay.node.release_window(arena.segments)
         if lay is not None:
             for sub in (lay.node, lay.cross):
                 if isinstance(sub, MPITransport):

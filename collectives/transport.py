@@ -95,6 +95,16 @@ class MPITransport:
             segments.append(np.frombuffer(mem, dtype=np.uint8, count=nbytes))
         return segments, win.Sync
 
+    def release_window(self, segments: list[np.ndarray]) -> Any:
+        """Take the window whose segments are ``segments`` out of :meth:`free`'s hands and
+        return it: it then lives until MPI is finalized (a window whose memory arrays still
+        view must not be unmapped under them)."""
+        for i, win in enumerate(self._windows):
+            mem, _ = win.Shared_query(self.rank)
+            if np.frombuffer(mem, np.uint8).ctypes.data == segments[self.rank].ctypes.data:
+                return self._windows.pop(i)
+        raise ValueError("no window of this transport has those segments")
+
     def allgather_obj(self, obj: Any) -> list[Any]:
         return self.comm.allgather(obj)
 

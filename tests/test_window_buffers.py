@@ -201,6 +201,26 @@ def test_a_count_mismatch_on_window_buffers_raises_on_every_rank():
     assert np.array_equal(C.allreduce(x, out=x), np.full(100_000, N, np.float32))  # still usable
 
 
+@pytest.mark.mpi(min_size=2)
+def test_arrays_outlive_their_communicator():
+    comm = WORLD.Dup()
+    if get_context(comm).arena is None:
+        comm.Free()
+        pytest.skip("needs a node window")
+    kept = C.empty(100_000, np.float64, comm=comm)
+    kept[...] = ME
+    C.allreduce(kept, out=kept, comm=comm)
+    comm.Free()  # the window stays: this array still views it
+    assert np.array_equal(kept, np.full(100_000, N * (N - 1) / 2))
+    kept[...] = 1  # and may still be written
+    other = WORLD.Dup()
+    gone = C.empty(10, np.float32, comm=other)
+    del gone
+    gc.collect()
+    other.Free()  # nothing left in this one: freed with it
+    assert kept.sum() == 100_000
+
+
 # -- the torch layer ---------------------------------------------------------------------------
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.usefixtures("runtime")
@@ -248,3 +268,5 @@ def test_zero_optimizer_keeps_its_flat_buffers_in_the_window():
             assert info.arena.where(b.zero.staging.numpy()) > 0
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
     assert len(set(WORLD.allgather(digest(flat)))) == 1
+    hvd.shutdown()  # the parameters live in the window; they stay readable after the runtime ends
+    assert digest(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()) == digest(flat)
