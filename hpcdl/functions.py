@@ -1,5 +1,6 @@
 """Helpers built on the tensor collectives: broadcasting a model's parameters and an
-optimizer's state from one rank, and moving arbitrary picklable objects."""
+optimizer's state from one rank, moving arbitrary picklable objects, and tensors in the
+node window that the collectives read in place (:func:`empty`)."""
 
 from __future__ import annotations
 
@@ -159,7 +160,8 @@ def empty(
     """
     shape = tuple(int(d) for d in (size[0] if len(size) == 1 and not isinstance(size[0], int) else size))
     sid = registered_id(process_set)
-    info = state.current().engine.sets.get(sid)
+    engine = state.current().engine
+    info = engine.sets.get(sid) if engine is not None else None
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
     raw = info.arena.empty(nbytes, np.uint8) if info is not None and info.arena is not None else None
     flat = torch.empty(nbytes, dtype=torch.uint8) if raw is None else torch.from_numpy(raw)
