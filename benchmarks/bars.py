@@ -130,26 +130,23 @@ def verdicts(bench: str, rows: list[dict[str, Any]], copy_bw: float, n: int) -> 
     return out
 
 
-def _w(name: str, least: int) -> int:
-    """A column's width: ``least``, or wider for a long title."""
-    return max(least, len(name) + 5)
-
-
 def table(bench: str, rows: list[dict[str, Any]], names: list[str], copy_bw: float, n: int) -> str:
-    head = f"{'size':>10}" + "".join(f"{nm + ' us':>{_w(nm, 14)}}" for nm in names)
-    head += "".join(f"{'auto/' + nm:>{_w('auto/' + nm, 12)}}" for nm in names[1:])
-    head += f"{'window/mpi':>12}" if "window" in names else ""
-    head += f"{'auto busbw':>12}{'mpi busbw':>12}"
-    head += f"{'win busbw':>12}" if "window" in names else ""
-    head += f"{'copy bound':>12}{'valid':>7}"
+    # (title, width, value from a row's results) of each column after the size
+    cols = [(nm + " us", max(14, len(nm) + 5), lambda res, nm=nm: res[nm]["avg"]) for nm in names]
+    cols += [
+        ("auto/" + nm, max(12, len(nm) + 10), lambda res, nm=nm: res["auto"]["avg"] / res[nm]["avg"])
+        for nm in names[1:]
+    ]
+    if "window" in names:
+        cols.append(("window/mpi", 12, lambda res: res["window"]["avg"] / res["mpi"]["avg"]))
+    cols += [(nm + " busbw", 12, lambda res, nm=nm: res[nm]["busbw"]) for nm in ("auto", "mpi")]
+    if "window" in names:
+        cols.append(("win busbw", 12, lambda res: res["window"]["busbw"]))
+    head = f"{'size':>10}" + "".join(f"{title:>{w}}" for title, w, _ in cols) + f"{'copy bound':>12}{'valid':>7}"
     lines = [f"# {bench}, float32, {n} ranks: median over rounds of OSU average latency; busbw GB/s", head]
     for r in rows:
         res = r["results"]
-        line = f"{r['size']:>10}" + "".join(f"{res[nm]['avg']:>{_w(nm, 14)}.2f}" for nm in names)
-        line += "".join(f"{res['auto']['avg'] / res[nm]['avg']:>{_w('auto/' + nm, 12)}.2f}" for nm in names[1:])
-        line += f"{res['window']['avg'] / res['mpi']['avg']:>12.2f}" if "window" in names else ""
-        line += f"{res['auto']['busbw']:>12.2f}{res['mpi']['busbw']:>12.2f}"
-        line += f"{res['window']['busbw']:>12.2f}" if "window" in names else ""
+        line = f"{r['size']:>10}" + "".join(f"{fn(res):>{w}.2f}" for _, w, fn in cols)
         line += f"{copy_bound_us(bench, r['size'], n, copy_bw):>12.2f}"
         line += f"{'yes' if all(res[nm]['valid'] for nm in names) else 'NO':>7}"
         lines.append(line)

@@ -77,7 +77,6 @@ class Call:
         self.resolved = algorithm
         self.seq = 0
         self._counts: list[int] | None = None
-        self._wheres: list[tuple[int, int]] | None = None
         try:
             check_dtype(self.x.dtype)
             if op is not None or collective in _REDUCING:
@@ -155,8 +154,6 @@ class Call:
                 a, b, c, payload if self.error is None else None, self.collective in MAY_DIFFER, where[0], where[1]
             )
             self.seq = abs(seq)
-            if seq > 0 and (where[0] or where[1]):
-                self._wheres = ch.wheres(seq)
             if seq > 0:
                 if self.error is not None:
                     raise self.error
@@ -210,12 +207,11 @@ class Call:
         """Every rank's arena words (input, output) when this call posted them and every
         rank's input (``only``: that rank's; ``output``: its output too; not ``inputs``: its
         output only) lies in the node's arena, else None. Every rank reads the same words,
-        so every rank decides alike."""
+        so every rank decides alike; they are read from the slot, so ask before this rank
+        posts again."""
         if self.seq == 0 or self.ctx.arena is None or self.ctx.chan is None:
             return None
-        ws = self._wheres
-        if ws is None:
-            ws = self._wheres = self.ctx.chan.wheres(self.seq)
+        ws = self.ctx.chan.wheres(self.seq)
         if all((w[0] or not inputs) and (w[1] or not output) for w in (ws if only is None else ws[only : only + 1])):
             return ws
         return None

@@ -16,6 +16,7 @@ import numpy as np
 
 from . import node
 from .agreement import ROWS, Call, check_out, equal_counts
+from .arena import allocate
 from .context import Context, Pending, get_context
 from .errors import InvalidArgumentError, OutputMismatchError
 from .layout import block_counts, offsets
@@ -130,9 +131,7 @@ def empty(shape: Any, dtype: Any = np.float32, *, comm: Any = None) -> np.ndarra
         dtype: its dtype.
         comm: mpi4py communicator (default ``MPI.COMM_WORLD``) or a transport.
     """
-    arena = get_context(comm).arena
-    a = arena.empty(shape, dtype) if arena is not None else None
-    return np.empty(shape, dtype) if a is None else a
+    return allocate(get_context(comm).arena, shape, dtype)
 
 
 def is_shared(a: np.ndarray, *, comm: Any = None) -> bool:
@@ -337,9 +336,7 @@ def _allgather(x, algorithm, out, comm, blocking, posted=False, rows=None):
     ch = ctx.chan
     src = np.ascontiguousarray(x)
     attach = ch is not None and call.error is None and x.nbytes <= ch.small and algorithm in ("auto", "shm")
-    where = (0, 0)
-    if ctx.arena is not None and not attach and algorithm in ("auto", "shm") and call.error is None:
-        where = (0, ctx.arena.where(out))  # the peers read this rank's block of out
+    where = _where(ctx, call, attach, src, out)  # the peers read this rank's block of out
     if posted:  # a one-step attempt posted and agreed this call already
         call.seq = ch.seq
     else:

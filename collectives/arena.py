@@ -29,10 +29,17 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Arena", "ALIGN"]
+__all__ = ["Arena", "ALIGN", "allocate"]
 
 ALIGN = 64
 """Alignment of every block, in bytes (a cache line)."""
+
+
+def allocate(arena: Arena | None, shape: Any, dtype: Any) -> np.ndarray:
+    """An array of ``shape`` and ``dtype`` in ``arena`` when there is one with room, else in
+    ordinary memory (contents undefined either way)."""
+    a = arena.empty(shape, dtype) if arena is not None else None
+    return np.empty(shape, dtype) if a is None else a
 
 
 class Arena:

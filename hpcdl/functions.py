@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from collectives.arena import allocate
+
 from . import state
 from .errors import HpcdlError
 from .handles import request_name
@@ -163,6 +165,5 @@ def empty(
     engine = state.current().engine
     info = engine.sets.get(sid) if engine is not None else None
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    raw = info.arena.empty(nbytes, np.uint8) if info is not None and info.arena is not None else None
-    flat = torch.empty(nbytes, dtype=torch.uint8) if raw is None else torch.from_numpy(raw)
+    flat = torch.from_numpy(allocate(None if info is None else info.arena, nbytes, np.uint8))
     return flat.view(dtype).view(shape)

@@ -22,6 +22,7 @@ import numpy as np
 
 import collectives
 from collectives import agreed
+from collectives.arena import allocate
 from collectives.context import get_context
 from collectives.layout import block_counts, offsets
 from collectives.select import choose
@@ -143,8 +144,7 @@ class Executors:
         """A fusion buffer of ``nbytes`` for ``info``'s set: in its node window where there is
         one with room (the collectives then read every rank's buffer in place), else
         ordinary memory."""
-        buf = info.arena.empty(nbytes, np.uint8) if info.arena is not None else None
-        return np.empty(nbytes, np.uint8) if buf is None else buf
+        return allocate(info.arena, nbytes, np.uint8)
 
     def allgather(self, descs: dict[int, tuple], req: Request, info: ProcessSetInfo, rank: int) -> Any:
         rows = [descs[r][4] for r in info.ranks]  # every member's, as its descriptor says
