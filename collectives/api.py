@@ -91,9 +91,9 @@ def _done(result: Any, blocking: bool, ctx: Context):
     return Request(ctx, p, result)
 
 
-def _fast(comm: Any, key: tuple, x: np.ndarray, out: np.ndarray | None = None) -> Any:
-    """:func:`.onestep.onestep`, finishing an allgather whose ranks' rows turned out uneven
-    on the general path; ``_SLOW`` when the call takes the general path from the start."""
+def _fast_allgather(comm: Any, key: tuple, x: np.ndarray, out: np.ndarray | None = None) -> Any:
+    """:func:`.onestep.onestep` for an allgather, finishing one whose ranks' rows turned out
+    uneven on the general path; ``_SLOW`` when the call takes the general path from the start."""
     res = onestep(comm, key, x, out)
     if res is node.UNEVEN:
         return _allgather(x, key[4], out, comm, True, posted=True)
@@ -225,7 +225,7 @@ def allreduce(
     """
     if type(x) is np.ndarray:
         # the common small case on one node: the same posts as the general path, less Python
-        res = _fast(comm, ("allreduce", x.dtype, x.shape, op, algorithm), x, out)
+        res = onestep(comm, ("allreduce", x.dtype, x.shape, op, algorithm), x, out)
         if res is not _SLOW:
             return res
     return _allreduce(x, op, algorithm, out, comm, True)
@@ -298,7 +298,7 @@ def reduce_scatter(
         A 1-D array: this rank's block (``out`` when given).
     """
     if type(x) is np.ndarray:
-        res = _fast(comm, ("reduce_scatter", x.dtype, x.shape, op, algorithm), x, out)
+        res = onestep(comm, ("reduce_scatter", x.dtype, x.shape, op, algorithm), x, out)
         if res is not _SLOW:
             return res
     return _reduce_scatter(x, op, algorithm, out, comm, True)
@@ -394,7 +394,7 @@ def allgather(x: np.ndarray, *, algorithm: str = "auto", out: np.ndarray | None 
         The concatenation (``out`` when given).
     """
     if type(x) is np.ndarray:
-        res = _fast(comm, ("allgather", x.dtype, x.shape, None, algorithm), x, out)
+        res = _fast_allgather(comm, ("allgather", x.dtype, x.shape, None, algorithm), x, out)
         if res is not _SLOW:
             return res
     return _allgather(x, algorithm, out, comm, True)
@@ -451,7 +451,7 @@ def broadcast(
         The root's data (``out`` when given).
     """
     if type(x) is np.ndarray:
-        res = _fast(comm, ("broadcast", x.dtype, x.shape, root, algorithm), x, out)
+        res = onestep(comm, ("broadcast", x.dtype, x.shape, root, algorithm), x, out)
         if res is not _SLOW:
             return res
     return _broadcast(x, root, algorithm, out, comm, True)
@@ -469,7 +469,7 @@ def allreduce_agreed(x: np.ndarray, *, op: str = "sum", out: np.ndarray | None =
     """:func:`collectives.allreduce` with ``algorithm="auto"``, without the signature exchange
     (see :mod:`collectives.agreed`)."""
     if type(x) is np.ndarray:
-        res = _fast(comm, ("allreduce", x.dtype, x.shape, op, "auto"), x, out)
+        res = onestep(comm, ("allreduce", x.dtype, x.shape, op, "auto"), x, out)
         if res is not _SLOW:
             return res
     return _allreduce(x, op, "auto", out, comm, True, agreed=True)
@@ -481,7 +481,7 @@ def reduce_scatter_agreed(
     """:func:`collectives.reduce_scatter` with ``algorithm="auto"``, without the signature exchange
     (see :mod:`collectives.agreed`)."""
     if type(x) is np.ndarray:
-        res = _fast(comm, ("reduce_scatter", x.dtype, x.shape, op, "auto"), x, out)
+        res = onestep(comm, ("reduce_scatter", x.dtype, x.shape, op, "auto"), x, out)
         if res is not _SLOW:
             return res
     return _reduce_scatter(x, op, "auto", out, comm, True, agreed=True)
@@ -491,7 +491,7 @@ def broadcast_agreed(x: np.ndarray, root: int = 0, *, out: np.ndarray | None = N
     """:func:`collectives.broadcast` with ``algorithm="auto"``, without the signature exchange
     (see :mod:`collectives.agreed`)."""
     if type(x) is np.ndarray:
-        res = _fast(comm, ("broadcast", x.dtype, x.shape, root, "auto"), x, out)
+        res = onestep(comm, ("broadcast", x.dtype, x.shape, root, "auto"), x, out)
         if res is not _SLOW:
             return res
     return _broadcast(x, root, "auto", out, comm, True, agreed=True)
@@ -504,7 +504,7 @@ def allgather_agreed(
     (``rows[r]``: the first dimension of rank r's ``x``), without the signature exchange
     (see :mod:`collectives.agreed`)."""
     if type(x) is np.ndarray:
-        res = _fast(comm, ("allgather", x.dtype, x.shape, None, "auto"), x, out)
+        res = _fast_allgather(comm, ("allgather", x.dtype, x.shape, None, "auto"), x, out)
         if res is not _SLOW:
             return res
     return _allgather(x, "auto", out, comm, True, rows=rows)
@@ -527,7 +527,7 @@ def reduce(
         The reduced array of x's shape on ``root``; None on every other rank.
     """
     if type(x) is np.ndarray:
-        res = _fast(comm, ("reduce", x.dtype, x.shape, (op, root), algorithm), x)
+        res = onestep(comm, ("reduce", x.dtype, x.shape, (op, root), algorithm), x)
         if res is not _SLOW:
             return res
     ctx = get_context(comm)

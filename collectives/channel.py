@@ -21,6 +21,11 @@ has a core of its own, or fewer when the caller says its process has other work:
 of spinning on: it raises its ``sleeping`` flag, looks at the counter once more and
 sleeps; a rank that publishes a counter looks at its peers' flags afterwards and wakes
 the sleepers. Either the sleeper sees the new value or the publisher sees the flag.
+
+Where the compiled loop (``collectives.cslots``, built at install) is present, it posts,
+waits and finishes one-step calls on the same words with the same protocol
+(:attr:`Channel.core`); the methods here are then its pure-Python twin, and ranks on
+either interoperate.
 """
 
 from __future__ import annotations
@@ -33,6 +38,11 @@ from typing import Any
 import numpy as np
 
 from . import futex
+
+try:
+    from .cslots import Core
+except ImportError:  # not built (no compiler where it was installed): the Python loop below
+    Core = None
 
 __all__ = ["Channel", "LINE", "SPIN", "POLITE_SPIN", "spin_budget", "Schedule"]
 
@@ -69,7 +79,9 @@ def _round_up(n: int, m: int) -> int:
 class Channel:
     """The shared window of one node-local communicator, and this rank's counters."""
 
-    def __init__(self, t: Any, small_bytes: int, chunk_bytes: int, progress: Callable[[], None]) -> None:
+    def __init__(
+        self, t: Any, small_bytes: int, chunk_bytes: int, progress: Callable[[], None], compiled: bool = True
+    ) -> None:
         n, me = t.size, t.rank
         self.n, self.me = n, me
         self.small = _round_up(max(small_bytes, LINE), LINE)
@@ -103,13 +115,28 @@ class Channel:
         self.peer_heads = [[self.heads[j][p] for j in peers] for p in (0, 1)]
         """Slot ``p``'s signature words of every peer, in rank order without this rank."""
         self._my_slots = [memoryview(self.slots[me][p]) for p in (0, 1)]
-        self.seq = 0
         self.stage = 0
         self.progress = progress
-        self.spin = spin_budget(n)
-        self.polite: Callable[[], bool] | None = None
-        """When set and returning True, waits poll only :data:`POLITE_SPIN` times before
-        sleeping: hpcdl's engine says so while its user thread computes."""
+        self._spin = spin_budget(n)
+        self._polite: Callable[[], bool] | None = None
+        self.core: Any = None
+        """The compiled loop (:mod:`.cslots`) on this window, when built and ``compiled``: it
+        then posts, waits and finishes one-step calls; None: the Python methods below do."""
+        if compiled and Core is not None:
+            self.core = core = Core(
+                me,
+                self._seq_addr,
+                [s[8:16].ctypes.data for s in segs],
+                [s[self._slot0 + p * slot :].ctypes.data for s in segs for p in (0, 1)],
+                [s[self._slot0 + p * slot + LINE :].ctypes.data for s in segs for p in (0, 1)],
+                self.small,
+                self._spin,
+                progress,
+                np.ascontiguousarray,
+                futex.OK,
+            )
+            # the same protocol on the same words, without the interpreter in the loop
+            self.post, self.exchange, self.wait_posted = core.post, core.exchange, core.wait_posted
         self.queue: list[object] = []
         """Chunked operations in flight, oldest first: only the first uses the buffers."""
         self._views: dict[tuple, list] = {}
@@ -117,6 +144,34 @@ class Channel:
         """Bytes this rank wrote in the chunked and in-place algorithms, by kind: staged (its
         input into the window), reduced (reduction results) and copied out (results into
         its output). One-step calls are not counted."""
+
+    @property
+    def seq(self) -> int:
+        """The number of calls this rank has posted (its published counter)."""
+        return self._my_seq[0]
+
+    @property
+    def spin(self) -> int:
+        """Polls of a peer's counter before a wait sleeps, while not :attr:`polite`."""
+        return self._spin
+
+    @spin.setter
+    def spin(self, value: int) -> None:
+        self._spin = value
+        if self.core is not None:
+            self.core.spin = value
+
+    @property
+    def polite(self) -> Callable[[], bool] | None:
+        """When set and returning True, waits poll only :data:`POLITE_SPIN` times before
+        sleeping: hpcdl's engine says so while its user thread computes."""
+        return self._polite
+
+    @polite.setter
+    def polite(self, busy: Callable[[], bool] | None) -> None:
+        self._polite = busy
+        if self.core is not None:
+            self.core.polite = busy
 
     # -- typed views ---------------------------------------------------------------------
     def slot_views(self, p: int, dtype: np.dtype, shape: tuple[int, ...]) -> list[np.ndarray]:
@@ -144,7 +199,7 @@ class Channel:
         """Publish this rank's next call: signature words ``a, b, c``, where its input and
         output lie in the arena (``win``, ``wout``; 0: not there) and optionally a small
         ``payload`` (any layout); return the call's sequence number."""
-        seq = self.seq + 1
+        seq = self._my_seq[0] + 1
         p = seq & 1
         if payload is not None and payload.nbytes:
             nb = payload.nbytes
@@ -153,8 +208,7 @@ class Channel:
             except (TypeError, ValueError):  # any other layout, or no buffer format (bfloat16)
                 slot = self.slots[self.me][p][:nb].view(payload.dtype).reshape(payload.shape)
                 np.copyto(slot, payload)
-        # the call counts as posted only now: a payload that could not be copied posted nothing
-        self.seq = seq
+        # the call counts as posted only below: a payload that could not be copied posts nothing
         h = self._my_heads[p]
         h[0] = a
         h[1] = b
@@ -177,7 +231,7 @@ class Channel:
 
     def budget(self) -> int:
         """Polls before a wait sleeps: :data:`POLITE_SPIN` while :attr:`polite` says so, else :attr:`spin`."""
-        polite = self.polite
+        polite = self._polite
         return POLITE_SPIN if polite is not None and polite() else self.spin
 
     def _doze(self, v: memoryview, addr: int, want: int) -> None:

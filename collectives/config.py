@@ -48,6 +48,10 @@ class Config:
     bytes: address space reserved when a single-node communicator is first used, memory
     only once allocated from (0: none; ``empty`` then gives ordinary memory)."""
 
+    compiled_channel: bool = True
+    """Post, wait and finish one-step calls in the compiled loop (``collectives.cslots``)
+    where it was built; False: the pure-Python loop (the same protocol, slower)."""
+
     def __post_init__(self) -> None:
         if self.ranks_per_node < 0:
             raise ConfigError(f"ranks_per_node={self.ranks_per_node} must be >= 0 (0 turns it off)")

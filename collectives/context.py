@@ -204,7 +204,11 @@ class Context:
         if self._channel is None:
             cfg = self.config
             self._channel = Channel(
-                self.layout().node, cfg.shm_small_bytes, cfg.shm_chunk_bytes, self._progress_if_busy
+                self.layout().node,
+                cfg.shm_small_bytes,
+                cfg.shm_chunk_bytes,
+                self._progress_if_busy,
+                cfg.compiled_channel,
             )
         return self._channel
 

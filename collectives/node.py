@@ -21,7 +21,7 @@ import numpy as np
 
 from .channel import Channel, Schedule
 from .layout import block_counts, offsets
-from .ops import finalize, ufunc
+from .ops import OPS, dtype_code, finalize, ufunc
 
 __all__ = ["MISMATCH", "SLOW", "UNEVEN", "allreduce", "reduce", "reduce_scatter", "allgather", "broadcast"]
 
@@ -58,6 +58,41 @@ def _reducer(op: str, n: int) -> Callable[[Sequence[np.ndarray], np.ndarray], No
     return red
 
 
+def _step(ch: Channel, kind: int, a: int, b: int, shape: tuple[int, ...], dtype: np.dtype, **kw: Any) -> Any:
+    """The compiled one-step call (:meth:`.cslots.Core.step`) with the signature words ``a,
+    b`` (and ``c``, ``fits``), whose result has ``shape`` and ``dtype``; None where there is
+    no compiled loop, or it cannot finish this call itself (half-precision types, and min
+    and max of floats, which numpy reduces)."""
+    core = ch.core
+    if core is None:
+        return None
+    op = kw.get("op")
+    if kind == 0 and (op not in OPS or not core.has_kernel(dtype_code(dtype), OPS.index(op))):
+        return None
+    lo, hi = kw.get("lo", 0), kw.get("hi", math.prod(shape))
+    try:
+        return core.step(
+            kind,
+            a,
+            b,
+            kw.get("c", 0),
+            kw.get("fits", b),
+            np.empty(shape, dtype),
+            dtype_code(dtype),
+            OPS.index(op) if kind == 0 else 0,
+            lo,
+            hi,
+            kw.get("root", -1),
+            kw.get("nbytes", 0),
+            np.empty,
+            SLOW,
+            MISMATCH,
+            UNEVEN,
+        )
+    except (BufferError, ValueError):  # no buffer format (bfloat16): the Python function below
+        return None
+
+
 # Every one-step function below is built once per (signature, dtype, shape, op or root) with
 # every lookup done up front. ``fn(x)`` posts ``x`` (any layout), waits for the peers, checks
 # their signatures and finishes the call from the slots, reading every rank's data in rank
@@ -69,6 +104,9 @@ def small_allreduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, .
     count = math.prod(shape)
     views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
     red = _reducer(op, ch.n)
+    step = _step(ch, 0, a, count, shape, dtype, op=op)
+    if step is not None:
+        return step
 
     def fn(x: np.ndarray, out: np.ndarray | None = None) -> Any:
         if out is None:
@@ -92,6 +130,9 @@ def small_reduce_scatter_fn(ch: Channel, a: int, dtype: np.dtype, count: int, op
     lo, hi = off[ch.me], off[ch.me + 1]
     views = [[v[lo:hi] for v in ch.slot_views(p, dtype, (count,))] for p in (0, 1)]
     red = _reducer(op, ch.n)
+    step = _step(ch, 0, a, count, (hi - lo,), dtype, op=op, lo=lo, hi=hi)
+    if step is not None:
+        return step
 
     def fn(x: np.ndarray, out: np.ndarray | None = None) -> Any:
         if out is None:
@@ -115,6 +156,9 @@ def small_reduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, ...]
     views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
     red = _reducer(op, ch.n)
     is_root = ch.me == root
+    step = _step(ch, 0, a, count, shape, dtype, op=op, root=root)
+    if step is not None:
+        return step
 
     def fn(x: np.ndarray) -> Any:
         seq = ch.exchange(a, count, 0, x)
@@ -136,6 +180,9 @@ def small_broadcast_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, .
     count = math.prod(shape)
     views = [ch.slot_views(p, dtype, shape)[root] for p in (0, 1)]
     is_root = ch.me == root
+    step = _step(ch, 1, a, count, shape, dtype, root=root, nbytes=count * dtype.itemsize)
+    if step is not None:
+        return step
 
     def fn(x: np.ndarray, out: np.ndarray | None = None) -> Any:
         if out is None:
@@ -168,6 +215,9 @@ def small_allgather_fn(ch: Channel, a: int, c: int, dtype: np.dtype, shape: tupl
     fits = rows + (full[0] + 1) * unit
     n = ch.n
     last: list[Any] = [None, None]
+    step = _step(ch, 2, a, plain, full, dtype, c=c, fits=fits, nbytes=math.prod(shape) * dtype.itemsize)
+    if step is not None:
+        return step
 
     def fn(x: np.ndarray, out: np.ndarray | None = None) -> Any:
         b = plain

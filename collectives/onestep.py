@@ -23,6 +23,8 @@ from .select import choose
 
 __all__ = ["onestep", "onestep_fn"]
 
+_SLOW, _MISMATCH = node.SLOW, node.MISMATCH
+
 
 def onestep_fn(ctx: Context, key: tuple) -> Any:
     """The one-step function for ``key`` = (collective, dtype, shape, op or root, algorithm),
@@ -73,26 +75,31 @@ def onestep(comm: Any, key: tuple, x: np.ndarray, out: np.ndarray | None = None)
     caller then takes the general path). Raises the agreement error on a mismatch."""
     ctx = get_context(comm)
     try:
-        fn = ctx.fast.get(key)
-    except TypeError:  # an unhashable argument: the general path says what is wrong with it
-        return node.SLOW
-    if fn is None:
+        fn = ctx.fast[key]
+    except KeyError:
         if len(ctx.fast) > 256:
             ctx.fast.clear()
         fn = ctx.fast[key] = onestep_fn(ctx, key)
+    except TypeError:  # an unhashable argument: the general path says what is wrong with it
+        return _SLOW
     if not fn:
-        return node.SLOW
+        return _SLOW
     res = fn(x) if out is None else fn(x, out)
-    if res is node.MISMATCH:
-        coll, _, _, arg, algorithm = key
-        if coll in ("allreduce", "reduce_scatter"):
-            call = Call(ctx, coll, x, algorithm, op=arg)
-        elif coll == "reduce":
-            call = Call(ctx, coll, x, algorithm, op=arg[0], root=arg[1])
-        else:
-            call = Call(ctx, coll, x, algorithm, root=arg)
-        if coll != "allgather":
-            call.resolved = "shm"
-        call.seq = ctx.chan.seq
-        call.mismatch_from_channel()
+    if res is _MISMATCH:
+        _mismatch(ctx, key, x)
     return res
+
+
+def _mismatch(ctx: Context, key: tuple, x: np.ndarray) -> None:
+    """Raise the agreement error of the one-step call ``key`` whose signatures differed."""
+    coll, _, _, arg, algorithm = key
+    if coll in ("allreduce", "reduce_scatter"):
+        call = Call(ctx, coll, x, algorithm, op=arg)
+    elif coll == "reduce":
+        call = Call(ctx, coll, x, algorithm, op=arg[0], root=arg[1])
+    else:
+        call = Call(ctx, coll, x, algorithm, root=arg)
+    if coll != "allgather":
+        call.resolved = "shm"
+    call.seq = ctx.chan.seq
+    call.mismatch_from_channel()

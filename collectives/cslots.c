@@ -1,0 +1,814 @@
+/* The node channel's post/poll loop and one-step reductions, compiled.
+ *
+ * collectives.channel.Channel posts a call's signature words (and, for small calls, its
+ * data) into its slot of the node's shared window, publishes its sequence number, waits
+ * for every peer's, and finishes small calls from the slots. In Python each of those
+ * steps costs a fraction of a microsecond, which is most of a small collective. This
+ * module does the same steps on the same memory with the same protocol (see channel.py's
+ * docstring), so a rank using it and a rank using the pure-Python loop interoperate:
+ *
+ *   Core(me, seqs, sleeping, heads, slots, slot_bytes, spin, progress, contiguous, futex)
+ *       seqs, sleeping: every rank's counter and sleeping-flag address (int64 words);
+ *       heads, slots: every rank's slot 0 and slot 1 header and data addresses, as
+ *       [r0p0, r0p1, r1p0, ...]; progress(): called while waiting; contiguous(x): a
+ *       C-contiguous copy of x (numpy.ascontiguousarray).
+ *   core.post(a, b, c, payload=None, win=0, wout=0) -> seq
+ *   core.wait_posted(seq)
+ *   core.exchange(a, b, c, payload=None, uneven=False, win=0, wout=0) -> seq or -seq
+ *   core.step(kind, ...) -> Step: one collective's one-step call for one dtype and shape,
+ *       step(x, out=None) posts x, waits and finishes the call from the slots (below)
+ *
+ * Loads and stores of the counters are atomic, and full fences order them around every
+ * publication, as MPI_Win_sync does on the Python side. Reductions combine every rank's
+ * data in rank order with plain IEEE operations (no contraction), so they give numpy's
+ * bits: sum, prod and avg of every dtype here, min and max of the integers.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <limits.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_FUTEX 1
+#else
+#define HAVE_FUTEX 0
+#endif
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#elif defined(__aarch64__)
+#define CPU_RELAX() __asm__ __volatile__("yield")
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+/* Python's loop takes about this long per poll; the spin budgets are counted in its polls */
+#define POLL_NS 75
+/* the callback that progresses other work runs this often while waiting */
+#define PROGRESS_NS 4000
+/* the pure-Python loop's budget while the process has other work (channel.POLITE_SPIN) */
+#define POLITE_SPIN 64
+/* the longest one sleep lasts before the waiter looks again (channel._DOZE) */
+#define DOZE_NS 1000000
+
+/* the wire codes of collectives.ops.DTYPES */
+enum { F16 = 0, BF16 = 1, F32 = 2, F64 = 3, I8 = 4, I16 = 5, I32 = 6, I64 = 7, U8 = 8 };
+/* the op codes taken by reduce */
+enum { OP_SUM = 0, OP_AVG = 1, OP_MIN = 2, OP_MAX = 3, OP_PROD = 4 };
+
+typedef struct {
+    PyObject_HEAD int n, me;
+    int64_t **seqs;     /* n */
+    int64_t **sleeping; /* n */
+    int64_t **heads;    /* 2n: rank r, slot p at 2r + p */
+    char **slots;       /* 2n */
+    Py_ssize_t slot_bytes;
+    long spin;
+    int futex;
+    PyObject *progress;
+    PyObject *contiguous;
+    PyObject *polite; /* None or a callable */
+} Core;
+
+static inline void fence(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+static inline int64_t load(int64_t *p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+static inline void store(int64_t *p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void wake_sleepers(Core *c, int64_t *addr) {
+#if HAVE_FUTEX
+    if (!c->futex)
+        return;
+    fence(); /* the store just made before the loads below */
+    for (int r = 0; r < c->n; r++) {
+        if (r != c->me && load(c->sleeping[r])) {
+            syscall(SYS_futex, (void *)addr, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+            break;
+        }
+    }
+#else
+    (void)c;
+    (void)addr;
+#endif
+}
+
+/* Sleep (at most DOZE_NS, without the GIL) until the peer counter *v reaches want. */
+static void doze(Core *c, int64_t *v, int64_t want) {
+    int64_t *flag = c->sleeping[c->me];
+    store(flag, 1);
+    fence(); /* the flag before the look below (the publisher fences the other way) */
+    int64_t seen = load(v);
+    if (seen < want) {
+        Py_BEGIN_ALLOW_THREADS
+#if HAVE_FUTEX
+        if (c->futex) {
+            struct timespec ts = {0, DOZE_NS};
+            syscall(SYS_futex, (void *)v, FUTEX_WAIT, (uint32_t)(seen & 0xFFFFFFFF), &ts, NULL, 0);
+        } else
+#endif
+        {
+            struct timespec ts = {0, 50000};
+            nanosleep(&ts, NULL);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    store(flag, 0);
+}
+
+/* Polls before sleeping, as Channel.budget says; -1 with an exception set. */
+static long budget(Core *c) {
+    if (c->polite == Py_None)
+        return c->spin;
+    PyObject *r = PyObject_CallNoArgs(c->polite);
+    if (r == NULL)
+        return -1;
+    int busy = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (busy < 0)
+        return -1;
+    return busy ? POLITE_SPIN : c->spin;
+}
+
+/* Wait until every peer's counter in `ctrs` reaches `want`; 0, or -1 with an exception. */
+static int wait_all(Core *c, int64_t **ctrs, int64_t want) {
+    for (int r = 0; r < c->n; r++) {
+        int64_t *v = ctrs[r];
+        if (r == c->me || load(v) >= want)
+            continue;
+        long polls = budget(c);
+        if (polls < 0)
+            return -1;
+        int64_t start = now_ns(), last = start, limit = (int64_t)polls * POLL_NS;
+        unsigned spins = 0;
+        while (load(v) < want) {
+            CPU_RELAX();
+            if (++spins % 64)
+                continue;
+            int64_t t = now_ns();
+            if (t - last < PROGRESS_NS)
+                continue;
+            last = t;
+            PyObject *res = PyObject_CallNoArgs(c->progress);
+            if (res == NULL)
+                return -1;
+            Py_DECREF(res);
+            if (t - start >= limit)
+                doze(c, v, want);
+        }
+    }
+    fence();
+    return 0;
+}
+
+/* Copy `payload` (any object with a buffer; any layout through `contiguous`) into slot p;
+ * 0, or -1 with an exception set (nothing posted). */
+static int put_payload(Core *c, int p, PyObject *payload) {
+    if (payload == Py_None)
+        return 0;
+    Py_buffer view;
+    PyObject *held = NULL;
+    if (PyObject_GetBuffer(payload, &view, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        held = PyObject_CallOneArg(c->contiguous, payload);
+        if (held == NULL)
+            return -1;
+        if (PyObject_GetBuffer(held, &view, PyBUF_C_CONTIGUOUS) < 0) {
+            Py_DECREF(held);
+            return -1;
+        }
+    }
+    int rc = 0;
+    if (view.len > c->slot_bytes) {
+        PyErr_Format(PyExc_ValueError, "payload of %zd bytes exceeds the slot's %zd", view.len, c->slot_bytes);
+        rc = -1;
+    } else if (view.len) {
+        memcpy(c->slots[2 * c->me + p], view.buf, (size_t)view.len);
+    }
+    PyBuffer_Release(&view);
+    Py_XDECREF(held);
+    return rc;
+}
+
+/* Post the next call; its seq, or -1 with an exception set (nothing posted). */
+static int64_t post(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payload, int64_t win, int64_t wout) {
+    int64_t *mine = c->seqs[c->me];
+    int64_t seq = load(mine) + 1;
+    int p = (int)(seq & 1);
+    if (put_payload(c, p, payload) < 0)
+        return -1;
+    int64_t *h = c->heads[2 * c->me + p];
+    h[0] = a;
+    h[1] = b;
+    h[2] = w;
+    h[3] = win;
+    h[4] = wout;
+    fence();
+    store(mine, seq);
+    wake_sleepers(c, mine);
+    return seq;
+}
+
+/* Post, wait for every peer's post and compare the signatures: seq, -seq on a mismatch,
+ * or 0 with an exception set. */
+static int64_t exchange(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payload, int uneven, int64_t win,
+                        int64_t wout) {
+    int64_t seq = post(c, a, b, w, payload, win, wout);
+    if (seq < 0)
+        return 0;
+    if (wait_all(c, c->seqs, seq) < 0)
+        return 0;
+    int p = (int)(seq & 1);
+    for (int r = 0; r < c->n; r++) {
+        if (r == c->me)
+            continue;
+        int64_t *h = c->heads[2 * r + p];
+        if (h[0] != a || h[2] != w || (h[1] != b && !uneven))
+            return -seq;
+    }
+    return seq;
+}
+
+/* -- reductions in rank order --------------------------------------------------------- */
+#define FLOAT_KERNEL(NAME, T)                                                                 \
+    static void NAME(char **src, int n, Py_ssize_t lo, Py_ssize_t hi, char *dst, int op) {    \
+        T *o = (T *)dst;                                                                      \
+        Py_ssize_t m = hi - lo;                                                               \
+        const T *s0 = (const T *)src[0] + lo, *s1 = (const T *)src[1] + lo;                   \
+        if (op == OP_PROD)                                                                    \
+            for (Py_ssize_t i = 0; i < m; i++) o[i] = s0[i] * s1[i];                          \
+        else                                                                                  \
+            for (Py_ssize_t i = 0; i < m; i++) o[i] = s0[i] + s1[i];                          \
+        for (int r = 2; r < n; r++) {                                                         \
+            const T *s = (const T *)src[r] + lo;                                              \
+            if (op == OP_PROD)                                                                \
+                for (Py_ssize_t i = 0; i < m; i++) o[i] = o[i] * s[i];                        \
+            else                                                                              \
+                for (Py_ssize_t i = 0; i < m; i++) o[i] = o[i] + s[i];                        \
+        }                                                                                     \
+        if (op == OP_AVG) {                                                                   \
+            T d = (T)n;                                                                       \
+            for (Py_ssize_t i = 0; i < m; i++) o[i] = o[i] / d;                               \
+        }                                                                                     \
+    }
+
+/* integers wrap as numpy's do (arithmetic in the unsigned type); avg truncates toward zero */
+#define INT_KERNEL(NAME, T, U)                                                                \
+    static void NAME(char **src, int n, Py_ssize_t lo, Py_ssize_t hi, char *dst, int op) {    \
+        T *o = (T *)dst;                                                                      \
+        Py_ssize_t m = hi - lo;                                                               \
+        for (Py_ssize_t i = 0; i < m; i++) o[i] = ((const T *)src[0])[lo + i];                \
+        for (int r = 1; r < n; r++) {                                                         \
+            const T *s = (const T *)src[r] + lo;                                              \
+            switch (op) {                                                                     \
+            case OP_PROD:                                                                     \
+                for (Py_ssize_t i = 0; i < m; i++) o[i] = (T)((U)o[i] * (U)s[i]);             \
+                break;                                                                        \
+            case OP_MIN:                                                                      \
+                for (Py_ssize_t i = 0; i < m; i++) o[i] = s[i] < o[i] ? s[i] : o[i];          \
+                break;                                                                        \
+            case OP_MAX:                                                                      \
+                for (Py_ssize_t i = 0; i < m; i++) o[i] = s[i] > o[i] ? s[i] : o[i];          \
+                break;                                                                        \
+            default:                                                                          \
+                for (Py_ssize_t i = 0; i < m; i++) o[i] = (T)((U)o[i] + (U)s[i]);             \
+            }                                                                                 \
+        }                                                                                     \
+        if (op == OP_AVG)                                                                     \
+            for (Py_ssize_t i = 0; i < m; i++) o[i] = (T)(o[i] / (T)n);                       \
+    }
+
+FLOAT_KERNEL(red_f32, float)
+FLOAT_KERNEL(red_f64, double)
+INT_KERNEL(red_i8, int8_t, uint8_t)
+INT_KERNEL(red_i16, int16_t, uint16_t)
+INT_KERNEL(red_i32, int32_t, uint32_t)
+INT_KERNEL(red_i64, int64_t, uint64_t)
+INT_KERNEL(red_u8, uint8_t, uint8_t)
+
+typedef void (*kernel)(char **, int, Py_ssize_t, Py_ssize_t, char *, int);
+
+/* The kernel for a dtype code and op, or NULL where numpy must reduce (half-precision
+ * types; min and max of floats, whose NaN and signed-zero rules are numpy's own). */
+static kernel kernel_for(int dtype, int op, int *itemsize) {
+    int fl = dtype == F32 || dtype == F64;
+    if (op < OP_SUM || op > OP_PROD || (fl && (op == OP_MIN || op == OP_MAX)))
+        return NULL;
+    switch (dtype) {
+    case F32: *itemsize = 4; return red_f32;
+    case F64: *itemsize = 8; return red_f64;
+    case I8: *itemsize = 1; return red_i8;
+    case I16: *itemsize = 2; return red_i16;
+    case I32: *itemsize = 4; return red_i32;
+    case I64: *itemsize = 8; return red_i64;
+    case U8: *itemsize = 1; return red_u8;
+    default: return NULL;
+    }
+}
+
+/* Reduce elements [lo, hi) of every rank's slot of call seq into dst, in rank order. 0, or
+ * -1 with an exception set. */
+static int reduce_slots(Core *c, int64_t seq, kernel k, int op, Py_ssize_t itemsize, Py_ssize_t lo, Py_ssize_t hi,
+                        char *dst) {
+    if (hi <= lo)
+        return 0;
+    int p = (int)(seq & 1);
+    if (c->n == 1) {
+        memcpy(dst, c->slots[p] + lo * itemsize, (size_t)((hi - lo) * itemsize));
+        return 0;
+    }
+    char *src[64], **s = src;
+    if (c->n > 64 && (s = PyMem_Malloc(sizeof(char *) * (size_t)c->n)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int r = 0; r < c->n; r++) s[r] = c->slots[2 * r + p];
+    k(s, c->n, lo, hi, dst, op);
+    if (s != src)
+        PyMem_Free(s);
+    return 0;
+}
+
+/* -- the Python types ------------------------------------------------------------------- */
+static int read_addrs(PyObject *seq, Py_ssize_t want, void ***out, const char *what) {
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (fast == NULL)
+        return -1;
+    if (PySequence_Fast_GET_SIZE(fast) != want) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd addresses, expected %zd", what, PySequence_Fast_GET_SIZE(fast), want);
+        Py_DECREF(fast);
+        return -1;
+    }
+    void **a = PyMem_Calloc((size_t)want, sizeof(void *));
+    if (a == NULL) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < want; i++) {
+        a[i] = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(fast, i));
+        if (a[i] == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "%s: a null address", what);
+            PyMem_Free(a);
+            Py_DECREF(fast);
+            return -1;
+        }
+    }
+    Py_DECREF(fast);
+    *out = a;
+    return 0;
+}
+
+static int Core_init(Core *c, PyObject *args, PyObject *kw) {
+    static char *names[] = {"me",       "seqs",     "sleeping",   "heads", "slots", "slot_bytes",
+                            "spin",     "progress", "contiguous", "futex", NULL};
+    int me, futex;
+    PyObject *seqs, *sleeping, *heads, *slots, *progress, *contiguous;
+    Py_ssize_t slot_bytes;
+    long spin;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOOOnlOOp", names, &me, &seqs, &sleeping, &heads, &slots, &slot_bytes,
+                                     &spin, &progress, &contiguous, &futex))
+        return -1;
+    Py_ssize_t n = PySequence_Size(seqs);
+    if (n < 1 || n > INT_MAX || me < 0 || me >= n) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "me must index seqs");
+        return -1;
+    }
+    if (!PyCallable_Check(progress) || !PyCallable_Check(contiguous)) {
+        PyErr_SetString(PyExc_TypeError, "progress and contiguous must be callable");
+        return -1;
+    }
+    if (c->seqs != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Core is initialised once");
+        return -1;
+    }
+    if (read_addrs(seqs, n, (void ***)&c->seqs, "seqs") < 0 ||
+        read_addrs(sleeping, n, (void ***)&c->sleeping, "sleeping") < 0 ||
+        read_addrs(heads, 2 * n, (void ***)&c->heads, "heads") < 0 ||
+        read_addrs(slots, 2 * n, (void ***)&c->slots, "slots") < 0)
+        return -1;
+    c->n = (int)n;
+    c->me = me;
+    c->slot_bytes = slot_bytes;
+    c->spin = spin;
+    c->futex = HAVE_FUTEX && futex;
+    Py_INCREF(progress);
+    c->progress = progress;
+    Py_INCREF(contiguous);
+    c->contiguous = contiguous;
+    Py_INCREF(Py_None);
+    c->polite = Py_None;
+    return 0;
+}
+
+static void Core_dealloc(Core *c) {
+    PyMem_Free(c->seqs);
+    PyMem_Free(c->sleeping);
+    PyMem_Free(c->heads);
+    PyMem_Free(c->slots);
+    Py_XDECREF(c->progress);
+    Py_XDECREF(c->contiguous);
+    Py_XDECREF(c->polite);
+    Py_TYPE(c)->tp_free((PyObject *)c);
+}
+
+static int ready(Core *c) {
+    if (c->seqs == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Core is not initialised");
+        return 0;
+    }
+    return 1;
+}
+
+/* int64 arguments by position, optional ones defaulting to 0 */
+static int int_args(PyObject *const *args, Py_ssize_t nargs, const int *at, int count, int64_t *out) {
+    for (int i = 0; i < count; i++) {
+        out[i] = 0;
+        if (at[i] < nargs) {
+            out[i] = PyLong_AsLongLong(args[at[i]]);
+            if (out[i] == -1 && PyErr_Occurred())
+                return -1;
+        }
+    }
+    return 0;
+}
+
+static PyObject *Core_post(Core *c, PyObject *const *args, Py_ssize_t nargs) {
+    if (!ready(c))
+        return NULL;
+    if (nargs < 3 || nargs > 6) {
+        PyErr_SetString(PyExc_TypeError, "post(a, b, c, payload=None, win=0, wout=0)");
+        return NULL;
+    }
+    static const int at[] = {0, 1, 2, 4, 5};
+    int64_t v[5];
+    if (int_args(args, nargs, at, 5, v) < 0)
+        return NULL;
+    int64_t seq = post(c, v[0], v[1], v[2], nargs > 3 ? args[3] : Py_None, v[3], v[4]);
+    return seq < 0 ? NULL : PyLong_FromLongLong(seq);
+}
+
+static PyObject *Core_wait_posted(Core *c, PyObject *arg) {
+    if (!ready(c))
+        return NULL;
+    int64_t seq = PyLong_AsLongLong(arg);
+    if (seq == -1 && PyErr_Occurred())
+        return NULL;
+    if (wait_all(c, c->seqs, seq) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_exchange(Core *c, PyObject *const *args, Py_ssize_t nargs) {
+    if (!ready(c))
+        return NULL;
+    if (nargs < 3 || nargs > 7) {
+        PyErr_SetString(PyExc_TypeError, "exchange(a, b, c, payload=None, uneven=False, win=0, wout=0)");
+        return NULL;
+    }
+    static const int at[] = {0, 1, 2, 5, 6};
+    int64_t v[5];
+    if (int_args(args, nargs, at, 5, v) < 0)
+        return NULL;
+    int uneven = 0;
+    if (nargs > 4 && (uneven = PyObject_IsTrue(args[4])) < 0)
+        return NULL;
+    int64_t seq = exchange(c, v[0], v[1], v[2], nargs > 3 ? args[3] : Py_None, uneven, v[3], v[4]);
+    return seq == 0 ? NULL : PyLong_FromLongLong(seq);
+}
+
+static PyObject *Core_has_kernel(Core *c, PyObject *const *args, Py_ssize_t nargs) {
+    (void)c;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "has_kernel(dtype, op)");
+        return NULL;
+    }
+    long d = PyLong_AsLong(args[0]), o = PyLong_AsLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    int itemsize;
+    return PyBool_FromLong(kernel_for((int)d, (int)o, &itemsize) != NULL);
+}
+
+static PyObject *Core_get_polite(Core *c, void *closure) {
+    (void)closure;
+    Py_INCREF(c->polite ? c->polite : Py_None);
+    return c->polite ? c->polite : Py_None;
+}
+
+static int Core_set_polite(Core *c, PyObject *v, void *closure) {
+    (void)closure;
+    if (v == NULL)
+        v = Py_None;
+    if (v != Py_None && !PyCallable_Check(v)) {
+        PyErr_SetString(PyExc_TypeError, "polite must be None or callable");
+        return -1;
+    }
+    Py_INCREF(v);
+    Py_XSETREF(c->polite, v);
+    return 0;
+}
+
+static PyObject *Core_get_spin(Core *c, void *closure) {
+    (void)closure;
+    return PyLong_FromLong(c->spin);
+}
+
+static int Core_set_spin(Core *c, PyObject *v, void *closure) {
+    (void)closure;
+    long s = v == NULL ? -1 : PyLong_AsLong(v);
+    if (s == -1 && (v == NULL || PyErr_Occurred())) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "spin cannot be deleted");
+        return -1;
+    }
+    c->spin = s;
+    return 0;
+}
+
+/* -- one-step calls ------------------------------------------------------------------------
+ * A Step is one collective's one-step call for one (dtype, shape, op or root), built once:
+ * step(x, out=None) checks out as the Python one-step functions do (an ndarray of the
+ * result's shape and dtype, C-contiguous and writable; otherwise it returns `slow` having
+ * posted nothing), posts x, waits, checks the peers' signatures (`mismatch` when they
+ * differ; for allgather `uneven` when a peer's rows or out differ from ours) and finishes
+ * the call from the slots, returning the result. */
+enum { STEP_REDUCE = 0, STEP_BROADCAST = 1, STEP_ALLGATHER = 2 };
+#define STEP_MAXDIM 64
+
+typedef struct {
+    PyObject_HEAD vectorcallfunc vectorcall;
+    Core *core;
+    int kind, op, root, ndim;
+    int64_t a, b, c, fits;
+    kernel k;
+    Py_ssize_t itemsize, lo, hi, nbytes, out_bytes;
+    Py_ssize_t shape[STEP_MAXDIM];
+    char fmt[16];
+    PyObject *ndarray, *shape_obj, *dtype, *empty, *slow, *mismatch, *uneven;
+} Step;
+
+static PyTypeObject StepType;
+
+/* out as a writable C-contiguous buffer of the result's shape and dtype: 1 (view filled),
+ * or 0 (no exception) when it is not exactly that. */
+static int out_fits(Step *s, PyObject *out, Py_buffer *view) {
+    if ((PyObject *)Py_TYPE(out) != s->ndarray)
+        return 0;
+    if (PyObject_GetBuffer(out, view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    int ok = view->ndim == s->ndim && view->itemsize == s->itemsize && view->format != NULL &&
+             strcmp(view->format, s->fmt) == 0;
+    for (int i = 0; ok && i < s->ndim; i++) ok = view->shape[i] == s->shape[i];
+    if (!ok)
+        PyBuffer_Release(view);
+    return ok;
+}
+
+/* a new result array and its buffer; NULL with an exception set */
+static PyObject *new_out(Step *s, Py_buffer *view) {
+    PyObject *args[2] = {s->shape_obj, s->dtype};
+    PyObject *out = PyObject_Vectorcall(s->empty, args, 2, NULL);
+    if (out == NULL)
+        return NULL;
+    if (PyObject_GetBuffer(out, view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    return out;
+}
+
+static PyObject *Step_call(Step *s, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 1 || nargs > 2 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "step(x, out=None)");
+        return NULL;
+    }
+    Core *c = s->core;
+    PyObject *x = args[0], *out = nargs > 1 ? args[1] : Py_None, *res = NULL;
+    int mine = s->kind != STEP_REDUCE || s->root < 0 || s->root == c->me;
+    Py_buffer view;
+    int have = 0;
+    int64_t b = s->b;
+    if (out != Py_None) {
+        if (!out_fits(s, out, &view))
+            return Py_NewRef(s->slow);
+        have = 1;
+        Py_INCREF(out);
+        if (s->kind == STEP_ALLGATHER)
+            b = s->fits;
+    } else if (mine && s->kind != STEP_ALLGATHER) {
+        if ((out = new_out(s, &view)) == NULL)
+            return NULL;
+        have = 1;
+    }
+    int is_root = s->kind == STEP_BROADCAST && s->root == c->me;
+    PyObject *payload = s->kind == STEP_BROADCAST && !is_root ? Py_None : x;
+    int64_t seq = exchange(c, s->a, b, s->c, payload, s->kind == STEP_ALLGATHER, 0, 0);
+    if (seq == 0)
+        goto done;
+    if (seq < 0) {
+        res = Py_NewRef(s->mismatch);
+        goto done;
+    }
+    int p = (int)(seq & 1);
+    if (s->kind == STEP_REDUCE) {
+        if (mine && reduce_slots(c, seq, s->k, s->op, s->itemsize, s->lo, s->hi, (char *)view.buf) < 0)
+            goto done;
+    } else if (s->kind == STEP_BROADCAST) {
+        if (!is_root || out != x)
+            memcpy(view.buf, c->slots[2 * s->root + p], (size_t)s->nbytes);
+    } else {
+        for (int r = 0; r < c->n; r++) {
+            int64_t w = c->heads[2 * r + p][1];
+            if (r != c->me && w != s->b && w != s->fits) {
+                res = Py_NewRef(s->uneven);
+                goto done;
+            }
+        }
+        if (!have) {
+            if ((out = new_out(s, &view)) == NULL)
+                goto done;
+            have = 1;
+        }
+        for (int r = 0; r < c->n; r++)
+            memcpy((char *)view.buf + r * s->nbytes, c->slots[2 * r + p], (size_t)s->nbytes);
+    }
+    res = mine ? Py_NewRef(out) : Py_NewRef(Py_None);
+done:
+    if (have) {
+        PyBuffer_Release(&view);
+        Py_DECREF(out);
+    }
+    return res;
+}
+
+static void Step_dealloc(Step *s) {
+    Py_XDECREF(s->core);
+    Py_XDECREF(s->ndarray);
+    Py_XDECREF(s->shape_obj);
+    Py_XDECREF(s->dtype);
+    Py_XDECREF(s->empty);
+    Py_XDECREF(s->slow);
+    Py_XDECREF(s->mismatch);
+    Py_XDECREF(s->uneven);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+/* core.step(kind, a, b, c, fits, like, dtype, op, lo, hi, root, nbytes, empty, slow, mismatch, uneven) */
+static PyObject *Core_step(Core *c, PyObject *const *args, Py_ssize_t nargs) {
+    if (!ready(c))
+        return NULL;
+    if (nargs != 16) {
+        PyErr_SetString(PyExc_TypeError,
+                        "step(kind, a, b, c, fits, like, dtype, op, lo, hi, root, nbytes, empty, slow, mismatch, uneven)");
+        return NULL;
+    }
+    static const int at[] = {0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11};
+    int64_t v[11];
+    if (int_args(args, nargs, at, 11, v) < 0)
+        return NULL;
+    int64_t kind = v[0], lo = v[7], hi = v[8], root = v[9], nbytes = v[10];
+    PyObject *like = args[5];
+    Py_buffer view;
+    if (PyObject_GetBuffer(like, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+        return NULL; /* e.g. bfloat16, which has no buffer format: the caller keeps Python's loop */
+    if (view.ndim > STEP_MAXDIM || view.format == NULL || strlen(view.format) >= 16 || kind < STEP_REDUCE ||
+        kind > STEP_ALLGATHER || nbytes < 0 || nbytes > c->slot_bytes || root >= c->n) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_ValueError, "step: an argument is out of range");
+        return NULL;
+    }
+    Step *s = PyObject_New(Step, &StepType);
+    if (s == NULL) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    s->vectorcall = (vectorcallfunc)Step_call;
+    s->kind = (int)kind;
+    s->a = v[1];
+    s->b = v[2];
+    s->c = v[3];
+    s->fits = v[4];
+    s->root = (int)root;
+    s->lo = (Py_ssize_t)lo;
+    s->hi = (Py_ssize_t)hi;
+    s->nbytes = (Py_ssize_t)nbytes;
+    s->ndim = view.ndim;
+    s->itemsize = view.itemsize;
+    s->out_bytes = view.len;
+    for (int i = 0; i < view.ndim; i++) s->shape[i] = view.shape[i];
+    strcpy(s->fmt, view.format);
+    PyBuffer_Release(&view);
+    s->k = NULL;
+    s->op = (int)v[6];
+    if (kind == STEP_REDUCE) {
+        int itemsize = 0;
+        s->k = kernel_for((int)v[5], (int)v[6], &itemsize);
+        if (s->k == NULL || itemsize != s->itemsize || lo < 0 || hi < lo || hi * itemsize > c->slot_bytes ||
+            (hi - lo) * itemsize != s->out_bytes) {
+            s->core = NULL;
+            s->ndarray = s->shape_obj = s->dtype = s->empty = s->slow = s->mismatch = s->uneven = NULL;
+            Py_DECREF(s);
+            PyErr_SetString(PyExc_ValueError, "step: no kernel for this dtype and op, or a bad range");
+            return NULL;
+        }
+    }
+    s->core = (Core *)Py_NewRef((PyObject *)c);
+    s->ndarray = Py_NewRef((PyObject *)Py_TYPE(like));
+    s->shape_obj = PyObject_GetAttrString(like, "shape");
+    s->dtype = PyObject_GetAttrString(like, "dtype");
+    s->empty = Py_NewRef(args[12]);
+    s->slow = Py_NewRef(args[13]);
+    s->mismatch = Py_NewRef(args[14]);
+    s->uneven = Py_NewRef(args[15]);
+    if (s->shape_obj == NULL || s->dtype == NULL) {
+        Py_DECREF(s);
+        return NULL;
+    }
+    return (PyObject *)s;
+}
+
+static PyTypeObject StepType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "collectives.cslots.Step",
+    .tp_basicsize = sizeof(Step),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "One collective's one-step call, compiled: step(x, out=None).",
+    .tp_vectorcall_offset = offsetof(Step, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_dealloc = (destructor)Step_dealloc,
+};
+
+static PyMethodDef Core_methods[] = {
+    {"post", (PyCFunction)(void (*)(void))Core_post, METH_FASTCALL,
+     "post(a, b, c, payload=None, win=0, wout=0) -> seq: publish this rank's next call."},
+    {"wait_posted", (PyCFunction)Core_wait_posted, METH_O, "wait_posted(seq): wait until every peer has posted seq."},
+    {"exchange", (PyCFunction)(void (*)(void))Core_exchange, METH_FASTCALL,
+     "exchange(a, b, c, payload=None, uneven=False, win=0, wout=0) -> seq, or -seq when signatures differ."},
+    {"step", (PyCFunction)(void (*)(void))Core_step, METH_FASTCALL,
+     "step(kind, a, b, c, fits, like, dtype, op, lo, hi, root, nbytes, empty, slow, mismatch, uneven) -> Step: "
+     "one collective's one-step call (kind 0: reduce into lo..hi on root, or on every rank when root < 0; "
+     "1: broadcast from root; 2: allgather), like: an array shaped as its result."},
+    {"has_kernel", (PyCFunction)(void (*)(void))Core_has_kernel, METH_FASTCALL,
+     "has_kernel(dtype, op) -> bool: reduce takes this dtype code and op code."},
+    {NULL, NULL, 0, NULL}};
+
+static PyGetSetDef Core_getset[] = {
+    {"polite", (getter)Core_get_polite, (setter)Core_set_polite,
+     "None, or a callable: while it returns True, waits poll briefly before sleeping.", NULL},
+    {"spin", (getter)Core_get_spin, (setter)Core_set_spin, "Polls (of the Python loop's length) before sleeping.",
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject CoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "collectives.cslots.Core",
+    .tp_basicsize = sizeof(Core),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A node channel's post/poll loop on its shared window (see the module docstring).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Core_init,
+    .tp_dealloc = (destructor)Core_dealloc,
+    .tp_methods = Core_methods,
+    .tp_getset = Core_getset,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "cslots",
+    .m_doc = "The node channel's post/poll loop and one-step reductions, compiled.",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC PyInit_cslots(void) {
+    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&StepType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&CoreType);
+    if (PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0) {
+        Py_DECREF(&CoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "FUTEX", HAVE_FUTEX) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

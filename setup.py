@@ -1,0 +1,20 @@
+"""Build hook for the optional compiled part of the node channel (``collectives.cslots``).
+
+The package metadata lives in setup.cfg. The extension is optional: where it does not
+build (no C compiler or Python headers), the install goes on and the pure-Python channel
+loop is used.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "collectives.cslots",
+            ["collectives/cslots.c"],
+            optional=True,
+            # IEEE operations exactly as written, so reductions give numpy's bits
+            extra_compile_args=["-O2", "-ffp-contract=off", "-fno-fast-math"],
+        )
+    ]
+)

@@ -1,0 +1,226 @@
+"""The compiled node-channel loop (``collectives.cslots``) against the pure-Python one.
+
+Under mpiexec -n 2, 3, 4: every one-step collective, dtype and op on a communicator whose
+channel runs the compiled loop and on one whose channel runs Python's, against a numpy
+reference and bitwise equal to each other (the compiled kernels give numpy's bits) and
+across ranks; ranks of one communicator mixing the two loops; mismatches and bad ``out``
+through the compiled calls; the polite hint reaching the compiled waits.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sysconfig
+
+import ml_dtypes
+import numpy as np
+import pytest
+from mpi4py import MPI
+from reference import OPS, check_close, digest, expected, make_input
+
+import collectives as C
+from collectives.config import Config
+from collectives.context import get_context
+from collectives.errors import CollectiveMismatchError
+from collectives.layout import block_counts, offsets
+
+WORLD = MPI.COMM_WORLD
+N, ME = WORLD.size, WORLD.rank
+DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8]
+COUNTS = [1, 3, 17, 1001]
+#: where the compiled loop reduces itself (elsewhere numpy reduces after its exchange)
+KERNELS = {np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8}
+
+
+def _compiler() -> bool:
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    return shutil.which(cc) is not None
+
+
+try:
+    from collectives.cslots import Core
+except ImportError:
+    Core = None
+
+needs_core = pytest.mark.skipif(Core is None, reason="collectives.cslots is not built (no C compiler)")
+
+
+def test_the_extension_is_built_where_a_compiler_is():
+    # the install builds it whenever it can; a silent build failure would cost every small call
+    if not _compiler():
+        pytest.skip("no C compiler: the pure-Python loop is the one in use")
+    assert Core is not None, "collectives.cslots did not build: reinstall with `pip install -e .` and read its log"
+
+
+@pytest.fixture(scope="module")
+def comms():
+    """A communicator on the compiled loop and one on Python's, both on one node."""
+    fast, slow = WORLD.Dup(), WORLD.Dup()
+    cf = get_context(fast, config=Config())
+    cs = get_context(slow, config=Config(compiled_channel=False))
+    if cf.chan is None:
+        pytest.skip("ranks span nodes: no node channel")
+    assert cs.chan.core is None
+    yield fast, slow
+    fast.Free()
+    slow.Free()
+
+
+def _inputs(count, dtype, op, seed=0):
+    return [make_input(r, count, dtype, op, seed) for r in range(N)]
+
+
+def _same_everywhere(a) -> None:
+    d = WORLD.allgather(digest(a))
+    assert len(set(d)) == 1, "results differ across ranks"
+
+
+def _kind_of(comm, key) -> str:
+    return type(get_context(comm).fast.get(key)).__name__
+
+
+@pytest.mark.mpi(min_size=2)
+@needs_core
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", OPS)
+def test_reductions_compiled_equal_python_and_numpy(comms, dtype, op):
+    fast, slow = comms
+    dt = np.dtype(dtype)
+    for count in COUNTS:
+        xs = _inputs(count, dt, op, seed=count)
+        x, want = xs[ME], expected(xs, op)
+        counts = block_counts(count, N)
+        off = offsets(counts)
+        got = {}
+        for name, comm in (("compiled", fast), ("python", slow)):
+            ar = C.allreduce(x, op=op, comm=comm)
+            out = np.empty_like(x)
+            ar_out = C.allreduce(x, op=op, out=out, comm=comm)
+            inplace = x.copy()
+            C.allreduce(inplace, op=op, out=inplace, comm=comm)
+            rs = C.reduce_scatter(x, op=op, comm=comm)
+            red = C.reduce(x, op=op, root=N - 1, comm=comm)
+            check_close(ar, want.astype(np.float64) if dt.kind == "f" else want, op, N, f"{name} allreduce")
+            assert ar_out is out and np.array_equal(ar, out, equal_nan=True) and digest(inplace) == digest(ar)
+            check_close(rs, (want.astype(np.float64) if dt.kind == "f" else want)[off[ME] : off[ME + 1]], op, N, name)
+            assert (red is None) == (ME != N - 1)
+            got[name] = (ar, rs, red)
+        ar, rs, red = got["compiled"]
+        assert digest(ar) == digest(got["python"][0]), f"{dt} {op} {count}: compiled allreduce bits differ"
+        assert digest(rs) == digest(got["python"][1]), f"{dt} {op} {count}: compiled reduce_scatter bits differ"
+        assert digest(red) == digest(got["python"][2])
+        _same_everywhere(ar)
+    key = ("allreduce", dt, (COUNTS[-1],), op, "auto")
+    C.allreduce(x, op=op, comm=fast)  # its one-step function is cached now (the cache is bounded)
+    C.allreduce(x, op=op, comm=slow)
+    compiled_kernel = dtype in KERNELS and not (dt.kind == "f" and op in ("min", "max"))
+    assert _kind_of(fast, key) == ("Step" if compiled_kernel else "function")
+    assert _kind_of(slow, key) == "function"
+
+
+@pytest.mark.mpi(min_size=2)
+@needs_core
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_broadcast_and_allgather_compiled_equal_python(comms, dtype):
+    fast, slow = comms
+    dt = np.dtype(dtype)
+    for count in COUNTS:
+        xs = _inputs(count, dt, "sum", seed=7 + count)
+        x = xs[ME].reshape(count, 1) if count % 2 else xs[ME]
+        for name, comm in (("compiled", fast), ("python", slow)):
+            for root in range(N):
+                b = C.broadcast(x, root=root, comm=comm)
+                assert digest(b) == digest(xs[root].reshape(x.shape)), f"{name} broadcast from {root}"
+                out = np.empty_like(x)
+                assert C.broadcast(x, root=root, out=out, comm=comm) is out and digest(out) == digest(b)
+                mine = x.copy()
+                C.broadcast(mine, root=root, out=mine, comm=comm)  # in place
+                assert digest(mine) == digest(b)
+            g = C.allgather(x, comm=comm)
+            want = np.concatenate([xi.reshape(x.shape) for xi in xs])
+            assert digest(g) == digest(want), f"{name} allgather"
+            out = np.empty_like(want)
+            assert C.allgather(x, out=out, comm=comm) is out and digest(out) == digest(want)
+        C.broadcast(x, root=0, comm=fast)
+        assert _kind_of(fast, ("broadcast", dt, x.shape, 0, "auto")) == (
+            "function" if dt == ml_dtypes.bfloat16 else "Step"
+        )
+
+
+@pytest.mark.mpi(min_size=2)
+@needs_core
+def test_inputs_of_any_layout_and_outputs_that_do_not_fit(comms):
+    fast, _ = comms
+    base = np.arange(40, dtype=np.float64).reshape(8, 5) * (ME + 1)
+    x = base[::2, 1:4]  # not contiguous: posted through a contiguous copy
+    got = C.allreduce(x, comm=fast)
+    assert np.array_equal(got, np.arange(40, dtype=np.float64).reshape(8, 5)[::2, 1:4] * (N * (N + 1) // 2))
+    # an out that is not C-contiguous, or of another dtype, takes the general path and gets
+    # its error there, on every rank
+    wide = np.empty((4, 6))
+    with pytest.raises(C.OutputMismatchError, match="C-contiguous"):
+        C.allreduce(x, out=wide[:, :3], comm=fast)
+    with pytest.raises(C.OutputMismatchError if ME == 0 else C.PeerInputError):
+        C.allreduce(x, out=np.empty((4, 3), np.float32) if ME == 0 else np.empty((4, 3)), comm=fast)
+    # the communicator is still in step
+    assert np.array_equal(C.allreduce(x, comm=fast), got)
+
+
+@pytest.mark.mpi(min_size=2)
+@needs_core
+def test_a_mismatch_through_the_compiled_calls_raises_on_every_rank(comms):
+    fast, _ = comms
+    x = np.ones(3 if ME == 0 else 4, np.float32)
+    with pytest.raises(CollectiveMismatchError, match="count"):
+        C.allreduce(x, comm=fast)
+    with pytest.raises(CollectiveMismatchError):
+        C.broadcast(np.ones(2, np.float32 if ME else np.float64), root=0, comm=fast)
+    with pytest.raises(CollectiveMismatchError):
+        C.reduce(np.ones(2, np.int32), op="sum" if ME else "max", root=0, comm=fast)
+    assert np.array_equal(C.allreduce(np.ones(2, np.float32), comm=fast), np.full(2, N, np.float32))
+
+
+@pytest.mark.mpi(min_size=2)
+@needs_core
+@pytest.mark.parametrize("compiled_rank", [0, -1])
+def test_ranks_on_either_loop_work_together(compiled_rank):
+    # the same protocol on the same words: rank 0 (or the last) compiled, the others in Python
+    comm = WORLD.Dup()
+    try:
+        ctx = get_context(comm, config=Config(compiled_channel=ME == compiled_rank % N))
+        assert (ctx.chan.core is not None) == (ME == compiled_rank % N)
+        for count in (1, 17, 1001):
+            for dtype in (np.float32, np.int64, np.float16):
+                xs = _inputs(count, dtype, "sum", seed=3)
+                got = C.allreduce(xs[ME], comm=comm)
+                check_close(got, expected(xs, "sum"), "sum", N, f"{np.dtype(dtype)} {count}")
+                _same_everywhere(got)
+                g = C.allgather(xs[ME], comm=comm)
+                assert digest(g) == digest(np.concatenate(xs))
+                assert digest(C.broadcast(xs[ME], root=N - 1, comm=comm)) == digest(xs[N - 1])
+        with pytest.raises(CollectiveMismatchError):
+            C.allreduce(np.ones(2 + (ME == 1), np.float32), comm=comm)
+        uneven = np.ones((1 + ME, 2), np.float32)  # uneven rows: finished on the general path
+        assert C.allgather(uneven, comm=comm).shape == (N * (N + 1) // 2, 2)
+    finally:
+        comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@needs_core
+def test_the_polite_hint_and_spin_budget_reach_the_compiled_waits(comms):
+    fast, _ = comms
+    ch = get_context(fast).chan
+
+    def busy() -> bool:
+        return True
+
+    ch.polite = busy
+    assert ch.core.polite is busy and ch.polite is busy
+    ch.polite = None
+    assert ch.core.polite is None
+    spin = ch.spin
+    ch.spin = 7
+    assert ch.core.spin == 7
+    ch.spin = spin
+    assert ch.core.spin == spin
