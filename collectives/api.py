@@ -362,19 +362,26 @@ def _allgather(x, algorithm, out, comm, blocking, posted=False, rows=None):
     buf = _flat(out)
     off = offsets(counts)
     mine = buf[off[t.rank] : off[t.rank + 1]]
-    if not _aliases(mine, _flat(src)):  # x may be its block of out already
-        mine[...] = _flat(src)
+    own = None if _aliases(mine, _flat(src)) else _flat(src)  # x may be its block of out already
+    small = call.resolved == "shm" and ch is not None and max(counts) * x.itemsize <= ch.small
+    ws = call.inplace(output=True, inputs=False) if buf.nbytes <= node.COPY_INPLACE_MAX and not small else None
+    staged_as_read = blocking and call.resolved == "shm" and not small and ws is None and t.size > 1
+    if own is not None and (not staged_as_read or np.may_share_memory(own, buf)):
+        mine[...] = own
+        own = None
     if t.size == 1 or buf.size == 0:
         return _done(out, blocking, ctx)
-    if call.resolved == "shm" and ch is not None and max(counts) * x.itemsize <= ch.small:
+    if small:
         node.small_allgather(ch, call.seq, counts, buf)
         return _done(out, blocking, ctx)
-    ws = call.inplace(output=True, inputs=False) if buf.nbytes <= node.COPY_INPLACE_MAX else None
     if ws is not None:  # every rank's out lies in the arena, its own block in place: read them there
         return _launch(ctx, node.inplace_allgather(ctx, buf, counts, ws), blocking, out)
     if call.resolved == "shm":
         ctx.channel()  # collective allocation, in call order
-    gen = REGISTRY["allgather"][call.resolved](ctx, t, buf, counts, ctx.next_tag())
+        # blocking: x is copied into out piece by piece as it is staged (read once, from cache)
+        gen = node.allgather(ctx, t, buf, counts, ctx.next_tag(), src=own)
+    else:
+        gen = REGISTRY["allgather"][call.resolved](ctx, t, buf, counts, ctx.next_tag())
     return _launch(ctx, gen, blocking, out)
 
 

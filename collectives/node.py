@@ -393,8 +393,11 @@ def reduce_scatter(
         ch.release()
 
 
-def allgather(ctx: Any, t: Any, buf: np.ndarray, counts: tuple[int, ...], tag: int) -> Schedule:
-    """Fill every block of ``buf`` from its owner; block ``me`` is already in place."""
+def allgather(
+    ctx: Any, t: Any, buf: np.ndarray, counts: tuple[int, ...], tag: int, src: np.ndarray | None = None
+) -> Schedule:
+    """Fill every block of ``buf`` from its owner; block ``me`` is already in place, or is
+    ``src`` (flat), copied in piece by piece as each piece is staged (one read of ``src``)."""
     ch = ctx.channel()
     me = ch.me
     off = offsets(counts)
@@ -408,7 +411,12 @@ def allgather(ctx: Any, t: Any, buf: np.ndarray, counts: tuple[int, ...], tag: i
         def stage(i: int) -> None:
             a, z = off[me] + i * per, min(off[me] + (i + 1) * per, off[me + 1])
             if z > a:
-                views[i & 1][me][: z - a] = buf[a:z]
+                if src is None:
+                    views[i & 1][me][: z - a] = buf[a:z]
+                    return
+                piece = src[a - off[me] : z - off[me]]
+                views[i & 1][me][: z - a] = piece
+                buf[a:z] = piece
 
         def gather_in(i: int) -> None:
             for j, v in enumerate(views[i & 1]):

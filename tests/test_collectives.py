@@ -220,6 +220,14 @@ def test_shm_one_step_and_chunked_paths_of_every_collective():
             parts = [make_input(q, rows[q] * 2, dtype, "sum").reshape(rows[q], 2) for q in range(n)]
             ag = C.allgather(parts[r], algorithm="shm", comm=comm)
             assert digest(ag) == digest(np.concatenate(parts)), f"allgather {np.dtype(dtype)} rows={rows}"
+    # an input straddling blocks of out: read whole before its own block or the peers' land
+    rows = 700
+    parts = [make_input(q, rows * 2, np.float64, "sum").reshape(rows, 2) for q in range(n)]
+    out = np.empty((n * rows, 2))
+    src = out[rows - 50 : 2 * rows - 50] if r == 0 else out[50 : rows + 50]
+    src[...] = parts[r]
+    assert C.allgather(src, out=out, algorithm="shm", comm=comm) is out
+    assert digest(out) == digest(np.concatenate(parts))
     # 2-D, strided and in-place inputs
     base = [np.arange(600, dtype=np.float64).reshape(20, 30) * (q + 1) for q in range(n)]
     want = sum(base)
