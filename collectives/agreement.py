@@ -209,12 +209,14 @@ class Call:
         output only) lies in the node's arena, else None. Every rank reads the same words,
         so every rank decides alike; they are read from the slot, so ask before this rank
         posts again."""
-        if self.seq == 0 or self.ctx.arena is None or self.ctx.chan is None:
+        ch = self.ctx.chan
+        if self.seq == 0 or self.ctx.arena is None or ch is None:
             return None
-        ws = self.ctx.chan.wheres(self.seq)
-        if all((w[0] or not inputs) and (w[1] or not output) for w in (ws if only is None else ws[only : only + 1])):
-            return ws
-        return None
+        p = self.seq & 1
+        for h in ch.heads if only is None else ch.heads[only : only + 1]:
+            if (inputs and not h[p][3]) or (output and not h[p][4]):
+                return None  # the common case, ordinary arrays: decided from the first word
+        return ch.wheres(self.seq)
 
     def small(self, nbytes: int) -> bool:
         """True when this call finishes in one step through the node channel's slots."""

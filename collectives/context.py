@@ -119,6 +119,8 @@ class Context:
         self.inflight: list[Pending] = []
         self.shm_queue: collections.deque = collections.deque()
         self.tuning: Any = None
+        self.picks: dict[str, list[tuple[int | None, str]]] = {}
+        """``auto``'s rules per collective as :func:`.select.choose` applies them here."""
         self.fast: dict[tuple, Any] = {}
         """One-step allreduce functions by (dtype, shape, op, algorithm); False: not eligible."""
         self._seq = 0

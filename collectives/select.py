@@ -103,11 +103,17 @@ def rules_for(ctx: Any, collective: str) -> list[list[Any]]:
 
 def choose(ctx: Any, collective: str, nbytes: int) -> str:
     """Pick the algorithm for ``collective`` of ``nbytes`` on ``ctx``'s communicator."""
-    mpi = getattr(ctx.transport, "comm", None) is not None
-    multi = mpi and ctx.layout().nodes > 1
-    for limit, name in rules_for(ctx, collective):
-        if limit is None or nbytes <= limit:
+    picks = ctx.picks.get(collective)
+    if picks is None:  # the rules that apply here, once per communicator and collective
+        mpi = getattr(ctx.transport, "comm", None) is not None
+        multi = mpi and ctx.layout().nodes > 1
+        picks = []
+        for limit, name in rules_for(ctx, collective):
             if (name == "native" and not mpi) or (name == "shm" and multi and collective != "allreduce"):
-                break
+                name = DEFAULT_RULES[collective][-1][1]  # unusable here: the default's last instead
+            picks.append((limit, name))
+        ctx.picks[collective] = picks
+    for limit, name in picks:
+        if limit is None or nbytes <= limit:
             return name
     return DEFAULT_RULES[collective][-1][1]

@@ -51,6 +51,9 @@ def test_auto_never_picks_native_without_mpi():
     class Ctx:
         transport = Fake()
 
+        def __init__(self) -> None:
+            self.picks: dict = {}
+
     for coll in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall"):
         for nbytes in (4, 1 << 30):
             assert choose(Ctx(), coll, nbytes) != "native"
