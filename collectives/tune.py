@@ -8,13 +8,15 @@ then point ``auto`` at it with ``HPCDL_TUNING_FILE=my_table.json``. For each col
 and message size (powers of four from ``--min`` to ``--max``) every registered algorithm
 runs in interleaved rounds (each round: a barrier, then back-to-back calls timed on every
 rank; a round's time is the slowest rank's), the median round decides, and runs of sizes
-won by the same algorithm become one rule. The table is keyed by collective, rank count
+won by the same algorithm become one rule. With ``--sweeps K`` every size is measured K
+times and each goes to the algorithm that won the most sweeps. The table is keyed by collective, rank count
 and node count, so tables from several runs (2 ranks, 4 ranks, 2 nodes, ...) are merged
 into one file with ``--merge``.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import statistics
 import sys
@@ -28,7 +30,7 @@ from .cli import ArgumentParser, dump_json, parse_size, run_main
 from .context import get_context
 from .select import REGISTRY
 
-__all__ = ["measure", "rules_from", "main"]
+__all__ = ["measure", "vote", "rules_from", "main"]
 
 _API = {
     "allreduce": lambda x, alg, comm: api.allreduce(x, algorithm=alg, comm=comm),
@@ -71,6 +73,15 @@ def measure(
     return {name: statistics.median(v) for name, v in times.items()}
 
 
+def vote(sweeps: list[dict[str, float]]) -> str:
+    """The algorithm that was fastest in the most sweeps (each a name -> median seconds
+    dict); a tie goes to the lowest median over the sweeps."""
+    wins = collections.Counter(min(m, key=m.get) for m in sweeps)
+    top = max(wins.values())
+    tied = [name for name, w in wins.items() if w == top]
+    return min(tied, key=lambda name: statistics.median(m[name] for m in sweeps))
+
+
 def rules_from(winners: list[tuple[int, str]]) -> list[list[Any]]:
     """Turn (size, best algorithm) pairs, by increasing size, into ``[max_bytes, name]`` rules;
     a boundary falls halfway (geometrically) between the last size one algorithm won and the
@@ -96,6 +107,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--min", type=parse_size, default="4", help="smallest message in bytes (K/M suffixes)")
     p.add_argument("--max", type=parse_size, default="64M", help="largest message in bytes")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size")
+    p.add_argument(
+        "--sweeps",
+        type=int,
+        default=1,
+        help="measure every size this many times, one sweep after another; a size goes to the "
+        "algorithm that wins the most sweeps (ties: the lowest median), so a slow spell of a "
+        "shared machine during one sweep does not decide it",
+    )
     p.add_argument("--collectives", default=",".join(_API), help="comma-separated subset")
     p.add_argument("--machine", default="", help="a line describing the machine, for the record")
     args = p.parse_args(argv)
@@ -109,18 +128,18 @@ def main(argv: list[str] | None = None) -> None:
         s *= 4
     sizes.append(hi)
     entries = []
-    log: dict[str, Any] = {}
     for coll in args.collectives.split(","):
         names = candidates(coll, comm)
-        winners = []
-        for nbytes in sizes:
-            med = measure(comm, coll, nbytes, names, args.rounds)
-            best = min(med, key=med.get)
-            winners.append((nbytes, best))
-            log.setdefault(coll, {})[nbytes] = med
-            if comm.rank == 0:
-                cells = "  ".join(f"{k}={v * 1e6:.1f}" for k, v in med.items())
-                print(f"{coll:>15} {nbytes:>10} best={best:<20} us: {cells}", flush=True)
+        meds: dict[int, list[dict[str, float]]] = {nbytes: [] for nbytes in sizes}
+        for sweep in range(max(args.sweeps, 1)):
+            for nbytes in sizes:
+                med = measure(comm, coll, nbytes, names, args.rounds)
+                meds[nbytes].append(med)
+                if comm.rank == 0:
+                    cells = "  ".join(f"{k}={v * 1e6:.1f}" for k, v in med.items())
+                    best = min(med, key=med.get)
+                    print(f"{coll:>15} {nbytes:>10} sweep {sweep} best={best:<20} us: {cells}", flush=True)
+        winners = [(nbytes, vote(meds[nbytes])) for nbytes in sizes]
         entries.append({"collective": coll, "size": comm.size, "nodes": nodes, "rules": rules_from(winners)})
     if comm.rank == 0:
         table: dict[str, Any] = {"machine": args.machine, "tables": []}

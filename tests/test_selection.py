@@ -57,3 +57,17 @@ def test_auto_never_picks_native_without_mpi():
     for coll in ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall"):
         for nbytes in (4, 1 << 30):
             assert choose(Ctx(), coll, nbytes) != "native"
+
+
+def test_tuning_votes_for_the_algorithm_that_wins_most_sweeps():
+    from collectives.tune import rules_from, vote
+
+    # one slow spell (the second sweep) does not decide a size
+    assert vote([{"shm": 1.0, "tree": 2.0}, {"shm": 9.0, "tree": 2.0}, {"shm": 1.1, "tree": 2.1}]) == "shm"
+    # a tie goes to the lowest median over the sweeps: shm 5.0, tree 2.0
+    assert vote([{"shm": 1.0, "tree": 2.0}, {"shm": 9.0, "tree": 2.0}]) == "tree"
+    assert rules_from([(4, "shm"), (64, "shm"), (1024, "tree"), (16384, "shm")]) == [
+        [256, "shm"],
+        [4096, "tree"],
+        [None, "shm"],
+    ]
