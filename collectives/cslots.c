@@ -446,16 +446,23 @@ static int int_args(PyObject *const *args, Py_ssize_t nargs, const int *at, int 
     return 0;
 }
 
-static PyObject *Core_post(Core *c, PyObject *const *args, Py_ssize_t nargs) {
+/* A method's checks: an initialised core, lo..hi positional arguments (else a TypeError
+ * quoting `usage`), and the int64 arguments at positions `at`; 0, or -1 with an exception. */
+static int method_args(Core *c, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t lo, Py_ssize_t hi,
+                       const char *usage, const int *at, int count, int64_t *v) {
     if (!ready(c))
-        return NULL;
-    if (nargs < 3 || nargs > 6) {
-        PyErr_SetString(PyExc_TypeError, "post(a, b, c, payload=None, win=0, wout=0)");
-        return NULL;
+        return -1;
+    if (nargs < lo || nargs > hi) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
     }
+    return int_args(args, nargs, at, count, v);
+}
+
+static PyObject *Core_post(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     static const int at[] = {0, 1, 2, 4, 5};
     int64_t v[5];
-    if (int_args(args, nargs, at, 5, v) < 0)
+    if (method_args(c, args, nargs, 3, 6, "post(a, b, c, payload=None, win=0, wout=0)", at, 5, v) < 0)
         return NULL;
     int64_t seq = post(c, v[0], v[1], v[2], nargs > 3 ? args[3] : Py_None, v[3], v[4]);
     return seq < 0 ? NULL : PyLong_FromLongLong(seq);
@@ -473,15 +480,10 @@ static PyObject *Core_wait_posted(Core *c, PyObject *arg) {
 }
 
 static PyObject *Core_exchange(Core *c, PyObject *const *args, Py_ssize_t nargs) {
-    if (!ready(c))
-        return NULL;
-    if (nargs < 3 || nargs > 7) {
-        PyErr_SetString(PyExc_TypeError, "exchange(a, b, c, payload=None, uneven=False, win=0, wout=0)");
-        return NULL;
-    }
     static const int at[] = {0, 1, 2, 5, 6};
     int64_t v[5];
-    if (int_args(args, nargs, at, 5, v) < 0)
+    if (method_args(c, args, nargs, 3, 7, "exchange(a, b, c, payload=None, uneven=False, win=0, wout=0)", at, 5, v) <
+        0)
         return NULL;
     int uneven = 0;
     if (nargs > 4 && (uneven = PyObject_IsTrue(args[4])) < 0)
@@ -672,16 +674,11 @@ static void Step_dealloc(Step *s) {
 
 /* core.step(kind, a, b, c, fits, like, dtype, op, lo, hi, root, nbytes, empty, slow, mismatch, uneven) */
 static PyObject *Core_step(Core *c, PyObject *const *args, Py_ssize_t nargs) {
-    if (!ready(c))
-        return NULL;
-    if (nargs != 16) {
-        PyErr_SetString(PyExc_TypeError,
-                        "step(kind, a, b, c, fits, like, dtype, op, lo, hi, root, nbytes, empty, slow, mismatch, uneven)");
-        return NULL;
-    }
     static const int at[] = {0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11};
     int64_t v[11];
-    if (int_args(args, nargs, at, 11, v) < 0)
+    if (method_args(c, args, nargs, 16, 16,
+                    "step(kind, a, b, c, fits, like, dtype, op, lo, hi, root, nbytes, empty, slow, mismatch, uneven)",
+                    at, 11, v) < 0)
         return NULL;
     int64_t kind = v[0], lo = v[7], hi = v[8], root = v[9], nbytes = v[10];
     PyObject *like = args[5];
