@@ -40,6 +40,8 @@ ALG_CODES = {c: {a: i for i, a in enumerate([*names, "auto"])} for c, names in R
 OP_CODES = {o: i for i, o in enumerate(OPS)}
 #: fields that may differ between ranks, per collective
 MAY_DIFFER = {"allgather": {"count"}, "alltoall": {"count"}}
+COPIES = ("broadcast", "allgather")
+"""The collectives that copy rather than reduce: one step up to the channel's ``copy_small``."""
 
 _REDUCING = ("allreduce", "reduce_scatter", "reduce")
 _ROOTED = ("broadcast", "reduce")
@@ -221,7 +223,9 @@ class Call:
     def small(self, nbytes: int) -> bool:
         """True when this call finishes in one step through the node channel's slots."""
         ch = self.ctx.chan
-        return ch is not None and self.resolved == "shm" and nbytes <= ch.small and self.error is None
+        if ch is None or self.resolved != "shm" or self.error is not None:
+            return False
+        return nbytes <= (ch.copy_small if self.collective in COPIES else ch.small)
 
     def _raise_input_errors(self, table: np.ndarray) -> None:
         # rare path: gather the messages so every rank can say what went wrong where

@@ -335,7 +335,7 @@ def _allgather(x, algorithm, out, comm, blocking, posted=False, rows=None):
     # small payload goes along in case every rank's is small
     ch = ctx.chan
     src = np.ascontiguousarray(x)
-    attach = ch is not None and call.error is None and x.nbytes <= ch.small and algorithm in ("auto", "shm")
+    attach = ch is not None and call.error is None and x.nbytes <= ch.copy_small and algorithm in ("auto", "shm")
     where = _where(ctx, call, attach, src, out)  # the peers read this rank's block of out
     if posted:  # a one-step attempt posted and agreed this call already
         call.seq = ch.seq
@@ -363,7 +363,7 @@ def _allgather(x, algorithm, out, comm, blocking, posted=False, rows=None):
     off = offsets(counts)
     mine = buf[off[t.rank] : off[t.rank + 1]]
     own = None if _aliases(mine, _flat(src)) else _flat(src)  # x may be its block of out already
-    small = call.resolved == "shm" and ch is not None and max(counts) * x.itemsize <= ch.small
+    small = call.resolved == "shm" and ch is not None and max(counts) * x.itemsize <= ch.copy_small
     ws = call.inplace(output=True, inputs=False) if buf.nbytes <= node.COPY_INPLACE_MAX and not small else None
     staged_as_read = blocking and call.resolved == "shm" and not small and ws is None and t.size > 1
     if own is not None and (not staged_as_read or np.may_share_memory(own, buf)):
@@ -420,22 +420,26 @@ def _broadcast(x, root, algorithm, out, comm, blocking, agreed=False):
     check_out(call, out, x.shape)
     call.resolve(x.nbytes)
     small = call.small(x.nbytes)
+    # above the reductions' one-step size a root whose input lies in the arena posts where,
+    # and the others read it there (one copy), instead of its data (two)
+    either = small and x.nbytes > ctx.chan.small
     is_root = ctx.transport.rank == root
     overlap = isinstance(out, np.ndarray) and out is not x and np.may_share_memory(out, x)
-    where = _where(ctx, call, small, x if is_root and not overlap else None, None)
-    call.agree(x.size, payload=np.ascontiguousarray(x) if small and is_root else None, one_step=small, where=where)
+    where = _where(ctx, call, small and not either, x if is_root and not overlap else None, None)
+    attach = small and is_root and not where[0]
+    call.agree(x.size, payload=np.ascontiguousarray(x) if attach else None, one_step=small, where=where)
     if out is None:
         out = np.empty(x.shape, x.dtype)
     if out is not x and is_root:
         np.copyto(out, x)
     if ctx.transport.size == 1 or x.size == 0:
         return _done(out, blocking, ctx)
-    if small:
-        node.small_broadcast(ctx.chan, call.seq, root, _flat(out))
-        return _done(out, blocking, ctx)
-    ws = call.inplace(output=False, only=root) if x.nbytes <= node.COPY_INPLACE_MAX else None
+    ws = call.inplace(output=False, only=root) if (either or not small) and x.nbytes <= node.COPY_INPLACE_MAX else None
     if ws is not None:  # the root's input lies in the arena: read it there
         return _launch(ctx, node.inplace_broadcast(ctx, _flat(out), root, ws), blocking, out)
+    if small:  # the root posted its data with the call
+        node.small_broadcast(ctx.chan, call.seq, root, _flat(out))
+        return _done(out, blocking, ctx)
     if call.resolved == "shm":
         ctx.channel()  # collective allocation, in call order
     gen = REGISTRY["broadcast"][call.resolved](ctx, ctx.transport, _flat(out), root, ctx.next_tag())

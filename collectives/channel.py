@@ -80,14 +80,25 @@ class Channel:
     """The shared window of one node-local communicator, and this rank's counters."""
 
     def __init__(
-        self, t: Any, small_bytes: int, chunk_bytes: int, progress: Callable[[], None], compiled: bool = True
+        self,
+        t: Any,
+        small_bytes: int,
+        chunk_bytes: int,
+        progress: Callable[[], None],
+        compiled: bool = True,
+        copy_small_bytes: int = 0,
     ) -> None:
         n, me = t.size, t.rank
         self.n, self.me = n, me
         self.small = _round_up(max(small_bytes, LINE), LINE)
+        """Reductions up to this many bytes per rank finish in one step through the slots."""
+        self.copy_small = _round_up(max(copy_small_bytes, LINE), LINE) if copy_small_bytes else self.small
+        """Broadcasts and allgathers up to this many bytes per rank finish in one step."""
+        self.slot_bytes = max(self.small, self.copy_small)
+        """What one slot holds: the larger of the two."""
         self.region = _round_up(max(chunk_bytes // n, LINE), LINE)
         self.chunk = self.region * n
-        slot = LINE + self.small
+        slot = LINE + self.slot_bytes
         self._slot0 = 2 * LINE
         self._buf0 = 2 * LINE + 2 * slot
         total = self._buf0 + 2 * self.chunk
@@ -129,7 +140,7 @@ class Channel:
                 [s[8:16].ctypes.data for s in segs],
                 [s[self._slot0 + p * slot :].ctypes.data for s in segs for p in (0, 1)],
                 [s[self._slot0 + p * slot + LINE :].ctypes.data for s in segs for p in (0, 1)],
-                self.small,
+                self.slot_bytes,
                 self._spin,
                 progress,
                 np.ascontiguousarray,

@@ -40,6 +40,11 @@ class Config:
     shm_small_bytes: int = 64 << 10
     """Messages up to this many bytes per rank finish in one step through the node's control slots."""
 
+    shm_copy_small_bytes: int = 256 << 10
+    """Broadcasts and allgathers up to this many bytes per rank finish in one step through
+    the control slots too (each rank's data copied in and out once; reductions keep
+    ``shm_small_bytes``, beyond which each rank reducing only its slice wins)."""
+
     shm_chunk_bytes: int = 1 << 20
     """Pipeline chunk of the single-node ``shm`` algorithms (each rank holds two), in bytes."""
 
@@ -61,6 +66,8 @@ class Config:
             raise ConfigError(f"shm_bytes={self.shm_bytes} must be at least 4096")
         if self.shm_small_bytes < 64:
             raise ConfigError(f"shm_small_bytes={self.shm_small_bytes} must be at least 64")
+        if self.shm_copy_small_bytes < 64:
+            raise ConfigError(f"shm_copy_small_bytes={self.shm_copy_small_bytes} must be at least 64")
         if self.shm_chunk_bytes < 4096:
             raise ConfigError(f"shm_chunk_bytes={self.shm_chunk_bytes} must be at least 4096")
         if self.shm_arena_bytes < 0:

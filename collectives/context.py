@@ -211,6 +211,7 @@ class Context:
                 cfg.shm_chunk_bytes,
                 self._progress_if_busy,
                 cfg.compiled_channel,
+                cfg.shm_copy_small_bytes,
             )
         return self._channel
 

@@ -194,9 +194,10 @@ def test_large_allreduce_segmented_and_chunked(alg):
 
 @pytest.mark.mpi(min_size=2)
 def test_shm_one_step_and_chunked_paths_of_every_collective():
-    # tiny slots and chunks: counts below run in one step through the slots, the rest in
-    # one chunk or many; every dtype, several ops, and inputs that are 2-D or strided
-    comm = fresh(shm_small_bytes=256, shm_chunk_bytes=4096)
+    # tiny slots and chunks: counts below run in one step through the slots (broadcast and
+    # allgather up to 1 KiB, the reductions up to 256 B), the rest in one chunk or many;
+    # every dtype, several ops, and inputs that are 2-D or strided
+    comm = fresh(shm_small_bytes=256, shm_copy_small_bytes=1024, shm_chunk_bytes=4096)
     n, r = comm.size, comm.rank
     assert get_context(comm).chan is not None
     for dtype in DTYPES:

@@ -29,16 +29,16 @@ WORLD = MPI.COMM_WORLD
 N, ME = WORLD.size, WORLD.rank
 LAYOUTS = ("contiguous", "strided", "reversed", "fortran", "column")
 DTYPES = [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int32, np.int8]
-# float32 elements around the small comm's thresholds: one step up to 256 B (64 elements),
-# chunks of 4 KiB through the window, ring segments of 512 B
-COUNTS = [0, 1, 3, 63, 64, 65, 700, 2500]
+# float32 elements around the small comm's thresholds: one step up to 256 B (64 elements;
+# broadcast and allgather up to 1 KiB), chunks of 4 KiB through the window, ring segments of 512 B
+COUNTS = [0, 1, 3, 63, 64, 65, 200, 700, 2500]
 COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 
 
 @pytest.fixture(scope="module")
 def comms():
     small = WORLD.Dup()
-    get_context(small, Config(shm_small_bytes=256, shm_chunk_bytes=4096, segment_bytes=512))
+    get_context(small, Config(shm_small_bytes=256, shm_copy_small_bytes=1024, shm_chunk_bytes=4096, segment_bytes=512))
     default = WORLD.Dup()
     get_context(default)
     yield {"small": small, "default": default}

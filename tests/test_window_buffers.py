@@ -133,8 +133,9 @@ def test_reduce_scatter_allgather_broadcast_and_reduce_read_window_buffers(dtype
     block = C.reduce_scatter(x)
     assert C.copied_bytes()["staged"] == before["staged"]
     check_close(block, want[blocks[ME]], "sum", N, "reduce_scatter")
-    # allgather: every rank's out in the window, its own block in place already (ZeRO's layout)
-    rows = 70_001
+    # allgather: every rank's out in the window, its own block in place already (ZeRO's
+    # layout); blocks just above the one-step size (which copies through the slots)
+    rows = get_context().chan.copy_small // np.dtype(dtype).itemsize + 1
     out = C.empty(rows * N, dtype)
     out[ME * rows : (ME + 1) * rows] = xs[ME][:rows]
     before = C.copied_bytes()
@@ -150,6 +151,32 @@ def test_reduce_scatter_allgather_broadcast_and_reduce_read_window_buffers(dtype
             check_close(red, expected(xs, "max"), "max", N, "reduce")
         else:
             assert red is None
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_a_mid_size_broadcast_reads_the_roots_window_buffer_or_takes_its_data_along(dtype):
+    # between the reductions' one-step size and the copies': the root's window buffer is
+    # read where it lies; an ordinary one travels in the root's slot with the call
+    _needs_window()
+    ch = get_context().chan
+    count = (ch.small + ch.copy_small) // 2 // np.dtype(dtype).itemsize
+    xs = _inputs(count, dtype, "sum", seed=5)
+    for root in range(N):
+        x = _window(xs[ME])
+        before = C.copied_bytes()
+        assert np.array_equal(C.broadcast(x, root), xs[root])
+        got = C.copied_bytes()["copied_out"] - before["copied_out"]
+        assert got == (0 if ME == root else x.nbytes)  # read in place, nothing staged
+        assert C.copied_bytes()["staged"] == before["staged"]
+        plain = xs[ME].copy()
+        before = C.copied_bytes()
+        assert np.array_equal(C.broadcast(plain, root), xs[root])
+        assert C.copied_bytes() == before  # one step through the slots (not counted)
+        # the root's buffer in the window, the others' ordinary: the same, read in place
+        mixed = x if ME == root else plain
+        out = np.empty_like(plain)
+        assert C.broadcast(mixed, root, out=out) is out and np.array_equal(out, xs[root])
 
 
 @pytest.mark.mpi(min_size=2)
