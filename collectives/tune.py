@@ -6,8 +6,9 @@ Run under the launcher, on the nodes and rank count the table is for::
 
 then point ``auto`` at it with ``HPCDL_TUNING_FILE=my_table.json``. For each collective
 and message size (powers of four from ``--min`` to ``--max``) every registered algorithm
-runs in interleaved rounds (each round: a barrier, then back-to-back calls timed on every
-rank; a round's time is the slowest rank's), the median round decides, and runs of sizes
+runs in interleaved rounds (each round: calls timed one at a time with an untimed barrier
+after each, as OSU times them, so an algorithm that lets its root run ahead of the others
+gains nothing; a round's time is the ranks' average), the median round decides, and runs of sizes
 won by the same algorithm become one rule. With ``--sweeps K`` every size is measured K
 times and each goes to the algorithm that won the most sweeps. The table is keyed by collective, rank count
 and node count, so tables from several runs (2 ranks, 4 ranks, 2 nodes, ...) are merged
@@ -63,13 +64,17 @@ def measure(
     for name in names:  # first calls set up windows and scratch: not timed
         call(x, name, comm)
     times: dict[str, list[float]] = {name: [] for name in names}
+    wtime = MPI.Wtime
     for k in range(rounds):
         for name in names[k % len(names) :] + names[: k % len(names)]:
             comm.Barrier()
-            t0 = MPI.Wtime()
-            for _ in range(iters):
+            spent = 0.0
+            for _ in range(iters):  # as OSU times a call: alone, an untimed barrier after it
+                t0 = wtime()
                 call(x, name, comm)
-            times[name].append(comm.allreduce((MPI.Wtime() - t0) / iters, op=MPI.MAX))
+                spent += wtime() - t0
+                comm.Barrier()
+            times[name].append(comm.allreduce(spent / iters, op=MPI.SUM) / comm.size)
     return {name: statistics.median(v) for name, v in times.items()}
 
 
