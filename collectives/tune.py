@@ -21,6 +21,7 @@ import collections
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,17 +30,32 @@ from mpi4py import MPI
 from . import api
 from .cli import ArgumentParser, dump_json, parse_size, run_main
 from .context import get_context
+from .layout import block_counts
 from .select import REGISTRY
 
 __all__ = ["measure", "vote", "rules_from", "main"]
 
-_API = {
-    "allreduce": lambda x, alg, comm: api.allreduce(x, algorithm=alg, comm=comm),
-    "reduce_scatter": lambda x, alg, comm: api.reduce_scatter(x, algorithm=alg, comm=comm),
-    "allgather": lambda x, alg, comm: api.allgather(x, algorithm=alg, comm=comm),
-    "broadcast": lambda x, alg, comm: api.broadcast(x, 0, algorithm=alg, comm=comm),
-    "reduce": lambda x, alg, comm: api.reduce(x, 0, algorithm=alg, comm=comm),
-}
+
+def _caller(collective: str, x: np.ndarray, comm: MPI.Comm) -> Callable[[str], Any]:
+    """``call(algorithm)``: one ``collective`` of ``x`` into an output allocated once (as a
+    training loop reuses its buffers and OSU its receive buffer; a fresh output per call
+    would time the allocator's page faults too). Broadcast is in place, as ``MPI_Bcast``."""
+    n, r = comm.size, comm.rank
+    if collective == "allreduce":
+        out = np.empty_like(x)
+        return lambda alg: api.allreduce(x, algorithm=alg, out=out, comm=comm)
+    if collective == "reduce_scatter":
+        block = np.empty(block_counts(x.size, n)[r], x.dtype)
+        return lambda alg: api.reduce_scatter(x, algorithm=alg, out=block, comm=comm)
+    if collective == "allgather":
+        whole = np.empty(x.size * n, x.dtype)
+        return lambda alg: api.allgather(x, algorithm=alg, out=whole, comm=comm)
+    if collective == "broadcast":
+        return lambda alg: api.broadcast(x, 0, algorithm=alg, out=x, comm=comm)
+    return lambda alg: api.reduce(x, 0, algorithm=alg, comm=comm)
+
+
+COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
 
 
 def candidates(collective: str, comm: MPI.Comm) -> list[str]:
@@ -60,9 +76,9 @@ def measure(
     count = max(nbytes // item // (n if collective == "allgather" else 1), 1)
     x = np.random.default_rng(comm.rank).standard_normal(count).astype(dtype)
     iters = max(3, min(200, (32 << 20) // max(nbytes, 1)))
-    call = _API[collective]
+    call = _caller(collective, x, comm)
     for name in names:  # first calls set up windows and scratch: not timed
-        call(x, name, comm)
+        call(name)
     times: dict[str, list[float]] = {name: [] for name in names}
     wtime = MPI.Wtime
     for k in range(rounds):
@@ -71,7 +87,7 @@ def measure(
             spent = 0.0
             for _ in range(iters):  # as OSU times a call: alone, an untimed barrier after it
                 t0 = wtime()
-                call(x, name, comm)
+                call(name)
                 spent += wtime() - t0
                 comm.Barrier()
             times[name].append(comm.allreduce(spent / iters, op=MPI.SUM) / comm.size)
@@ -120,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         "algorithm that wins the most sweeps (ties: the lowest median), so a slow spell of a "
         "shared machine during one sweep does not decide it",
     )
-    p.add_argument("--collectives", default=",".join(_API), help="comma-separated subset")
+    p.add_argument("--collectives", default=",".join(COLLECTIVES), help="comma-separated subset")
     p.add_argument("--machine", default="", help="a line describing the machine, for the record")
     args = p.parse_args(argv)
     comm = MPI.COMM_WORLD
