@@ -102,11 +102,11 @@ def small_allreduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, .
     :data:`MISMATCH`, or :data:`SLOW` without posting when ``out`` is not C-contiguous
     with x's shape and dtype."""
     count = math.prod(shape)
-    views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
-    red = _reducer(op, ch.n)
     step = _step(ch, 0, a, count, shape, dtype, op=op)
     if step is not None:
         return step
+    views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
+    red = _reducer(op, ch.n)
 
     def fn(x: np.ndarray, out: np.ndarray | None = None) -> Any:
         if out is None:
@@ -128,11 +128,11 @@ def small_reduce_scatter_fn(ch: Channel, a: int, dtype: np.dtype, count: int, op
     without posting when ``out`` is not exactly right."""
     off = offsets(block_counts(count, ch.n))
     lo, hi = off[ch.me], off[ch.me + 1]
-    views = [[v[lo:hi] for v in ch.slot_views(p, dtype, (count,))] for p in (0, 1)]
-    red = _reducer(op, ch.n)
     step = _step(ch, 0, a, count, (hi - lo,), dtype, op=op, lo=lo, hi=hi)
     if step is not None:
         return step
+    views = [[v[lo:hi] for v in ch.slot_views(p, dtype, (count,))] for p in (0, 1)]
+    red = _reducer(op, ch.n)
 
     def fn(x: np.ndarray, out: np.ndarray | None = None) -> Any:
         if out is None:
@@ -153,12 +153,12 @@ def small_reduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, ...]
     """One-step reduce: ``fn(x)`` returns the result on ``root``, None elsewhere, or
     :data:`MISMATCH`."""
     count = math.prod(shape)
-    views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
-    red = _reducer(op, ch.n)
-    is_root = ch.me == root
     step = _step(ch, 0, a, count, shape, dtype, op=op, root=root)
     if step is not None:
         return step
+    views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
+    red = _reducer(op, ch.n)
+    is_root = ch.me == root
 
     def fn(x: np.ndarray) -> Any:
         seq = ch.exchange(a, count, 0, x)
@@ -178,11 +178,11 @@ def small_broadcast_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, .
     :data:`MISMATCH`, or :data:`SLOW` without posting when ``out`` is not C-contiguous with
     x's shape and dtype; only the root posts data."""
     count = math.prod(shape)
-    views = [ch.slot_views(p, dtype, shape)[root] for p in (0, 1)]
-    is_root = ch.me == root
     step = _step(ch, 1, a, count, shape, dtype, root=root, nbytes=count * dtype.itemsize)
     if step is not None:
         return step
+    views = [ch.slot_views(p, dtype, shape)[root] for p in (0, 1)]
+    is_root = ch.me == root
 
     def fn(x: np.ndarray, out: np.ndarray | None = None) -> Any:
         if out is None:
@@ -209,15 +209,15 @@ def small_allgather_fn(ch: Channel, a: int, c: int, dtype: np.dtype, shape: tupl
     The count word is ``rows + (out rows + 1) * unit``."""
     rows = shape[0]
     full = (ch.n * rows, *shape[1:])
-    views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
-    heads = ch.peer_heads
     plain = rows
     fits = rows + (full[0] + 1) * unit
-    n = ch.n
-    last: list[Any] = [None, None]
     step = _step(ch, 2, a, plain, full, dtype, c=c, fits=fits, nbytes=math.prod(shape) * dtype.itemsize)
     if step is not None:
         return step
+    views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
+    heads = ch.peer_heads
+    n = ch.n
+    last: list[Any] = [None, None]
 
     def fn(x: np.ndarray, out: np.ndarray | None = None) -> Any:
         b = plain
