@@ -8,11 +8,11 @@ then point ``auto`` at it with ``HPCDL_TUNING_FILE=my_table.json``. For each col
 and message size (powers of four from ``--min`` to ``--max``) every registered algorithm
 runs in interleaved rounds (each round: calls timed one at a time with an untimed barrier
 after each, as OSU times them, so an algorithm that lets its root run ahead of the others
-gains nothing; a round's time is the ranks' average), the median round decides, and runs of sizes
-won by the same algorithm become one rule. With ``--sweeps K`` every size is measured K
-times and each goes to the algorithm that won the most sweeps. The table is keyed by collective, rank count
-and node count, so tables from several runs (2 ranks, 4 ranks, 2 nodes, ...) are merged
-into one file with ``--merge``.
+gains nothing; a round's time is the ranks' average), the median round decides, and runs
+of sizes won by the same algorithm become one rule. With ``--sweeps K`` every size is
+measured K times and each goes to the algorithm that won the most sweeps. The table is
+keyed by collective, rank count and node count, so tables from several runs (2 ranks,
+4 ranks, 2 nodes, ...) are merged into one file with ``--merge``.
 """
 
 from __future__ import annotations
