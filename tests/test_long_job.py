@@ -51,10 +51,26 @@ def bad_root(i):
 
 
 def name_in_flight(i):
-    h = hvd.allreduce_async(torch.ones(2), name=f"twice.{i}")
-    with pytest.raises(ValueError, match="already in flight"):
-        hvd.allreduce_async(torch.ones(2), name=f"twice.{i}")
-    hvd.synchronize(h)
+    # a request stays in flight until every rank has submitted it: each rank asks again for
+    # a name some peer submits only after this rank's check (even ranks first, then odd),
+    # so the request cannot have finished, however quickly the engine works
+    n, r = _n_r()
+    if r % 2 == 0:
+        h = hvd.allreduce_async(torch.ones(2), name=f"twice.{i}")
+        with pytest.raises(ValueError, match="already in flight"):
+            hvd.allreduce_async(torch.ones(2), name=f"twice.{i}")
+        hvd.allreduce(torch.ones(1), name=f"gate1.{i}")
+        hvd.allreduce(torch.ones(1), name=f"gate2.{i}")
+        h2 = hvd.allreduce_async(torch.ones(2), name=f"twice2.{i}")
+    else:
+        hvd.allreduce(torch.ones(1), name=f"gate1.{i}")
+        h = hvd.allreduce_async(torch.ones(2), name=f"twice.{i}")
+        h2 = hvd.allreduce_async(torch.ones(2), name=f"twice2.{i}")
+        with pytest.raises(ValueError, match="already in flight"):
+            hvd.allreduce_async(torch.ones(2), name=f"twice2.{i}")
+        hvd.allreduce(torch.ones(1), name=f"gate2.{i}")
+    assert torch.equal(hvd.synchronize(h), torch.ones(2))  # Average of ones
+    assert torch.equal(hvd.synchronize(h2), torch.ones(2))
 
 
 def splits_do_not_add_up(i):
