@@ -28,15 +28,16 @@ from .errors import (
     UnknownAlgorithmError,
 )
 from .ops import DTYPES, OPS, check_dtype, check_op, dtype_code
-from .select import REGISTRY, choose
+from .select import DEVICE, REGISTRY, choose
 
 __all__ = ["Call", "pack", "unpack", "word", "check_out", "equal_counts", "once", "ROWS", "FIELDS"]
 
 COLLECTIVES = tuple(REGISTRY)
-FIELDS = ("collective", "algorithm", "resolved", "op", "dtype", "count", "root", "item shape", "error")
+FIELDS = ("collective", "algorithm", "resolved", "op", "dtype", "count", "root", "item shape", "error", "memory")
 FIELD_INDEX = {name: i for i, name in enumerate(FIELDS)}
 COLL_CODES = {c: i for i, c in enumerate(COLLECTIVES)}
-ALG_CODES = {c: {a: i for i, a in enumerate([*names, "auto"])} for c, names in REGISTRY.items()}
+ALG_CODES = {c: {a: i for i, a in enumerate([*names, "auto", *DEVICE[c]])} for c, names in REGISTRY.items()}
+"""Algorithm codes: the host algorithms, ``auto``, then the device-array ones."""
 OP_CODES = {o: i for i, o in enumerate(OPS)}
 #: fields that may differ between ranks, per collective
 MAY_DIFFER = {"allgather": {"count"}, "alltoall": {"count"}}
@@ -63,6 +64,7 @@ class Call:
         op: str | None = None,
         root: int | None = None,
         agreed: list[int] | None = None,
+        device: bool = False,
     ) -> None:
         self.ctx = ctx
         self.agreed = agreed
@@ -77,14 +79,21 @@ class Call:
         self.root = root
         self.algorithm = algorithm
         self.resolved = algorithm
+        self.device = device
+        """True for a call on device arrays (``x`` is then a host stand-in of their shape)."""
         self.seq = 0
         self._counts: list[int] | None = None
         try:
             check_dtype(self.x.dtype)
             if op is not None or collective in _REDUCING:
                 check_op(op)
-            names = REGISTRY[collective]
+            names = [*DEVICE[collective], "native"] if device else list(REGISTRY[collective])
             if algorithm != "auto" and algorithm not in names:
+                if algorithm in ALG_CODES[collective]:
+                    kind = "host (numpy) arrays" if device else "device arrays (CuPy arrays, CUDA tensors)"
+                    raise UnknownAlgorithmError(
+                        f"{collective}: algorithm {algorithm!r} takes {kind}; for these: {', '.join([*names, 'auto'])}"
+                    )
                 raise UnknownAlgorithmError(
                     f"{collective}: no algorithm {algorithm!r}; registered: {', '.join([*names, 'auto'])}"
                 )
@@ -121,6 +130,7 @@ class Call:
             self.root if isinstance(self.root, (int, np.integer)) else -2,
             zlib.crc32(repr(tuple(item_shape)).encode()) if item_shape else 0,
             0 if self.error is None else 1,
+            1 if self.device else 0,
         ]
 
     def agree(
@@ -181,6 +191,8 @@ class Call:
     def _judge(self, table: np.ndarray) -> None:
         differ = (table != table[0]).any(axis=0)
         if differ.any():
+            if differ[FIELD_INDEX["memory"]]:  # explains every other difference
+                raise _mismatch(table, "memory")
             if differ[FIELD_INDEX["error"]]:
                 self._raise_input_errors(table)
             skip = MAY_DIFFER.get(self.collective, ())
@@ -247,18 +259,20 @@ def once(req):
 
 def pack(sig: list[int]) -> tuple[int, int, int]:
     """Fold a signature into three int64 words: small fields, count, item-shape hash."""
-    coll, alg, res, op, dt, count, root, shape, err = sig
+    coll, alg, res, op, dt, count, root, shape, err, mem = sig
     a = 0
     for v in (coll, alg, res, op, dt):
         a = (a << 6) | (v + 2)
-    a = (((a << 1) | err) << 32) | (root + 2)
+    a = (((((a << 1) | err) << 1) | mem) << 31) | (root + 2)
     return a, count, shape
 
 
 def unpack(words: tuple[int, int, int]) -> list[int]:
     a, count, shape = words
-    root = (a & 0xFFFFFFFF) - 2
-    a >>= 32
+    root = (a & 0x7FFFFFFF) - 2
+    a >>= 31
+    mem = a & 1
+    a >>= 1
     err = a & 1
     a >>= 1
     small = []
@@ -266,7 +280,7 @@ def unpack(words: tuple[int, int, int]) -> list[int]:
         small.append((a & 63) - 2)
         a >>= 6
     coll, alg, res, op, dt = reversed(small)
-    return [coll, alg, res, op, dt, count, root, shape, err]
+    return [coll, alg, res, op, dt, count, root, shape, err, mem]
 
 
 def _describe(table: np.ndarray, name: str, value: int) -> str:
@@ -274,7 +288,7 @@ def _describe(table: np.ndarray, name: str, value: int) -> str:
         return COLLECTIVES[value]
     coll = COLLECTIVES[int(table[0, FIELD_INDEX["collective"]])]
     if name in ("algorithm", "resolved"):
-        names = [*REGISTRY[coll], "auto"]
+        names = list(ALG_CODES[coll])
         return names[value] if 0 <= value < len(names) else "?"
     if name == "op":
         return OPS[value] if 0 <= value < len(OPS) else "none"
@@ -282,6 +296,8 @@ def _describe(table: np.ndarray, name: str, value: int) -> str:
         return str(DTYPES[value]) if 0 <= value < len(DTYPES) else "unsupported"
     if name == "root" and value == -2:
         return "none"
+    if name == "memory":
+        return "a device array" if value else "a host array"
     return str(value)
 
 
@@ -327,6 +343,7 @@ def word(collective: str, algorithm: str, resolved: str, op: str | None, dtype: 
         dtype_code(dtype),
         0,
         -2 if root is None else root,
+        0,
         0,
         0,
     ]

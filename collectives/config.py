@@ -57,6 +57,15 @@ class Config:
     """Post, wait and finish one-step calls in the compiled loop (``collectives.cslots``)
     where it was built; False: the pure-Python loop (the same protocol, slower)."""
 
+    device_window_bytes: int = 64 << 20
+    """Device buffer per rank that the ``ipc`` algorithms on device arrays stage through
+    (exported once per communicator with CUDA IPC); larger messages go through it in chunks."""
+
+    cuda_aware_mpi: str = "auto"
+    """Whether the MPI library takes CUDA device pointers: ``auto`` asks it
+    (``MPIX_Query_cuda_support``), ``1`` or ``0`` say so outright (for an MPI that cannot be
+    asked, such as MVAPICH2-GDR). Where it does not, no device pointer is handed to MPI."""
+
     def __post_init__(self) -> None:
         if self.ranks_per_node < 0:
             raise ConfigError(f"ranks_per_node={self.ranks_per_node} must be >= 0 (0 turns it off)")
@@ -72,6 +81,10 @@ class Config:
             raise ConfigError(f"shm_chunk_bytes={self.shm_chunk_bytes} must be at least 4096")
         if self.shm_arena_bytes < 0:
             raise ConfigError(f"shm_arena_bytes={self.shm_arena_bytes} must be >= 0 (0 turns it off)")
+        if self.device_window_bytes < 4096:
+            raise ConfigError(f"device_window_bytes={self.device_window_bytes} must be at least 4096")
+        if self.cuda_aware_mpi not in ("auto", "0", "1"):
+            raise ConfigError(f"cuda_aware_mpi={self.cuda_aware_mpi!r} must be 'auto', '1' or '0'")
         if self.tuning_file and not os.path.isfile(self.tuning_file):
             raise ConfigError(f"tuning_file={self.tuning_file!r} does not exist")
 

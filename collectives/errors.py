@@ -17,6 +17,7 @@ __all__ = [
     "InvalidArgumentError",
     "PeerInputError",
     "ConfigError",
+    "DeviceUnavailableError",
 ]
 
 
@@ -68,3 +69,8 @@ class PeerInputError(CollectiveError):
 
 class ConfigError(CollectiveError, ValueError):
     """A configuration value or ``HPCDL_*`` environment variable is invalid."""
+
+
+class DeviceUnavailableError(CollectiveError):
+    """A device-array collective cannot run here: CuPy or NCCL is missing, there is no GPU,
+    or NCCL refuses the ranks' placement (the message says which, and what to do)."""

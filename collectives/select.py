@@ -22,7 +22,7 @@ from typing import Any
 from . import hierarchical as hier
 from . import native, node, pairwise, rabenseifner, recursive_doubling, ring, shm, tree
 
-__all__ = ["REGISTRY", "algorithms", "choose", "rules", "rules_for", "load_table"]
+__all__ = ["REGISTRY", "DEVICE", "algorithms", "choose", "rules", "rules_for", "load_table"]
 
 #: collective -> algorithm name -> schedule function. Order is the wire code order.
 REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {
@@ -52,6 +52,18 @@ REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {
     "alltoall": {"native": native.alltoall, "pairwise": pairwise.alltoall},
 }
 
+DEVICE: dict[str, tuple[str, ...]] = {
+    "allreduce": ("ipc", "nccl", "staged"),
+    "reduce_scatter": ("ipc", "nccl", "staged"),
+    "allgather": ("ipc", "nccl", "staged"),
+    "broadcast": ("ipc", "nccl", "staged"),
+    "reduce": ("ipc", "nccl", "staged"),
+    "alltoall": ("staged",),
+}
+"""The algorithms for device arrays (besides ``native`` and ``auto``), by collective:
+``ipc`` (ranks of one node through CUDA IPC), ``nccl``, ``staged`` (through host memory).
+Their code is in :mod:`.gpu`."""
+
 #: Used when no tuning table covers a case, and on transports without an MPI library.
 DEFAULT_RULES: dict[str, list[list[Any]]] = {
     "allreduce": [[16384, "recursive_doubling"], [None, "ring"]],
@@ -63,10 +75,13 @@ DEFAULT_RULES: dict[str, list[list[Any]]] = {
 }
 
 
-def algorithms(collective: str) -> list[str]:
-    """Return the algorithm names registered for ``collective``, ``"auto"`` included."""
+def algorithms(collective: str, device: bool = False) -> list[str]:
+    """Return the algorithm names registered for ``collective``, ``"auto"`` included: those
+    for host (numpy) arrays, or with ``device`` those for device arrays."""
     if collective not in REGISTRY:
         raise ValueError(f"unknown collective {collective!r}; one of: {', '.join(REGISTRY)}")
+    if device:
+        return [*DEVICE[collective], "native", "auto"]
     return [*REGISTRY[collective], "auto"]
 
 
