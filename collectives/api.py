@@ -1,4 +1,4 @@
-"""The public collectives on numpy arrays.
+"""The public collectives on numpy arrays (and device arrays, which :mod:`.gpu` takes).
 
 Every call first checks its arguments locally, then (with more than one rank) agrees them
 with the other ranks (:mod:`.agreement`), so that bad input on any rank, or ranks calling
@@ -14,10 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from . import node
+from . import gpu, node
 from .agreement import ROWS, Call, check_out, equal_counts
 from .arena import allocate
 from .context import Context, Pending, get_context
+from .device import is_device
 from .errors import InvalidArgumentError, OutputMismatchError
 from .layout import block_counts, offsets
 from .onestep import onestep
@@ -228,6 +229,8 @@ def allreduce(
         res = onestep(comm, ("allreduce", x.dtype, x.shape, op, algorithm), x, out)
         if res is not _SLOW:
             return res
+    elif is_device(x):
+        return gpu.allreduce(x, op, algorithm, out, comm, allreduce)
     return _allreduce(x, op, algorithm, out, comm, True)
 
 
@@ -235,6 +238,8 @@ def iallreduce(
     x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None
 ) -> Request:
     """Start :func:`allreduce`; ``wait()`` on the returned request gives the result."""
+    if type(x) is not np.ndarray and is_device(x):
+        return _done(gpu.allreduce(x, op, algorithm, out, comm, allreduce), False, get_context(comm))
     return _allreduce(x, op, algorithm, out, comm, False)
 
 
@@ -301,6 +306,8 @@ def reduce_scatter(
         res = onestep(comm, ("reduce_scatter", x.dtype, x.shape, op, algorithm), x, out)
         if res is not _SLOW:
             return res
+    elif is_device(x):
+        return gpu.reduce_scatter(x, op, algorithm, out, comm, reduce_scatter)
     return _reduce_scatter(x, op, algorithm, out, comm, True)
 
 
@@ -308,6 +315,8 @@ def ireduce_scatter(
     x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None
 ) -> Request:
     """Start :func:`reduce_scatter`; ``wait()`` on the returned request gives the block."""
+    if type(x) is not np.ndarray and is_device(x):
+        return _done(gpu.reduce_scatter(x, op, algorithm, out, comm, reduce_scatter), False, get_context(comm))
     return _reduce_scatter(x, op, algorithm, out, comm, False)
 
 
@@ -404,11 +413,15 @@ def allgather(x: np.ndarray, *, algorithm: str = "auto", out: np.ndarray | None 
         res = _fast_allgather(comm, ("allgather", x.dtype, x.shape, None, algorithm), x, out)
         if res is not _SLOW:
             return res
+    elif is_device(x):
+        return gpu.allgather(x, algorithm, out, comm, allgather)
     return _allgather(x, algorithm, out, comm, True)
 
 
 def iallgather(x: np.ndarray, *, algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None) -> Request:
     """Start :func:`allgather`; ``wait()`` on the returned request gives the result."""
+    if type(x) is not np.ndarray and is_device(x):
+        return _done(gpu.allgather(x, algorithm, out, comm, allgather), False, get_context(comm))
     return _allgather(x, algorithm, out, comm, False)
 
 
@@ -465,6 +478,8 @@ def broadcast(
         res = onestep(comm, ("broadcast", x.dtype, x.shape, root, algorithm), x, out)
         if res is not _SLOW:
             return res
+    elif is_device(x):
+        return gpu.broadcast(x, root, algorithm, out, comm, broadcast)
     return _broadcast(x, root, algorithm, out, comm, True)
 
 
@@ -472,6 +487,8 @@ def ibroadcast(
     x: np.ndarray, root: int = 0, *, algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None
 ) -> Request:
     """Start :func:`broadcast`; ``wait()`` on the returned request gives the result."""
+    if type(x) is not np.ndarray and is_device(x):
+        return _done(gpu.broadcast(x, root, algorithm, out, comm, broadcast), False, get_context(comm))
     return _broadcast(x, root, algorithm, out, comm, False)
 
 
@@ -483,6 +500,8 @@ def allreduce_agreed(x: np.ndarray, *, op: str = "sum", out: np.ndarray | None =
         res = onestep(comm, ("allreduce", x.dtype, x.shape, op, "auto"), x, out)
         if res is not _SLOW:
             return res
+    elif is_device(x):  # device arrays are agreed again: a rank may have passed a host one
+        return gpu.allreduce(x, op, "auto", out, comm, allreduce)
     return _allreduce(x, op, "auto", out, comm, True, agreed=True)
 
 
@@ -541,6 +560,8 @@ def reduce(
         res = onestep(comm, ("reduce", x.dtype, x.shape, (op, root), algorithm), x)
         if res is not _SLOW:
             return res
+    elif is_device(x):
+        return gpu.reduce(x, root, op, algorithm, comm, reduce)
     ctx = get_context(comm)
     call = Call(ctx, "reduce", x, algorithm, op, root=root)
     x = call.x
@@ -590,6 +611,8 @@ def alltoall(x: np.ndarray, splits: Any = None, *, algorithm: str = "auto", comm
     Returns:
         The rows received from rank 0, then rank 1, ..., concatenated along axis 0.
     """
+    if type(x) is not np.ndarray and is_device(x):
+        return gpu.alltoall(x, splits, algorithm, comm, alltoall)
     ctx = get_context(comm)
     t = ctx.transport
     call = Call(ctx, "alltoall", x, algorithm)

@@ -121,6 +121,9 @@ class Context:
         self.tuning: Any = None
         self.picks: dict[str, list[tuple[int | None, str]]] = {}
         """``auto``'s rules per collective as :func:`.select.choose` applies them here."""
+        self.device: dict[str, Any] = {}
+        """Device-array state (:mod:`.gpu`): IPC windows, the NCCL communicator, plans;
+        values with a ``free()`` are freed with the context."""
         self.fast: dict[tuple, Any] = {}
         """One-step allreduce functions by (dtype, shape, op, algorithm); False: not eligible."""
         self._seq = 0
@@ -227,6 +230,10 @@ class Context:
 
     def free(self) -> None:
         """Release sub-communicators and windows."""
+        for obj in list(self.device.values()):
+            if hasattr(obj, "free"):
+                obj.free()  # before the node transport its windows were exchanged over
+        self.device.clear()
         lay, self._layout, self._segments = self._layout, None, None
         arena, self._channel, self.chan, self.arena = self.arena, None, None, None
         if arena is not None and isinstance(lay.node, MPITransport):

@@ -1,0 +1,389 @@
+"""The public collectives on device arrays (CuPy arrays, CUDA torch tensors, anything with
+``__cuda_array_interface__`` or a CUDA DLPack device).
+
+:mod:`.api` sends a device array here. Arguments are agreed as for host arrays, with the
+kind of memory in the signature: a rank passing a host array where another passes a
+device array is a :class:`~collectives.CollectiveMismatchError` (field ``memory``) on
+every rank, and CuPy missing on a rank is an error on every rank.
+
+Algorithms (``algorithms(collective, device=True)``):
+
+- ``ipc``: ranks of one node read each other's device windows (:mod:`.ipc`);
+- ``nccl``: NCCL through CuPy (:mod:`.nccl`), where each rank has its own GPU;
+- ``native``: the MPI library's own call on the device pointers where it is CUDA-aware
+  (:func:`.device.cuda_aware_mpi`), else on host copies: a device pointer is never handed
+  to an MPI that is not;
+- ``staged``: copied to host memory, reduced by the host algorithms (``auto``), copied back;
+- ``auto``: ``nccl`` where it can run (every rank its own GPU) and has the dtype, else
+  ``ipc`` on one node, else ``native`` over a CUDA-aware MPI, else ``staged``.
+
+Streams: a call queues its device work on the current CuPy stream, so it runs after the
+work queued there before the call; the result is ready when the call returns (the
+stream is synchronized before it does). The nonblocking forms run the call to completion
+before returning their request.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import ipc
+from .agreement import ROWS, Call
+from .context import Context, get_context
+from .device import as_cupy, cuda_aware_mpi, cupy_module, describe, is_device, stand_in
+from .errors import CollectiveError, InvalidArgumentError, OutputMismatchError, UnsupportedDtypeError
+from .layout import block_counts, offsets
+from .nccl import Nccl
+from .nccl import plan as nccl_plan
+
+__all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "NCCL_DTYPES"]
+
+NCCL_DTYPES = ("int8", "uint8", "int32", "int64", "float16", "float32", "float64")
+"""The dtypes NCCL reduces and moves."""
+
+_MPI_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "float32", "float64")
+"""The dtypes handed to a CUDA-aware MPI as they are (float16 goes through host copies)."""
+
+Host = Callable[..., Any]
+"""The host collective of the same name (from :mod:`.api`), for ``staged`` and ``native``."""
+
+
+# -- per-communicator state (freed with the context) ---------------------------------------
+def _peers(ctx: Context) -> ipc.CudaPeers:
+    st = ctx.device
+    if "ipc" not in st:
+        st["ipc"] = ipc.CudaPeers(ctx.layout().node, ctx.config.device_window_bytes)
+    return st["ipc"]
+
+
+def _nccl(ctx: Context) -> Nccl:
+    st = ctx.device
+    if "nccl" not in st:
+        st["nccl"] = Nccl(ctx.transport)
+    return st["nccl"]
+
+
+# -- arguments -----------------------------------------------------------------------------
+def _call(ctx: Context, collective: str, x: Any, algorithm: str, op: str | None = None, root: Any = None):
+    """The checked :class:`.agreement.Call` of a device array and its flat CuPy view (None
+    after a local error)."""
+    problem = None
+    try:
+        shape, dtype, _ = describe(x)
+    except (AttributeError, TypeError, ValueError) as exc:
+        shape, dtype = (0,), np.dtype(np.uint8)
+        problem = UnsupportedDtypeError(f"{collective}: the device array's element type is not supported ({exc})")
+    call = Call(ctx, collective, stand_in(shape, dtype), algorithm, op, root=root, device=True)
+    if problem is not None:
+        call.fail(problem)
+    lay = ctx.layout()
+    if algorithm == "ipc" and lay.nodes > 1:
+        call.fail(InvalidArgumentError(f"{collective}: algorithm 'ipc' needs every rank on one node"))
+    if algorithm == "nccl" and dtype.name not in NCCL_DTYPES:
+        call.fail(UnsupportedDtypeError(f"{collective}: NCCL has no {dtype} type; use algorithm 'ipc' or 'staged'"))
+    xa = None
+    if call.error is None:
+        try:
+            xa = as_cupy(x)
+        except Exception as exc:  # noqa: BLE001 - CuPy missing, or an array it cannot view
+            call.fail(exc if isinstance(exc, CollectiveError) else InvalidArgumentError(f"{collective}: {exc}"))
+    return call, xa
+
+
+def _check_out(call: Call, out: Any, shape: tuple[int, ...], xa: Any) -> Any:
+    """``out`` as a CuPy array, after checking it like the host path does (None: none given,
+    or a local error kept in ``call``)."""
+    if out is None or call.error is not None:
+        return None
+    if not is_device(out):  # CuPy would copy a host array to the device, and write there
+        call.fail(OutputMismatchError(f"{call.collective}: out must be a device array, like x"))
+        return None
+    try:
+        o = as_cupy(out)
+    except Exception:  # noqa: BLE001 - anything that is not a device array
+        call.fail(OutputMismatchError(f"{call.collective}: out must be a device array, like x"))
+        return None
+    if o.shape != shape or o.dtype != xa.dtype:
+        call.fail(
+            OutputMismatchError(
+                f"{call.collective}: out has shape {o.shape} and dtype {o.dtype}; "
+                f"expected shape {shape} and dtype {xa.dtype}"
+            )
+        )
+    elif not o.flags.c_contiguous:
+        call.fail(OutputMismatchError(f"{call.collective}: out must be C-contiguous"))
+    elif o.device.id != xa.device.id:
+        call.fail(OutputMismatchError(f"{call.collective}: out is on GPU {o.device.id}, x on GPU {xa.device.id}"))
+    return o
+
+
+def _resolve(ctx: Context, call: Call) -> str:
+    """The algorithm a device call runs (collective the first time: NCCL's plan)."""
+    if call.algorithm != "auto":
+        return call.algorithm
+    if call.x.dtype.name in NCCL_DTYPES and call.collective != "alltoall":
+        st = ctx.device
+        if "nccl_plan" not in st:
+            st["nccl_plan"] = nccl_plan(ctx.transport)
+        if st["nccl_plan"] is None:
+            return "nccl"
+    if ctx.layout().nodes == 1 and call.collective != "alltoall":
+        return "ipc"
+    if cuda_aware_mpi(ctx.config.cuda_aware_mpi) and call.x.dtype.name in _MPI_DTYPES:
+        return "native"
+    return "staged"
+
+
+def _mpi_direct(ctx: Context, dtype: np.dtype) -> bool:
+    """True when ``native`` hands the device pointers to MPI itself."""
+    return cuda_aware_mpi(ctx.config.cuda_aware_mpi) and dtype.name in _MPI_DTYPES
+
+
+def _finish(cp: Any, result: Any, out: Any = None) -> Any:
+    """``out`` when the caller gave one (its own object: a CUDA tensor stays a tensor), else
+    ``result``, once the current stream has finished the call's work."""
+    cp.cuda.get_current_stream().synchronize()
+    return result if out is None else out
+
+
+def _host(a: Any) -> np.ndarray:
+    return cupy_module().asnumpy(a)
+
+
+# -- the collectives -----------------------------------------------------------------------
+def _on_its_device(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Run ``fn(x, ...)`` with ``x``'s GPU current (any thread may call; CuPy launches on the
+    current device). Without CuPy, ``fn`` runs as it is and reports that on every rank."""
+
+    @functools.wraps(fn)
+    def run(x: Any, *args: Any) -> Any:
+        try:
+            dev = as_cupy(x).device.id
+        except Exception:  # noqa: BLE001 - CuPy missing or x not viewable: fn reports it
+            return fn(x, *args)
+        with cupy_module().cuda.Device(dev):
+            return fn(x, *args)
+
+    return run
+
+
+@_on_its_device
+def allreduce(x: Any, op: str, algorithm: str, out: Any, comm: Any, host: Host) -> Any:
+    """:func:`collectives.allreduce` of a device array (the result on its device)."""
+    ctx = get_context(comm)
+    call, xa = _call(ctx, "allreduce", x, algorithm, op)
+    o = _check_out(call, out, call.x.shape, xa)
+    call.agree(call.x.size)
+    cp = cupy_module()
+    if o is None:
+        o = cp.empty(xa.shape, xa.dtype)
+    src = cp.ascontiguousarray(xa).reshape(-1)
+    flat = o.reshape(-1)
+    n = ctx.transport.size
+    if (n == 1 and algorithm != "nccl") or xa.size == 0:
+        if flat.data.ptr != src.data.ptr:
+            flat[...] = src
+        return _finish(cp, o, out)
+    alg = _resolve(ctx, call)
+    if alg == "ipc":
+        if flat.data.ptr != src.data.ptr and _overlaps(cp, flat, src):
+            src = src.copy()
+        ctx.run(ipc.allreduce(ctx.channel(), _peers(ctx), src, flat, op))
+    elif alg == "nccl":
+        _nccl(ctx).allreduce(src, flat, op)
+    elif alg == "native" and _mpi_direct(ctx, xa.dtype):
+        cp.cuda.get_current_stream().synchronize()  # MPI does not know streams
+        ctx.transport.comm.Allreduce(src if flat.data.ptr != src.data.ptr else _in_place(), flat, _mpi_op(op))
+        ipc.finalize(cp, flat, op, n)
+    else:
+        res = host(_host(src), op=op, algorithm="native" if alg == "native" else "auto", comm=comm)
+        flat.set(res)
+    return _finish(cp, o, out)
+
+
+@_on_its_device
+def reduce_scatter(x: Any, op: str, algorithm: str, out: Any, comm: Any, host: Host) -> Any:
+    """:func:`collectives.reduce_scatter` of a device array."""
+    ctx = get_context(comm)
+    call, xa = _call(ctx, "reduce_scatter", x, algorithm, op)
+    n, r = ctx.transport.size, ctx.transport.rank
+    counts = block_counts(call.x.size, n)
+    o = _check_out(call, out, (counts[r],), xa)
+    call.agree(call.x.size)
+    cp = cupy_module()
+    if o is None:
+        o = cp.empty(counts[r], xa.dtype)
+    src = cp.ascontiguousarray(xa).reshape(-1)
+    if (n == 1 and algorithm != "nccl") or xa.size == 0:
+        o[...] = src[: counts[r]]
+        return _finish(cp, o, out)
+    alg = _resolve(ctx, call)
+    if alg == "ipc":
+        ctx.run(ipc.reduce_scatter(ctx.channel(), _peers(ctx), src, counts, o, op))
+    elif alg == "nccl":
+        _nccl(ctx).reduce_scatter(src, counts, o, op)
+    elif alg == "native" and _mpi_direct(ctx, xa.dtype):
+        cp.cuda.get_current_stream().synchronize()
+        ctx.transport.comm.Reduce_scatter(src, o, list(counts), _mpi_op(op))
+        ipc.finalize(cp, o, op, n)
+    else:
+        res = host(_host(src), op=op, algorithm="native" if alg == "native" else "auto", comm=comm)
+        o.set(res)
+    return _finish(cp, o, out)
+
+
+@_on_its_device
+def allgather(x: Any, algorithm: str, out: Any, comm: Any, host: Host) -> Any:
+    """:func:`collectives.allgather` of a device array (rows may differ between ranks)."""
+    ctx = get_context(comm)
+    call, xa = _call(ctx, "allgather", x, algorithm)
+    shape = call.x.shape
+    if call.error is None and len(shape) == 0:
+        call.fail(InvalidArgumentError("allgather: x must have at least one dimension to concatenate along"))
+    rows = shape[0] if shape else 1
+    item = tuple(shape[1:])
+    o = None
+    out_rows = -1
+    if out is not None and call.error is None:
+        try:
+            out_shape = describe(out)[0]
+        except (AttributeError, TypeError, ValueError):
+            out_shape = ()
+        o = _check_out(call, out, (out_shape[0] if out_shape else -1, *item), xa)
+        out_rows = out_shape[0] if call.error is None else -1
+    if call.error is None and rows >= ROWS:
+        call.fail(InvalidArgumentError(f"allgather: {rows} rows; at most {ROWS - 1}"))
+    call.agree((rows % ROWS) + (min(out_rows, ROWS - 2) + 1) * ROWS, item)
+    words = call.counts()
+    all_rows = [w % ROWS for w in words]
+    total = sum(all_rows)
+    bad = {q: w // ROWS - 1 for q, w in enumerate(words) if w >= ROWS and w // ROWS - 1 != total}
+    if bad:
+        raise OutputMismatchError(
+            f"allgather: out must have {total} rows (the sum over ranks); "
+            + "; ".join(f"rank {q} passed {v}" for q, v in bad.items())
+        )
+    cp = cupy_module()
+    if o is None:
+        o = cp.empty((total, *item), xa.dtype)
+    per_row = math.prod(item)
+    counts = tuple(rw * per_row for rw in all_rows)
+    src = cp.ascontiguousarray(xa).reshape(-1)
+    flat = o.reshape(-1)
+    n = ctx.transport.size
+    if (n == 1 and algorithm != "nccl") or flat.size == 0:
+        flat[...] = src
+        return _finish(cp, o, out)
+    alg = _resolve(ctx, call)
+    if alg == "ipc":
+        if _overlaps(cp, flat, src):
+            src = src.copy()
+        ctx.run(ipc.allgather(ctx.channel(), _peers(ctx), src, counts, flat))
+    elif alg == "nccl":
+        _nccl(ctx).allgather(src, counts, flat)
+    elif alg == "native" and _mpi_direct(ctx, xa.dtype):
+        cp.cuda.get_current_stream().synchronize()
+        ctx.transport.comm.Allgatherv(src, [flat, (list(counts), list(offsets(counts)[:-1]))])
+    else:
+        res = host(_host(src).reshape(xa.shape), algorithm="native" if alg == "native" else "auto", comm=comm)
+        o.set(res)
+    return _finish(cp, o, out)
+
+
+@_on_its_device
+def broadcast(x: Any, root: int, algorithm: str, out: Any, comm: Any, host: Host) -> Any:
+    """:func:`collectives.broadcast` of a device array."""
+    ctx = get_context(comm)
+    call, xa = _call(ctx, "broadcast", x, algorithm, root=root)
+    o = _check_out(call, out, call.x.shape, xa)
+    call.agree(call.x.size)
+    cp = cupy_module()
+    is_root = ctx.transport.rank == root
+    if o is None:
+        o = cp.empty(xa.shape, xa.dtype)
+    flat = o.reshape(-1)
+    if is_root and flat.data.ptr != xa.data.ptr:
+        flat[...] = cp.ascontiguousarray(xa).reshape(-1)
+    if (ctx.transport.size == 1 and algorithm != "nccl") or xa.size == 0:
+        return _finish(cp, o, out)
+    alg = _resolve(ctx, call)
+    if alg == "ipc":
+        ctx.run(ipc.broadcast(ctx.channel(), _peers(ctx), flat, root))
+    elif alg == "nccl":
+        _nccl(ctx).broadcast(flat, root)
+    elif alg == "native" and _mpi_direct(ctx, xa.dtype):
+        cp.cuda.get_current_stream().synchronize()
+        ctx.transport.comm.Bcast(flat, root)
+    else:
+        res = host(_host(flat), root, algorithm="native" if alg == "native" else "auto", comm=comm)
+        if not is_root:
+            flat.set(res)
+    return _finish(cp, o, out)
+
+
+@_on_its_device
+def reduce(x: Any, root: int, op: str, algorithm: str, comm: Any, host: Host) -> Any:
+    """:func:`collectives.reduce` of a device array: the result on ``root``, None elsewhere."""
+    ctx = get_context(comm)
+    call, xa = _call(ctx, "reduce", x, algorithm, op, root=root)
+    call.agree(call.x.size)
+    cp = cupy_module()
+    t = ctx.transport
+    is_root = t.rank == root
+    o = cp.empty(xa.shape, xa.dtype) if is_root else None
+    src = cp.ascontiguousarray(xa).reshape(-1)
+    flat = o.reshape(-1) if is_root else None
+    if (t.size == 1 and algorithm != "nccl") or xa.size == 0:
+        if is_root:
+            flat[...] = src
+        return _finish(cp, o)
+    alg = _resolve(ctx, call)
+    if alg == "ipc":
+        ctx.run(ipc.reduce(ctx.channel(), _peers(ctx), src, flat, root, op))
+    elif alg == "nccl":
+        _nccl(ctx).reduce(src, flat, root, op)
+    elif alg == "native" and _mpi_direct(ctx, xa.dtype):
+        cp.cuda.get_current_stream().synchronize()
+        t.comm.Reduce(src, flat, _mpi_op(op), root)
+        if is_root:
+            ipc.finalize(cp, flat, op, t.size)
+    else:
+        res = host(_host(src), root, op=op, algorithm="native" if alg == "native" else "auto", comm=comm)
+        if is_root:
+            flat.set(res.reshape(-1))
+    return _finish(cp, o)
+
+
+@_on_its_device
+def alltoall(x: Any, splits: Any, algorithm: str, comm: Any, host: Host) -> Any:
+    """:func:`collectives.alltoall` of a device array, through host copies."""
+    ctx = get_context(comm)
+    call, xa = _call(ctx, "alltoall", x, algorithm)
+    shape = call.x.shape
+    call.agree(shape[0] if shape else 0, tuple(shape[1:]))
+    cp = cupy_module()
+    res = host(_host(xa), splits, algorithm="auto", comm=comm)
+    return _finish(cp, cp.asarray(res))
+
+
+# -- helpers -------------------------------------------------------------------------------
+def _overlaps(cp: Any, a: Any, b: Any) -> bool:
+    lo_a, lo_b = a.data.ptr, b.data.ptr
+    return lo_a < lo_b + b.nbytes and lo_b < lo_a + a.nbytes
+
+
+def _in_place() -> Any:
+    from mpi4py import MPI  # noqa: PLC0415
+
+    return MPI.IN_PLACE
+
+
+def _mpi_op(op: str) -> Any:
+    from mpi4py import MPI  # noqa: PLC0415
+
+    return {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}[op]
