@@ -16,6 +16,7 @@ from typing import Any
 from mpi4py import MPI
 
 from collectives import agreed as collectives_agreed
+from collectives.nccl import available as nccl_available
 
 from . import ps as ps_roles
 from . import state
@@ -269,8 +270,9 @@ def mpi_built() -> bool:
 
 
 def nccl_built() -> bool:
-    """False: this build moves tensors through MPI and shared memory, not NCCL."""
-    return False
+    """True when CuPy is installed and can load NCCL, which CUDA tensors' allreduces then
+    use where every rank has its own GPU (:mod:`collectives.gpu`)."""
+    return nccl_available()
 
 
 def gloo_built() -> bool:

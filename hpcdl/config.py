@@ -38,6 +38,11 @@ class Config:
     """The first bucket's cap (the last layers' gradients, ready first): small, so that
     communication starts early in backward, as DDP's first bucket does."""
 
+    device_path: bool = True
+    """Keep CUDA tensors' allreduces on the device where CuPy is installed (the fusion
+    buffer on the device too; ``collectives`` picks NCCL, CUDA IPC between ranks of a node,
+    or a CUDA-aware MPI); False, or without CuPy: staged through pinned host memory."""
+
     check_missing_gradients: bool = False
     """Make a gradient missing on some ranks but not others an error on every rank, instead
     of reducing it with zeros where missing (Horovod's behaviour, the default)."""

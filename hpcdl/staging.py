@@ -4,7 +4,8 @@ CPU tensors reach the array layer without a copy when contiguous (bfloat16 and b
 through a view of the same memory). CUDA tensors are staged through pinned host memory,
 as Horovod does over an MPI that is not CUDA-aware: the request carries a host copy,
 reduced in place, and the result is copied back to the tensor's device when the handle
-is synchronized.
+is synchronized. Where CuPy is installed, an allreduce of a CUDA tensor stays on the
+device instead (:func:`device_source`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import torch
+
+from collectives.device import cupy_module
+from collectives.errors import DeviceUnavailableError
 
 __all__ = [
     "REDUCIBLE",
@@ -27,6 +31,8 @@ __all__ = [
     "check_tensor",
     "inplace_problem",
     "tensor_list",
+    "device_source",
+    "ready_event",
 ]
 
 REDUCIBLE = (
@@ -82,6 +88,30 @@ def host_source(t: Any, what: str) -> torch.Tensor:
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         return host.copy_(t)
     return t.contiguous()
+
+
+def device_source(t: torch.Tensor, enabled: bool) -> torch.Tensor | None:
+    """``t`` detached and contiguous on its GPU (``t`` itself when it already is, else a
+    private copy), for a collective that keeps it on the device: where ``enabled``, ``t`` is
+    a CUDA tensor, CuPy can be imported and has its dtype (not bfloat16 or bool, which are
+    staged through host memory). None otherwise."""
+    if not enabled or not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+        return None
+    if t.dtype not in REDUCIBLE or t.dtype == torch.bfloat16:
+        return None
+    try:
+        cupy_module()
+    except DeviceUnavailableError:
+        return None
+    return t.detach().contiguous()
+
+
+def ready_event(t: torch.Tensor) -> Any:
+    """An event recorded on ``t``'s device's current stream: the engine waits for it before
+    reading ``t``, so a tensor written on any stream is read after it is written."""
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(t.device))
+    return ev
 
 
 def is_private(src: torch.Tensor, t: torch.Tensor) -> bool:

@@ -1,5 +1,7 @@
 """The executors: one function per collective, running an agreed request (or a fused group
-of allreduces) through :mod:`collectives` on the process set's communicator.
+of allreduces) through :mod:`collectives` on the process set's communicator. An allreduce
+of CUDA tensors kept on their GPU (CuPy views) is fused into a device buffer and reduced
+by the collectives' device path.
 
 The engine has already agreed every argument across ranks, so the executors call
 ``collectives``' agreed entry points, which skip the collectives' own signature exchange.
@@ -24,6 +26,7 @@ import collectives
 from collectives import agreed
 from collectives.arena import allocate
 from collectives.context import get_context
+from collectives.device import cupy_module
 from collectives.layout import block_counts, offsets
 from collectives.select import choose
 
@@ -76,13 +79,30 @@ class Executors:
 
     def allreduce(self, descs: list[tuple], reqs: list[Request | None], info: ProcessSetInfo) -> None:
         """Reduce a group of agreed allreduces (``descs``: one descriptor of each), fusing
-        the small ones; results land in each request's ``out``."""
+        the small ones; results land in each request's ``out``. CUDA tensors kept on their
+        GPU are read once their ready events have passed and are finished (the engine's
+        stream synchronized) when this returns."""
+        gpu = next((r.x for r in reqs if r is not None and "ready" in r.args), None)
+        if gpu is None:
+            self._allreduce(descs, reqs, info)
+            return
+        cp = cupy_module()
+        with cp.cuda.Device(gpu.device.id):
+            self._allreduce(descs, reqs, info)
+            cp.cuda.get_current_stream().synchronize()
+
+    def _allreduce(self, descs: list[tuple], reqs: list[Request | None], info: ProcessSetInfo) -> None:
         dtype_name, _, op, pre, post = descs[0][3]
         dtype = DTYPES[dtype_name]
         comm = info.comm
         xs = []
+        on_device = False
         for d, req in zip(descs, reqs, strict=True):
             if req is not None:
+                ready = req.args.get("ready")
+                if ready is not None:  # a CUDA tensor kept on its GPU: wait for what writes it
+                    ready.synchronize()
+                    on_device = True
                 xs.append((req.x, req.out, req))
             else:  # joined: the op's identity, result discarded
                 shape = d[3][1]
@@ -112,9 +132,15 @@ class Executors:
         total = sum(x.size for x, _, _ in small)
         nbytes = total * dtype.itemsize
         alg = self.algorithm(comm, "allreduce", nbytes)
-        if info.fusion.nbytes < nbytes:
-            info.fusion = self.fusion_buffer(info, max(nbytes, min(2 * info.fusion.nbytes, self.cfg.fusion_threshold)))
-        buf = info.fusion[:nbytes].view(dtype)
+        fusion = info.device_fusion if on_device else info.fusion
+        if fusion is None or fusion.nbytes < nbytes:
+            grown = max(nbytes, min(2 * (0 if fusion is None else fusion.nbytes), self.cfg.fusion_threshold))
+            fusion = self.device_fusion_buffer(small[0][0], grown) if on_device else self.fusion_buffer(info, grown)
+            if on_device:
+                info.device_fusion = fusion
+            else:
+                info.fusion = fusion
+        buf = fusion[:nbytes].view(dtype)
         t0 = time.perf_counter()
         off = 0
         for x, _, _ in small:
@@ -138,6 +164,13 @@ class Executors:
                 out.reshape(-1)[...] = seg
             off += out.size
         self.span(reqs, "MEMCPY_OUT_FUSION_BUFFER", t2)
+
+    @staticmethod
+    def device_fusion_buffer(like: Any, nbytes: int) -> Any:
+        """A fusion buffer of ``nbytes`` on the GPU of the device array ``like``."""
+        cp = cupy_module()
+        with cp.cuda.Device(like.device.id):
+            return cp.empty(nbytes, cp.uint8)
 
     @staticmethod
     def fusion_buffer(info: ProcessSetInfo, nbytes: int) -> np.ndarray:

@@ -128,3 +128,5 @@ class ProcessSetInfo:
     comm: Any  # MPI.Comm on members, None elsewhere
     arena: Any = None
     fusion: np.ndarray = dataclasses.field(default_factory=lambda: np.empty(0, np.uint8))
+    device_fusion: Any = None
+    """The fusion buffer of allreduces kept on the GPU (a CuPy array), made on first use."""

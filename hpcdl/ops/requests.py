@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from collectives.device import as_cupy
 from collectives.layout import block_counts
 
 from .. import state
@@ -26,11 +27,13 @@ from ..staging import (
     MOVABLE,
     REDUCIBLE,
     check_tensor,
+    device_source,
     dtype_name,
     home,
     host_source,
     inplace_problem,
     is_private,
+    ready_event,
     tensor_list,
     to_numpy,
     to_torch,
@@ -87,16 +90,22 @@ def start_allreduce(
     reqs, outs, fixups = [], [], []
     base = request_name(rt, "allreduce", sid, name)
     bad_op = op if isinstance(op, str) else None
+    on_device = rt.config.device_path and op != Adasum
     for i, t in enumerate(tensors):
-        src = host_source(t, what)
+        # a CUDA tensor stays on its GPU where CuPy can take it; else it is staged on the host
+        src = device_source(t, on_device)
+        dev = src is not None
+        if not dev:
+            src = host_source(t, what)
         problem = bad_op or check_tensor(src, "allreduce", REDUCIBLE) or adasum_problem(op, src, process_set)
         problem = problem or (inplace_problem(t, what + "_") if inplace else None)
         private = is_private(src, t)
         # reduce in place where that writes nothing the caller sees: into t itself when
-        # asked to, or into the private copy host_source made (copied back into t when in place)
+        # asked to, or into the private copy made above (copied back into t when in place)
         out = src if inplace or private else torch.empty_like(src)
         if inplace and private:
             fixups.append(lambda t=t, out=out: t.copy_(out))
+        view = as_cupy if dev else to_numpy
         reqs.append(
             Request(
                 _group_name(base, i, len(tensors)),
@@ -104,8 +113,9 @@ def start_allreduce(
                 sid,
                 (dtype_name(src), tuple(src.shape), OP_NAMES.get(op, "invalid"), float(pre), float(post)),
                 error=problem,
-                x=to_numpy(src) if problem is None else None,
-                out=to_numpy(out) if problem is None else None,
+                x=view(src) if problem is None else None,
+                out=view(out) if problem is None else None,
+                **({"ready": ready_event(src)} if dev and problem is None else {}),
             )
         )
         outs.append(t if inplace else out)
