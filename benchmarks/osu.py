@@ -21,6 +21,9 @@ engine reduces its fusion buffer; allreduce only), ``mpi`` for the MPI library c
 ``gloo`` for torch.distributed, measured in interleaved rounds, median per size, ratios to
 the first),
 ``--busbw`` (nccl-tests algbw/busbw), ``--json FILE`` and ``--plot FILE.png``.
+``-d cuda`` (OSU's flag) puts the buffers on the GPU: the contenders are then the device
+algorithms (``algorithms(..., device=True)``), ``mpi`` (only over a CUDA-aware MPI) and
+``gloo`` on CUDA tensors.
 """
 
 from __future__ import annotations
@@ -98,6 +101,14 @@ def parse_args(bench: str, argv: list[str] | None = None) -> argparse.Namespace:
         p.add_argument("--busbw", action="store_true", help="add nccl-tests algbw/busbw columns (GB/s)")
         p.add_argument("--plot", default=None, help="write latency and busbw against size to this PNG")
     p.add_argument("--json", default=None, help="write the figures to this file (rank 0)")
+    if not pt2pt:
+        p.add_argument(
+            "-d",
+            "--accelerator",
+            default="host",
+            choices=("host", "cuda"),
+            help="buffers in host memory or on the GPU (local rank %% GPUs; needs CuPy)",
+        )
     args = p.parse_args(argv)
     args.bench = bench
     lo, hi = 1, (1 << 22 if pt2pt else 1 << 20)
@@ -115,7 +126,13 @@ def parse_args(bench: str, argv: list[str] | None = None) -> argparse.Namespace:
     args.min_size, args.max_size = lo, hi
     if not pt2pt:
         names = args.compare.split(",") if args.compare else [args.algorithm]
-        known = set(C.algorithms(_API.get(bench, bench))) | {"mpi", "gloo", "window", "window_inplace"}
+        if args.accelerator == "cuda":
+            known = set(C.algorithms(_API.get(bench, bench), device=True)) | {"mpi", "gloo"}
+            why = use_gpu()
+            if why:
+                p.error(f"-d cuda: {why}")
+        else:
+            known = set(C.algorithms(_API.get(bench, bench))) | {"mpi", "gloo", "window", "window_inplace"}
         bad = [c for c in names if c not in known]
         if bad:
             p.error(f"unknown contender(s) {bad}; choose from {sorted(known)}")
@@ -171,8 +188,27 @@ def _expected(bench: str, n: int, count: int, dtype: np.dtype) -> np.ndarray:
     return total.astype(dtype)
 
 
-def make_contender(bench: str, name: str, comm: MPI.Comm, size: int, dtype: np.dtype) -> Contender:
-    """Buffers and the call for ``name`` running ``bench`` with OSU's ``size`` (bytes)."""
+def use_gpu() -> str | None:
+    """Make GPU ``local rank % GPUs`` current for this rank; why it cannot be, or None."""
+    try:
+        import cupy as cp
+
+        count = cp.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - no CuPy, no driver, no device
+        return f"no usable CUDA device here ({type(exc).__name__}: {exc})"
+    if count == 0:
+        return "no CUDA device here"
+    local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    cp.cuda.Device(local.rank % count).use()
+    local.Free()
+    return None
+
+
+def make_contender(
+    bench: str, name: str, comm: MPI.Comm, size: int, dtype: np.dtype, device: str = "host"
+) -> Contender:
+    """Buffers and the call for ``name`` running ``bench`` with OSU's ``size`` (bytes);
+    ``device="cuda"``: the buffers on this rank's GPU."""
     n, r = comm.size, comm.rank
     item = dtype.itemsize
     count = size // item
@@ -196,6 +232,8 @@ def make_contender(bench: str, name: str, comm: MPI.Comm, size: int, dtype: np.d
     if name in ("window", "window_inplace"):  # buffers from collectives.empty: read in place
         x, out = _in_window(x, comm), (None if out is x else _in_window(out, comm))
         out = x if out is None or (name == "window_inplace" and bench == "allreduce") else out
+    if device == "cuda":
+        return _device_contender(bench, name, comm, x, out, want)
     res: dict[str, Any] = {"out": out}
 
     if name in ("window", "window_inplace"):
@@ -214,6 +252,41 @@ def make_contender(bench: str, name: str, comm: MPI.Comm, size: int, dtype: np.d
         # no result of a previous call may pass for this one's (inputs are >= 1: never 0)
         if bench == "bcast" or out is x:  # the call overwrites its input
             x[...] = _inputs(r, count, dtype)
+        else:
+            out[...] = 0
+            res["out"] = out
+
+    return Contender(call, verify, comm, reset)
+
+
+def _device_contender(bench, name, comm, x_host, out_host, want) -> Contender:
+    """A contender on device buffers: hpcdl's device algorithms, MPI handed the device
+    pointers (only where it is CUDA-aware), or gloo on CUDA tensors."""
+    import cupy as cp
+
+    from collectives.device import cuda_aware_mpi
+
+    r = comm.rank
+    x = cp.asarray(x_host)
+    out = x if out_host is x_host else cp.asarray(out_host)
+    res: dict[str, Any] = {"out": out}
+    if name == "mpi":
+        if not cuda_aware_mpi(os.environ.get("HPCDL_CUDA_AWARE_MPI", "auto")):
+            raise SystemExit("-d cuda --compare mpi: this MPI is not CUDA-aware (HPCDL_CUDA_AWARE_MPI=1 if it is)")
+        call = _mpi_call(bench, comm, x, out)
+    elif name == "gloo":
+        import torch
+
+        call = _gloo_call(bench, comm, torch.from_dlpack(x), torch.from_dlpack(out), torch.cuda.synchronize)
+    else:
+        call = _hpcdl_call(bench, name, comm, x, out, res)
+
+    def verify() -> bool:
+        return (bench == "reduce" and r != 0) or bool(np.array_equal(cp.asnumpy(res["out"]), want))
+
+    def reset() -> None:
+        if bench == "bcast" or out is x:
+            x[...] = cp.asarray(x_host)
         else:
             out[...] = 0
             res["out"] = out
@@ -277,11 +350,14 @@ def gloo_init(comm: MPI.Comm) -> Any:
     return dist
 
 
-def _gloo_call(bench, comm, x, out) -> Callable[[], Any]:
+def _gloo_call(bench, comm, x, out, sync: Callable[[], Any] = lambda: None) -> Callable[[], Any]:
+    """gloo on ``x`` and ``out`` (numpy arrays, or tensors already; ``sync`` waits for the
+    queued GPU work of CUDA tensors)."""
     import torch
 
     dist = gloo_init(comm)
-    tx, tout = torch.from_numpy(x), torch.from_numpy(out)
+    tx = x if isinstance(x, torch.Tensor) else torch.from_numpy(x)
+    tout = out if isinstance(out, torch.Tensor) else torch.from_numpy(out)
     if bench == "allreduce":
         # gloo reduces in place: reduce a copy so that the input stays the input
         work = tx.clone()
@@ -290,20 +366,22 @@ def _gloo_call(bench, comm, x, out) -> Callable[[], Any]:
             work.copy_(tx)
             dist.all_reduce(work)
             tout.copy_(work)
+            sync()
 
         return call
     if bench == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(tout, tx)
+        return lambda: (dist.reduce_scatter_tensor(tout, tx), sync())
     if bench == "allgather":
-        return lambda: dist.all_gather_into_tensor(tout, tx)
+        return lambda: (dist.all_gather_into_tensor(tout, tx), sync())
     if bench == "bcast":
-        return lambda: dist.broadcast(tx, 0)
+        return lambda: (dist.broadcast(tx, 0), sync())
     work = tx.clone()
 
     def reduce_call() -> None:
         work.copy_(tx)
         dist.reduce(work, 0)
         tout.copy_(work)
+        sync()
 
     return reduce_call
 
@@ -349,7 +427,7 @@ def run(
         if args.bench == "reduce_scatter" and size // dtype.itemsize < comm.size:
             continue  # fewer elements than ranks: nothing to scatter
         iters, skip = iterations(args, size, (1000, 200), (100, 10))
-        cont = {name: make_contender(args.bench, name, comm, size, dtype) for name in names}
+        cont = {name: make_contender(args.bench, name, comm, size, dtype, args.accelerator) for name in names}
         per: dict[str, list[dict[str, float]]] = {name: [] for name in names}
         for k in range(rounds):
             order = names[k % len(names) :] + names[: k % len(names)]
@@ -454,7 +532,8 @@ def copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 10) -> float:
 # -- output -----------------------------------------------------------------------------------
 def header(args: argparse.Namespace) -> list[str]:
     """The OSU header lines for ``args`` (a blank line first, as OSU prints)."""
-    lines = ["", f"# OSU MPI {TITLES[args.bench]} v{OSU_VERSION}", f"# Datatype: {DATATYPES[args.type][0]}."]
+    kind = "MPI-CUDA" if getattr(args, "accelerator", "host") == "cuda" else "MPI"  # OSU's own titles
+    lines = ["", f"# OSU {kind} {TITLES[args.bench]} v{OSU_VERSION}", f"# Datatype: {DATATYPES[args.type][0]}."]
     return lines
 
 

@@ -13,9 +13,12 @@ tensor to allocate and fault in). Each round times ``iters`` back-to-back calls 
 contender after a barrier and takes the slowest rank's mean; the figure is the median
 over rounds, with contenders interleaved in rotating order.
 
-With ``--device cuda`` every tensor lives on GPU ``local rank % GPUs``: hpcdl stages it
-through host memory, gloo reduces CUDA tensors its own way, and each timed loop ends with
-``torch.cuda.synchronize()`` so queued GPU work counts.
+With ``--device cuda`` every tensor lives on GPU ``local rank % GPUs``: hpcdl keeps it on
+the device where CuPy is installed (``HPCDL_DEVICE_PATH=0``: staged through pinned host
+memory, so two runs compare the paths; the report's header says which ran), gloo reduces
+CUDA tensors its own way, and each timed loop ends with ``torch.cuda.synchronize()`` so
+queued GPU work counts. The array-level comparison of the device algorithms with the staged
+one and gloo in one run is ``benchmarks/osu_allreduce.py -d cuda --compare ipc,staged,gloo``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from mpi4py import MPI
 import hpcdl as hvd
 from benchmarks.osu import gloo_init
 from collectives.cli import ArgumentParser, dump_json, parse_sizes, run_main
+from hpcdl import state
+from hpcdl.staging import device_source
 from hpcdl.train.launch import pick_device
 
 CONTENDERS = ("hpcdl", "hpcdl unnamed", "hpcdl allreduce_", "gloo")
@@ -98,9 +103,19 @@ def _fmt_size(b: int) -> str:
     return f"{b} B"
 
 
+def _path(device: str) -> str:
+    """How the runtime moves CUDA tensors in this run."""
+    if device != "cuda":
+        return ""
+    probe = torch.zeros(1, device="cuda")
+    on = device_source(probe, state.running().config.device_path) is not None
+    return " (device path)" if on else " (staged through host memory)"
+
+
 def report(rows: list[dict[str, Any]], ranks: int, device: str = "cpu") -> str:
     lines = [
-        f"# synchronous allreduce (sum) of a float32 torch tensor on {device}, {ranks} ranks; microseconds per call,",
+        f"# synchronous allreduce (sum) of a float32 torch tensor on {device}{_path(device)}, {ranks} ranks; "
+        "microseconds per call,",
         "# median over rounds of the slowest rank's mean; ratio = hpcdl / gloo (< 1: hpcdl faster)",
         f"{'size':>8} {'hpcdl':>12} {'hpcdl unnamed':>14} {'allreduce_':>12} {'gloo':>12} {'ratio':>8} {'iters':>6}",
     ]
