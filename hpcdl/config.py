@@ -100,6 +100,7 @@ class Config:
 
 
 AGREED = (
+    "device_path",
     "fusion_threshold",
     "fusion_alone_bytes",
     "bucket_bytes",
