@@ -82,12 +82,17 @@ class Executors:
         the small ones; results land in each request's ``out``. CUDA tensors kept on their
         GPU are read once their ready events have passed and are finished (the engine's
         stream synchronized) when this returns."""
-        gpu = next((r.x for r in reqs if r is not None and "ready" in r.args), None)
-        if gpu is None:
+        on_gpu = [r is not None and "ready" in r.args for r in reqs]
+        if not any(on_gpu):
             self._allreduce(descs, reqs, info)
             return
+        if not all(on_gpu):  # a grouped call mixing host and CUDA tensors: the host ones first
+            host = [i for i, g in enumerate(on_gpu) if not g]
+            self._allreduce([descs[i] for i in host], [reqs[i] for i in host], info)
+        gpu = [i for i, g in enumerate(on_gpu) if g]
+        descs, reqs = [descs[i] for i in gpu], [reqs[i] for i in gpu]
         cp = cupy_module()
-        with cp.cuda.Device(gpu.device.id):
+        with cp.cuda.Device(reqs[0].x.device.id):
             self._allreduce(descs, reqs, info)
             cp.cuda.get_current_stream().synchronize()
 
