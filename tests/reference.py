@@ -77,3 +77,15 @@ def digest(a: np.ndarray | None) -> str:
     if a is None:
         return "none"
     return hashlib.sha256(np.ascontiguousarray(a).view(np.uint8).tobytes()).hexdigest()
+
+
+def rank_order(inputs: list[np.ndarray], op: str) -> np.ndarray:
+    """The reduction as a rank-order schedule must give it, bit for bit: left to right in
+    rank order in the inputs' own dtype (numpy ufuncs), then avg's division."""
+    from collectives.ops import finalize, ufunc
+
+    acc = np.array(inputs[0], copy=True)
+    for x in inputs[1:]:
+        ufunc(op)(acc, x, out=acc)
+    finalize(acc, op, len(inputs))
+    return acc

@@ -11,13 +11,11 @@ The same schedules on a GPU are tested in ``test_gpu.py``.
 
 from __future__ import annotations
 
-import functools
-
 import ml_dtypes
 import numpy as np
 import pytest
 from mpi4py import MPI
-from reference import OPS, check_close, digest, expected, make_input
+from reference import OPS, check_close, digest, expected, make_input, rank_order
 
 import collectives as C
 from collectives import ipc
@@ -32,7 +30,6 @@ from collectives.errors import (
     UnknownAlgorithmError,
 )
 from collectives.layout import block_counts, offsets
-from collectives.ops import finalize, ufunc
 
 WORLD = MPI.COMM_WORLD
 N, ME = WORLD.size, WORLD.rank
@@ -204,15 +201,6 @@ def twin():
     peers = ipc.HostPeers(ctx.layout().node, WINDOW) if N > 1 else None
     yield ctx, peers
     comm.Free()
-
-
-def rank_order(inputs: list[np.ndarray], op: str) -> np.ndarray:
-    """The reduction as every rank must compute it: left to right in rank order, then avg's
-    division (numpy, independently of the schedules)."""
-    acc = functools.reduce(lambda a, b: ufunc(op)(a, b), inputs)
-    acc = np.array(acc, copy=True)
-    finalize(acc, op, len(inputs))
-    return acc
 
 
 def _everyone(count, dtype, op, seed):

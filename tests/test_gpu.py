@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mpi4py import MPI
-from reference import OPS, check_close, digest, make_input
+from reference import OPS, check_close, digest, make_input, rank_order
 
 import collectives as C
 from collectives.config import Config
@@ -24,7 +24,6 @@ from collectives.context import get_context
 from collectives.errors import CollectiveMismatchError, DeviceUnavailableError, UnsupportedDtypeError
 from collectives.layout import block_counts, offsets
 from collectives.nccl import plan as nccl_plan
-from collectives.ops import finalize, ufunc
 
 WORLD = MPI.COMM_WORLD
 N, ME = WORLD.size, WORLD.rank
@@ -53,14 +52,6 @@ if GPUS:
 
 DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8]
 COUNTS = [1, 3, 1001, 300_000]
-
-
-def rank_order(inputs, op):
-    acc = inputs[0].copy()
-    for x in inputs[1:]:
-        ufunc(op)(acc, x, out=acc)
-    finalize(acc, op, len(inputs))
-    return acc
 
 
 def everyone(count, dtype, op, seed):
