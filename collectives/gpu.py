@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from mpi4py import MPI
 
 from . import ipc
 from .agreement import ROWS, Call
@@ -38,8 +39,10 @@ from .context import Context, get_context
 from .device import as_cupy, cuda_aware_mpi, cupy_module, describe, is_device, stand_in
 from .errors import CollectiveError, InvalidArgumentError, OutputMismatchError, UnsupportedDtypeError
 from .layout import block_counts, offsets
+from .native import mpi_op
 from .nccl import Nccl
 from .nccl import plan as nccl_plan
+from .ops import finalize
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "NCCL_DTYPES"]
 
@@ -134,7 +137,7 @@ def _resolve(ctx: Context, call: Call) -> str:
             return "nccl"
     if ctx.layout().nodes == 1 and call.collective != "alltoall":
         return "ipc"
-    if cuda_aware_mpi(ctx.config.cuda_aware_mpi) and call.x.dtype.name in _MPI_DTYPES:
+    if _mpi_direct(ctx, call.x.dtype):
         return "native"
     return "staged"
 
@@ -191,15 +194,15 @@ def allreduce(x: Any, op: str, algorithm: str, out: Any, comm: Any, host: Host) 
         return _finish(cp, o, out)
     alg = _resolve(ctx, call)
     if alg == "ipc":
-        if flat.data.ptr != src.data.ptr and _overlaps(cp, flat, src):
+        if flat.data.ptr != src.data.ptr and _overlaps(flat, src):
             src = src.copy()
         ctx.run(ipc.allreduce(ctx.channel(), _peers(ctx), src, flat, op))
     elif alg == "nccl":
         _nccl(ctx).allreduce(src, flat, op)
     elif alg == "native" and _mpi_direct(ctx, xa.dtype):
         cp.cuda.get_current_stream().synchronize()  # MPI does not know streams
-        ctx.transport.comm.Allreduce(src if flat.data.ptr != src.data.ptr else _in_place(), flat, _mpi_op(op))
-        ipc.finalize(cp, flat, op, n)
+        ctx.transport.comm.Allreduce(src if flat.data.ptr != src.data.ptr else MPI.IN_PLACE, flat, mpi_op(op))
+        finalize(flat, op, n)
     else:
         res = host(_host(src), op=op, algorithm="native" if alg == "native" else "auto", comm=comm)
         flat.set(res)
@@ -229,8 +232,8 @@ def reduce_scatter(x: Any, op: str, algorithm: str, out: Any, comm: Any, host: H
         _nccl(ctx).reduce_scatter(src, counts, o, op)
     elif alg == "native" and _mpi_direct(ctx, xa.dtype):
         cp.cuda.get_current_stream().synchronize()
-        ctx.transport.comm.Reduce_scatter(src, o, list(counts), _mpi_op(op))
-        ipc.finalize(cp, o, op, n)
+        ctx.transport.comm.Reduce_scatter(src, o, list(counts), mpi_op(op))
+        finalize(o, op, n)
     else:
         res = host(_host(src), op=op, algorithm="native" if alg == "native" else "auto", comm=comm)
         o.set(res)
@@ -281,7 +284,7 @@ def allgather(x: Any, algorithm: str, out: Any, comm: Any, host: Host) -> Any:
         return _finish(cp, o, out)
     alg = _resolve(ctx, call)
     if alg == "ipc":
-        if _overlaps(cp, flat, src):
+        if _overlaps(flat, src):
             src = src.copy()
         ctx.run(ipc.allgather(ctx.channel(), _peers(ctx), src, counts, flat))
     elif alg == "nccl":
@@ -349,9 +352,9 @@ def reduce(x: Any, root: int, op: str, algorithm: str, comm: Any, host: Host) ->
         _nccl(ctx).reduce(src, flat, root, op)
     elif alg == "native" and _mpi_direct(ctx, xa.dtype):
         cp.cuda.get_current_stream().synchronize()
-        t.comm.Reduce(src, flat, _mpi_op(op), root)
+        t.comm.Reduce(src, flat, mpi_op(op), root)
         if is_root:
-            ipc.finalize(cp, flat, op, t.size)
+            finalize(flat, op, t.size)
     else:
         res = host(_host(src), root, op=op, algorithm="native" if alg == "native" else "auto", comm=comm)
         if is_root:
@@ -372,18 +375,6 @@ def alltoall(x: Any, splits: Any, algorithm: str, comm: Any, host: Host) -> Any:
 
 
 # -- helpers -------------------------------------------------------------------------------
-def _overlaps(cp: Any, a: Any, b: Any) -> bool:
+def _overlaps(a: Any, b: Any) -> bool:
     lo_a, lo_b = a.data.ptr, b.data.ptr
     return lo_a < lo_b + b.nbytes and lo_b < lo_a + a.nbytes
-
-
-def _in_place() -> Any:
-    from mpi4py import MPI  # noqa: PLC0415
-
-    return MPI.IN_PLACE
-
-
-def _mpi_op(op: str) -> Any:
-    from mpi4py import MPI  # noqa: PLC0415
-
-    return {"sum": MPI.SUM, "avg": MPI.SUM, "prod": MPI.PROD, "min": MPI.MIN, "max": MPI.MAX}[op]

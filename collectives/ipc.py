@@ -18,7 +18,6 @@ peers' queued work, so the host never waits for the GPU inside a call.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Generator
 from typing import Any, Protocol
 
@@ -27,6 +26,7 @@ import numpy as np
 from .device import cupy_module
 from .errors import DeviceUnavailableError
 from .layout import block_counts, offsets
+from .ops import finalize, ufunc
 
 __all__ = [
     "Peers",
@@ -38,7 +38,6 @@ __all__ = [
     "broadcast",
     "reduce",
     "combine",
-    "finalize",
     "STAGED",
     "REDUCED",
     "READ",
@@ -54,8 +53,6 @@ Schedule = Generator[list, None, None]
 class Peers(Protocol):
     """Every node rank's window and the ordering of their queued work."""
 
-    xp: Any
-    """The array module (numpy or cupy)."""
     me: int
     nbytes: int
     views: list[Any]
@@ -73,8 +70,6 @@ class Peers(Protocol):
 
 class HostPeers:
     """:class:`Peers` on host memory: an MPI shared window; work is done when queued."""
-
-    xp = np
 
     def __init__(self, node: Any, nbytes: int) -> None:
         self.views, _ = node.shared_window(nbytes)
@@ -102,7 +97,7 @@ class CudaPeers:
     def __init__(self, node: Any, nbytes: int) -> None:
         cp = cupy_module()
         rt = cp.cuda.runtime
-        self.xp = cp
+        self._cp = cp
         self.me = node.rank
         self.nbytes = nbytes
         self.device = cp.cuda.Device().id
@@ -117,11 +112,11 @@ class CudaPeers:
             mine = (bytes(rt.ipcGetMemHandle(self._ptr)), [bytes(rt.ipcGetEventHandle(e.ptr)) for e in self.events])
         except Exception as exc:  # noqa: BLE001 - reported collectively below
             error, mine = f"{type(exc).__name__}: {exc}", None
-        everyone = node.allgather_obj((mine, os.getpid(), error))
+        everyone = node.allgather_obj((mine, error))
         self.views = []
         try:
             _raise_any(everyone, "export its device window")
-            for q, (handles, _, _) in enumerate(everyone):
+            for q, (handles, _) in enumerate(everyone):
                 if q == self.me:
                     ptr, evs = self._ptr, [e.ptr for e in self.events]
                 else:
@@ -131,28 +126,28 @@ class CudaPeers:
                     self._peer_events.append(evs)
                 mem = cp.cuda.UnownedMemory(ptr, nbytes, self, self.device)
                 self.views.append(cp.ndarray((nbytes,), cp.uint8, cp.cuda.MemoryPointer(mem, 0)))
-            error = None
-        except DeviceUnavailableError:
+        except DeviceUnavailableError:  # some rank could not export: nobody opened anything
             self._close()
+            self._free_own()
             raise
         except Exception as exc:  # noqa: BLE001 - reported collectively below
             error = f"{type(exc).__name__}: {exc}"
-        opened = node.allgather_obj((None, os.getpid(), error))
-        if any(e is not None for _, _, e in opened):
+        opened = node.allgather_obj((None, error))
+        if any(e is not None for _, e in opened):
             self._close()
             _raise_any(opened, "open its peers' device windows")
 
     def record(self, k: int) -> None:
-        self.events[k].record(self.xp.cuda.get_current_stream())
+        self.events[k].record(self._cp.cuda.get_current_stream())
 
     def wait(self, k: int) -> None:
-        rt = self.xp.cuda.runtime
-        stream = self.xp.cuda.get_current_stream().ptr
+        rt = self._cp.cuda.runtime
+        stream = self._cp.cuda.get_current_stream().ptr
         for evs in self._peer_events:
             rt.streamWaitEvent(stream, evs[k], 0)
 
     def _close(self) -> None:
-        rt = self.xp.cuda.runtime
+        rt = self._cp.cuda.runtime
         for ptr in self._opened:
             rt.ipcCloseMemHandle(ptr)
         for evs in self._peer_events:
@@ -162,29 +157,30 @@ class CudaPeers:
 
     def free(self) -> None:
         """Close the peers' windows, wait until every peer has closed this rank's, free it."""
-        self.xp.cuda.get_current_stream().synchronize()
+        self._cp.cuda.get_current_stream().synchronize()
         self._close()
         self._node.allgather_obj(None)  # an owner frees its window only once nobody maps it
+        self._free_own()
+
+    def _free_own(self) -> None:
         if self._ptr:
-            self.xp.cuda.runtime.free(self._ptr)
+            self._cp.cuda.runtime.free(self._ptr)
             self._ptr = 0
 
 
-def _raise_any(everyone: list[tuple[Any, int, str | None]], what: str) -> None:
-    bad = [(q, e) for q, (_, _, e) in enumerate(everyone) if e is not None]
+def _raise_any(everyone: list[tuple[Any, str | None]], what: str) -> None:
+    bad = [(q, e) for q, (_, e) in enumerate(everyone) if e is not None]
     if bad:
         said = "; ".join(f"node rank {q}: {e}" for q, e in bad)
         raise DeviceUnavailableError(f"ipc: not every rank could {what} ({said})")
 
 
 # -- the kernels ---------------------------------------------------------------------------
-_UFUNCS = {"sum": "add", "avg": "add", "prod": "multiply", "min": "minimum", "max": "maximum"}
-
-
-def combine(xp: Any, parts: list[Any], out: Any, op: str) -> None:
-    """``out`` = ``parts[0] op parts[1] op ...``, left to right (rank order); ``out`` may be
-    one of the parts."""
-    uf = getattr(xp, _UFUNCS[op])
+def combine(parts: list[Any], out: Any, op: str) -> None:
+    """``out`` = ``parts[0] op parts[1] op ...``, left to right (rank order), with the
+    numpy ufunc of ``op`` (CuPy arrays take it through ``__array_ufunc__``); ``out`` may
+    be one of the parts."""
+    uf = ufunc(op)
     if len(parts) == 1:
         if parts[0] is not out:
             out[...] = parts[0]
@@ -192,20 +188,6 @@ def combine(xp: Any, parts: list[Any], out: Any, op: str) -> None:
     uf(parts[0], parts[1], out=out)
     for p in parts[2:]:
         uf(out, p, out=out)
-
-
-def finalize(xp: Any, buf: Any, op: str, size: int) -> None:
-    """Apply ``avg``'s division as :func:`collectives.ops.finalize` does (integers
-    truncate toward zero), with the array module ``xp``."""
-    if op != "avg" or size == 1 or buf.size == 0:
-        return
-    if buf.dtype.kind in "iu":
-        q = xp.floor_divide(buf, size)
-        fix = (buf < 0) & (q * size != buf)
-        q += fix.astype(q.dtype)
-        buf[...] = q
-    else:
-        xp.divide(buf, buf.dtype.type(size), out=buf)
 
 
 def _typed(view: Any, dtype: np.dtype, count: int, start: int = 0) -> Any:
@@ -248,7 +230,7 @@ def _reduce_chunks(ch: Any, peers: Peers, src: Any, out: Any | None, op: str, ro
     still read by the rank-order reduction), then copied out."""
     yield from _begin(ch)
     try:
-        xp, n, me, dtype = peers.xp, len(peers.views), peers.me, src.dtype
+        n, me, dtype = len(peers.views), peers.me, src.dtype
         step = _chunk_elements(peers, dtype.itemsize)
         for s in range(0, src.size, step):
             c = min(step, src.size - s)
@@ -260,8 +242,8 @@ def _reduce_chunks(ch: Any, peers: Peers, src: Any, out: Any | None, op: str, ro
             lo, hi = off[me], off[me + 1]
             if hi > lo:
                 mine = _typed(peers.views[me], dtype, hi - lo, c)
-                combine(xp, [_typed(v, dtype, hi - lo, lo) for v in peers.views], mine, op)
-                finalize(xp, mine, op, n)
+                combine([_typed(v, dtype, hi - lo, lo) for v in peers.views], mine, op)
+                finalize(mine, op, n)
             yield from _step(peers, ch, REDUCED)
             if root is None or me == root:
                 peers.wait(REDUCED)
@@ -277,7 +259,7 @@ def reduce_scatter(ch: Any, peers: Peers, src: Any, counts: tuple[int, ...], out
     elements, at the offsets of ``counts``) in its flat ``out``."""
     yield from _begin(ch)
     try:
-        xp, n, me, dtype = peers.xp, len(peers.views), peers.me, src.dtype
+        n, me, dtype = len(peers.views), peers.me, src.dtype
         off = offsets(counts)
         piece = max(1, peers.nbytes // (dtype.itemsize * n))  # each block's share of a window
         for j in range(0, max(counts), piece):
@@ -291,8 +273,8 @@ def reduce_scatter(ch: Any, peers: Peers, src: Any, counts: tuple[int, ...], out
             if c:
                 peers.wait(STAGED)
                 dst = out[j : j + c]
-                combine(xp, [_typed(v, dtype, c, me * piece) for v in peers.views], dst, op)
-                finalize(xp, dst, op, n)
+                combine([_typed(v, dtype, c, me * piece) for v in peers.views], dst, op)
+                finalize(dst, op, n)
             yield from _step(peers, ch, READ)
     finally:
         ch.release()

@@ -26,6 +26,11 @@ _MPI_OP = {"sum": MPI.SUM, "avg": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "prod
 _user_ops: dict[str, MPI.Op] = {}
 
 
+def mpi_op(op: str) -> MPI.Op:
+    """The MPI library's predefined op for the reduction ``op`` (avg: SUM, divided after)."""
+    return _MPI_OP[op]
+
+
 def _bf16_op(op: str) -> MPI.Op:
     if op not in _user_ops:
 
@@ -40,7 +45,7 @@ def _spec(buf: np.ndarray, op: str | None = None):
     """Buffer spec and op for mpi4py, mapping bfloat16 onto 16-bit words."""
     if buf.dtype == _BF16:
         return [buf.view(np.uint16), MPI.UINT16_T], (_bf16_op(op) if op else None)
-    return buf, (_MPI_OP[op] if op else None)
+    return buf, (mpi_op(op) if op else None)
 
 
 def _comm(t):

@@ -20,7 +20,7 @@ import numpy as np
 
 from .device import cupy_module
 from .errors import DeviceUnavailableError, UnsupportedDtypeError
-from .ipc import finalize
+from .ops import finalize
 
 __all__ = ["Nccl", "plan", "dtype_code", "available"]
 
@@ -132,7 +132,7 @@ class Nccl:
         self.comm.allReduce(
             src.data.ptr, out.data.ptr, src.size, dtype_code(src.dtype), getattr(nc, _OPS[op]), self._stream()
         )
-        finalize(cupy_module(), out, op, self.size)
+        finalize(out, op, self.size)
 
     def reduce(self, src: Any, out: Any | None, root: int, op: str) -> None:
         """The reduction of every rank's ``src`` into ``out`` on ``root`` (None elsewhere)."""
@@ -142,7 +142,7 @@ class Nccl:
             src.data.ptr, dst, src.size, dtype_code(src.dtype), getattr(nc, _OPS[op]), root, self._stream()
         )
         if out is not None:
-            finalize(cupy_module(), out, op, self.size)
+            finalize(out, op, self.size)
 
     def reduce_scatter(self, src: Any, counts: tuple[int, ...], out: Any, op: str) -> None:
         """Block ``rank`` (``counts``-sized blocks) of every rank's reduced ``src`` into ``out``."""
@@ -159,7 +159,7 @@ class Nccl:
                     self.comm.reduce(piece.data.ptr, dst, c, code, nop, q, stream)
                 start += c
             nc.groupEnd()
-        finalize(cupy_module(), out, op, self.size)
+        finalize(out, op, self.size)
 
     def allgather(self, src: Any, counts: tuple[int, ...], out: Any) -> None:
         """Every rank's ``src`` (``counts`` elements each) into ``out``, in rank order."""
