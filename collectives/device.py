@@ -58,10 +58,7 @@ def describe(x: Any) -> tuple[tuple[int, ...], np.dtype, bool]:
     Raises:
         TypeError: the array's element type has no numpy equivalent.
     """
-    try:
-        cai = x.__cuda_array_interface__
-    except (AttributeError, RuntimeError):
-        cai = None
+    cai = _interface(x)
     if cai is not None:
         shape = tuple(int(d) for d in cai["shape"])
         dtype = np.dtype(cai["typestr"])
@@ -101,11 +98,16 @@ def as_cupy(x: Any) -> Any:
     cp = cupy_module()
     if isinstance(x, cp.ndarray):
         return x
+    return cp.asarray(x) if _interface(x) is not None else cp.from_dlpack(x)
+
+
+def _interface(x: Any) -> dict[str, Any] | None:
+    """``x.__cuda_array_interface__``, or None where it has none or cannot give one (a CPU
+    torch tensor's property raises, as does a CUDA tensor's of a dtype numpy lacks)."""
     try:
-        has_cai = getattr(x, "__cuda_array_interface__", None) is not None
+        return getattr(x, "__cuda_array_interface__", None)
     except (AttributeError, RuntimeError, TypeError):
-        has_cai = False
-    return cp.asarray(x) if has_cai else cp.from_dlpack(x)
+        return None
 
 
 def stand_in(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
