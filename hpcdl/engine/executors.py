@@ -91,23 +91,22 @@ class Executors:
             self._allreduce([descs[i] for i in host], [reqs[i] for i in host], info)
         gpu = [i for i, g in enumerate(on_gpu) if g]
         descs, reqs = [descs[i] for i in gpu], [reqs[i] for i in gpu]
+        for r in reqs:  # wait for what writes each tensor, on whatever stream it was queued
+            r.args["ready"].synchronize()
         cp = cupy_module()
         with cp.cuda.Device(reqs[0].x.device.id):
-            self._allreduce(descs, reqs, info)
+            self._allreduce(descs, reqs, info, on_device=True)
             cp.cuda.get_current_stream().synchronize()
 
-    def _allreduce(self, descs: list[tuple], reqs: list[Request | None], info: ProcessSetInfo) -> None:
+    def _allreduce(
+        self, descs: list[tuple], reqs: list[Request | None], info: ProcessSetInfo, on_device: bool = False
+    ) -> None:
         dtype_name, _, op, pre, post = descs[0][3]
         dtype = DTYPES[dtype_name]
         comm = info.comm
         xs = []
-        on_device = False
         for d, req in zip(descs, reqs, strict=True):
             if req is not None:
-                ready = req.args.get("ready")
-                if ready is not None:  # a CUDA tensor kept on its GPU: wait for what writes it
-                    ready.synchronize()
-                    on_device = True
                 xs.append((req.x, req.out, req))
             else:  # joined: the op's identity, result discarded
                 shape = d[3][1]
@@ -140,11 +139,10 @@ class Executors:
         fusion = info.device_fusion if on_device else info.fusion
         if fusion is None or fusion.nbytes < nbytes:
             grown = max(nbytes, min(2 * (0 if fusion is None else fusion.nbytes), self.cfg.fusion_threshold))
-            fusion = self.device_fusion_buffer(small[0][0], grown) if on_device else self.fusion_buffer(info, grown)
             if on_device:
-                info.device_fusion = fusion
+                fusion = info.device_fusion = cupy_module().empty(grown, np.uint8)  # on the current GPU
             else:
-                info.fusion = fusion
+                fusion = info.fusion = self.fusion_buffer(info, grown)
         buf = fusion[:nbytes].view(dtype)
         t0 = time.perf_counter()
         off = 0
@@ -169,13 +167,6 @@ class Executors:
                 out.reshape(-1)[...] = seg
             off += out.size
         self.span(reqs, "MEMCPY_OUT_FUSION_BUFFER", t2)
-
-    @staticmethod
-    def device_fusion_buffer(like: Any, nbytes: int) -> Any:
-        """A fusion buffer of ``nbytes`` on the GPU of the device array ``like``."""
-        cp = cupy_module()
-        with cp.cuda.Device(like.device.id):
-            return cp.empty(nbytes, cp.uint8)
 
     @staticmethod
     def fusion_buffer(info: ProcessSetInfo, nbytes: int) -> np.ndarray:
