@@ -514,6 +514,8 @@ def reduce_scatter_agreed(
         res = onestep(comm, ("reduce_scatter", x.dtype, x.shape, op, "auto"), x, out)
         if res is not _SLOW:
             return res
+    elif is_device(x):
+        return gpu.reduce_scatter(x, op, "auto", out, comm, reduce_scatter)
     return _reduce_scatter(x, op, "auto", out, comm, True, agreed=True)
 
 
@@ -524,6 +526,8 @@ def broadcast_agreed(x: np.ndarray, root: int = 0, *, out: np.ndarray | None = N
         res = onestep(comm, ("broadcast", x.dtype, x.shape, root, "auto"), x, out)
         if res is not _SLOW:
             return res
+    elif is_device(x):
+        return gpu.broadcast(x, root, "auto", out, comm, broadcast)
     return _broadcast(x, root, "auto", out, comm, True, agreed=True)
 
 
@@ -537,6 +541,8 @@ def allgather_agreed(
         res = _fast_allgather(comm, ("allgather", x.dtype, x.shape, None, "auto"), x, out)
         if res is not _SLOW:
             return res
+    elif is_device(x):  # rows are agreed again, with the memory kind
+        return gpu.allgather(x, "auto", out, comm, allgather)
     return _allgather(x, "auto", out, comm, True, rows=rows)
 
 

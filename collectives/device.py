@@ -15,6 +15,7 @@ import functools
 import os
 from typing import Any
 
+import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy, for dtypes read by name
 import numpy as np
 
 from .errors import DeviceUnavailableError
@@ -26,7 +27,9 @@ __all__ = [
     "as_cupy",
     "stand_in",
     "cuda_aware_mpi",
+    "bfloat16_ok",
     "CUDA_DLPACK_DEVICES",
+    "BFLOAT16_CUPY",
 ]
 
 CUDA_DLPACK_DEVICES = (2, 13)
@@ -62,11 +65,19 @@ def describe(x: Any) -> tuple[tuple[int, ...], np.dtype, bool]:
     if cai is not None:
         shape = tuple(int(d) for d in cai["shape"])
         dtype = np.dtype(cai["typestr"])
+        if dtype.kind == "V":  # a type the interface cannot spell (CuPy's bfloat16): the array says
+            dtype = _own_dtype(x)
         strides = cai.get("strides")
         contiguous = strides is None or tuple(strides) == _c_strides(shape, dtype.itemsize)
         return shape, dtype, contiguous
     # DLPack only: the object is array-like enough to say its shape and dtype itself
-    return tuple(int(d) for d in x.shape), np.dtype(str(x.dtype).removeprefix("torch.")), True
+    return tuple(int(d) for d in x.shape), _own_dtype(x), True
+
+
+def _own_dtype(x: Any) -> np.dtype:
+    """The numpy dtype named by ``x.dtype`` (a torch dtype without its prefix; bfloat16 is
+    ml_dtypes')."""
+    return np.dtype(str(x.dtype).removeprefix("torch."))
 
 
 def _c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
@@ -91,6 +102,18 @@ def cupy_module() -> Any:
             "install it with `pip install hpcdl[gpu]` or the cupy-cuda* wheel matching your CUDA runtime"
         ) from exc
     return cupy
+
+
+BFLOAT16_CUPY = 14
+"""The first CuPy major version with a bfloat16 dtype (ml_dtypes') and its arithmetic."""
+
+
+def bfloat16_ok(cp: Any) -> bool:
+    """True when the CuPy module ``cp`` holds and reduces bfloat16 arrays."""
+    try:
+        return int(str(cp.__version__).split(".")[0]) >= BFLOAT16_CUPY
+    except ValueError:
+        return False
 
 
 def as_cupy(x: Any) -> Any:

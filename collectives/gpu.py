@@ -36,7 +36,16 @@ from mpi4py import MPI
 from . import ipc
 from .agreement import ROWS, Call
 from .context import Context, get_context
-from .device import as_cupy, cuda_aware_mpi, cupy_module, describe, is_device, stand_in
+from .device import (
+    BFLOAT16_CUPY,
+    as_cupy,
+    bfloat16_ok,
+    cuda_aware_mpi,
+    cupy_module,
+    describe,
+    is_device,
+    stand_in,
+)
 from .errors import CollectiveError, InvalidArgumentError, OutputMismatchError, UnsupportedDtypeError
 from .layout import block_counts, offsets
 from .native import mpi_op
@@ -46,7 +55,7 @@ from .ops import finalize
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "NCCL_DTYPES"]
 
-NCCL_DTYPES = ("int8", "uint8", "int32", "int64", "float16", "float32", "float64")
+NCCL_DTYPES = ("int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64")
 """The dtypes NCCL reduces and moves."""
 
 _MPI_DTYPES = ("int8", "int16", "int32", "int64", "uint8", "float32", "float64")
@@ -92,6 +101,11 @@ def _call(ctx: Context, collective: str, x: Any, algorithm: str, op: str | None 
     xa = None
     if call.error is None:
         try:
+            if dtype.name == "bfloat16" and not bfloat16_ok(cupy_module()):
+                raise UnsupportedDtypeError(
+                    f"{collective}: bfloat16 device arrays need CuPy {BFLOAT16_CUPY} or later "
+                    f"(this is {cupy_module().__version__})"
+                )
             xa = as_cupy(x)
         except Exception as exc:  # noqa: BLE001 - CuPy missing, or an array it cannot view
             call.fail(exc if isinstance(exc, CollectiveError) else InvalidArgumentError(f"{collective}: {exc}"))
@@ -283,9 +297,9 @@ def allgather(x: Any, algorithm: str, out: Any, comm: Any, host: Host) -> Any:
         flat[...] = src
         return _finish(cp, o, out)
     alg = _resolve(ctx, call)
+    if _overlaps(flat, src):  # x inside out (ZeroOptimizer's shard): no algorithm reads and writes one buffer
+        src = src.copy()
     if alg == "ipc":
-        if _overlaps(flat, src):
-            src = src.copy()
         ctx.run(ipc.allgather(ctx.channel(), _peers(ctx), src, counts, flat))
     elif alg == "nccl":
         _nccl(ctx).allgather(src, counts, flat)

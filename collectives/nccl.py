@@ -30,6 +30,7 @@ _DTYPES = {
     "int32": "NCCL_INT32",
     "int64": "NCCL_INT64",
     "float16": "NCCL_FLOAT16",
+    "bfloat16": "NCCL_BFLOAT16",
     "float32": "NCCL_FLOAT32",
     "float64": "NCCL_FLOAT64",
 }

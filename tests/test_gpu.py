@@ -13,6 +13,7 @@ ranks on one GPU.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -21,6 +22,7 @@ from reference import OPS, check_close, digest, make_input, rank_order
 import collectives as C
 from collectives.config import Config
 from collectives.context import get_context
+from collectives.device import bfloat16_ok
 from collectives.errors import CollectiveMismatchError, DeviceUnavailableError, UnsupportedDtypeError
 from collectives.layout import block_counts, offsets
 from collectives.nccl import plan as nccl_plan
@@ -50,7 +52,8 @@ if GPUS:
 
     cp.cuda.Device(ME % GPUS).use()
 
-DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8]
+BF16 = [ml_dtypes.bfloat16] if GPUS and bfloat16_ok(cp) else []  # CuPy 14 holds bfloat16
+DTYPES = [np.float16, *BF16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8]
 COUNTS = [1, 3, 1001, 300_000]
 
 
@@ -107,7 +110,7 @@ def test_allreduce_on_device(comm, dtype, op, count):
         assert cp.asnumpy(y).tobytes() == host.tobytes()
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int32], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("dtype", [np.float16, *BF16, np.float32, np.int32], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("count", [1, 1001, 300_001])
 def test_reduce_scatter_and_reduce_on_device(comm, dtype, op, count):
@@ -126,7 +129,7 @@ def test_reduce_scatter_and_reduce_on_device(comm, dtype, op, count):
             assert got is None
 
 
-@pytest.mark.parametrize("dtype", [np.uint8, np.float16, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("dtype", [np.uint8, np.float16, *BF16, np.float64], ids=lambda d: np.dtype(d).name)
 def test_allgather_broadcast_alltoall_on_device(comm, dtype):
     rows = [3 + 50_000 * r for r in range(N)]
     xs = [make_input(r, rows[r] * 2, dtype, "sum", 23).reshape(rows[r], 2) for r in range(N)]
@@ -141,6 +144,20 @@ def test_allgather_broadcast_alltoall_on_device(comm, dtype):
     got = cp.asnumpy(C.alltoall(x, comm=comm))
     want = np.concatenate([np.arange(4 * N, dtype=np.float32)[4 * ME : 4 * ME + 4] + 100 * r for r in range(N)])
     assert np.array_equal(got, want)
+
+
+def test_torch_bfloat16_tensors_reduce_or_need_cupy_14_on_every_rank(comm):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    t = torch.full((1000,), ME + 0.5, dtype=torch.bfloat16, device=f"cuda:{ME % GPUS}")
+    if not BF16:
+        with pytest.raises(UnsupportedDtypeError, match="bfloat16 device arrays need CuPy 14"):
+            C.allreduce(t, comm=comm)
+        return
+    assert C.allreduce(t, out=t, comm=comm) is t
+    want = rank_order([np.full(1000, r + 0.5, ml_dtypes.bfloat16) for r in range(N)], "sum")
+    assert t.view(torch.int16).cpu().numpy().tobytes() == want.view(np.int16).tobytes()
 
 
 def test_torch_cuda_tensors_go_through_as_they_are(comm):
