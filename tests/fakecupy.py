@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+__version__ = "14.2.0"  # the CuPy whose API this stands in for (bfloat16 included)
+
 
 class _Ptr:
     def __init__(self, ptr: int) -> None:
@@ -88,6 +90,14 @@ def zeros(shape: Any, dtype: Any = np.float32) -> ndarray:
 
 def ones(shape: Any, dtype: Any = np.float32) -> ndarray:
     return np.ones(shape, dtype).view(ndarray)
+
+
+def full(shape: Any, value: Any, dtype: Any = None) -> ndarray:
+    return np.full(shape, value, dtype).view(ndarray)
+
+
+def empty_like(a: Any) -> ndarray:
+    return np.empty_like(np.asarray(a)).view(ndarray)
 
 
 def ascontiguousarray(a: Any) -> ndarray:

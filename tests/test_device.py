@@ -315,7 +315,7 @@ def _run(fake, alg):
 
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.parametrize("alg", FAKE_ALGS)
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.int64], ids=str)
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32, np.int64], ids=str)
 @pytest.mark.parametrize("op", OPS)
 def test_device_allreduce_logic(fake, alg, dtype, op):
     cp = fake[0]
@@ -400,6 +400,22 @@ def test_device_out_checks_fail_on_every_rank(fake):
             assert cp.asnumpy(got)[0] == N
         finally:
             multi.Free()
+    assert cp.asnumpy(C.allreduce(x, comm=comm))[0] == N
+
+
+@pytest.mark.mpi(min_size=1)
+def test_bfloat16_before_cupy_14_is_an_error_on_every_rank(fake, monkeypatch):
+    cp, comm, _ = fake
+    x = cp.asarray(np.ones(10, ml_dtypes.bfloat16))
+    assert describe(x)[1] == np.dtype(ml_dtypes.bfloat16)  # the interface says "<V2"; the array says more
+    if ME == 0:
+        monkeypatch.setattr(cp, "__version__", "13.6.0")
+    with pytest.raises((C.UnsupportedDtypeError, C.PeerInputError)) as info:
+        C.allreduce(x, comm=comm)
+    assert isinstance(info.value, C.UnsupportedDtypeError) == (ME == 0)
+    if ME == 0:
+        assert "bfloat16 device arrays need CuPy 14 or later (this is 13.6.0)" in str(info.value)
+        monkeypatch.setattr(cp, "__version__", "14.2.0")
     assert cp.asnumpy(C.allreduce(x, comm=comm))[0] == N
 
 
