@@ -1,11 +1,13 @@
 """Tensor staging: torch tensors as numpy views for the engine, and results back as tensors.
 
 CPU tensors reach the array layer without a copy when contiguous (bfloat16 and bool
-through a view of the same memory). CUDA tensors are staged through pinned host memory,
-as Horovod does over an MPI that is not CUDA-aware: the request carries a host copy,
-reduced in place, and the result is copied back to the tensor's device when the handle
-is synchronized. Where CuPy is installed, an allreduce of a CUDA tensor stays on the
-device instead (:func:`device_source`).
+through a view of the same memory). CUDA tensors stay on their GPU where CuPy is
+installed and the device path is on (:func:`device_source`): the request carries a CuPy
+view of the tensor (:func:`to_cupy`), and results the engine allocates come back as CUDA
+tensors over the same memory (:func:`from_cupy`). Otherwise CUDA tensors are staged
+through pinned host memory, as Horovod does over an MPI that is not CUDA-aware: the
+request carries a host copy, and the result is copied back to the tensor's device when
+the handle is synchronized.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from collectives.device import cupy_module
+from collectives.device import as_cupy, bfloat16_ok, cupy_module
 from collectives.errors import DeviceUnavailableError
 
 __all__ = [
@@ -33,6 +35,10 @@ __all__ = [
     "tensor_list",
     "device_source",
     "ready_event",
+    "to_cupy",
+    "from_cupy",
+    "result_tensor",
+    "memory",
 ]
 
 REDUCIBLE = (
@@ -93,17 +99,50 @@ def host_source(t: Any, what: str) -> torch.Tensor:
 def device_source(t: torch.Tensor, enabled: bool) -> torch.Tensor | None:
     """``t`` detached and contiguous on its GPU (``t`` itself when it already is, else a
     private copy), for a collective that keeps it on the device: where ``enabled``, ``t`` is
-    a CUDA tensor, CuPy can be imported and has its dtype (not bfloat16 or bool, which are
-    staged through host memory). None otherwise."""
-    if not enabled or not isinstance(t, torch.Tensor) or t.device.type != "cuda":
-        return None
-    if t.dtype not in REDUCIBLE or t.dtype == torch.bfloat16:
+    a CUDA tensor of a dtype hpcdl moves, and CuPy can be imported and holds that dtype
+    (bfloat16 needs CuPy 14). None otherwise: the caller stages ``t`` through host memory."""
+    if not enabled or not isinstance(t, torch.Tensor) or t.device.type != "cuda" or t.dtype not in MOVABLE:
         return None
     try:
-        cupy_module()
+        cp = cupy_module()
     except DeviceUnavailableError:
         return None
+    if t.dtype == torch.bfloat16 and not bfloat16_ok(cp):
+        return None
     return t.detach().contiguous()
+
+
+def to_cupy(t: torch.Tensor) -> Any:
+    """A CuPy view of the contiguous CUDA tensor ``t`` (no copy): bfloat16 as ml_dtypes'
+    bfloat16, bool as uint8, as :func:`to_numpy` views CPU tensors."""
+    if t.dtype == torch.bfloat16:
+        return as_cupy(t.view(torch.int16)).view(ml_dtypes.bfloat16)
+    if t.dtype == torch.bool:
+        return as_cupy(t.view(torch.uint8))
+    return as_cupy(t)
+
+
+def from_cupy(a: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A CUDA tensor of ``dtype`` over the CuPy array ``a`` (no copy)."""
+    if dtype == torch.bfloat16:
+        return torch.from_dlpack(a.view(np.int16)).view(torch.bfloat16)
+    if dtype == torch.bool:
+        return torch.from_dlpack(a).view(torch.bool)
+    return torch.from_dlpack(a)
+
+
+def result_tensor(a: Any, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The engine's result ``a`` as a tensor of ``dtype`` on ``device``, the device of the
+    tensor it answers: a host array is wrapped (and copied to a CUDA ``device``), a device
+    array wrapped where it lies."""
+    if isinstance(a, np.ndarray):
+        return home(to_torch(a, dtype), device)
+    return from_cupy(a, dtype)
+
+
+def memory(on_device: bool) -> str:
+    """The memory a request's buffers are in, as its signature says: every rank's must agree."""
+    return "device" if on_device else "host"
 
 
 def ready_event(t: torch.Tensor) -> Any:
@@ -126,7 +165,7 @@ def home(out: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def check_tensor(t: torch.Tensor, kind: str, allowed: tuple[torch.dtype, ...]) -> str | None:
     """The problem with ``t`` for ``kind`` (it travels to every rank), or None."""
-    if t.device.type != "cpu":
+    if t.device.type not in ("cpu", "cuda"):  # a CUDA tensor here stays on the device
         return f"tensor on {t.device}: hpcdl moves CPU and CUDA tensors only"
     if t.dtype not in allowed:
         names = ", ".join(str(d).removeprefix("torch.") for d in allowed)

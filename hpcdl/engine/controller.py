@@ -155,7 +155,7 @@ class Controller:
             if problem is None and d[1] == "allreduce" and limit and d[3][2] != "adasum":  # adasum: per tensor
                 nbytes = math.prod(d[3][1]) * DTYPES[d[3][0]].itemsize
                 if nbytes <= limit:
-                    key = (d[2], d[3][0], d[3][2], d[3][3], d[3][4])
+                    key = (d[2], d[3][0], *d[3][2:])  # set, dtype, op, scale factors, memory
                     batch = open_batch.get(key)
                     if batch is not None and batch[1] + nbytes <= limit:
                         batch[0].append(item)

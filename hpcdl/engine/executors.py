@@ -1,23 +1,28 @@
 """The executors: one function per collective, running an agreed request (or a fused group
-of allreduces) through :mod:`collectives` on the process set's communicator. An allreduce
-of CUDA tensors kept on their GPU (CuPy views) is fused into a device buffer and reduced
-by the collectives' device path.
+of allreduces) through :mod:`collectives` on the process set's communicator. Requests whose
+signature says ``device`` memory carry CuPy views of CUDA tensors: they run with the
+tensors' GPU current, after the events recorded when they were submitted, through the
+collectives' device path, and the engine's stream is synchronized before they complete.
 
 The engine has already agreed every argument across ranks, so the executors call
 ``collectives``' agreed entry points, which skip the collectives' own signature exchange.
 A rank that joined runs an allreduce with the op's identity, its result discarded, so
-the members' collectives always match (only allreduce runs while ranks have joined).
+the members' collectives always match (only allreduce runs while ranks have joined); for
+device memory the identity is made on the GPU given to ``join`` (else the GPU this rank's
+device requests last used).
 
 Fusion: small allreduces of one group are packed into one persistent buffer per process
 set (grown up to ``fusion_threshold`` bytes, in the set's node window where it has one, so
-the collectives read it in place) and reduced with one call; a tensor of ``fusion_alone_bytes``
-or more is reduced alone where it lies, since fusion would only copy it.
+the collectives read it in place; on the GPU for device memory) and reduced with one call;
+a tensor of ``fusion_alone_bytes`` or more is reduced alone where it lies, since fusion
+would only copy it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -27,6 +32,7 @@ from collectives import agreed
 from collectives.arena import allocate
 from collectives.context import get_context
 from collectives.device import cupy_module
+from collectives.errors import DeviceUnavailableError
 from collectives.layout import block_counts, offsets
 from collectives.select import choose
 
@@ -55,10 +61,15 @@ class Executors:
         self.cfg = config
         self.span = span
         self.algs: dict[tuple, str] = {}
+        self.join_device = -1
+        """The GPU a joined rank makes its identity tensors on for device allreduces (``join``'s
+        ``device``; -1: the GPU of this rank's last device request)."""
 
-    def algorithm(self, comm: Any, coll: str, nbytes: int) -> str:
+    def algorithm(self, comm: Any, coll: str, nbytes: int, device: bool = False) -> str:
         """The algorithm ``collectives`` picks for ``coll`` of ``nbytes`` on ``comm`` (cached;
-        for the timeline)."""
+        for the timeline); ``"device"`` for device memory (the device path's own choice)."""
+        if device:
+            return "device"
         key = (id(comm), coll, nbytes)
         alg = self.algs.get(key)
         if alg is None:
@@ -72,45 +83,71 @@ class Executors:
         """Run the agreed data collective ``kind`` and return its result. ``entries``: the
         controller's entry of each request of the group (every rank's descriptor, by
         rank); ``reqs``: this rank's requests, None where it joined."""
+        descs = [next(iter(e.descs.values())) for e in entries]
+        if descs[0][3][-1] != "device":
+            return self._run(kind, descs, entries, reqs, info, rank, None)
+        with self._on_gpu(reqs, info) as cp:
+            return self._run(kind, descs, entries, reqs, info, rank, cp)
+
+    def _run(
+        self,
+        kind: str,
+        descs: list[tuple],
+        entries: list[Any],
+        reqs: list[Request | None],
+        info: ProcessSetInfo,
+        rank: int,
+        cp: Any,
+    ) -> Any:
         if kind == "allreduce":
-            self.allreduce([next(iter(e.descs.values())) for e in entries], reqs, info)
+            self._allreduce(descs, reqs, info, cp, device=descs[0][3][-1] == "device")
             return None
         return getattr(self, kind)(entries[0].descs, reqs[0], info, rank)
 
-    def allreduce(self, descs: list[tuple], reqs: list[Request | None], info: ProcessSetInfo) -> None:
-        """Reduce a group of agreed allreduces (``descs``: one descriptor of each), fusing
-        the small ones; results land in each request's ``out``. CUDA tensors kept on their
-        GPU are read once their ready events have passed and are finished (the engine's
-        stream synchronized) when this returns."""
-        on_gpu = [r is not None and "ready" in r.args for r in reqs]
-        if not any(on_gpu):
-            self._allreduce(descs, reqs, info)
-            return
-        if not all(on_gpu):  # a grouped call mixing host and CUDA tensors: the host ones first
-            host = [i for i, g in enumerate(on_gpu) if not g]
-            self._allreduce([descs[i] for i in host], [reqs[i] for i in host], info)
-        gpu = [i for i, g in enumerate(on_gpu) if g]
-        descs, reqs = [descs[i] for i in gpu], [reqs[i] for i in gpu]
-        for r in reqs:  # wait for what writes each tensor, on whatever stream it was queued
+    @contextlib.contextmanager
+    def _on_gpu(self, reqs: list[Request | None], info: ProcessSetInfo) -> Iterator[Any]:
+        """Run a group of device requests: after each tensor's ready event, with its GPU
+        current, the stream synchronized at the end. Gives the CuPy module, or None on a
+        joined rank without CuPy (whose host identity then fails the group on every rank)."""
+        mine = [r for r in reqs if r is not None]
+        for r in mine:  # wait for what writes each tensor, on whatever stream it was queued
             r.args["ready"].synchronize()
-        cp = cupy_module()
-        with cp.cuda.Device(reqs[0].x.device.id):
-            self._allreduce(descs, reqs, info, on_device=True)
+        try:
+            cp = cupy_module()
+        except DeviceUnavailableError:
+            if mine:
+                raise
+            yield None
+            return
+        if mine:
+            dev = mine[0].x.device.id
+        elif self.join_device >= 0:
+            dev = self.join_device
+        else:
+            dev = info.device_fusion.device.id if info.device_fusion is not None else cp.cuda.Device().id
+        with cp.cuda.Device(dev):
+            yield cp
             cp.cuda.get_current_stream().synchronize()
 
     def _allreduce(
-        self, descs: list[tuple], reqs: list[Request | None], info: ProcessSetInfo, on_device: bool = False
+        self, descs: list[tuple], reqs: list[Request | None], info: ProcessSetInfo, cp: Any, device: bool
     ) -> None:
-        dtype_name, _, op, pre, post = descs[0][3]
+        """Reduce a group of agreed allreduces (``descs``: one descriptor of each), fusing
+        the small ones; results land in each request's ``out``. ``cp``: the CuPy module for
+        device memory; ``device`` without ``cp``: a joined rank that cannot make device
+        arrays, whose host identity takes the agreeing path so every rank fails alike."""
+        dtype_name, _, op, pre, post, _ = descs[0][3]
         dtype = DTYPES[dtype_name]
         comm = info.comm
+        xp = np if cp is None else cp
+        reduce = collectives.allreduce if device and cp is None else agreed.allreduce
         xs = []
         for d, req in zip(descs, reqs, strict=True):
             if req is not None:
                 xs.append((req.x, req.out, req))
             else:  # joined: the op's identity, result discarded
                 shape = d[3][1]
-                xs.append((np.full(shape, identity(op, dtype), dtype), np.empty(shape, dtype), None))
+                xs.append((xp.full(shape, identity(op, dtype), dtype), xp.empty(shape, dtype), None))
         limit = self.cfg.fusion_alone_bytes if op != "adasum" else 0  # adasum combines each tensor alone
         small = [e for e in xs if e[0].nbytes < limit]
         alone = [e for e in xs if e[0].nbytes >= limit]
@@ -125,24 +162,26 @@ class Executors:
             if op == "adasum":
                 agreed.adasum(src, out=out, comm=comm)
             else:
-                agreed.allreduce(src, op=op, out=out, comm=comm)
+                reduce(src, op=op, out=out, comm=comm)
             if post != 1.0:
                 scale(out, post, out)
-            alg = "adasum" if op == "adasum" else self.algorithm(comm, "allreduce", out.nbytes)
+            alg = "adasum" if op == "adasum" else self.algorithm(comm, "allreduce", out.nbytes, device)
             self.span([req], "ALLREDUCE", t0, algorithm=alg, bytes=int(out.nbytes))
         if not small:
             return
         reqs = [req for _, _, req in small]
         total = sum(x.size for x, _, _ in small)
         nbytes = total * dtype.itemsize
-        alg = self.algorithm(comm, "allreduce", nbytes)
-        fusion = info.device_fusion if on_device else info.fusion
+        alg = self.algorithm(comm, "allreduce", nbytes, device)
+        fusion = info.fusion if cp is None else info.device_fusion
+        if cp is not None and fusion is not None and fusion.device.id != cp.cuda.Device().id:
+            fusion = None  # made on another GPU: a new one on this rank's current one
         if fusion is None or fusion.nbytes < nbytes:
             grown = max(nbytes, min(2 * (0 if fusion is None else fusion.nbytes), self.cfg.fusion_threshold))
-            if on_device:
-                fusion = info.device_fusion = cupy_module().empty(grown, np.uint8)  # on the current GPU
-            else:
+            if cp is None:
                 fusion = info.fusion = self.fusion_buffer(info, grown)
+            else:
+                fusion = info.device_fusion = cp.empty(grown, np.uint8)  # on the current GPU
         buf = fusion[:nbytes].view(dtype)
         t0 = time.perf_counter()
         off = 0
@@ -155,7 +194,7 @@ class Executors:
             off += x.size
         t1 = time.perf_counter()
         self.span(reqs, "MEMCPY_IN_FUSION_BUFFER", t0)
-        agreed.allreduce(buf, op=op, out=buf, comm=comm)
+        reduce(buf, op=op, out=buf, comm=comm)
         self.span(reqs, "ALLREDUCE", t1, algorithm=alg, bytes=int(nbytes), fused=len(small))
         t2 = time.perf_counter()
         off = 0
@@ -180,7 +219,7 @@ class Executors:
         t0 = time.perf_counter()
         # an ``out`` (ZeroOptimizer's flat parameters) holds this rank's block already
         res = agreed.allgather(req.x, rows, comm=info.comm, out=req.out)
-        alg = self.algorithm(info.comm, "allgather", res.nbytes)
+        alg = self.algorithm(info.comm, "allgather", res.nbytes, "ready" in req.args)
         self.span([req], "ALLGATHER", t0, algorithm=alg, bytes=int(res.nbytes))
         return res
 
@@ -190,7 +229,7 @@ class Executors:
         src = req.x if rank == root else out
         t0 = time.perf_counter()
         agreed.broadcast(src, info.ranks.index(root), out=out, comm=info.comm)
-        alg = self.algorithm(info.comm, "broadcast", out.nbytes)
+        alg = self.algorithm(info.comm, "broadcast", out.nbytes, "ready" in req.args)
         self.span([req], "BROADCAST", t0, algorithm=alg, bytes=int(out.nbytes))
         return out
 
@@ -206,7 +245,7 @@ class Executors:
         return out, received
 
     def reducescatter(self, descs: dict[int, tuple], req: Request, info: ProcessSetInfo, rank: int) -> Any:
-        _, shape, op, pre, post = req.sig
+        _, shape, op, pre, post, _ = req.sig
         n, me = len(info.ranks), info.ranks.index(rank)
         x, out = req.x, req.out
         t0 = time.perf_counter()
@@ -217,7 +256,7 @@ class Executors:
         rows = shape[0] if shape else 0
         if rows % n == 0 and x.size:
             agreed.reduce_scatter(src, op=op, out=out.reshape(-1), comm=info.comm)
-            alg = self.algorithm(info.comm, "reduce_scatter", x.nbytes)
+            alg = self.algorithm(info.comm, "reduce_scatter", x.nbytes, "ready" in req.args)
         else:  # uneven rows: reduce everything, keep this rank's rows
             full = agreed.allreduce(src, op=op, comm=info.comm)
             off = offsets(block_counts(rows, n))

@@ -94,8 +94,11 @@ class Engine:
             raise req.exc
         return req.result
 
-    def join(self) -> int:
-        """Mark this rank as joined and wait until every rank has; return the last to join."""
+    def join(self, device: int = -1) -> int:
+        """Mark this rank as joined and wait until every rank has; return the last to join.
+        ``device``: the GPU its identity tensors are made on for allreduces of device
+        memory meanwhile (-1: the GPU of its last device request)."""
+        self.executors.join_device = int(device)
         req = self.queue.push_join()
         self.bell.poke()
         return self.wait(req)

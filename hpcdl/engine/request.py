@@ -23,18 +23,20 @@ import collectives
 __all__ = ["Request", "ProcessSetInfo", "SIG_FIELDS", "DATA_KINDS", "JOIN_OK", "CONTROL_KINDS", "DTYPES", "identity"]
 
 SIG_FIELDS: dict[str, tuple[str, ...]] = {
-    "allreduce": ("dtype", "shape", "op", "prescale_factor", "postscale_factor"),
-    "reducescatter": ("dtype", "shape", "op", "prescale_factor", "postscale_factor"),
-    "allgather": ("dtype", "shape after the first dimension"),
-    "broadcast": ("dtype", "shape", "root_rank"),
-    "alltoall": ("dtype", "shape after the first dimension"),
+    "allreduce": ("dtype", "shape", "op", "prescale_factor", "postscale_factor", "memory"),
+    "reducescatter": ("dtype", "shape", "op", "prescale_factor", "postscale_factor", "memory"),
+    "allgather": ("dtype", "shape after the first dimension", "memory"),
+    "broadcast": ("dtype", "shape", "root_rank", "memory"),
+    "alltoall": ("dtype", "shape after the first dimension", "memory"),
     "barrier": (),
     "add_process_set": ("ranks",),
     "remove_process_set": ("process set",),
     "start_timeline": ("mark_cycles",),
     "stop_timeline": (),
 }
-"""The compared fields of each kind's signature, in order, for error messages."""
+"""The compared fields of each kind's signature, in order, for error messages. A data
+kind's last field is its buffers' memory: ``"host"``, or ``"device"`` where CUDA tensors
+stay on their GPU (CuPy views); ranks must agree on it, as Horovod's on CPU or GPU."""
 
 DATA_KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
 """Kinds that move data through :mod:`collectives`."""

@@ -19,10 +19,12 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 
 def join(device: int = -1) -> int:
     """Declare that this rank has no more work: until every rank has joined, the others'
-    allreduce, allgather and broadcast requests proceed with this rank contributing
-    nothing (the op's identity for reductions, no rows for allgather). Returns the rank
-    that joined last. ``device`` is accepted for Horovod compatibility."""
-    return state.running().engine.join()
+    allreduces proceed with this rank contributing the op's identity (any other
+    collective raises on the ranks that submit it, as in Horovod). Returns the rank that
+    joined last. ``device``: the GPU the identity is made on when the others reduce CUDA
+    tensors on the device path (as Horovod's, -1 by default: then the GPU this rank last
+    reduced on, else CuPy's current one)."""
+    return state.running().engine.join(device)
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

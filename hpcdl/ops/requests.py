@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from collectives.device import as_cupy
 from collectives.layout import block_counts
 
 from .. import state
@@ -29,14 +28,15 @@ from ..staging import (
     check_tensor,
     device_source,
     dtype_name,
-    home,
     host_source,
     inplace_problem,
     is_private,
+    memory,
     ready_event,
+    result_tensor,
     tensor_list,
+    to_cupy,
     to_numpy,
-    to_torch,
 )
 from .reduce_op import OP_NAMES, Adasum, ReduceOp, resolve_op
 
@@ -68,6 +68,27 @@ def _group_name(base: str, i: int, count: int) -> str:
     return base if count == 1 else f"{base}.{i}"
 
 
+def _source(rt: state.Runtime, t: Any, what: str, device_ok: bool = True) -> tuple[torch.Tensor, bool]:
+    """``(src, on_device)``: the tensor the engine reads for ``t``, on its GPU where the
+    device path takes it (:func:`~hpcdl.staging.device_source`), else in host memory."""
+    src = device_source(t, rt.config.device_path and device_ok)
+    if src is not None:
+        return src, True
+    return host_source(t, what), False
+
+
+def _buffers(on_device: bool, problem: str | None, x: torch.Tensor, out: torch.Tensor | None = None) -> dict[str, Any]:
+    """A request's buffers (``x``, ``out``: numpy or CuPy views; none after a problem) and,
+    on the device, the event the engine awaits before reading them."""
+    if problem is not None:
+        return {}
+    view = to_cupy if on_device else to_numpy
+    bufs = {"x": view(x), "out": None if out is None else view(out)}
+    if on_device:
+        bufs["ready"] = ready_event(x)
+    return bufs
+
+
 # -- allreduce -----------------------------------------------------------------------------
 def start_allreduce(
     tensors: Sequence[torch.Tensor],
@@ -90,13 +111,9 @@ def start_allreduce(
     reqs, outs, fixups = [], [], []
     base = request_name(rt, "allreduce", sid, name)
     bad_op = op if isinstance(op, str) else None
-    on_device = rt.config.device_path and op != Adasum
     for i, t in enumerate(tensors):
         # a CUDA tensor stays on its GPU where CuPy can take it; else it is staged on the host
-        src = device_source(t, on_device)
-        dev = src is not None
-        if not dev:
-            src = host_source(t, what)
+        src, dev = _source(rt, t, what, device_ok=op != Adasum)
         problem = bad_op or check_tensor(src, "allreduce", REDUCIBLE) or adasum_problem(op, src, process_set)
         problem = problem or (inplace_problem(t, what + "_") if inplace else None)
         private = is_private(src, t)
@@ -105,17 +122,14 @@ def start_allreduce(
         out = src if inplace or private else torch.empty_like(src)
         if inplace and private:
             fixups.append(lambda t=t, out=out: t.copy_(out))
-        view = as_cupy if dev else to_numpy
         reqs.append(
             Request(
                 _group_name(base, i, len(tensors)),
                 "allreduce",
                 sid,
-                (dtype_name(src), tuple(src.shape), OP_NAMES.get(op, "invalid"), float(pre), float(post)),
+                (dtype_name(src), tuple(src.shape), OP_NAMES.get(op, "invalid"), float(pre), float(post), memory(dev)),
                 error=problem,
-                x=view(src) if problem is None else None,
-                out=view(out) if problem is None else None,
-                **({"ready": ready_event(src)} if dev and problem is None else {}),
+                **_buffers(dev, problem, src, out),
             )
         )
         outs.append(t if inplace else out)
@@ -130,7 +144,7 @@ def _allgather_reqs(
     tensors = tensor_list(tensors, what)
     base = request_name(rt, "allgather", sid, name)
     for i, t in enumerate(tensors):
-        src = host_source(t, what)
+        src, dev = _source(rt, t, what)
         problem = check_tensor(src, "allgather", MOVABLE)
         if problem is None and src.dim() == 0:
             problem = "allgather needs a tensor with at least one dimension"
@@ -140,14 +154,14 @@ def _allgather_reqs(
                 _group_name(base, i, len(tensors)),
                 "allgather",
                 sid,
-                (dtype_name(src), item),
+                (dtype_name(src), item, memory(dev)),
                 var=src.shape[0] if src.dim() else 0,  # every rank's rows: the engine gathers without asking
                 error=problem,
-                x=to_numpy(src) if problem is None else None,
+                **_buffers(dev, problem, src),
             )
         )
     kinds = [(t.dtype, t.device) for t in tensors]
-    return reqs, lambda results: [home(to_torch(r, d), dev) for r, (d, dev) in zip(results, kinds, strict=True)]
+    return reqs, lambda results: [result_tensor(r, d, dev) for r, (d, dev) in zip(results, kinds, strict=True)]
 
 
 def start_allgather(tensors: Sequence[torch.Tensor], name: str | None, process_set: ProcessSet, single: bool) -> int:
@@ -162,8 +176,10 @@ def start_allgather(tensors: Sequence[torch.Tensor], name: str | None, process_s
 def allgather_into_async(shard: torch.Tensor, out: torch.Tensor, name: str, process_set: ProcessSet) -> int:
     """Gather every rank's ``shard`` into the flat ``out`` in rank order, where ``shard`` is
     this rank's block of ``out`` already (the optimizers' flat parameters; every rank's
-    block has the same size). On the CPU the engine gathers into ``out`` itself; a CUDA
-    ``out`` gets the result copied back. A bad ``shard`` is an error on every rank."""
+    block has the same size). The engine gathers into ``out`` itself where it reads
+    ``shard`` in place (a CPU tensor, or a CUDA one on the device path); a CUDA ``out``
+    staged through the host gets the result copied back. A bad ``shard`` is an error on
+    every rank."""
     rt = state.running()
     n, me = len(process_set.ranks), process_set.rank()
     k = shard.numel()
@@ -176,8 +192,8 @@ def allgather_into_async(shard: torch.Tensor, out: torch.Tensor, name: str, proc
         or (shard.data_ptr() != out[me * k : (me + 1) * k].data_ptr())
     ):
         req.error = req.error or "the gathered shard must be this rank's block of the flat output"
-    if req.error is None and out.device.type == "cpu":
-        req.out = to_numpy(out)
+    if req.error is None and (out.device.type == "cpu" or "ready" in req.args):
+        req.out = to_cupy(out) if "ready" in req.args else to_numpy(out)
         return submit(rt, reqs, lambda _: out)
     return submit(rt, reqs, lambda res: out.copy_(conv(res)[0]))
 
@@ -190,7 +206,7 @@ def start_broadcast(
     rt = state.running()
     sid = registered_id(process_set)
     tensor_list([tensor], "broadcast")
-    src = host_source(tensor, "broadcast")
+    src, dev = _source(rt, tensor, "broadcast")
     problem = check_tensor(src, "broadcast", MOVABLE) or (inplace_problem(tensor, "broadcast_") if inplace else None)
     members = process_set.ranks
     root = int(root_rank) if isinstance(root_rank, numbers.Integral) and not isinstance(root_rank, bool) else None
@@ -204,10 +220,9 @@ def start_broadcast(
         request_name(rt, "broadcast", sid, name),
         "broadcast",
         sid,
-        (dtype_name(src), tuple(src.shape), -1 if root is None else root),
+        (dtype_name(src), tuple(src.shape), -1 if root is None else root, memory(dev)),
         error=problem,
-        x=to_numpy(src) if problem is None else None,
-        out=to_numpy(out) if problem is None else None,
+        **_buffers(dev, problem, src, out),
     )
     return submit(rt, [req], tensor_results([tensor if inplace else out], [fix] if fix else [], True, [tensor.device]))
 
@@ -218,7 +233,7 @@ def start_alltoall(tensor: torch.Tensor, splits: Any, name: str | None, process_
     rt = state.running()
     sid = registered_id(process_set)
     tensor_list([tensor], "alltoall")
-    src = host_source(tensor, "alltoall")
+    src, dev = _source(rt, tensor, "alltoall")
     problem = check_tensor(src, "alltoall", MOVABLE)
     if problem is None and src.dim() == 0:
         problem = "alltoall needs a tensor with at least one dimension"
@@ -241,14 +256,16 @@ def start_alltoall(tensor: torch.Tensor, splits: Any, name: str | None, process_
         request_name(rt, "alltoall", sid, name),
         "alltoall",
         sid,
-        (dtype_name(src), tuple(src.shape[1:])),
+        (dtype_name(src), tuple(src.shape[1:]), memory(dev)),
         error=problem,
-        x=to_numpy(src) if problem is None else None,
         splits=sp,
+        **_buffers(dev, problem, src),
     )
     dtype, device = src.dtype, tensor.device
     return submit(
-        rt, [req], lambda res: (home(to_torch(res[0][0], dtype), device), torch.from_numpy(res[0][1]).to(torch.int32))
+        rt,
+        [req],
+        lambda res: (result_tensor(res[0][0], dtype, device), torch.from_numpy(res[0][1]).to(torch.int32)),
     )
 
 
@@ -276,21 +293,22 @@ def start_reducescatter(
     base = request_name(rt, "reducescatter", sid, name)
     bad_op = op if isinstance(op, str) else None
     for i, t in enumerate(tensors):
-        src = host_source(t, what)
+        src, dev = _source(rt, t, what)
         problem = bad_op or check_tensor(src, "reducescatter", REDUCIBLE)
         if problem is None and src.dim() == 0:
             problem = "reducescatter needs a tensor with at least one dimension"
         rows = block_counts(src.shape[0], n)[me] if src.dim() else 0
-        out = torch.empty((rows, *src.shape[1:]), dtype=src.dtype) if given is None else given
+        # the given buffer where the engine writes in its memory (a staged CUDA tensor's is on the host)
+        fits = given is not None and given.device == src.device
+        out = given if fits else torch.empty((rows, *src.shape[1:]), dtype=src.dtype, device=src.device)
         reqs.append(
             Request(
                 _group_name(base, i, len(tensors)),
                 "reducescatter",
                 sid,
-                (dtype_name(src), tuple(src.shape), OP_NAMES.get(op, "invalid"), float(pre), float(post)),
+                (dtype_name(src), tuple(src.shape), OP_NAMES.get(op, "invalid"), float(pre), float(post), memory(dev)),
                 error=problem,
-                x=to_numpy(src) if problem is None else None,
-                out=to_numpy(out) if problem is None else None,
+                **_buffers(dev, problem, src, out),
             )
         )
         outs.append(out)
@@ -307,13 +325,14 @@ def reducescatter_into_async(
     postscale_factor: float,
 ) -> int:
     """Reducescatter a 1-D ``tensor`` into ``out`` (the caller's persistent buffer for
-    this rank's block) where the engine can write the result there: a CPU ``tensor`` and
-    a contiguous CPU ``out`` of its dtype and this rank's block size. Otherwise (a CUDA or
+    this rank's block) where the engine can write the result there: a contiguous ``out``
+    of ``tensor``'s dtype, device and this rank's block size, in the memory the engine
+    works in (host memory, or the GPU on the device path). Otherwise (a staged CUDA or a
     compressed ``tensor``) into a new tensor, as ``reducescatter_async``."""
     n, me = len(process_set.ranks), process_set.rank()
     fits = (
         tensor.dim() == 1
-        and tensor.device.type == out.device.type == "cpu"
+        and tensor.device == out.device
         and out.dtype == tensor.dtype
         and out.is_contiguous()
         and out.shape == (block_counts(tensor.shape[0], n)[me],)
