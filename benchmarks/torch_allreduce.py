@@ -14,15 +14,18 @@ contender after a barrier and takes the slowest rank's mean; the figure is the m
 over rounds, with contenders interleaved in rotating order.
 
 With ``--device cuda`` every tensor lives on GPU ``local rank % GPUs``: hpcdl keeps it on
-the device where CuPy is installed (``HPCDL_DEVICE_PATH=0``: staged through pinned host
-memory, so two runs compare the paths; the report's header says which ran), gloo reduces
-CUDA tensors its own way, and each timed loop ends with ``torch.cuda.synchronize()`` so
-queued GPU work counts. The array-level comparison of the device algorithms with the staged
+the device where CuPy is installed, gloo reduces CUDA tensors its own way, and each timed
+loop ends with ``torch.cuda.synchronize()`` so queued GPU work counts. When the device path
+ran, the runtime is then restarted with it off (``device_path=False``: staged through
+pinned host memory) and the named call timed again, so the report sets the two paths side
+by side ("staged" and the ratio staged / device); the report's header says which path the
+first columns took. The array-level comparison of the device algorithms with the staged
 one and gloo in one run is ``benchmarks/osu_allreduce.py -d cuda --compare ipc,staged,gloo``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Any
@@ -34,18 +37,27 @@ import hpcdl as hvd
 from benchmarks.osu import gloo_init
 from collectives.cli import ArgumentParser, dump_json, parse_sizes, run_main
 from hpcdl import state
+from hpcdl.config import load_config
 from hpcdl.staging import device_source
 from hpcdl.train.launch import pick_device
 
 CONTENDERS = ("hpcdl", "hpcdl unnamed", "hpcdl allreduce_", "gloo")
+STAGED = "hpcdl staged"
+"""The named call again with the device path off (``--device cuda`` runs where it was on)."""
 
 
 def _iters(nbytes: int) -> int:
     return 400 if nbytes <= 64 << 10 else 60 if nbytes <= 1 << 20 else 12
 
 
-def measure(sizes: list[int], rounds: int, iters: int | None = None, device: str = "cpu") -> list[dict[str, Any]]:
-    """Per size: the median microseconds per call of every contender (collective)."""
+def measure(
+    sizes: list[int],
+    rounds: int,
+    iters: int | None = None,
+    device: str = "cpu",
+    contenders: tuple[str, ...] = CONTENDERS,
+) -> list[dict[str, Any]]:
+    """Per size: the median microseconds per call of each of ``contenders`` (collective)."""
     world = MPI.COMM_WORLD
     dist = gloo_init(world)
     dev = pick_device(device, hvd.local_rank())  # GPU local rank % GPUs, as the training job
@@ -69,18 +81,19 @@ def measure(sizes: list[int], rounds: int, iters: int | None = None, device: str
         }
         # correctness first: every contender's sum of ones is the rank count
         want = torch.full((n,), float(world.size), device=dev)
-        assert torch.equal(calls["hpcdl"](), want)
-        assert torch.equal(calls["hpcdl unnamed"](), want)
-        assert torch.equal(calls["hpcdl allreduce_"](), want)
+        for c in contenders:
+            if c == "gloo":
+                g = t.clone()
+                dist.all_reduce(g)
+                assert torch.equal(g, want)
+            else:
+                assert torch.equal(calls[c](), want)
         ti.zero_()  # zeros stay zeros under repeated in-place sums: no overflow while timing
         tg.zero_()
-        g = t.clone()
-        dist.all_reduce(g)
-        assert torch.equal(g, want)
-        times: dict[str, list[float]] = {c: [] for c in CONTENDERS}
+        times: dict[str, list[float]] = {c: [] for c in contenders}
         for rnd in range(rounds + 1):  # round 0 warms up
-            k0 = rnd % len(CONTENDERS)
-            order = CONTENDERS[k0:] + CONTENDERS[:k0]
+            k0 = rnd % len(contenders)
+            order = contenders[k0:] + contenders[:k0]
             for c in order:
                 fn = calls[c]
                 world.Barrier()
@@ -103,29 +116,39 @@ def _fmt_size(b: int) -> str:
     return f"{b} B"
 
 
-def _path(device: str) -> str:
-    """How the runtime moves CUDA tensors in this run."""
+def on_device_path(device: str) -> bool:
+    """True when the running runtime keeps ``device`` tensors on the GPU (the device path)."""
+    if device != "cuda":
+        return False
+    probe = torch.zeros(1, device="cuda")
+    return device_source(probe, state.running().config.device_path) is not None
+
+
+def _path(device: str, on_device: bool) -> str:
     if device != "cuda":
         return ""
-    probe = torch.zeros(1, device="cuda")
-    on = device_source(probe, state.running().config.device_path) is not None
-    return " (device path)" if on else " (staged through host memory)"
+    return " (device path)" if on_device else " (staged through host memory)"
 
 
-def report(rows: list[dict[str, Any]], ranks: int, device: str = "cpu") -> str:
+def report(rows: list[dict[str, Any]], ranks: int, device: str = "cpu", on_device: bool = False) -> str:
+    staged = bool(rows) and STAGED in rows[0]["us"]
+    head = f"{'size':>8} {'hpcdl':>12} {'hpcdl unnamed':>14} {'allreduce_':>12} {'gloo':>12} {'ratio':>8}"
     lines = [
-        f"# synchronous allreduce (sum) of a float32 torch tensor on {device}{_path(device)}, {ranks} ranks; "
-        "microseconds per call,",
-        "# median over rounds of the slowest rank's mean; ratio = hpcdl / gloo (< 1: hpcdl faster)",
-        f"{'size':>8} {'hpcdl':>12} {'hpcdl unnamed':>14} {'allreduce_':>12} {'gloo':>12} {'ratio':>8} {'iters':>6}",
+        f"# synchronous allreduce (sum) of a float32 torch tensor on {device}{_path(device, on_device)}, "
+        f"{ranks} ranks; microseconds per call,",
+        "# median over rounds of the slowest rank's mean; ratio = hpcdl / gloo (< 1: hpcdl faster)"
+        + ("; staged = the named call with the device path off, x = staged / hpcdl" if staged else ""),
+        head + (f" {'staged':>12} {'x':>7}" if staged else "") + f" {'iters':>6}",
     ]
     for r in rows:
         u = r["us"]
-        lines.append(
+        line = (
             f"{_fmt_size(r['size']):>8} {u['hpcdl']:>12.1f} {u['hpcdl unnamed']:>14.1f} "
-            f"{u['hpcdl allreduce_']:>12.1f} {u['gloo']:>12.1f} "
-            f"{u['hpcdl'] / u['gloo']:>8.2f} {r['iterations']:>6}"
+            f"{u['hpcdl allreduce_']:>12.1f} {u['gloo']:>12.1f} {u['hpcdl'] / u['gloo']:>8.2f}"
         )
+        if staged:
+            line += f" {u[STAGED]:>12.1f} {u[STAGED] / u['hpcdl']:>7.1f}"
+        lines.append(line + f" {r['iterations']:>6}")
     return "\n".join(lines)
 
 
@@ -143,12 +166,19 @@ def main(argv: list[str] | None = None) -> None:
         p.error("--device cuda: torch sees no CUDA device here")
     torch.set_num_threads(1)
     hvd.init()
+    on_device = on_device_path(a.device)
     rows = measure(a.sizes, a.rounds, a.iters, a.device)
+    if on_device:  # the same call with the device path off, in this run
+        hvd.shutdown()
+        hvd.init(config=dataclasses.replace(load_config(), device_path=False))
+        for r, s in zip(rows, measure(a.sizes, a.rounds, a.iters, a.device, ("hpcdl",)), strict=True):
+            r["us"][STAGED] = s["us"]["hpcdl"]
     if hvd.rank() == 0:
-        print(report(rows, hvd.size(), a.device), flush=True)
+        print(report(rows, hvd.size(), a.device, on_device), flush=True)
         if a.json:
+            doc = {"ranks": hvd.size(), "device": a.device, "device_path": on_device, "rows": rows}
             with open(a.json, "w") as fh:
-                dump_json({"ranks": hvd.size(), "device": a.device, "rows": rows}, fh, indent=1)
+                dump_json(doc, fh, indent=1)
     hvd.shutdown()
 
 

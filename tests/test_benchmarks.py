@@ -185,7 +185,20 @@ def test_torch_allreduce_benchmark_measures_every_contender():
         assert set(r["us"]) == set(torch_allreduce.CONTENDERS)
         assert all(v > 0 for v in r["us"].values())
     text = torch_allreduce.report(rows, WORLD.size)
-    assert "4 KiB" in text.splitlines()[-1] and "ratio" in text
+    assert "4 KiB" in text.splitlines()[-1] and "ratio" in text and "staged" not in text
+    # the device path's run sets the staged path's named call beside it
+    hpcdl.init()
+    try:
+        staged = torch_allreduce.measure([4, 4096], rounds=1, iters=3, contenders=("hpcdl",))
+    finally:
+        hpcdl.shutdown()
+    assert all(set(s["us"]) == {"hpcdl"} for s in staged)
+    for r, s in zip(rows, staged, strict=True):
+        r["us"][torch_allreduce.STAGED] = s["us"]["hpcdl"]
+    last = torch_allreduce.report(rows, WORLD.size).splitlines()[-1].split()
+    u = rows[-1]["us"]
+    assert last[-3] == f"{u[torch_allreduce.STAGED]:.1f}"
+    assert last[-2] == f"{u[torch_allreduce.STAGED] / u['hpcdl']:.1f}"
 
 
 def test_hidden_share_counts_communication_inside_backward():
