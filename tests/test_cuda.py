@@ -10,6 +10,8 @@ two ranks run on a machine with one GPU.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 
 import pytest
@@ -18,6 +20,8 @@ import torch.nn.functional as F
 from tensors import close, data, everyone, expected_reduce
 
 import hpcdl as hvd
+from hpcdl.config import load_config
+from hpcdl.staging import device_source
 from hpcdl.train import TrainConfig, run
 from hpcdl.train import checkpoint as ckpt
 from hpcdl.train.launch import pick_device
@@ -106,6 +110,43 @@ def test_allgather_broadcast_alltoall_reducescatter_on_cuda(dev):
     start = sum(counts[:r])
     assert part.device == dev
     close(part.cpu(), full[start : start + counts[r]])
+
+
+def test_the_device_path_and_the_staged_path_agree(dev, run_dir):
+    """Where CuPy is installed, CUDA tensors stay on the GPU (the timeline names the device
+    path); restarted with the device path off, the same calls give the same results."""
+    if device_source(torch.zeros(1, device=dev), True) is None:
+        pytest.skip("CuPy cannot be loaded here: CUDA tensors are staged")
+    r, n = hvd.rank(), hvd.size()
+
+    def calls() -> list[torch.Tensor]:
+        xs = everyone((100_001,), torch.float32, seed=9)
+        small = everyone((17,), torch.bfloat16, seed=10)
+        rows = [data(q, (q + 2, 3), torch.float64, seed=11) for q in range(n)]
+        splits = [1 + (r + k) % 2 for k in range(n)]
+        return [
+            hvd.allreduce(on(dev, xs[r]), op=hvd.Sum, name="ar"),
+            *hvd.grouped_allreduce([on(dev, s) for s in (small[r], small[r] * 2)], op=hvd.Average, name="fused"),
+            hvd.allgather(on(dev, rows[r]), name="ag"),
+            hvd.broadcast(on(dev, xs[r]), n - 1, name="b"),
+            hvd.reducescatter(on(dev, xs[r][: 10 * n]), op=hvd.Sum, name="rs"),
+            hvd.alltoall(on(dev, torch.arange(float(sum(splits))) + 100 * r), splits=splits, name="a2a")[0],
+        ]
+
+    path = os.path.join(run_dir, "device.json")
+    hvd.start_timeline(path)
+    on_device = calls()
+    hvd.stop_timeline()
+    if r == 0:
+        spans = [e for e in json.load(open(path))["traceEvents"] if e["ph"] == "X"]
+        algs = {e["args"]["algorithm"] for e in spans if e["name"] in ("ALLREDUCE", "ALLGATHER", "BROADCAST")}
+        assert algs == {"device"}, algs
+    hvd.shutdown()
+    hvd.init(config=dataclasses.replace(load_config(), device_path=False))
+    staged = calls()
+    for a, b in zip(on_device, staged, strict=True):
+        assert a.device == dev and b.device == dev
+        close(a.cpu(), b.cpu())
 
 
 def test_autograd_through_cuda_allreduce_and_allgather(dev):

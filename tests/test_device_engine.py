@@ -13,6 +13,8 @@ tensors where there is a GPU.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import types
 
@@ -186,6 +188,23 @@ def test_a_request_is_read_only_after_its_ready_event(device):
     b = torch.zeros(300)
     device.pending[b.data_ptr()] = lambda: b.fill_(7.0)
     assert torch.equal(hvd.broadcast(b, 0, name="lateb"), torch.full((300,), 7.0))
+
+
+def test_the_timeline_names_the_device_path(device, run_dir):
+    n = hvd.size()
+    path = os.path.join(run_dir, "device.json")
+    hvd.start_timeline(path)
+    hvd.allreduce(torch.ones(10), name="alone")
+    hvd.grouped_allreduce([torch.ones(5), torch.ones(6)], name="fused")
+    hvd.allgather(torch.ones(2, 2), name="g")
+    hvd.broadcast(torch.ones(3), 0, name="b")
+    hvd.reducescatter(torch.ones(4 * n), name="rs")
+    hvd.stop_timeline()
+    if hvd.rank() == 0:
+        spans = [e for e in json.load(open(path))["traceEvents"] if e["ph"] == "X"]
+        data_spans = [e for e in spans if e["name"] in ("ALLREDUCE", "ALLGATHER", "BROADCAST", "REDUCESCATTER")]
+        assert {e["name"] for e in data_spans} == {"ALLREDUCE", "ALLGATHER", "BROADCAST", "REDUCESCATTER"}
+        assert {e["args"]["algorithm"] for e in data_spans} == {"device"}
 
 
 def _train(wrap, steps: int = 6) -> torch.Tensor:
