@@ -168,8 +168,18 @@ def _finish(cp: Any, result: Any, out: Any = None) -> Any:
     return result if out is None else out
 
 
+def _pinned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An empty host array in page-locked memory from CuPy's pinned pool (which reuses its
+    blocks), so that copies between it and the device run at the bus's speed, as the torch
+    layer's staging does."""
+    count = math.prod(shape)
+    mem = cupy_module().cuda.alloc_pinned_memory(max(count * dtype.itemsize, 1))
+    return np.frombuffer(mem, dtype, count).reshape(shape)
+
+
 def _host(a: Any) -> np.ndarray:
-    return cupy_module().asnumpy(a)
+    """A copy of the device array ``a`` in pinned host memory (once the stream's work on it is done)."""
+    return cupy_module().asnumpy(a, out=_pinned(a.shape, a.dtype))
 
 
 # -- the collectives -----------------------------------------------------------------------
@@ -218,8 +228,8 @@ def allreduce(x: Any, op: str, algorithm: str, out: Any, comm: Any, host: Host) 
         ctx.transport.comm.Allreduce(src if flat.data.ptr != src.data.ptr else MPI.IN_PLACE, flat, mpi_op(op))
         finalize(flat, op, n)
     else:
-        res = host(_host(src), op=op, algorithm="native" if alg == "native" else "auto", comm=comm)
-        flat.set(res)
+        h = _host(src)
+        flat.set(host(h, op=op, algorithm="native" if alg == "native" else "auto", out=h, comm=comm))
     return _finish(cp, o, out)
 
 
@@ -249,8 +259,8 @@ def reduce_scatter(x: Any, op: str, algorithm: str, out: Any, comm: Any, host: H
         ctx.transport.comm.Reduce_scatter(src, o, list(counts), mpi_op(op))
         finalize(o, op, n)
     else:
-        res = host(_host(src), op=op, algorithm="native" if alg == "native" else "auto", comm=comm)
-        o.set(res)
+        res = _pinned(o.shape, o.dtype)
+        o.set(host(_host(src), op=op, algorithm="native" if alg == "native" else "auto", out=res, comm=comm))
     return _finish(cp, o, out)
 
 
@@ -307,8 +317,9 @@ def allgather(x: Any, algorithm: str, out: Any, comm: Any, host: Host) -> Any:
         cp.cuda.get_current_stream().synchronize()
         ctx.transport.comm.Allgatherv(src, [flat, (list(counts), list(offsets(counts)[:-1]))])
     else:
-        res = host(_host(src).reshape(xa.shape), algorithm="native" if alg == "native" else "auto", comm=comm)
-        o.set(res)
+        res = _pinned(o.shape, o.dtype)
+        how = "native" if alg == "native" else "auto"
+        o.set(host(_host(src).reshape(xa.shape), algorithm=how, out=res, comm=comm))
     return _finish(cp, o, out)
 
 
@@ -337,7 +348,8 @@ def broadcast(x: Any, root: int, algorithm: str, out: Any, comm: Any, host: Host
         cp.cuda.get_current_stream().synchronize()
         ctx.transport.comm.Bcast(flat, root)
     else:
-        res = host(_host(flat), root, algorithm="native" if alg == "native" else "auto", comm=comm)
+        h = _host(flat)
+        res = host(h, root, algorithm="native" if alg == "native" else "auto", out=h, comm=comm)
         if not is_root:
             flat.set(res)
     return _finish(cp, o, out)

@@ -104,8 +104,11 @@ def ascontiguousarray(a: Any) -> ndarray:
     return np.ascontiguousarray(a).view(ndarray)
 
 
-def asnumpy(a: Any) -> np.ndarray:
-    return np.array(np.asarray(a))
+def asnumpy(a: Any, out: np.ndarray | None = None) -> np.ndarray:
+    if out is None:
+        return np.array(np.asarray(a))
+    np.copyto(out, np.asarray(a))
+    return out
 
 
 def from_dlpack(a: Any) -> ndarray:
@@ -133,7 +136,13 @@ def _current_stream() -> _Stream:
     return _Stream()
 
 
+def _alloc_pinned_memory(nbytes: int) -> bytearray:
+    """Host memory standing in for a pinned block (anything with the buffer protocol)."""
+    return bytearray(nbytes)
+
+
 cuda = types.ModuleType("cupy.cuda")
+cuda.alloc_pinned_memory = _alloc_pinned_memory
 cuda.get_current_stream = _current_stream
 cuda.Device = _Device
 cuda.nccl = types.SimpleNamespace(available=False)
