@@ -23,7 +23,8 @@ the first),
 ``--busbw`` (nccl-tests algbw/busbw), ``--json FILE`` and ``--plot FILE.png``.
 ``-d cuda`` (OSU's flag) puts the buffers on the GPU: the contenders are then the device
 algorithms (``algorithms(..., device=True)``), ``mpi`` (only over a CUDA-aware MPI) and
-``gloo`` on CUDA tensors.
+``gloo`` on CUDA tensors; with ``--busbw`` a footer gives the GPU's device-to-device copy
+rate and each contender's busbw at the largest size as a share of it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,16 @@ from mpi4py import MPI
 import collectives as C
 from collectives.cli import ArgumentParser, dump_json, parse_size
 
-__all__ = ["COLLECTIVES", "parse_args", "run", "format_rows", "main", "copy_bandwidth"]
+__all__ = [
+    "COLLECTIVES",
+    "parse_args",
+    "run",
+    "format_rows",
+    "main",
+    "copy_bandwidth",
+    "device_copy_bandwidth",
+    "copy_share",
+]
 
 OSU_VERSION = "7.4"
 LARGE = 8192
@@ -529,6 +539,44 @@ def copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 10) -> float:
     return nbytes / statistics.median(times)
 
 
+DEVICE_COPY_BYTES = 256 << 20
+"""The size of the copies that measure the device-to-device copy rate."""
+
+
+def device_copy_bandwidth(nbytes: int = DEVICE_COPY_BYTES, copies: int = 10, repeats: int = 5) -> float:
+    """Bytes copied per second by device-to-device copies of ``nbytes`` on the current GPU
+    (``copies`` back to back between stream synchronizations, so the launch cost is
+    amortized; the median of ``repeats``). Each byte is read once and written once."""
+    import cupy as cp
+
+    a = cp.ones(nbytes, cp.uint8)
+    b = cp.empty_like(a)
+    stream = cp.cuda.get_current_stream()
+    b[...] = a
+    stream.synchronize()
+    times = []
+    for _ in range(repeats):
+        t0 = MPI.Wtime()
+        for _ in range(copies):
+            b[...] = a
+        stream.synchronize()
+        times.append((MPI.Wtime() - t0) / copies)
+    return nbytes / statistics.median(times)
+
+
+def copy_share(rows: list[dict[str, Any]], names: list[str], rate: float) -> str:
+    """The footer of a ``-d cuda --busbw`` run: the device copy rate (bytes/s) and each
+    contender's busbw at the largest size as a share of it."""
+    if not rows:
+        return f"# device-to-device copy rate: {rate / 1e9:.1f} GB/s"
+    last = rows[-1]
+    shares = ", ".join(f"{n} {last['results'][n]['busbw'] * 1e9 / rate:.3f}" for n in names)
+    return (
+        f"# device-to-device copy rate: {rate / 1e9:.1f} GB/s (one GPU, {DEVICE_COPY_BYTES >> 20} MiB copies); "
+        f"busbw / copy rate at {last['size']} B: {shares}"
+    )
+
+
 # -- output -----------------------------------------------------------------------------------
 def header(args: argparse.Namespace) -> list[str]:
     """The OSU header lines for ``args`` (a blank line first, as OSU prints)."""
@@ -652,6 +700,12 @@ def main(bench: str, argv: list[str] | None = None, comm: MPI.Comm | None = None
     if say:  # the header now and each row as it is measured, as OSU prints
         print("\n".join(table_head(args, names, comm.size)), flush=True)
     rows = run(args, comm, (lambda row: print(table_row(args, row, names), flush=True)) if say else None)
+    rate = None
+    if getattr(args, "accelerator", "host") == "cuda" and getattr(args, "busbw", False):
+        comm.Barrier()  # rank 0 copies alone on its GPU
+        rate = comm.bcast(device_copy_bandwidth() if say else None, root=0)
+        if say:
+            print(copy_share(rows, names, rate), flush=True)
     if say:
         if args.json:
             with open(args.json, "w", encoding="utf-8") as fh:
@@ -662,6 +716,7 @@ def main(bench: str, argv: list[str] | None = None, comm: MPI.Comm | None = None
                         "ranks": comm.size,
                         "datatype": DATATYPES[args.type][0],
                         "machine": machine(),
+                        "device_copy_bandwidth": rate,
                         "rows": rows,
                     },
                     fh,

@@ -115,6 +115,16 @@ def from_dlpack(a: Any) -> ndarray:
     return np.from_dlpack(a).view(ndarray)
 
 
+uint8, int16, int32, int64, float16, float32, float64 = (
+    np.uint8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.float16,
+    np.float32,
+    np.float64,
+)
+
 add, multiply, minimum, maximum, divide, floor_divide = (
     np.add,
     np.multiply,

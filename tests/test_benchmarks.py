@@ -171,6 +171,21 @@ def test_profile_reports_on_rank_zero_only(coll):
         assert text == ""
 
 
+def test_device_copy_rate_and_the_busbw_share_footer(monkeypatch):
+    import fakecupy
+
+    fakecupy.install(monkeypatch)
+    rate = osu.device_copy_bandwidth(1 << 20, copies=2, repeats=3)  # host memory standing in
+    assert rate > 0
+    rows = [
+        {"size": 1024, "results": {"ipc": {"busbw": 1.0}, "staged": {"busbw": 0.5}}},
+        {"size": 1 << 20, "results": {"ipc": {"busbw": 300.0}, "staged": {"busbw": 15.0}}},
+    ]
+    text = osu.copy_share(rows, ["ipc", "staged"], 3000e9)
+    assert text.startswith("# device-to-device copy rate: 3000.0 GB/s")
+    assert text.endswith("busbw / copy rate at 1048576 B: ipc 0.100, staged 0.005")
+
+
 def test_torch_allreduce_benchmark_measures_every_contender():
     import hpcdl
     from benchmarks import torch_allreduce
