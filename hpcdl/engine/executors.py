@@ -83,26 +83,12 @@ class Executors:
         """Run the agreed data collective ``kind`` and return its result. ``entries``: the
         controller's entry of each request of the group (every rank's descriptor, by
         rank); ``reqs``: this rank's requests, None where it joined."""
-        descs = [next(iter(e.descs.values())) for e in entries]
-        if descs[0][3][-1] != "device":
-            return self._run(kind, descs, entries, reqs, info, rank, None)
-        with self._on_gpu(reqs, info) as cp:
-            return self._run(kind, descs, entries, reqs, info, rank, cp)
-
-    def _run(
-        self,
-        kind: str,
-        descs: list[tuple],
-        entries: list[Any],
-        reqs: list[Request | None],
-        info: ProcessSetInfo,
-        rank: int,
-        cp: Any,
-    ) -> Any:
-        if kind == "allreduce":
-            self._allreduce(descs, reqs, info, cp, device=descs[0][3][-1] == "device")
-            return None
-        return getattr(self, kind)(entries[0].descs, reqs[0], info, rank)
+        device = next(iter(entries[0].descs.values()))[3][-1] == "device"
+        with self._on_gpu(reqs, info) if device else contextlib.nullcontext() as cp:
+            if kind == "allreduce":
+                self._allreduce([next(iter(e.descs.values())) for e in entries], reqs, info, cp, device)
+                return None
+            return getattr(self, kind)(entries[0].descs, reqs[0], info, rank)
 
     @contextlib.contextmanager
     def _on_gpu(self, reqs: list[Request | None], info: ProcessSetInfo) -> Iterator[Any]:

@@ -192,8 +192,9 @@ def allgather_into_async(shard: torch.Tensor, out: torch.Tensor, name: str, proc
         or (shard.data_ptr() != out[me * k : (me + 1) * k].data_ptr())
     ):
         req.error = req.error or "the gathered shard must be this rank's block of the flat output"
-    if req.error is None and (out.device.type == "cpu" or "ready" in req.args):
-        req.out = to_cupy(out) if "ready" in req.args else to_numpy(out)
+    on_device = "ready" in req.args
+    if req.error is None and (out.device.type == "cpu" or on_device):
+        req.out = to_cupy(out) if on_device else to_numpy(out)
         return submit(rt, reqs, lambda _: out)
     return submit(rt, reqs, lambda res: out.copy_(conv(res)[0]))
 
