@@ -26,11 +26,12 @@ _EPS = {
 
 
 def make_input(rank: int, count: int, dtype, op: str, seed: int = 0) -> np.ndarray:
-    """Rank ``rank``'s input: small values so integer results stay in range and products stay finite."""
+    """Rank ``rank``'s input: small floats, so products stay finite; integers whose 8-bit sums
+    leave the dtype's range at 2 ranks already and wrap, as the library's do."""
     rng = np.random.default_rng([seed, rank, count])
     dt = np.dtype(dtype)
     if dt.kind in "iu":
-        lo, hi = (1, 4) if op == "prod" else ((0, 50) if dt.kind == "u" else (-20, 21))
+        lo, hi = (1, 4) if op == "prod" else ((0, 200) if dt.kind == "u" else (-100, 101))
         return rng.integers(lo, hi, size=count).astype(dt)
     if op == "prod":
         return rng.uniform(0.5, 1.5, size=count).astype(dt)
@@ -38,7 +39,13 @@ def make_input(rank: int, count: int, dtype, op: str, seed: int = 0) -> np.ndarr
 
 
 def expected(inputs: list[np.ndarray], op: str) -> np.ndarray:
-    """The reduction of ``inputs`` computed independently (float64 for floats)."""
+    """The reduction of ``inputs`` computed independently (float64 for floats).
+
+    Integers follow the library's semantics, which are MPI's and Horovod's: sums and
+    products wrap in the dtype (computed here exactly in int64, then taken modulo the
+    dtype's range), and an average is that wrapped sum divided by the rank count,
+    truncated toward zero.
+    """
     dt = inputs[0].dtype
     n = len(inputs)
     if dt.kind in "iu":
@@ -47,9 +54,10 @@ def expected(inputs: list[np.ndarray], op: str) -> np.ndarray:
             acc = {"sum": np.add, "avg": np.add, "min": np.minimum, "max": np.maximum, "prod": np.multiply}[op](
                 acc, x.astype(np.int64)
             )
+        wrapped = acc.astype(dt)  # modulo 2**bits, two's complement for the signed types
         if op == "avg":
-            acc = np.trunc(acc / n).astype(np.int64)
-        return acc.astype(dt)
+            wrapped = np.trunc(wrapped.astype(np.int64) / n).astype(dt)
+        return wrapped
     wide = np.stack([x.astype(np.float64) for x in inputs])
     red = {"sum": wide.sum(0), "avg": wide.sum(0) / n, "min": wide.min(0), "max": wide.max(0), "prod": wide.prod(0)}
     return red[op]

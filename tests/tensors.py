@@ -16,12 +16,13 @@ TOL = {torch.float16: 1e-2, torch.bfloat16: 5e-2, torch.float32: 1e-5, torch.flo
 
 
 def data(r: int, shape, dtype, seed: int = 0) -> torch.Tensor:
-    """Rank ``r``'s input: small values, exact in every dtype (sums of 4 stay in int8)."""
+    """Rank ``r``'s input: small floats, exact in every dtype; integers whose 8-bit sums and
+    products leave the dtype's range at 2 ranks already and wrap, as the library's do."""
     g = torch.Generator().manual_seed(seed * 1000 + r)
     if dtype.is_floating_point:
         return torch.randint(-8, 9, shape, generator=g).to(dtype) / 4
-    lo = 0 if dtype == torch.uint8 else -8
-    return torch.randint(lo, 9, shape, generator=g).to(dtype)
+    lo, hi = (0, 200) if dtype == torch.uint8 else (-100, 101)
+    return torch.randint(lo, hi, shape, generator=g).to(dtype)
 
 
 def everyone(shape, dtype, seed=0):
@@ -35,13 +36,24 @@ def close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def expected_reduce(xs, op):
+    """The reduction of ``xs`` computed another way: floats in float64; integers exactly in
+    int64, then wrapped into the dtype (sums and products wrap, as in MPI and Horovod), an
+    average being that wrapped sum divided by the rank count, truncated toward zero."""
+    if not xs[0].dtype.is_floating_point:
+        stack = torch.stack([x.long() for x in xs])
+        if op in (hvd.Sum, hvd.Average):
+            out = stack.sum(0).to(xs[0].dtype)
+            if op == hvd.Average:
+                out = torch.div(out.long(), len(xs), rounding_mode="trunc").to(xs[0].dtype)
+            return out
+        if op == hvd.Product:
+            return stack.prod(0).to(xs[0].dtype)
+        return (stack.min(0) if op == hvd.Min else stack.max(0)).values.to(xs[0].dtype)
     stack = torch.stack([x.double() for x in xs])
-    if op == hvd.Sum:
+    if op in (hvd.Sum, hvd.Average):
         out = stack.sum(0)
-    elif op == hvd.Average:
-        out = stack.sum(0) / len(xs)
-        if not xs[0].dtype.is_floating_point:
-            out = torch.trunc(out)
+        if op == hvd.Average:
+            out = out / len(xs)
     elif op == hvd.Min:
         out = stack.min(0).values
     elif op == hvd.Max:

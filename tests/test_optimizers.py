@@ -300,14 +300,14 @@ def test_sparse_gradients_reduce_to_the_dense_result(sparse_as_dense):
 def test_sparse_allreduce_async_gives_the_dense_sum_and_average():
     n, r = hvd.size(), hvd.rank()
     dense = torch.zeros(6, 2)
-    dense[r % 6] = r + 1.0
-    dense[5] = 1.0
+    dense[r % 5] = r + 1.0  # rows 0-4 shared by ranks 5 apart at 6 ranks and more
+    dense[5] = 1.0  # a row every rank holds
     for op, want in ((hvd.Sum, 1.0), (hvd.Average, 1.0 / n)):
         h = hvd.sparse_allreduce_async(dense.to_sparse(), f"sparse.{op.name}", op)
         got = h().to_dense()
         expect = torch.zeros(6, 2)
         for q in range(n):
-            expect[q % 6] += (q + 1.0) * want
+            expect[q % 5] += (q + 1.0) * want
         expect[5] += n * want
         torch.testing.assert_close(got, expect)
     h = hvd.sparse_allreduce_async(dense.to_sparse(), "sparse.sync", hvd.Sum)
@@ -319,7 +319,8 @@ def test_zero_refuses_sparse_gradients_on_every_rank():
     m = _Bag(sparse=True)
     opt = hvd.ZeroOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), stage=2, named_parameters=m.named_parameters())
     with pytest.raises(hvd.HpcdlArgumentError, match=r"ZeroOptimizer shards dense gradients only; \['emb.weight'\]"):
-        torch.nn.functional.mse_loss(m(torch.zeros(1, 3, dtype=torch.int64)), torch.zeros(1, 1)).backward()
+        loss = m(torch.zeros(1, 3, dtype=torch.int64)).sum()
+        loss.backward()
         opt.step()
 
 
@@ -495,13 +496,20 @@ def test_zero_state_dict_is_the_plain_optimizers_state():
     assert plain.state_dict()["param_groups"] == want["param_groups"]
 
 
-GLOBAL = 12  # rows per step, divisible by 1, 2, 3 and 4 ranks
+
+
+def global_rows() -> int:
+    """Rows per step, divisible by the job's rank count and by one fewer, so that every rank of
+    either set gets equal shards (the mean of the shards' means is then the global mean)."""
+    n = hvd.size()
+    return 12 if n <= 4 else n * (n - 1)
 
 
 def fixed_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(2000 + step)
-    return torch.randn(GLOBAL, 6, generator=g, dtype=torch.float64), torch.randn(
-        GLOBAL, 3, generator=g, dtype=torch.float64
+    rows = global_rows()
+    return torch.randn(rows, 6, generator=g, dtype=torch.float64), torch.randn(
+        rows, 3, generator=g, dtype=torch.float64
     )
 
 
@@ -512,7 +520,7 @@ def zero_phase(m, state, steps, ps, stage):
     if state is not None:
         opt.load_state_dict(state)
     k, me = ps.size(), ps.rank()
-    rows = slice(me * GLOBAL // k, (me + 1) * GLOBAL // k)
+    rows = slice(me * global_rows() // k, (me + 1) * global_rows() // k)
     for step in steps:
         x, y = fixed_batch(step)
         opt.zero_grad()
