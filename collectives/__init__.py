@@ -32,10 +32,12 @@ from .errors import (
     InvalidRootError,
     OutputMismatchError,
     PeerInputError,
+    StallError,
     UnknownAlgorithmError,
     UnsupportedDtypeError,
     UnsupportedOpError,
 )
+from .context import reset
 from .ops import DTYPES, OPS
 from .select import algorithms
 
@@ -59,6 +61,7 @@ __all__ = [
     "empty",
     "is_shared",
     "copied_bytes",
+    "reset",
     "algorithms",
     "OPS",
     "DTYPES",
@@ -69,6 +72,7 @@ __all__ = [
     "InvalidRootError",
     "OutputMismatchError",
     "PeerInputError",
+    "StallError",
     "UnknownAlgorithmError",
     "UnsupportedDtypeError",
     "UnsupportedOpError",

@@ -11,6 +11,7 @@ through a nonblocking all-gather.
 
 from __future__ import annotations
 
+import time
 import zlib
 from typing import Any
 
@@ -25,12 +26,13 @@ from .errors import (
     InvalidRootError,
     OutputMismatchError,
     PeerInputError,
+    StallError,
     UnknownAlgorithmError,
 )
 from .ops import DTYPES, OPS, check_dtype, check_op, dtype_code
 from .select import DEVICE, REGISTRY, choose
 
-__all__ = ["Call", "pack", "unpack", "word", "check_out", "equal_counts", "once", "ROWS", "FIELDS"]
+__all__ = ["Call", "pack", "unpack", "word", "check_out", "equal_counts", "within", "ROWS", "FIELDS"]
 
 COLLECTIVES = tuple(REGISTRY)
 FIELDS = ("collective", "algorithm", "resolved", "op", "dtype", "count", "root", "item shape", "error", "memory")
@@ -151,6 +153,11 @@ class Call:
         says the call finishes in one step through the node channel; an agreed call posts
         only then, or on one node (its buffers may lie in the arena).
         """
+        if self.ctx.broken:
+            raise StallError(
+                f"this communicator's collectives stopped after a stall ({self.ctx.broken}); call "
+                "collectives.reset(comm) on every rank to use it again"
+            )
         t = self.t
         ch = self.ctx.chan
         posts = one_step or payload is not None or (ch is not None and self.algorithm in ("auto", "shm"))
@@ -176,11 +183,20 @@ class Call:
             mine = np.array(sig, np.int64)
             k = mine.size
             table = np.empty((t.size, k), np.int64)
-            comm = getattr(t, "comm", None)
+            comm = self.ctx.agree_comm
             if comm is not None:
+                gone = self.ctx.gave_up()
+                if gone >= 0:
+                    raise StallError(
+                        f"rank {gone} gave up on a collective after a stall (its error names the call), so "
+                        f"this {self.collective} cannot complete; the communicator's collectives are stopped; "
+                        "call collectives.reset(comm) on every rank to use it again"
+                    )
                 # nonblocking, whatever is in flight here: blocking and nonblocking collectives
                 # never match, and what is in flight differs between ranks
-                self.ctx.run(once(comm.Iallgather(mine, table)))
+                self.ctx.agree_calls += 1
+                self.ctx.agree_width = k
+                self.ctx.run(within(self.ctx, comm.Iallgather(mine, table), self.collective))
             else:
                 flat = table.reshape(-1)
                 flat[t.rank * k : (t.rank + 1) * k] = mine
@@ -253,8 +269,31 @@ def equal_counts(ctx: Context, x: Any) -> list[int]:
     return [int(np.size(x))] * ctx.transport.size
 
 
-def once(req):
-    yield [req]
+def within(ctx: Context, req: Any, what: str):
+    """A schedule that waits for the MPI request ``req`` and, past the stall timeout, gives
+    the communicator up (every later call raises) and raises :class:`~.errors.StallError`."""
+    timeout = ctx.config.stall_timeout
+    if timeout <= 0:
+        yield [req]
+        return
+    start = time.monotonic()
+    polls = 0
+    while not req.Test():
+        polls += 1
+        if polls > 4096:  # a long wait: poll gently
+            time.sleep(50e-6)
+            if time.monotonic() - start >= timeout:
+                ctx.stalled_request = req  # completed by reset, which the other ranks catch up with
+                ctx.tell_gave_up()
+                ctx.broken = (
+                    f"{what} stalled: waited {timeout:g} s (HPCDL_STALL_TIMEOUT) for the other ranks to reach "
+                    "it; the ranks fell out of step (a rank raised, or skipped or reordered a collective)"
+                )
+                raise StallError(
+                    f"{ctx.broken}. The communicator's collectives are stopped on this rank; call "
+                    "collectives.reset(comm) on every rank to use it again"
+                )
+        yield []
 
 
 def pack(sig: list[int]) -> tuple[int, int, int]:

@@ -4,7 +4,7 @@ the counters, slots and buffers the ``shm`` algorithms (:mod:`.node`) move data 
 Every rank owns one segment of the window (``MPI_Win_allocate_shared``, or plain arrays
 for the thread transport), laid out as::
 
-    [seq][stage] [slot 0: header | small data] [slot 1: ...] [buffer 0] [buffer 1]
+    [seq sleeping abort][stage] [slot 0: header | small data] [slot 1: ...] [buffer 0] [buffer 1]
 
 ``seq`` counts the calls this rank has *posted*; a call posts its argument signature
 (three int64 words) and where its input and output lie in the node's arena (two more:
@@ -22,6 +22,12 @@ of spinning on: it raises its ``sleeping`` flag, looks at the counter once more 
 sleeps; a rank that publishes a counter looks at its peers' flags afterwards and wakes
 the sleepers. Either the sleeper sees the new value or the publisher sees the flag.
 
+A wait for one peer that lasts longer than the stall timeout (``HPCDL_STALL_TIMEOUT``)
+means the ranks fell out of step: one raised, or skipped or reordered a collective. The
+waiter then writes its ``abort`` word (beside its counter) and raises
+:class:`~.errors.StallError`; every other rank's wait sees that word and raises too, and
+so does every later call on the channel, on every rank, until :func:`collectives.reset`.
+
 Where the compiled loop (``collectives.cslots``, built at install) is present, it posts,
 waits and finishes one-step calls on the same words with the same protocol
 (:attr:`Channel.core`); the methods here are then its pure-Python twin, and ranks on
@@ -32,12 +38,14 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable, Generator
 from typing import Any
 
 import numpy as np
 
 from . import futex
+from .errors import StallError
 
 try:
     from .cslots import Core
@@ -87,6 +95,7 @@ class Channel:
         progress: Callable[[], None],
         compiled: bool = True,
         copy_small_bytes: int = 0,
+        stall_timeout: float = 0.0,
     ) -> None:
         n, me = t.size, t.rank
         self.n, self.me = n, me
@@ -108,6 +117,11 @@ class Channel:
         self.stages = [memoryview(s[LINE : LINE + 8]).cast("q") for s in segs]
         # written by its owner only, like ``seq`` beside it: 1 while the owner may be asleep
         self.sleeping = [memoryview(s[8:16]).cast("q") for s in segs]
+        # written by its owner only, once: the call it gave up on after a stall (0: none)
+        self.aborts = [memoryview(s[16:24]).cast("q") for s in segs]
+        self._peer_aborts = [self.aborts[j] for j in range(n) if j != me]
+        self.stall_timeout = stall_timeout
+        """Seconds a wait for one peer lasts before it ends in a :class:`~.errors.StallError` (0: never)."""
         self._seq_addr = [s[0:8].ctypes.data for s in segs]
         self._stage_addr = [s[LINE : LINE + 8].ctypes.data for s in segs]
         self.heads = [
@@ -145,7 +159,10 @@ class Channel:
                 progress,
                 np.ascontiguousarray,
                 futex.OK,
+                [s[16:24].ctypes.data for s in segs],
+                self.stalled,
             )
+            core.stall = stall_timeout
             # the same protocol on the same words, without the interpreter in the loop
             self.post, self.exchange, self.wait_posted = core.post, core.exchange, core.wait_posted
         self.queue: list[object] = []
@@ -212,6 +229,8 @@ class Channel:
         ``payload`` (any layout); return the call's sequence number."""
         seq = self._my_seq[0] + 1
         p = seq & 1
+        if self.aborts[self.me][0]:
+            self.stalled(self.me, seq, 2)
         if payload is not None and payload.nbytes:
             nb = payload.nbytes
             try:
@@ -257,17 +276,57 @@ class Channel:
 
     def wait_posted(self, seq: int) -> None:
         """Block until every peer has posted call ``seq`` (progressing other work meanwhile)."""
-        for v, addr in self._peer_seqs:
+        for i, (v, addr) in enumerate(self._peer_seqs):
             if v[0] >= seq:
                 continue
-            spins, budget = 0, self.budget()
+            spins, budget, start = 0, self.budget(), time.monotonic()
             while v[0] < seq:
                 spins += 1
                 if spins % 64 == 0:
                     self.progress()
                     if spins >= budget:
                         self._doze(v, addr, seq)
+                    self._check_stall(i, seq, start, 0)
         self.fence()
+
+    def _check_stall(self, i: int, want: int, start: float, kind: int) -> None:
+        """Raise the stall's error if a peer gave up, or the wait for peer ``i`` (its index
+        among the peers) has lasted the stall timeout; ``kind`` 0 waits on its counter, 3 on
+        its stage."""
+        for j, f in enumerate(self._peer_aborts):
+            if f[0]:
+                self.stalled(j + (j >= self.me), want, 1)
+        if self.stall_timeout > 0 and time.monotonic() - start >= self.stall_timeout:
+            self.stalled(i + (i >= self.me), want, kind)
+
+    def stalled(self, rank: int, want: int, kind: int) -> None:
+        """Give up on this channel after a stall and raise :class:`~.errors.StallError`:
+        kind 0, this rank waited the stall timeout for ``rank`` to post call ``want`` (3:
+        to reach barrier ``want``); 1, ``rank`` gave up; 2, this rank gave up before."""
+        mine = self.aborts[self.me]
+        first = mine[0] == 0
+        if first:
+            mine[0] = max(want, 1)
+            self.fence()
+        how = "stopped on every rank of the node; call collectives.reset(comm) on every rank to use it again"
+        if kind in (0, 3):
+            what = "call" if kind == 0 else "barrier"
+            ctrs = self.seqs if kind == 0 else self.stages
+            late = [j for j in range(self.n) if j != self.me and ctrs[j][0] < want] or [rank]
+            raise StallError(
+                f"collective stalled: waited {self.stall_timeout:g} s (HPCDL_STALL_TIMEOUT) for rank(s) {late} "
+                f"to reach {what} {want} on this node; the ranks fell out of step (a rank raised, or skipped or "
+                f"reordered a collective). The communicator's collectives are {how}"
+            )
+        if kind == 1:
+            raise StallError(
+                f"rank {rank} gave up on a collective after a stall (its error names the ranks it waited for), "
+                f"so this rank's call {want} cannot complete; the communicator's collectives are {how}"
+            )
+        raise StallError(
+            f"this communicator's collectives stopped after a stall at call {mine[0]}; call "
+            "collectives.reset(comm) on every rank to use it again"
+        )
 
     def exchange(
         self,
@@ -284,6 +343,9 @@ class Channel:
         the signatures differ."""
         seq = self.post(a, b, c, payload, win, wout)
         self.wait_posted(seq)
+        for j, f in enumerate(self._peer_aborts):  # every peer posted, but one gave up meanwhile
+            if f[0]:
+                self.stalled(j + (j >= self.me), seq, 1)
         for h in self.peer_heads[seq & 1]:
             if h[0] != a or h[2] != c or (h[1] != b and not uneven):
                 return -seq
@@ -311,14 +373,15 @@ class Channel:
     def await_all(self) -> Schedule:
         """Wait (yielding ``[]`` to the driver) until every peer has arrived too."""
         s = self.stage
-        for v, addr in self._peer_stages:
-            spins, budget = 0, self.budget()
+        for i, (v, addr) in enumerate(self._peer_stages):
+            spins, budget, start = 0, self.budget(), time.monotonic()
             while v[0] < s:
                 spins += 1
                 if spins % 64 == 0:
                     yield []
                     if spins >= budget:
                         self._doze(v, addr, s)
+                    self._check_stall(i, s, start, 3)
         self.fence()
 
     def barrier(self) -> Schedule:

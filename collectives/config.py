@@ -66,6 +66,16 @@ class Config:
     (``MPIX_Query_cuda_support``), ``1`` or ``0`` say so outright (for an MPI that cannot be
     asked, such as MVAPICH2-GDR). Where it does not, no device pointer is handed to MPI."""
 
+    shm_spin: int = -1
+    """Polls of a peer's counter before a waiting rank sleeps on it (0: sleep at once); -1
+    decides by the cores this process may use (see :func:`.channel.spin_budget`). Tests set
+    it to force the sleeping or the spinning wait whatever the machine."""
+
+    stall_timeout: float = 600.0
+    """Seconds a collective waits for another rank before it raises
+    :class:`~.errors.StallError` on every rank (0: wait forever). A rank that raised, or skipped
+    or reordered a collective, leaves the others waiting: this turns that hang into an error."""
+
     def __post_init__(self) -> None:
         if self.ranks_per_node < 0:
             raise ConfigError(f"ranks_per_node={self.ranks_per_node} must be >= 0 (0 turns it off)")
@@ -85,6 +95,10 @@ class Config:
             raise ConfigError(f"device_window_bytes={self.device_window_bytes} must be at least 4096")
         if self.cuda_aware_mpi not in ("auto", "0", "1"):
             raise ConfigError(f"cuda_aware_mpi={self.cuda_aware_mpi!r} must be 'auto', '1' or '0'")
+        if self.shm_spin < -1:
+            raise ConfigError(f"shm_spin={self.shm_spin} must be >= 0, or -1 (decided by the cores)")
+        if not self.stall_timeout >= 0:
+            raise ConfigError(f"stall_timeout={self.stall_timeout} must be >= 0 seconds (0: wait forever)")
         if self.tuning_file and not os.path.isfile(self.tuning_file):
             raise ConfigError(f"tuning_file={self.tuning_file!r} does not exist")
 

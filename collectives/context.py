@@ -24,7 +24,7 @@ from .channel import Channel
 from .config import Config, load_config
 from .transport import MPITransport
 
-__all__ = ["Context", "get_context", "Pending", "Layout"]
+__all__ = ["Context", "get_context", "reset", "Pending", "Layout"]
 
 
 class ScratchPool:
@@ -124,6 +124,9 @@ class Context:
         self.device: dict[str, Any] = {}
         """Device-array state (:mod:`.gpu`): IPC windows, the NCCL communicator, plans;
         values with a ``free()`` are freed with the context."""
+        self.broken = ""
+        """Why this communicator's collectives stopped (a stall seen outside the node
+        channel, whose own abort words say so there); empty while they run."""
         self.fast: dict[tuple, Any] = {}
         """One-step allreduce functions by (dtype, shape, op, algorithm); False: not eligible."""
         self._seq = 0
@@ -135,6 +138,16 @@ class Context:
         self._layout: Layout | None = None
         self._segments: list[np.ndarray] | None = None
         self._channel: Channel | None = None
+        self.agree_comm: MPI.Comm | None = None
+        """A duplicate of the communicator that argument agreement gathers over where there
+        is no node channel, so that a gather a stall abandoned never meets another call."""
+        self.agree_calls = 0
+        """Gathers this rank has posted on :attr:`agree_comm`."""
+        self.agree_width = 0
+        """Words per rank of each such gather (the signature's length)."""
+        self.stalled_request: Any = None
+        """The gather a stall abandoned, completed by :func:`reset`."""
+        self._told: list = []
         # collective, so done here, where every rank's first call on the communicator
         # meets, and never later where ranks might disagree about what they are calling
         lay = self.layout()
@@ -147,6 +160,8 @@ class Context:
             if self.config.shm_arena_bytes:
                 segs, _ = lay.node.shared_window(self.config.shm_arena_bytes)
                 self.arena = Arena(segs, lay.node.rank)
+        elif comm is not None and transport.size > 1:
+            self.agree_comm = comm.Dup()
 
     # -- tags and driving -------------------------------------------------------------
     def next_tag(self) -> int:
@@ -215,7 +230,10 @@ class Context:
                 self._progress_if_busy,
                 cfg.compiled_channel,
                 cfg.shm_copy_small_bytes,
+                cfg.stall_timeout,
             )
+            if cfg.shm_spin >= 0:
+                self._channel.spin = cfg.shm_spin
         return self._channel
 
     def _progress_if_busy(self) -> None:
@@ -246,6 +264,48 @@ class Context:
                 if isinstance(sub, MPITransport):
                     sub.free()
                     sub.comm.Free()
+        if self.agree_comm is not None:
+            self.agree_comm.Free()
+            self.agree_comm = None
+
+    def tell_gave_up(self) -> None:
+        """Tell every other rank, on :attr:`agree_comm`, that this rank gave up after a stall
+        (:meth:`gave_up` reads it), so that a late rank's next call raises instead of meeting
+        the gather this rank abandoned."""
+        comm = self.agree_comm
+        note = np.array([comm.rank], np.int64)
+        self._told = [note, *(comm.Isend(note, dest=q, tag=_GAVE_UP) for q in range(comm.size) if q != comm.rank)]
+
+    def gave_up(self) -> int:
+        """The rank that told this one it gave up after a stall (:meth:`tell_gave_up`), or -1."""
+        status = MPI.Status()
+        if not self.agree_comm.Iprobe(MPI.ANY_SOURCE, _GAVE_UP, status):
+            return -1
+        note = np.empty(1, np.int64)
+        self.agree_comm.Recv(note, status.Get_source(), _GAVE_UP)
+        self.broken = f"rank {int(note[0])} gave up after a stall"
+        return int(note[0])
+
+    def catch_up(self) -> None:
+        """Complete every gather on :attr:`agree_comm` (collective, for :func:`reset`): the
+        ranks that posted fewer than others (those a stall left behind) post the missing
+        ones, so that none stays pending."""
+        if self.agree_comm is None:
+            return
+        posted = self.transport.comm.allgather((self.agree_calls, self.agree_width))
+        k = len(posted)
+        missing = max(c for c, _ in posted) - self.agree_calls
+        width = max(w for _, w in posted)
+        bufs = [(np.zeros(width, np.int64), np.empty((k, width), np.int64)) for _ in range(missing)]
+        reqs = [self.agree_comm.Iallgather(a, b) for a, b in bufs]
+        if self.stalled_request is not None:
+            reqs.append(self.stalled_request)
+        MPI.Request.Waitall(reqs)
+        self.transport.comm.Barrier()  # every note sent before any rank reads the last of them
+        while self.gave_up() >= 0:
+            pass
+        MPI.Request.Waitall(self._told[1:])
+        self._told = []
 
 
 def _no_sync() -> None:
@@ -260,12 +320,39 @@ def _delete_context(comm: MPI.Comm, keyval: int, ctx: Context) -> None:
         ctx.free()
 
 
+_GAVE_UP = 1
+"""The tag of :meth:`Context.tell_gave_up`'s notes on the agreement communicator."""
+
 _KEYVAL: int | None = None
 _WORLD: Context | None = None
 """COMM_WORLD's context, for calls without ``comm`` (it lives until MPI is finalized)."""
 _LAST: tuple[Any, Context | None] = (None, None)
 """The last communicator object looked up and its context (freeing the communicator clears
 it): the attribute lookup is an MPI call, and small collectives feel it."""
+
+
+def reset(comm: Any = None) -> None:
+    """Drop the collectives' state of ``comm`` (default ``MPI.COMM_WORLD``): its node channel,
+    windows and sub-communicators, so that its next call starts anew, as it must after a
+    :class:`~.errors.StallError`. Collective: call it on every rank of ``comm`` with nothing
+    of it in flight. Arrays from :func:`collectives.empty` on it keep their memory."""
+    global _WORLD, _LAST
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    if _LAST[0] is comm:
+        _LAST = (None, None)
+    if isinstance(comm, MPI.Comm):
+        if comm == MPI.COMM_WORLD:
+            _WORLD = None
+        ctx = comm.Get_attr(_KEYVAL) if _KEYVAL is not None else None
+        if ctx is not None:
+            ctx.catch_up()
+            comm.Delete_attr(_KEYVAL)  # frees the context (_delete_context)
+        return
+    ctx = getattr(comm, "_collectives_context", None)
+    if ctx is not None:
+        del comm._collectives_context
+        ctx.free()
 
 
 def get_context(comm: Any = None, config: Config | None = None) -> Context:

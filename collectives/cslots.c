@@ -7,11 +7,14 @@
  * module does the same steps on the same memory with the same protocol (see channel.py's
  * docstring), so a rank using it and a rank using the pure-Python loop interoperate:
  *
- *   Core(me, seqs, sleeping, heads, slots, slot_bytes, spin, progress, contiguous, futex)
- *       seqs, sleeping: every rank's counter and sleeping-flag address (int64 words);
+ *   Core(me, seqs, sleeping, heads, slots, slot_bytes, spin, progress, contiguous, futex, aborts, stalled)
+ *       seqs, sleeping, aborts: every rank's counter, sleeping-flag and abort-word address
+ *       (int64 words);
  *       heads, slots: every rank's slot 0 and slot 1 header and data addresses, as
  *       [r0p0, r0p1, r1p0, ...]; progress(): called while waiting; contiguous(x): a
- *       C-contiguous copy of x (numpy.ascontiguousarray).
+ *       C-contiguous copy of x (numpy.ascontiguousarray); stalled(rank, want, kind): raises
+ *       the error of a stall (kind 0: this rank waited core.stall seconds for `rank` to post
+ *       call `want`; 1: `rank` gave up after a stall; 2: this rank gave up before).
  *   core.post(a, b, c, payload=None, win=0, wout=0) -> seq
  *   core.wait_posted(seq)
  *   core.exchange(a, b, c, payload=None, uneven=False, win=0, wout=0) -> seq or -seq
@@ -67,6 +70,9 @@ typedef struct {
     PyObject_HEAD int n, me;
     int64_t **seqs;     /* n */
     int64_t **sleeping; /* n */
+    int64_t **aborts;   /* n: nonzero once the rank gave up after a stall */
+    int64_t stall_ns;   /* a wait for one peer ends in a stall error after this long (0: never) */
+    PyObject *stalled;  /* raises the stall's error */
     int64_t **heads;    /* 2n: rank r, slot p at 2r + p */
     char **slots;       /* 2n */
     Py_ssize_t slot_bytes;
@@ -141,7 +147,27 @@ static long budget(Core *c) {
     return busy ? POLITE_SPIN : c->spin;
 }
 
-/* Wait until every peer's counter in `ctrs` reaches `want`; 0, or -1 with an exception. */
+/* Raise the stall's error through c->stalled (which writes this rank's abort word); -1. */
+static int stall(Core *c, int r, int64_t want, int kind) {
+    PyObject *res = PyObject_CallFunction(c->stalled, "iLi", r, (long long)want, kind);
+    if (res == NULL)
+        return -1;
+    Py_DECREF(res);
+    PyErr_SetString(PyExc_RuntimeError, "stalled() returned instead of raising");
+    return -1;
+}
+
+/* The first peer that gave up after a stall, or -1. Each abort word shares its cache line
+ * with the rank's counter, which the caller has just read. */
+static int gave_up(Core *c) {
+    for (int r = 0; r < c->n; r++)
+        if (r != c->me && load(c->aborts[r]))
+            return r;
+    return -1;
+}
+
+/* Wait until every peer's counter in `ctrs` reaches `want`; 0, or -1 with an exception
+ * (a stall: a peer gave up, or this rank waited c->stall_ns for one). */
 static int wait_all(Core *c, int64_t **ctrs, int64_t want) {
     for (int r = 0; r < c->n; r++) {
         int64_t *v = ctrs[r];
@@ -166,6 +192,11 @@ static int wait_all(Core *c, int64_t **ctrs, int64_t want) {
             Py_DECREF(res);
             if (t - start >= limit)
                 doze(c, v, want);
+            int q = gave_up(c);
+            if (q >= 0)
+                return stall(c, q, want, 1);
+            if (c->stall_ns > 0 && t - start >= c->stall_ns)
+                return stall(c, r, want, 0);
         }
     }
     fence();
@@ -206,6 +237,10 @@ static int64_t post(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payload,
     int64_t *mine = c->seqs[c->me];
     int64_t seq = load(mine) + 1;
     int p = (int)(seq & 1);
+    if (load(c->aborts[c->me])) {
+        stall(c, c->me, seq, 2);
+        return -1;
+    }
     if (put_payload(c, p, payload) < 0)
         return -1;
     int64_t *h = c->heads[2 * c->me + p];
@@ -229,6 +264,11 @@ static int64_t exchange(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payl
         return 0;
     if (wait_all(c, c->seqs, seq) < 0)
         return 0;
+    int q = gave_up(c); /* every peer posted, but one gave up meanwhile: no rank uses the call */
+    if (q >= 0) {
+        stall(c, q, seq, 1);
+        return 0;
+    }
     int p = (int)(seq & 1);
     for (int r = 0; r < c->n; r++) {
         if (r == c->me)
@@ -372,14 +412,14 @@ static int read_addrs(PyObject *seq, Py_ssize_t want, void ***out, const char *w
 }
 
 static int Core_init(Core *c, PyObject *args, PyObject *kw) {
-    static char *names[] = {"me",       "seqs",     "sleeping",   "heads", "slots", "slot_bytes",
-                            "spin",     "progress", "contiguous", "futex", NULL};
+    static char *names[] = {"me",    "seqs",   "sleeping", "heads",  "slots",   "slot_bytes", "spin",
+                            "progress", "contiguous", "futex", "aborts", "stalled", NULL};
     int me, futex;
-    PyObject *seqs, *sleeping, *heads, *slots, *progress, *contiguous;
+    PyObject *seqs, *sleeping, *heads, *slots, *progress, *contiguous, *aborts, *stalled;
     Py_ssize_t slot_bytes;
     long spin;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOOOnlOOp", names, &me, &seqs, &sleeping, &heads, &slots, &slot_bytes,
-                                     &spin, &progress, &contiguous, &futex))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOOOnlOOpOO", names, &me, &seqs, &sleeping, &heads, &slots,
+                                     &slot_bytes, &spin, &progress, &contiguous, &futex, &aborts, &stalled))
         return -1;
     Py_ssize_t n = PySequence_Size(seqs);
     if (n < 1 || n > INT_MAX || me < 0 || me >= n) {
@@ -387,8 +427,8 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
             PyErr_SetString(PyExc_ValueError, "me must index seqs");
         return -1;
     }
-    if (!PyCallable_Check(progress) || !PyCallable_Check(contiguous)) {
-        PyErr_SetString(PyExc_TypeError, "progress and contiguous must be callable");
+    if (!PyCallable_Check(progress) || !PyCallable_Check(contiguous) || !PyCallable_Check(stalled)) {
+        PyErr_SetString(PyExc_TypeError, "progress, contiguous and stalled must be callable");
         return -1;
     }
     if (c->seqs != NULL) {
@@ -397,6 +437,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
     }
     if (read_addrs(seqs, n, (void ***)&c->seqs, "seqs") < 0 ||
         read_addrs(sleeping, n, (void ***)&c->sleeping, "sleeping") < 0 ||
+        read_addrs(aborts, n, (void ***)&c->aborts, "aborts") < 0 ||
         read_addrs(heads, 2 * n, (void ***)&c->heads, "heads") < 0 ||
         read_addrs(slots, 2 * n, (void ***)&c->slots, "slots") < 0)
         return -1;
@@ -409,6 +450,9 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
     c->progress = progress;
     Py_INCREF(contiguous);
     c->contiguous = contiguous;
+    Py_INCREF(stalled);
+    c->stalled = stalled;
+    c->stall_ns = 0;
     Py_INCREF(Py_None);
     c->polite = Py_None;
     return 0;
@@ -417,10 +461,12 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
 static void Core_dealloc(Core *c) {
     PyMem_Free(c->seqs);
     PyMem_Free(c->sleeping);
+    PyMem_Free(c->aborts);
     PyMem_Free(c->heads);
     PyMem_Free(c->slots);
     Py_XDECREF(c->progress);
     Py_XDECREF(c->contiguous);
+    Py_XDECREF(c->stalled);
     Py_XDECREF(c->polite);
     Py_TYPE(c)->tp_free((PyObject *)c);
 }
@@ -538,6 +584,23 @@ static int Core_set_spin(Core *c, PyObject *v, void *closure) {
         return -1;
     }
     c->spin = s;
+    return 0;
+}
+
+static PyObject *Core_get_stall(Core *c, void *closure) {
+    (void)closure;
+    return PyFloat_FromDouble((double)c->stall_ns / 1e9);
+}
+
+static int Core_set_stall(Core *c, PyObject *v, void *closure) {
+    (void)closure;
+    double s = v == NULL ? -1.0 : PyFloat_AsDouble(v);
+    if (s == -1.0 && (v == NULL || PyErr_Occurred())) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "stall cannot be deleted");
+        return -1;
+    }
+    c->stall_ns = s > 0 ? (int64_t)(s * 1e9) : 0;
     return 0;
 }
 
@@ -770,6 +833,8 @@ static PyGetSetDef Core_getset[] = {
      "None, or a callable: while it returns True, waits poll briefly before sleeping.", NULL},
     {"spin", (getter)Core_get_spin, (setter)Core_set_spin, "Polls (of the Python loop's length) before sleeping.",
      NULL},
+    {"stall", (getter)Core_get_stall, (setter)Core_set_stall,
+     "Seconds a wait for one peer lasts before it ends in a stall error (0: never).", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
 
 static PyTypeObject CoreType = {

@@ -18,6 +18,7 @@ __all__ = [
     "PeerInputError",
     "ConfigError",
     "DeviceUnavailableError",
+    "StallError",
 ]
 
 
@@ -74,3 +75,10 @@ class ConfigError(CollectiveError, ValueError):
 class DeviceUnavailableError(CollectiveError):
     """A device-array collective cannot run here: CuPy or NCCL is missing, there is no GPU,
     or NCCL refuses the ranks' placement (the message says which, and what to do)."""
+
+
+class StallError(CollectiveError):
+    """A collective waited longer than the stall timeout (``HPCDL_STALL_TIMEOUT``) for other
+    ranks, or another rank gave up after such a wait: the ranks fell out of step (one raised,
+    or skipped or reordered a collective). The communicator's collectives then stop on every
+    rank, each raising this, until :func:`collectives.reset` is called on every rank."""
