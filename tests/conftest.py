@@ -26,6 +26,66 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 
+# -- every rank agrees on each test's outcome (mpiexec runs) -------------------------------------
+_OUTCOMES = None
+"""A communicator of its own for the outcome agreement, in mpiexec runs (``--with-mpi``)."""
+
+#: seconds before pytest-timeout ends a hung test at which every rank prints its stacks
+STACKS_BEFORE_TIMEOUT = 15
+
+
+def pytest_configure(config):
+    global _OUTCOMES
+    if config.getoption("with_mpi", default=False):
+        from mpi4py import MPI
+
+        _OUTCOMES = MPI.COMM_WORLD.Dup()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each rank prints every thread's stack shortly before pytest-timeout ends a hung test
+    (its timer on one rank ends the whole job, before the other ranks could print theirs);
+    after a test that failed on any rank, the ranks start the next one with the
+    collectives' state of the world communicator made anew (a stall stops it)."""
+    import faulthandler
+
+    timeout = item.config.getoption("timeout", default=None) or 0
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        timeout = marker.args[0]
+    armed = _OUTCOMES is not None and timeout > STACKS_BEFORE_TIMEOUT
+    if armed:
+        # to the process's own stderr (the rank's log), not pytest's capture of it
+        faulthandler.dump_traceback_later(timeout - STACKS_BEFORE_TIMEOUT, exit=False, file=sys.__stderr__)
+    item.failed_on_some_rank = False
+    yield
+    if armed:
+        faulthandler.cancel_dump_traceback_later()
+    if item.failed_on_some_rank:
+        import collectives
+
+        collectives.reset()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """In mpiexec runs, the ranks agree on each phase's outcome before going on: a test that
+    failed on one rank fails on every rank, naming the ranks, and no rank starts the next
+    test while another is still in this one. A rank still waiting in a collective for one
+    that failed ends with the collectives' stall error (``HPCDL_STALL_TIMEOUT``)."""
+    outcome = yield
+    if _OUTCOMES is None:
+        return
+    report = outcome.get_result()
+    failed = [r for r, bad in enumerate(_OUTCOMES.allgather(report.failed)) if bad]
+    if failed:
+        item.failed_on_some_rank = True
+        if not report.failed:
+            report.outcome = "failed"
+            report.longrepr = f"{report.when} failed on rank(s) {failed} (their output: .pytest-rank<N>.log)"
+
+
 # -- the hpcdl runtime ---------------------------------------------------------------------------
 @pytest.fixture
 def runtime():

@@ -20,4 +20,8 @@ if rank > 0:
 
 import pytest  # noqa: E402 - after the redirection on purpose
 
+# the torch runtime's HPCDL_* names (jobs/test.sh sets its stall shutdown) are valid in every
+# test file's environment, also where only the collectives are imported
+import hpcdl  # noqa: E402, F401
+
 sys.exit(pytest.main(["--with-mpi", *sys.argv[1:]]))

@@ -162,3 +162,47 @@ def test_shm_across_nodes_raises_on_every_rank(coll, everywhere):
     assert np.array_equal(C.allreduce(np.ones(2), comm=comm), np.full(2, float(comm.size)))
     comm.Free()
     still_usable()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    "where",
+    [
+        {"compiled_channel": True, "shm_spin": 0},  # the compiled loop, sleeping at once
+        {"compiled_channel": True, "shm_spin": 10**9},  # the compiled loop, spinning throughout
+        {"compiled_channel": False, "shm_spin": 0},  # the Python loop
+        {"ranks_per_node": 1},  # no node channel: agreement through MPI
+    ],
+    ids=["compiled-sleep", "compiled-spin", "python", "mpi"],
+)
+def test_a_rank_that_skips_a_call_ends_in_a_stall_error_on_every_rank(where):
+    """Rank 0 skips an allreduce the others make: they raise StallError naming rank 0 within
+    the stall timeout, rank 0's next call raises too, every later call on the communicator
+    raises, and after collectives.reset on every rank it works again."""
+    comm = WORLD.Dup()
+    sync = WORLD.Dup()  # where rank 0 waits meanwhile, outside the communicator under test
+    timeout = 1.5
+    get_context(comm, Config(stall_timeout=timeout, **where))
+    n, r = comm.size, comm.rank
+    assert np.array_equal(C.allreduce(np.ones(2), comm=comm), np.full(2, float(n)))
+    if r != 0:
+        t0 = MPI.Wtime()
+        with pytest.raises(C.StallError, match=r"waited 1.5 s .* for (rank\(s\) \[0\]|the other ranks)|gave up") as info:
+            C.allreduce(np.ones(2), comm=comm)
+        assert MPI.Wtime() - t0 < timeout + 10, info.value
+        assert "collectives.reset(comm)" in str(info.value)
+    sync.Barrier()
+    # rank 0's late call meets what the others abandoned, and raises; theirs raise at once
+    with pytest.raises(C.StallError, match="gave up" if r == 0 else "stopped after a stall"):
+        C.allreduce(np.ones(2), comm=comm)
+    sync.Barrier()
+    with pytest.raises(C.StallError, match="stopped after a stall"):
+        C.broadcast(np.ones(2), comm=comm)
+    sync.Barrier()
+    C.reset(comm)
+    get_context(comm, Config(stall_timeout=timeout, **where))
+    for k in range(3):
+        assert np.array_equal(C.allreduce(np.full(3, k + r, np.int64), comm=comm), np.full(3, n * k + n * (n - 1) // 2))
+    comm.Free()
+    sync.Free()
