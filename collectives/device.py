@@ -117,11 +117,18 @@ def bfloat16_ok(cp: Any) -> bool:
 
 
 def as_cupy(x: Any) -> Any:
-    """A CuPy array viewing ``x``'s memory (``x`` itself when it is one)."""
+    """A CuPy array viewing ``x``'s memory (``x`` itself when it is one), of the dtype
+    :func:`describe` reads: CuPy types a view by the interface's typestr, which spells
+    bfloat16 (a CUDA torch tensor's, say) as the untyped ``<V2`` that no kernel takes."""
     cp = cupy_module()
     if isinstance(x, cp.ndarray):
         return x
-    return cp.asarray(x) if _interface(x) is not None else cp.from_dlpack(x)
+    if _interface(x) is None:
+        return cp.from_dlpack(x)
+    a = cp.asarray(x)
+    if a.dtype.kind == "V":
+        a = a.view(describe(x)[1])
+    return a
 
 
 def _interface(x: Any) -> dict[str, Any] | None:

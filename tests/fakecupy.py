@@ -2,7 +2,10 @@
 
 Its arrays are numpy arrays that say they are CUDA memory (``__cuda_array_interface__``),
 with CuPy's ``data.ptr``, ``device.id``, ``set`` and ``get``; its streams finish work as
-it is queued; NCCL is absent. Installed in ``sys.modules`` as ``cupy`` for a test, it
+it is queued; NCCL is absent. Where real CuPy differs from numpy in a way that has hidden
+bugs, it does as CuPy does: ``asarray`` of another library's device array (a CUDA tensor:
+:class:`CudaTensor` here) types the view by the interface's typestr, so bfloat16 arrives as
+the untyped ``V2``, and arithmetic refuses such dtypes as CuPy's kernels do. Installed in ``sys.modules`` as ``cupy`` for a test, it
 lets :mod:`collectives.gpu`'s logic (agreement, output checks, algorithm choice, the
 staged and MPI paths, the ``ipc`` schedules on :class:`collectives.ipc.HostPeers`) run
 on a machine without a GPU. It proves nothing about CUDA itself: ``test_gpu.py`` does.
@@ -44,6 +47,20 @@ class _Device:
 class ndarray(np.ndarray):  # noqa: N801 - CuPy's name
     """A host array posing as device memory."""
 
+    def __array_ufunc__(self, uf: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        """numpy's ufunc, refusing the dtypes CuPy has no kernel for, with CuPy's message."""
+        args = [*inputs, *kwargs.get("out", ())]
+        types = tuple(a.dtype for a in args if isinstance(a, np.ndarray))
+        if any(t.type is np.void for t in types):  # untyped bytes (ml_dtypes' bfloat16 is typed)
+            raise TypeError(f"Wrong type ({types}) of arguments for cupy_{uf.__name__}")
+        plain = [np.asarray(a) if isinstance(a, ndarray) else a for a in inputs]
+        if "out" in kwargs:
+            kwargs["out"] = tuple(np.asarray(o) if isinstance(o, ndarray) else o for o in kwargs["out"])
+        res = getattr(uf, method)(*plain, **kwargs)
+        if "out" in kwargs and len(kwargs["out"]) == 1:
+            return args[-1]
+        return res.view(ndarray) if isinstance(res, np.ndarray) else res
+
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         return {
@@ -69,11 +86,61 @@ class ndarray(np.ndarray):  # noqa: N801 - CuPy's name
         return np.array(np.asarray(self))
 
 
+class _HostView:
+    """Another library's device memory seen through numpy: its CUDA interface as numpy's."""
+
+    def __init__(self, cai: dict[str, Any]) -> None:
+        self.__array_interface__ = {k: cai.get(k) for k in ("shape", "typestr", "data", "strides")} | {"version": 3}
+
+
+def _foreign_interface(a: Any) -> dict[str, Any] | None:
+    if isinstance(a, np.ndarray):
+        return None
+    try:
+        return getattr(a, "__cuda_array_interface__", None)
+    except (AttributeError, RuntimeError, TypeError):  # a CPU torch tensor's property raises
+        return None
+
+
 def asarray(a: Any, dtype: Any = None) -> ndarray:
-    """Like CuPy's: a host array is copied (to the "device"), a device array kept."""
+    """Like CuPy's: a host array is copied (to the "device"), a device array kept, and
+    another library's device array viewed with the dtype its interface's typestr spells
+    (``V2`` for bfloat16), as CuPy does."""
     if isinstance(a, ndarray) and (dtype is None or a.dtype == dtype):
         return a
+    cai = _foreign_interface(a)
+    if cai is not None:
+        view = np.asarray(_HostView(cai)).view(ndarray)
+        return view if dtype is None else view.astype(dtype)
     return np.array(a, dtype).view(ndarray)
+
+
+TORCH_TYPESTR = {"bfloat16": "<V2", "bool": "|b1"}
+"""Typestrs a CUDA torch tensor's interface gives where numpy's name would differ (numpy
+has no bfloat16: torch spells it as two untyped bytes)."""
+
+
+class CudaTensor:
+    """A stand-in for a CUDA torch tensor over a CPU tensor's memory, as other libraries see
+    one: ``__cuda_array_interface__`` with torch's typestrs, ``shape``, ``dtype`` and
+    ``device`` (``cuda:0``)."""
+
+    def __init__(self, t: Any) -> None:
+        self.t = t
+        self.shape = tuple(t.shape)
+        self.dtype = t.dtype
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        name = str(self.t.dtype).removeprefix("torch.")
+        isz = self.t.element_size()
+        return {
+            "shape": self.shape,
+            "typestr": TORCH_TYPESTR.get(name) or np.dtype(name).str,
+            "data": (self.t.data_ptr(), False),
+            "strides": None if self.t.is_contiguous() else tuple(s * isz for s in self.t.stride()),
+            "version": 2,
+        }
 
 
 def array(a: Any, dtype: Any = None) -> ndarray:

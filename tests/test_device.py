@@ -427,3 +427,26 @@ def test_nccl_missing_is_an_error_on_every_rank_and_auto_goes_on(fake):
     with pytest.raises(C.UnsupportedDtypeError, match="NCCL has no int16"):
         C.allreduce(cp.ones(4, np.int16), algorithm="nccl", comm=comm)
     assert cp.asnumpy(C.allreduce(cp.ones(4, np.int16), comm=comm))[0] == N
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("alg", ["ipc", "staged"])
+def test_torch_bfloat16_through_the_array_interface(fake, alg):
+    """A CUDA torch tensor reaches CuPy through its interface, whose typestr spells bfloat16
+    as ``<V2`` (models the GPU failure: ``Wrong type (V2, V2) for cupy_add`` in ipc's
+    combine): the stand-in types the view as CuPy does and refuses V2 arithmetic as CuPy's
+    kernels do, so the collectives must type the view themselves, for x and for out."""
+    torch = pytest.importorskip("torch")
+    import fakecupy
+
+    cp, comm, _ = fake
+    t = torch.full((1000,), ME + 0.5, dtype=torch.bfloat16)
+    x = fakecupy.CudaTensor(t)
+    assert x.__cuda_array_interface__["typestr"] == "<V2" and cp.asarray(x).dtype.kind == "V"
+    with pytest.raises(TypeError, match="Wrong type"):
+        cp.add(cp.asarray(x), cp.asarray(x))
+    want = rank_order([np.full(1000, r + 0.5, ml_dtypes.bfloat16) for r in range(N)], "sum")
+    got = C.allreduce(x, algorithm=alg, comm=comm)
+    assert got.dtype == np.dtype(ml_dtypes.bfloat16) and cp.asnumpy(got).tobytes() == want.tobytes()
+    C.allreduce(x, out=x, algorithm=alg, comm=comm)  # into the tensor's own memory
+    assert t.view(torch.int16).numpy().tobytes() == want.view(np.int16).tobytes()
