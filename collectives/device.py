@@ -41,11 +41,11 @@ def is_device(x: Any) -> bool:
     """True when ``x`` lives in CUDA device memory (see the module docstring)."""
     if type(x) is np.ndarray:
         return False
-    try:  # a CPU torch tensor's property raises instead of being absent
+    try:
         if getattr(x, "__cuda_array_interface__", None) is not None:
             return True
     except (AttributeError, RuntimeError, TypeError):
-        return False
+        pass  # a CPU torch tensor's property raises, and so does a CUDA one's that requires grad
     dev = getattr(x, "__dlpack_device__", None)
     if dev is None:
         return False
@@ -123,6 +123,8 @@ def as_cupy(x: Any) -> Any:
     cp = cupy_module()
     if isinstance(x, cp.ndarray):
         return x
+    if getattr(x, "requires_grad", False):  # a tensor in autograd exports no interface: its data does
+        x = x.detach()
     if _interface(x) is None:
         return cp.from_dlpack(x)
     a = cp.asarray(x)

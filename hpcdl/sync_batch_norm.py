@@ -79,7 +79,8 @@ class _SyncBN(torch.autograd.Function):
         shape = [1, c] + [1] * (x.dim() - 2)
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         k = x.numel() // c
-        mine = torch.zeros(1, 2 * c + 1, dtype=torch.float64)
+        # on the input's device: the statistics computed from them must meet x there
+        mine = torch.zeros(1, 2 * c + 1, dtype=torch.float64, device=x.device)
         mine[0, 0] = k
         if k:
             xd = xf.double()

@@ -122,8 +122,9 @@ has no bfloat16: torch spells it as two untyped bytes)."""
 
 class CudaTensor:
     """A stand-in for a CUDA torch tensor over a CPU tensor's memory, as other libraries see
-    one: ``__cuda_array_interface__`` with torch's typestrs, ``shape``, ``dtype`` and
-    ``device`` (``cuda:0``)."""
+    one: ``__cuda_array_interface__`` with torch's typestrs (raising, as torch's does, while
+    the tensor requires grad), ``__dlpack_device__`` (CUDA, device 0), ``shape``, ``dtype``,
+    ``requires_grad`` and ``detach``."""
 
     def __init__(self, t: Any) -> None:
         self.t = t
@@ -131,7 +132,21 @@ class CudaTensor:
         self.dtype = t.dtype
 
     @property
+    def requires_grad(self) -> bool:
+        return bool(self.t.requires_grad)
+
+    def detach(self) -> CudaTensor:
+        return CudaTensor(self.t.detach())
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (2, 0)
+
+    @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
+        if self.t.requires_grad:
+            raise RuntimeError(
+                "Can't get __cuda_array_interface__ on Variable that requires grad. Use var.detach().__cuda_array_interface__ instead."
+            )
         name = str(self.t.dtype).removeprefix("torch.")
         isz = self.t.element_size()
         return {

@@ -28,6 +28,7 @@ from hpcdl.train.launch import pick_device
 
 pytestmark = [
     pytest.mark.mpi(min_size=1),
+    pytest.mark.gpu,
     pytest.mark.timeout(600),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device"),
     pytest.mark.usefixtures("shutdown_after"),
@@ -272,3 +273,39 @@ def test_a_resumed_cuda_fp16_run_ends_where_an_uninterrupted_one_does(run_dir):
             else:
                 assert torch.allclose(b["model"][k], v, rtol=1e-4, atol=1e-6), k
         assert ckpt.steps_in(os.path.join(parted, "checkpoints")) == [14]  # rank 0 writes and prunes
+
+
+def test_sync_batch_norm_on_cuda_matches_the_cpu(dev):
+    """SyncBatchNorm gathers its statistics on the input's device (they meet x there), so a
+    CUDA input gives what the CPU gives; the CPU twin is test_ops' SyncBatchNorm test."""
+    n, r = hvd.size(), hvd.rank()
+    g = torch.Generator().manual_seed(7)
+    full = torch.randn(3 * n, 4, 5, generator=g, dtype=torch.float64)
+    ref = torch.nn.BatchNorm1d(4).double()
+    sync = hvd.SyncBatchNorm(4).double().to(dev)
+    mine = slice(3 * r, 3 * r + 3)
+    x = full[mine].clone().to(dev).requires_grad_()
+    y = sync(x)
+    y.sum().backward()
+    assert y.device == dev and x.grad.device == dev
+    close(y.detach().cpu(), ref(full).detach()[mine])
+
+
+def test_pipeline_on_cuda_receives_onto_the_stage_device(dev):
+    """Every stage on the GPU: received activations and gradients land there (the CPU twin
+    is test_pipeline's device test)."""
+    from hpcdl.parallel import Grid, Pipeline
+
+    if hvd.size() < 2:
+        pytest.skip("a pipeline needs 2 stages")
+    grid = Grid(dp=1, tp=1, pp=hvd.size())
+    torch.manual_seed(5)
+    layers = [torch.nn.Linear(4, 4, dtype=torch.float64) for _ in range(hvd.size())]
+    pipe = Pipeline([lay.to(dev) for lay in layers], grid, chunks=2)
+    x = torch.randn(6, 4, dtype=torch.float64, device=dev)
+    loss = pipe.train_step(x, x, F.mse_loss)
+    torch.manual_seed(5)
+    ref = torch.nn.Sequential(*[torch.nn.Linear(4, 4, dtype=torch.float64) for _ in range(hvd.size())])
+    assert loss == pytest.approx(F.mse_loss(ref(x.cpu()), x.cpu()).item(), rel=1e-10)
+    pipe.close()
+    grid.close()

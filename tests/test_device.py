@@ -450,3 +450,20 @@ def test_torch_bfloat16_through_the_array_interface(fake, alg):
     assert got.dtype == np.dtype(ml_dtypes.bfloat16) and cp.asnumpy(got).tobytes() == want.tobytes()
     C.allreduce(x, out=x, algorithm=alg, comm=comm)  # into the tensor's own memory
     assert t.view(torch.int16).numpy().tobytes() == want.view(np.int16).tobytes()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_cuda_tensor_that_requires_grad_is_a_device_array(fake):
+    """Models torch on a GPU: a CUDA tensor that requires grad raises from its array interface
+    (it has a DLPack device all the same), so it must not be taken for host memory."""
+    torch = pytest.importorskip("torch")
+    import fakecupy
+
+    cp, comm, _ = fake
+    t = torch.full((5,), float(ME + 1), dtype=torch.float64, requires_grad=True)
+    x = fakecupy.CudaTensor(t)
+    with pytest.raises(RuntimeError, match="requires grad"):
+        x.__cuda_array_interface__  # noqa: B018
+    assert is_device(x) and describe(x) == ((5,), np.dtype(np.float64), True)
+    got = C.allreduce(x, comm=comm)
+    assert cp.asnumpy(got).tolist() == [N * (N + 1) / 2] * 5

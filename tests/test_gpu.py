@@ -44,6 +44,7 @@ def _gpus() -> int:
 GPUS = _gpus()
 pytestmark = [
     pytest.mark.mpi(min_size=1),
+    pytest.mark.gpu,
     pytest.mark.timeout(900),
     pytest.mark.skipif(GPUS == 0, reason="no CuPy or no CUDA device here"),
 ]

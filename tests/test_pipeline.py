@@ -325,3 +325,41 @@ def test_the_timeline_shows_every_micro_batchs_forward_and_backward_on_its_stage
     assert MPI.COMM_WORLD.bcast(seen, root=0) == want
     pipe.close()
     grid.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_received_activations_and_gradients_land_on_the_stage_device(monkeypatch):
+    """Models the GPU failure "weight is on cuda:0, different from other tensors on cpu"
+    (``--tp 2 --pp 2 --device cuda``): bytes travel through host memory, so a received tensor
+    must be moved to the receiving stage's device. Here a link receives onto ``meta`` (a device
+    other than the CPU that a CPU build has), and every receive of a pipeline step asks for the
+    device of the stage's parameters."""
+    grid = Grid(dp=1, tp=1, pp=hvd.size())
+    comm = MPI.COMM_WORLD.Dup()
+    link = Link(comm)
+    r = comm.rank
+    if r == 0:
+        link.send(torch.arange(6, dtype=torch.float64).reshape(2, 3), 1, ACT)
+    elif r == 1:
+        got = link.recv(0, ACT, device="meta")
+        assert got.device.type == "meta" and got.shape == (2, 3) and got.dtype == torch.float64
+    link.finish()
+    comm.Free()
+    asked = []
+    recv = Link.recv
+
+    def recording(self, source, stream, slot=0, device=None):  # None: the caller did not say
+        asked.append(device if device is None else torch.device(device))
+        return recv(self, source, stream, slot, device or "cpu")
+
+    monkeypatch.setattr(Link, "recv", recording)
+    pipe = Pipeline(layers(hvd.size()), grid, chunks=3)
+    x, y = batch()
+    pipe.train_step(x, y, F.mse_loss)
+    pipe.evaluate(x, y, lambda o, t: F.mse_loss(o, t, reduction="sum").reshape(1))
+    stage_device = next(pipe.stage.parameters()).device
+    assert pipe.device == stage_device
+    receives = 3 * (grid.pp_rank > 0) * 2 + 3 * (grid.pp_rank < grid.pp - 1)  # activations (train, evaluate), gradients
+    assert asked == [stage_device] * receives, asked
+    pipe.close()
+    grid.close()

@@ -249,6 +249,14 @@ class Pipeline(nn.Module):
         """This stage's layers alone (the schedule is :meth:`train_step`)."""
         return self.stage(x)
 
+    @property
+    def device(self) -> torch.device:
+        """Where this stage computes: the device of its first parameter (or buffer), else the
+        CPU. Activations and gradients from the neighbouring stages are received there."""
+        for t in (*self.stage.parameters(), *self.stage.buffers()):
+            return t.device
+        return torch.device("cpu")
+
     def train_step(
         self,
         inputs: torch.Tensor | None,
@@ -266,7 +274,7 @@ class Pipeline(nn.Module):
         Returns:
             The batch's mean loss, on every stage.
         """
-        g, link = self.grid, self._link
+        g, link, dev = self.grid, self._link, self.device
         s, p, m = g.pp_rank, g.pp, self.chunks
         xs = torch.tensor_split(inputs, m) if g.is_first_stage else [None] * m
         ts = torch.tensor_split(targets, m) if g.is_last_stage else [None] * m
@@ -277,7 +285,7 @@ class Pipeline(nn.Module):
 
         def fwd(i: int) -> None:
             nonlocal live, peak
-            x = xs[i] if g.is_first_stage else link.recv(s - 1, ACT, i).requires_grad_()
+            x = xs[i] if g.is_first_stage else link.recv(s - 1, ACT, i, dev).requires_grad_()
             t0 = time.perf_counter()
             out = self.stage(x)
             self._span("PIPELINE_FORWARD", t0, i)
@@ -296,7 +304,7 @@ class Pipeline(nn.Module):
                 losses.append(float(loss.detach()) * len(ts[i]) / total)
                 (loss * (len(ts[i]) / total)).backward()
             else:
-                grad = link.recv(s + 1, GRAD, i)
+                grad = link.recv(s + 1, GRAD, i, dev)
                 t0 = time.perf_counter()
                 out.backward(grad)
             self._span("PIPELINE_BACKWARD", t0, i)
@@ -367,7 +375,7 @@ class Pipeline(nn.Module):
         micro-batches; returns the sum over the micro-batches of ``metric_fn(outputs,
         targets)`` (a tensor of sums, e.g. the summed loss and the count), computed on the
         last stage and returned on every stage."""
-        g, link = self.grid, self._link
+        g, link, dev = self.grid, self._link, self.device
         s, m = g.pp_rank, self.chunks
         xs = torch.tensor_split(inputs, m) if g.is_first_stage else [None] * m
         ts = torch.tensor_split(targets, m) if g.is_last_stage else [None] * m
@@ -375,7 +383,7 @@ class Pipeline(nn.Module):
         problem = None
         try:
             for i in range(m):
-                x = xs[i] if g.is_first_stage else link.recv(s - 1, ACT, i)
+                x = xs[i] if g.is_first_stage else link.recv(s - 1, ACT, i, dev)
                 out = self.stage(x)
                 if g.is_last_stage:
                     value = metric_fn(out, ts[i]).detach()

@@ -15,7 +15,8 @@ tag: messages from one source on one communicator are not overtaken by later one
 stage receives a single stream from each neighbour (activations from the previous stage,
 gradients from the next), so that message is the stream's. A SHAPE updates the record (it
 names its slot, which must be the one expected), DATA lands in a new tensor of the
-recorded dtype and shape, an ERROR is raised as :class:`~hpcdl.errors.PipelineError`.
+recorded dtype and shape (then moved to the receiving stage's device: the bytes travel
+through host memory), an ERROR is raised as :class:`~hpcdl.errors.PipelineError`.
 
 Sends, errors included, are nonblocking; a stage waits for them at the end of its
 schedule. A stage that fails, or learns that a neighbour failed, sends the error on to
@@ -85,9 +86,10 @@ class Link:
         self.pending.append(self.comm.Isend([raw, MPI.BYTE], dest, _tag(stream, _DATA)))
         self.messages_sent += 1
 
-    def recv(self, source: int, stream: int, slot: int = 0) -> torch.Tensor:
-        """The next tensor from stage ``source`` on ``stream`` (micro-batch ``slot``);
-        :class:`~hpcdl.errors.PipelineError` (with the failed stage's text) if it sent an error."""
+    def recv(self, source: int, stream: int, slot: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The next tensor from stage ``source`` on ``stream`` (micro-batch ``slot``), on
+        ``device`` (the receiving stage's); :class:`~hpcdl.errors.PipelineError` (with the
+        failed stage's text) if it sent an error."""
         status = MPI.Status()
         while True:
             msg = self.comm.Mprobe(source, MPI.ANY_TAG, status)
@@ -117,7 +119,7 @@ class Link:
                     f"shape agreed was {'none' if known is None else f'{known[0]} {list(known[1])}'}"
                 )
             msg.Recv([raw, MPI.BYTE])
-            return out
+            return out.to(device)
 
     def send_error(self, text: str, dest: int, stream: int) -> None:
         """Tell stage ``dest`` (waiting on ``stream``, or later) that the pipeline failed."""
