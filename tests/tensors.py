@@ -61,3 +61,19 @@ def expected_reduce(xs, op):
     else:
         out = stack.prod(0)
     return out.to(xs[0].dtype)
+
+
+def autograd_through_allreduce_and_allgather(dev: torch.device) -> None:
+    """Gradients through a Sum allreduce and an allgather on ``dev``, as Horovod gives them,
+    on the input's device (test_ops runs it on the CPU, test_cuda on a GPU)."""
+    r, n = hvd.rank(), hvd.size()
+    x = data(r, (3,), torch.float32, seed=7).to(dev).requires_grad_()
+    y = hvd.allreduce(x, op=hvd.Sum)
+    (y * torch.arange(1.0, 4.0, device=dev)).sum().backward()
+    # d/dx_r of sum_j w_j * sum_q x_qj is n * w (every rank's output depends on x_r)
+    assert x.grad.device == dev and torch.equal(x.grad.cpu(), n * torch.arange(1.0, 4.0))
+    z = data(r, (r + 1, 2), torch.float32, seed=8).to(dev).requires_grad_()
+    hvd.allgather(z).sum().backward()
+    # Horovod averages the output gradients over the ranks, then takes this rank's rows:
+    # every rank's output gradient is ones, so their average is too
+    assert z.grad.device == dev and torch.equal(z.grad.cpu(), torch.ones(r + 1, 2))

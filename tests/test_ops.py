@@ -12,7 +12,7 @@ import json
 import pytest
 import torch
 from mpi4py import MPI
-from tensors import FLOATS, INTS, close, data, everyone, expected_reduce
+from tensors import FLOATS, INTS, autograd_through_allreduce_and_allgather, close, data, everyone, expected_reduce
 
 import hpcdl as hvd
 
@@ -290,6 +290,10 @@ def test_scale_factors_on_integer_tensors_scale_and_truncate_as_horovod_does():
     assert torch.equal(got, torch.full((2,), -3 * n, dtype=torch.int64))  # trunc(-3.5) = -3
     fused = hvd.grouped_allreduce([torch.full((3,), 3, dtype=torch.int16)] * 2, op=hvd.Sum, postscale_factor=0.5)
     assert all(torch.equal(t, torch.full((3,), int(3 * n * 0.5), dtype=torch.int16)) for t in fused)
+
+
+def test_autograd_through_allreduce_and_allgather_on_the_cpu():
+    autograd_through_allreduce_and_allgather(torch.device("cpu"))  # test_cuda runs the same on a GPU
 
 
 def test_allgather_broadcast_alltoall_reducescatter_gradients():
