@@ -292,6 +292,40 @@ def test_scale_factors_on_integer_tensors_scale_and_truncate_as_horovod_does():
     assert all(torch.equal(t, torch.full((3,), int(3 * n * 0.5), dtype=torch.int16)) for t in fused)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_scale_factors_on_16_bit_floats_scale_in_float32_as_horovod_does(dtype):
+    """Horovod scales a 16-bit float tensor in float32 (the factor rounded to float32) and
+    rounds once into the dtype, before and after the reduction, which sums in the dtype in
+    rank order: its tests compare the results exactly."""
+    n, r = hvd.size(), hvd.rank()
+    g = torch.Generator().manual_seed(31)
+    xs = [torch.rand(64, generator=g).mul(30).to(dtype) for _ in range(n)]
+    pre, post = torch.rand(2, generator=g, dtype=torch.float64).tolist()
+
+    def scaled(t, f):
+        return (t.float() * torch.tensor(f, dtype=torch.float32)).to(dtype)
+
+    def rank_order_sum(ts):
+        acc = ts[0].clone()
+        for t in ts[1:]:
+            acc += t  # one rounding into the dtype per addition
+        return acc
+
+    want = scaled(rank_order_sum([scaled(x, pre) for x in xs]), post)
+    for name in ("alone", "fused"):  # a tensor reduced alone, and one packed with another
+        if name == "alone":
+            got = hvd.allreduce(xs[r], op=hvd.Sum, prescale_factor=pre, postscale_factor=post, name=f"scaled.{dtype}")
+        else:
+            got = hvd.grouped_allreduce(
+                [xs[r], xs[r][:3].clone()], op=hvd.Sum, prescale_factor=pre, postscale_factor=post
+            )[0]
+        assert torch.equal(got, want), (name, (got.float() - want.float()).abs().max())
+    k = 64 // n * n
+    got = hvd.reducescatter(xs[r][:k], op=hvd.Sum, prescale_factor=pre, postscale_factor=post)
+    per = k // n
+    assert torch.equal(got, want[:k][r * per : (r + 1) * per])
+
+
 def test_autograd_through_allreduce_and_allgather_on_the_cpu():
     autograd_through_allreduce_and_allgather(torch.device("cpu"))  # test_cuda runs the same on a GPU
 

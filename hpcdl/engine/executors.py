@@ -46,10 +46,13 @@ Span = Callable[..., None]
 
 
 def scale(x: np.ndarray, factor: float, out: np.ndarray) -> None:
-    """``out = factor * x``; an integer array is scaled as Horovod scales it: in floating
-    point, then truncated toward zero into its own dtype."""
+    """``out = factor * x`` (numpy or CuPy arrays), as Horovod scales: an integer array in
+    floating point, then truncated toward zero into its own dtype; a 16-bit float array in
+    float32 (the factor rounded to float32), then rounded once into its own dtype."""
     if out.dtype.kind in "iu":
-        np.copyto(out, np.trunc(x * float(factor)), casting="unsafe")
+        out[...] = np.trunc(x * float(factor)).astype(out.dtype)
+    elif out.dtype.itemsize == 2:  # float16, bfloat16
+        out[...] = (x.astype(np.float32) * np.float32(factor)).astype(out.dtype)
     else:
         np.multiply(x, factor, out=out)
 
