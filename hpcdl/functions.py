@@ -59,8 +59,16 @@ def broadcast_optimizer_state(
     step counts) equal to ``root_rank``'s. Every rank's optimizer must hold the same
     parameter groups. The root's state may lack parameters (no gradient yet) and hold any
     picklable entries (tensors, numbers, strings, lists); the other ranks end with copies
-    of it, tensors on their parameters' devices, and nothing else."""
+    of it, tensors on their parameters' devices, and nothing else.
+
+    As in Horovod, an optimizer without any state yet (before its first step) gets it
+    first, on every rank: each parameter that requires grad and has no state is given a
+    zero gradient, and the optimizer steps once on them without reducing anything (the
+    wrapped optimizer's own step, inside ``skip_synchronize()`` for hpcdl's optimizers)."""
     mine = optimizer.state_dict()
+    if not mine["state"]:
+        _initialize_state(optimizer)
+        mine = optimizer.state_dict()
     root_state = broadcast_object(
         mine, root_rank, name=_unnamed("broadcast_optimizer_state", process_set), process_set=process_set
     )
@@ -73,6 +81,23 @@ def broadcast_optimizer_state(
         )
     if state.current().rank != root_rank:  # the root's own state is the root's already
         _load_state(optimizer, root_state)
+
+
+def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
+    """Horovod's state initialization: zero gradients where parameters that require grad
+    have no state, then one local step."""
+    sparse = isinstance(optimizer, torch.optim.SparseAdam)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p not in optimizer.state:
+                g = torch.zeros_like(p)
+                p.grad = g.to_sparse() if sparse else g
+    local = getattr(optimizer, "skip_synchronize", None)
+    if local is None:
+        optimizer.step()
+        return
+    with local():
+        optimizer.step()
 
 
 def _load_state(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:

@@ -423,6 +423,30 @@ def test_broadcast_optimizer_state_with_missing_and_non_tensor_state(root):
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05 * (root + 1))
 
 
+def test_broadcast_optimizer_state_of_a_new_optimizer_initializes_it_as_horovod_does():
+    """Horovod's test_broadcast_state_no_grad: before the first step the state is made by one
+    local step on zero gradients, so every parameter that requires grad has a gradient
+    (zeros, alike on every rank) and state; a frozen parameter has neither."""
+
+    class NoGrad(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.tensor([1, 3], dtype=torch.int32), requires_grad=False)
+            self.b = torch.nn.Parameter(torch.rand(4, generator=torch.Generator().manual_seed(hvd.rank())))
+
+    model = NoGrad()
+    opt = torch.optim.SGD(model.parameters(), lr=0.001, weight_decay=1e-6, momentum=0.9, nesterov=True)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    a, b = opt.param_groups[0]["params"]
+    assert a.grad is None and a not in opt.state
+    assert b.grad is not None and torch.equal(b.grad, torch.zeros(4)) and "momentum_buffer" in opt.state[b]
+    assert torch.equal(hvd.broadcast(b.grad, root_rank=0), b.grad)
+    every = hvd.allgather_object(b.detach().clone())
+    assert all(torch.equal(w, every[0]) for w in every)  # the initializing step is the same everywhere
+
+
 def test_broadcast_parameters_optimizer_state_and_objects():
     r = hvd.rank()
     torch.manual_seed(100 + r)  # different weights on every rank

@@ -602,3 +602,26 @@ def test_a_dropped_optimizer_stops_hooking_its_parameters():
     opt.zero_grad()
     m(x).sum().backward()  # only the new optimizer's hooks fire (else: "computed 2 times")
     opt.step()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_outside_the_optimizers_process_set_takes_no_part():
+    """Horovod's test_optimizer_process_sets: every rank wraps its optimizer over the even
+    ranks' set; the even ranks reduce among themselves, an odd rank steps on its own gradients."""
+    n, r = hvd.size(), hvd.rank()
+    evens = hvd.add_process_set(list(range(0, n, 2)))
+    try:
+        torch.manual_seed(3)
+        m = torch.nn.Linear(3, 1).double()
+        w0 = m.weight.detach().clone()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.5), named_parameters=m.named_parameters(), process_set=evens
+        )
+        x = torch.full((1, 3), float(r + 1), dtype=torch.float64)
+        m(x).sum().backward()  # d/dw = x
+        opt.step()
+        mine = [q for q in range(n) if q % 2 == r % 2] if r % 2 == 0 else [r]
+        grad = sum(torch.full((1, 3), float(q + 1), dtype=torch.float64) for q in mine) / len(mine)
+        torch.testing.assert_close(m.weight.detach(), w0 - 0.5 * grad, rtol=0, atol=1e-15)
+    finally:
+        hvd.remove_process_set(evens)

@@ -124,7 +124,15 @@ class Reducer:
                 raise HpcdlArgumentError(f"named_parameters misses optimizer parameters at positions {unnamed}")
         # requests are named per optimizer (numbered in construction order per process set,
         # alike on the set's ranks), so two wrapped optimizers can be in flight together
-        self._prefix = request_name(rt, self._kind, registered_id(process_set), None)
+        self._member = not (
+            self._kind == "DistributedOptimizer"
+            and getattr(process_set, "process_set_id", None)  # a registered set other than the global one
+            and not process_set.included()
+        )
+        """False on a rank outside a DistributedOptimizer's process set: as in Horovod, it takes
+        no part (no hooks, no reductions) and ``step()`` is the optimizer's own, on local
+        gradients."""
+        self._prefix = request_name(rt, self._kind, registered_id(process_set), None) if self._member else ""
         self._compression = compression
         self._op = op
         self._predivide = float(gradient_predivide_factor)
@@ -146,7 +154,7 @@ class Reducer:
         size = 0
         # backward produces the last layers' gradients first; a bucket holds one group's
         # parameters of one dtype on one device (a flat shard for ZeroOptimizer)
-        owned = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]]
+        owned = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]] if self._member else []
         for gi, p in reversed(owned):
             if not p.requires_grad:
                 continue
@@ -210,6 +218,8 @@ class Reducer:
     def synchronize(self) -> None:
         """Finish every gradient reduction of this step (submitting buckets whose hooks did not
         all fire, with zeros for missing gradients); afterwards ``p.grad`` holds the result."""
+        if not self._member:
+            return
         h, self._flags = self._flags, None
         if h is None:
             missing: list[int] = []
@@ -252,7 +262,7 @@ class Reducer:
         with the gradients already reduced. With ``op=Adasum`` each parameter has taken its
         local step already, when its gradient was ready (Horovod's delta optimizer):
         ``step()`` only waits for the combined updates."""
-        if self._op == Adasum:
+        if self._op == Adasum and self._member:
             loss = closure() if closure is not None else None
             if not self._synchronized:
                 self.synchronize()
