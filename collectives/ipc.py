@@ -69,18 +69,32 @@ class Peers(Protocol):
 
 
 class HostPeers:
-    """:class:`Peers` on host memory: an MPI shared window; work is done when queued."""
+    """:class:`Peers` on host memory, where a rank's work reaches its peers only as CUDA
+    events make it: each rank writes its own window in private (its queued work, not yet
+    visible); :meth:`record` publishes the window as it stands (the work before the event
+    has completed), into an MPI shared window holding one copy per event; :meth:`wait`
+    copies every peer's last published copy for that event into this rank's mirror of the
+    peer's window, which is all a schedule reads of it. A missing ``record`` or ``wait``
+    leaves stale bytes where a GPU would race, so the schedules' event ordering is tested
+    without one."""
 
     def __init__(self, node: Any, nbytes: int) -> None:
-        self.views, _ = node.shared_window(nbytes)
+        segs, self._fence = node.shared_window(3 * nbytes)  # STAGED, REDUCED, READ
+        self._published = [[seg[k * nbytes : (k + 1) * nbytes] for k in range(3)] for seg in segs]
         self.me = node.rank
         self.nbytes = nbytes
+        self.views = [np.zeros(nbytes, np.uint8) for _ in segs]
+        """This rank's window, then mirrors of its peers' as of the events waited for."""
 
     def record(self, k: int) -> None:
-        pass
+        self._published[self.me][k][...] = self.views[self.me]
+        self._fence()
 
     def wait(self, k: int) -> None:
-        pass
+        self._fence()
+        for q, mirror in enumerate(self.views):
+            if q != self.me:
+                mirror[...] = self._published[q][k]
 
     def free(self) -> None:
         pass  # the window belongs to the node transport, freed with it

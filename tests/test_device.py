@@ -4,7 +4,8 @@ What a device array is; the memory kind in the agreed signature (a host array on
 and a device array on another is a mismatch on every rank, whatever the size and the
 collective); CuPy missing is an error on every rank; algorithm names checked against the
 kind of array; CUDA-aware MPI detection; and the ``ipc`` schedules run on their host twin
-(:class:`collectives.ipc.HostPeers`, numpy over an MPI shared window) at 1..4 ranks with a
+(:class:`collectives.ipc.HostPeers`: numpy, a rank's work reaching its peers only through
+the events, as on a GPU) at 1..4 ranks with a
 window small enough to need many chunks, against rank-order numpy reductions, bitwise.
 The same schedules on a GPU are tested in ``test_gpu.py``.
 """
@@ -275,6 +276,44 @@ def test_ipc_allgather_and_broadcast_twin(twin, dtype):
         buf = xs[root].copy() if ME == root else np.zeros(counts[root], dtype)
         ctx.run(ipc.broadcast(ctx.channel(), peers, buf, root))
         assert buf.tobytes() == xs[root].tobytes()
+
+
+@needs_twin
+def test_ipc_twin_shows_a_peers_work_only_after_its_event_and_a_wait(twin):
+    """Models CUDA across processes: a rank's queued work reaches a peer only once the rank
+    recorded an event after it and the peer waited for that event, so a schedule that skips
+    either reads stale bytes here, as it would race on a GPU."""
+    ctx, peers = twin
+    sync = WORLD.Dup()
+    mine = peers.views[ME]
+
+    def published_everywhere() -> None:
+        peers.record(ipc.STAGED)
+        sync.Barrier()
+        peers.wait(ipc.STAGED)
+        sync.Barrier()
+
+    mine[:8] = 0  # every mirror starts from zeros, whatever earlier tests left there
+    published_everywhere()
+    mine[:8] = ME + 1  # "queued" on this rank's stream
+    sync.Barrier()
+    seen = [peers.views[q][:8].copy() for q in range(N)]
+    peers.wait(ipc.STAGED)  # no event recorded after the write: still not visible
+    stale = [peers.views[q][:8].copy() for q in range(N)]
+    sync.Barrier()
+    peers.record(ipc.STAGED)
+    sync.Barrier()
+    before_wait = [peers.views[q][:8].copy() for q in range(N)]
+    peers.wait(ipc.STAGED)
+    after = [peers.views[q][:8].copy() for q in range(N)]
+    sync.Barrier()  # every rank has read before any publishes again (the READ event's role)
+    mine[:8] = 0
+    published_everywhere()
+    sync.Free()
+    for q in range(N):  # checked once every rank is past the barriers
+        if q != ME:
+            assert not seen[q].any() and not stale[q].any() and not before_wait[q].any()
+            assert (after[q] == q + 1).all()
 
 
 @needs_twin
