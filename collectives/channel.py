@@ -293,19 +293,22 @@ class Channel:
         """Raise the stall's error if a peer gave up, or the wait for peer ``i`` (its index
         among the peers) has lasted the stall timeout; ``kind`` 0 waits on its counter, 3 on
         its stage."""
+        self._check_peers(want)
+        if self.stall_timeout > 0 and time.monotonic() - start >= self.stall_timeout:
+            self.stalled(i + (i >= self.me), want, kind)
+
+    def _check_peers(self, want: int) -> None:
+        """Raise the stall's error if a peer gave up (its abort word is set)."""
         for j, f in enumerate(self._peer_aborts):
             if f[0]:
                 self.stalled(j + (j >= self.me), want, 1)
-        if self.stall_timeout > 0 and time.monotonic() - start >= self.stall_timeout:
-            self.stalled(i + (i >= self.me), want, kind)
 
     def stalled(self, rank: int, want: int, kind: int) -> None:
         """Give up on this channel after a stall and raise :class:`~.errors.StallError`:
         kind 0, this rank waited the stall timeout for ``rank`` to post call ``want`` (3:
         to reach barrier ``want``); 1, ``rank`` gave up; 2, this rank gave up before."""
         mine = self.aborts[self.me]
-        first = mine[0] == 0
-        if first:
+        if mine[0] == 0:
             mine[0] = max(want, 1)
             self.fence()
         how = "stopped on every rank of the node; call collectives.reset(comm) on every rank to use it again"
@@ -343,9 +346,7 @@ class Channel:
         the signatures differ."""
         seq = self.post(a, b, c, payload, win, wout)
         self.wait_posted(seq)
-        for j, f in enumerate(self._peer_aborts):  # every peer posted, but one gave up meanwhile
-            if f[0]:
-                self.stalled(j + (j >= self.me), seq, 1)
+        self._check_peers(seq)  # every peer posted, but one may have given up meanwhile
         for h in self.peer_heads[seq & 1]:
             if h[0] != a or h[2] != c or (h[1] != b and not uneven):
                 return -seq
