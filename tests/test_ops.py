@@ -617,7 +617,10 @@ def test_join_with_a_broadcast_on_a_process_set():
         # rank 1, a member, has joined: a broadcast on the set raises here
         with pytest.raises(hvd.HpcdlError, match=r"cannot run while ranks \[1\] have joined"):
             hvd.broadcast(x, 2, process_set=s)
-    assert hvd.join() == 2
+    last = hvd.join()
+    # rank 2 joins after rank 1; the others join whenever they get there
+    assert last != 1
+    assert hvd.allgather(torch.tensor([last])).tolist() == [last] * hvd.size()
     if r in (1, 2):  # usable again once every rank has joined
         assert torch.equal(hvd.broadcast(x + r, 2, name="after-join", process_set=s), x + 2)
     hvd.remove_process_set(s)
