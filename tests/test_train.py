@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import signal
+import random
 import subprocess
 import sys
 import textwrap
@@ -290,6 +291,47 @@ def test_checkpoint_is_atomic_and_loads_without_unpickling_code(tmp_path, monkey
     assert ckpt.steps_in(d) == [60, 70]
 
 
+def test_a_checkpoint_changed_on_disk_fails_its_checksum(tmp_path):
+    """Zeroed blocks and random bytes anywhere in the file, which torch.load may well read
+    without complaint, are refused with a ValueError; the digest itself is independent of
+    memory layout and of the order a dictionary was filled in."""
+    path = ckpt.path_for(str(tmp_path), 1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 96)
+    state = {"format": ckpt.FORMAT, "model": model.state_dict(), "step": 1, "config": {"lr": 0.1, "run_dir": ""}}
+    ckpt.save_atomic(state, path)
+    assert torch.equal(ckpt.load(path)["model"]["weight"], model.weight.detach())
+    assert torch.load(path, weights_only=True)["sha256"] == ckpt.content_digest(state)  # a plain torch file
+    raw = open(path, "rb").read()
+    rng = random.Random(1)
+    silent = 0
+    for k in range(24):
+        bad = bytearray(raw)
+        at = rng.randrange(len(raw) - 512)
+        bad[at : at + 512] = bytes(512) if k % 2 else rng.randbytes(512)
+        with open(path, "wb") as fh:
+            fh.write(bad)
+        with pytest.raises(ValueError, match="it is corrupt|does not load|not an hpcdl.train checkpoint"):
+            ckpt.load(path)
+        try:  # how often torch alone would have taken the damaged file
+            torch.load(path, weights_only=True)
+            silent += 1
+        except Exception:  # noqa: BLE001 - torch's own errors vary with what was hit
+            pass
+    assert silent > 0  # the checksum catches what torch.load does not
+    w = torch.arange(6.0).reshape(2, 3)
+    a = {"w": w.t().contiguous().t(), "n": 1}  # the same values, column-major
+    b = {"n": 1, "w": w}
+    assert ckpt.content_digest(a) == ckpt.content_digest(b)
+    assert ckpt.content_digest({"n": 1, "w": w + 1}) != ckpt.content_digest(b)
+    assert ckpt.content_digest({"n": 1.0, "w": w}) != ckpt.content_digest(b)
+    with pytest.raises(TypeError, match="not set"):
+        ckpt.content_digest({"x": {1, 2}})
+    torch.save({"format": ckpt.FORMAT, "step": 1}, path)  # written without one
+    with pytest.raises(ValueError, match="carries no checksum"):
+        ckpt.load(path)
+
+
 class _Evil:
     def __reduce__(self):
         return (os.system, ("true",))
@@ -420,8 +462,9 @@ def test_the_training_job_runs_through_sbatch_and_srun_on_a_local_cluster(tmp_pa
 def test_run_directory_and_resume_problems_are_one_line_and_status_2(tmp_path):
     """An earlier run's checkpoints are not overwritten silently; resuming from a missing
     directory, an empty one or another model's checkpoint says so in one line with status
-    2; an unreadable newest checkpoint is skipped for the newest readable one, with a
-    warning naming it; with none readable the job says which it skipped."""
+    2; a corrupt newest checkpoint (a block of it zeroed on disk) is skipped for the newest
+    intact one, with a warning naming it and a line naming the one taken; with none intact
+    the job says which it skipped."""
     run_dir = tmp_path / "run"
     ck_dir = run_dir / "checkpoints"
     base = ["-m", "hpcdl.train", "--model", "mlp", "--epochs", "1", "--no-progress", "--checkpoint-every", "3"]
@@ -446,17 +489,22 @@ def test_run_directory_and_resume_problems_are_one_line_and_status_2(tmp_path):
     refused(job("--resume", "--run-dir", str(tmp_path / "empty")), "resume: no checkpoint in")
     other = job("--resume", "--run-dir", str(run_dir), "--model", "cnn")
     refused(other, "was written for another model or optimizer: model='mlp' (this run: 'cnn')")
-    # the newest cut short: the run resumes from step 3 and says which file it skipped
-    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    # a block of the newest zeroed, where the weights are: it still unpickles, but its
+    # checksum fails; the run resumes from step 3 and says which file it skipped and why
+    raw = bytearray(newest.read_bytes())
+    at = raw.index(b"data/0") + 4096
+    raw[at : at + 1024] = bytes(1024)
+    newest.write_bytes(bytes(raw))
     proc = job("--resume", "--max-steps", "9", "--run-dir", str(run_dir))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stderr.count(f"warning: skipping unreadable checkpoint {newest}") == 1, proc.stderr
+    assert proc.stderr.count(f"warning: skipping checkpoint {newest}: it is corrupt") == 1, proc.stderr
+    assert proc.stderr.count(f"resuming from {ck_dir / 'step-00000003.pt'}, the newest intact checkpoint") == 1
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 9 and summary["resumed_from"].endswith("step-00000003.pt"), summary
     for f in ck_dir.iterdir():
         f.write_bytes(b"")
     none = job("--resume", "--run-dir", str(run_dir))
-    refused(none, "resume: no readable checkpoint in")
+    refused(none, "resume: no intact checkpoint in")
     assert none.stderr.count("(the file is empty)") == 2, none.stderr  # both named, with why
     fresh = job("--max-steps", "3", "--run-dir", str(run_dir), "--overwrite")
     assert fresh.returncode == 0, fresh.stderr

@@ -103,9 +103,10 @@ def _differences(saved: dict[str, Any], cfg: TrainConfig, fields: Any) -> list[s
 
 
 def _pick_checkpoint(ck_dir: str, cfg: TrainConfig) -> tuple[str | None, dict | None, str | None]:
-    """Rank 0's choice of the checkpoint to resume from: the newest that loads (each
-    unreadable newer one is skipped with a warning naming it), as (path, its contents,
-    None), or (None, None, the problem)."""
+    """Rank 0's choice of the checkpoint to resume from: the newest intact one (each newer
+    one that does not load or fails its checksum is skipped with a warning naming it and
+    why, and the one taken is named), as (path, its contents, None), or (None, None, the
+    problem)."""
     steps = ckpt.steps_in(ck_dir)
     if not steps:
         return None, None, f"resume: no checkpoint in {ck_dir}"
@@ -116,7 +117,7 @@ def _pick_checkpoint(ck_dir: str, cfg: TrainConfig) -> tuple[str | None, dict | 
             st = ckpt.load(path)
         except ValueError as exc:
             skipped.append(f"{path} ({exc})")
-            print(f"hpcdl.train: warning: skipping unreadable checkpoint {path}: {exc}", file=sys.stderr, flush=True)
+            print(f"hpcdl.train: warning: skipping checkpoint {path}: {exc}", file=sys.stderr, flush=True)
             continue
         saved = st.get("config", {})
         bad = _differences(saved, cfg, _SAME_MODEL)
@@ -127,8 +128,10 @@ def _pick_checkpoint(ck_dir: str, cfg: TrainConfig) -> tuple[str | None, dict | 
             print(
                 f"hpcdl.train: warning: resuming {path} with changed " + ", ".join(other), file=sys.stderr, flush=True
             )
+        if skipped:
+            print(f"hpcdl.train: resuming from {path}, the newest intact checkpoint", file=sys.stderr, flush=True)
         return path, st, None
-    return None, None, "resume: no readable checkpoint in " + ck_dir + "; skipped " + "; ".join(skipped)
+    return None, None, "resume: no intact checkpoint in " + ck_dir + "; skipped " + "; ".join(skipped)
 
 
 class Trainer:
