@@ -8,8 +8,9 @@ import json
 import os
 import re
 import shutil
-import signal
 import random
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -24,6 +25,7 @@ from hpcdl.train import checkpoint as ckpt
 from hpcdl.train.config import ConfigError, TrainConfig, parse_config
 from hpcdl.train.data import ShardedOrder, corpus, digits, eval_indices
 from hpcdl.train.launch import check_world, launcher
+from hpcdl.train.lock import LockHeld, RunLock
 from hpcdl.train.models import GPT
 
 
@@ -425,14 +427,92 @@ def test_a_rank_killed_mid_training_ends_the_job_and_the_checkpoint_resumes(tmp_
     assert steps and steps[-1] < 920
     last = ckpt.load(ckpt.latest(str(run_dir / "checkpoints")))  # intact
     assert last["step"] == steps[-1]
+    left = json.loads((run_dir / ".lock").read_text())  # the killed job's lock file, its flock gone
     proc = mpiexec_job([*args, "--resume"])
     assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count(f"taking over the lock of a job that ended without giving it back (pid {left['pid']}") == 1
+    assert not (run_dir / ".lock").exists()  # given back at the end
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 920 and summary["resumed_from"].endswith(f"step-{steps[-1]:08d}.pt")
     assert summary["final"]["accuracy"] >= 0.9
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train_steps = [r["step"] for r in recs if r["kind"] == "train"]
     assert train_steps == list(range(1, 921))  # the killed run's extra records were replaced
+
+
+def test_the_run_directory_lock_refuses_a_second_holder_and_takes_over_a_dead_ones(tmp_path):
+    lock = RunLock(str(tmp_path))
+    assert lock.acquire() is None and lock.held
+    mine = json.loads((tmp_path / ".lock").read_text())
+    assert mine["pid"] == os.getpid() and mine["host"] == socket.gethostname()
+    with pytest.raises(LockHeld, match=rf"in use by the job of pid {os.getpid()} on host {socket.gethostname()}"):
+        RunLock(str(tmp_path)).acquire()  # another open file: flock refuses it, also in this process
+    lock.release()
+    assert not (tmp_path / ".lock").exists() and not lock.held
+    again = RunLock(str(tmp_path))
+    assert again.acquire() is None
+    again.release()
+    # a job that dies holding it: the kernel drops the flock, the file still names the job
+    code = f"from hpcdl.train.lock import RunLock; RunLock({str(tmp_path)!r}).acquire(); import os; os._exit(9)"
+    dead = subprocess.run([sys.executable, "-c", code], timeout=60)
+    assert dead.returncode == 9 and (tmp_path / ".lock").exists()
+    dead_pid = json.loads((tmp_path / ".lock").read_text())["pid"]
+    taker = RunLock(str(tmp_path))
+    warning = taker.acquire()
+    assert warning and f"ended without giving it back (pid {dead_pid} on host" in warning
+    assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+    taker.release()
+
+
+def test_a_second_job_into_a_run_directory_in_use_stops_at_once_and_loses_nothing(tmp_path):
+    run_dir, go = tmp_path / "run", tmp_path / "go"
+    base = ["--model", "mlp", "--no-progress", "--run-dir", str(run_dir)]
+    script = tmp_path / "first.py"  # the first job waits at step 5 until the second has tried
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import os, time
+            from collectives.cli import run_main
+            from hpcdl.train import parse_config, run
+
+            def on_step(step):
+                while step == 5 and not os.path.exists({str(go)!r}):
+                    time.sleep(0.05)
+
+            run_main(lambda: run(parse_config({[*base, "--epochs", "2", "--seed", "1"]!r}), on_step=on_step))
+            """
+        )
+    )
+    first = mpiexec_start([str(script)])
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (run_dir / "ranks.json").exists():
+            time.sleep(0.05)
+        holder = json.loads((run_dir / ".lock").read_text())
+        t0 = time.monotonic()
+        second = mpiexec_job(["-m", "hpcdl.train", *base, "--epochs", "1", "--seed", "2"])
+        took = time.monotonic() - t0
+        assert first.poll() is None, "the first job ended before the second started"
+        go.touch()
+        out, err = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.communicate()
+    assert second.returncode == 2 and took < 30, second.stderr
+    text = f"run directory {run_dir} is in use by the job of pid {holder['pid']} on host {holder['host']}"
+    assert second.stderr.count(text) == 1 and "Traceback" not in second.stderr, second.stderr
+    assert first.returncode == 0, err
+    assert json.loads((run_dir / "config.json").read_text())["seed"] == 1
+    assert json.loads((run_dir / "summary.json").read_text())["epochs"] == 2
+    assert not (run_dir / ".lock").exists()
+
+
+def test_a_run_directory_that_cannot_be_made_is_one_line_and_status_2():
+    proc = mpiexec_job(["-m", "hpcdl.train", "--run-dir", "/dev/null/x", "--epochs", "1"])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("hpcdl.train: error: run directory /dev/null/x cannot be used: Not a directory") == 1
+    assert "Traceback" not in proc.stderr, proc.stderr
 
 
 # -- Slurm -----------------------------------------------------------------------------------------

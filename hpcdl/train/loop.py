@@ -28,6 +28,7 @@ from . import checkpoint as ckpt
 from .config import RunError, TrainConfig
 from .data import ShardedOrder, Split, corpus, digits, eval_indices
 from .launch import check_world, launcher, layout, pick_device, servers
+from .lock import LockHeld, RunLock
 from .models import GPT, DigitsCNN, DigitsMLP, parallel_gpt, parallel_gpt_loss, wide
 from .report import Metrics, plot, write_json
 
@@ -58,33 +59,53 @@ def build_grid(cfg: TrainConfig) -> Grid | None:
         raise RunError(f"--tp {cfg.tp} --pp {cfg.pp} on {hvd.size()} ranks: {exc}") from None
 
 
-def _resolve_run_dir(cfg: TrainConfig) -> str:
-    """Rank 0 picks (and creates) the run directory; every rank gets its absolute path, or
-    the same :class:`RunError`: a directory to resume that does not exist, or checkpoints
-    of an earlier run where this one would start afresh without ``overwrite``."""
+def _resolve_run_dir(cfg: TrainConfig) -> tuple[str, RunLock | None]:
+    """Rank 0 picks (and creates) the run directory and takes its lock; every rank gets its
+    absolute path (rank 0 the held lock too), or the same :class:`RunError`: a directory
+    that cannot be made, one another job holds, a directory to resume that does not exist,
+    or checkpoints of an earlier run where this one would start afresh without
+    ``overwrite``."""
     answer: tuple[str | None, str | None] = (None, None)
+    lock = None
     if hvd.rank() == 0:
         path = cfg.run_dir or os.path.join("runs", f"{cfg.model}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
         path = os.path.abspath(path)
         ck_dir = os.path.join(path, "checkpoints")
-        earlier = ckpt.steps_in(ck_dir)
         problem = None
         if cfg.resume and not os.path.isdir(path):
             problem = f"resume: run directory {path} does not exist"
-        elif earlier and not cfg.resume and not cfg.overwrite:
+        else:
+            try:
+                os.makedirs(path, exist_ok=True)
+                lock = RunLock(path)
+                warning = lock.acquire()
+                if warning:
+                    print(f"hpcdl.train: warning: {path}: {warning}", file=sys.stderr, flush=True)
+            except LockHeld as exc:
+                problem, lock = str(exc), None
+            except OSError as exc:
+                problem, lock = f"run directory {path} cannot be used: {exc.strerror or exc}", None
+        earlier = ckpt.steps_in(ck_dir) if problem is None else []
+        if earlier and not cfg.resume and not cfg.overwrite:
             problem = (
                 f"run directory {path} holds checkpoints of an earlier run (newest "
                 f"{ckpt.path_for(ck_dir, earlier[-1])}); pass --resume to continue it or --overwrite to start afresh"
             )
-        else:
-            if cfg.overwrite:
-                ckpt.remove_all(ck_dir)
-            os.makedirs(ck_dir, exist_ok=True)
+        elif problem is None:
+            try:
+                if cfg.overwrite:
+                    ckpt.remove_all(ck_dir)
+                os.makedirs(ck_dir, exist_ok=True)
+            except OSError as exc:
+                problem = f"run directory {path} cannot be used: {exc.strerror or exc}"
+        if problem is not None and lock is not None:
+            lock.release()
+            lock = None
         answer = (path, problem)
     path, problem = hvd.broadcast_object(answer, root_rank=0, name="train.run_dir")
     if problem is not None:
         raise RunError(problem)
-    return path
+    return path, lock
 
 
 _SAME_MODEL = ("model", "block_size", "n_layer", "n_head", "d_model", "optimizer")
@@ -562,9 +583,13 @@ def run(cfg: TrainConfig, on_step: Callable[[int], None] | None = None) -> dict[
     """Train as ``cfg`` says over the world (initializing hpcdl if needed); returns the
     summary (the same on every rank but for ``checkpoint``)."""
     init_runtime(cfg)
-    run_dir = _resolve_run_dir(cfg)
-    trainer = Trainer(cfg, on_step)
-    summary = trainer.run(run_dir)
-    trainer.close()  # collective: not after a failure, which ends the job (or is every rank's RunError)
+    run_dir, lock = _resolve_run_dir(cfg)
+    try:
+        trainer = Trainer(cfg, on_step)
+        summary = trainer.run(run_dir)
+        trainer.close()  # collective: not after a failure, which ends the job (or is every rank's RunError)
+    finally:
+        if lock is not None:
+            lock.release()
     summary["run_dir"] = run_dir
     return summary
