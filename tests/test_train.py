@@ -18,10 +18,11 @@ import time
 
 import pytest
 import torch
-from conftest import ROOT, mpiexec_job, mpiexec_start
+from conftest import MPIEXEC, ROOT, mpiexec_job, mpiexec_start
 
 import hpcdl as hvd
 from hpcdl.train import checkpoint as ckpt
+from hpcdl.train.agreement import rank_ranges, settings
 from hpcdl.train.config import ConfigError, TrainConfig, parse_config
 from hpcdl.train.data import ShardedOrder, corpus, digits, eval_indices
 from hpcdl.train.launch import check_world, launcher
@@ -100,6 +101,12 @@ def test_the_runtime_section_reads_file_environment_and_flags(tmp_path):
         (["--resume"], {}, None, r"resume needs run_dir"),
         (["--dropout", "1"], {}, None, r"dropout=1.0 must be < 1.0"),
         (["--no-such-flag"], {}, None, r"unrecognized arguments: --no-such-flag"),
+        # the collectives layer's variables, read only when a communicator is first used
+        ([], {"HPCDL_SEGMENT_BYTES": "-1"}, None, r"^environment variable HPCDL_SEGMENT_BYTES: segment_bytes=-1 must"),
+        ([], {"HPCDL_SHM_CHUNK_BYTES": "abc"}, None, r"^HPCDL_SHM_CHUNK_BYTES='abc' is not an integer$"),
+        ([], {"HPCDL_SHM_CHUNK_BYTES": "0"}, None, r"^environment variable HPCDL_SHM_CHUNK_BYTES: shm_chunk_bytes=0"),
+        ([], {"HPCDL_TUNING_FILE": "/no/such.json"}, None, r"HPCDL_TUNING_FILE: tuning_file='/no/such.json' does not"),
+        ([], {"HPCDL_FUSION_THRESHOLD": "-5"}, None, r"^environment variable HPCDL_FUSION_THRESHOLD: fusion_thr"),
         (
             ["--device", "gpu"],
             {},
@@ -140,6 +147,36 @@ def test_a_bad_value_stops_every_rank_before_work_with_one_message(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("hpcdl.train: error: --optimizer='rmsprop' is not accepted") == 1, proc.stderr
     assert not run_dir.exists()  # no rank started work
+
+
+def test_settings_flatten_every_layer_and_ranks_read_as_ranges():
+    flat = settings(TrainConfig(lr=0.5), environ={"HPCDL_SEGMENT_BYTES": "4096"})
+    assert flat["lr"] == 0.5 and flat["collectives.segment_bytes"] == 4096
+    assert flat["runtime.fusion_threshold"] == hvd.Config().fusion_threshold and "runtime" not in flat
+    assert rank_ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8" and rank_ranges([3]) == "3"
+
+
+@pytest.mark.parametrize(
+    "theirs, env, text",
+    [
+        (["--epochs", "3"], {}, "epochs is 2 on ranks 0-1, 3 on rank 2"),
+        (["--lr", "0.1"], {}, "lr is 0.002 on ranks 0-1, 0.1 on rank 2"),
+        ([], {"HPCDL_SEGMENT_BYTES": "4096"}, "collectives.segment_bytes is 1048576 on ranks 0-1, 4096 on rank 2"),
+        ([], {"HPCDL_TRAIN_SEED": "4"}, "seed is 0 on ranks 0-1, 4 on rank 2"),
+    ],
+)
+def test_ranks_started_with_different_settings_all_stop_naming_the_field_and_ranks(tmp_path, theirs, env, text):
+    """A rank with another --epochs used to hang the job, one with another --lr to diverge
+    in silence; the whole job now ends at once, before any work, with one line."""
+    args = ["-m", "hpcdl.train", "--model", "mlp", "--epochs", "2", "--no-progress", "--run-dir", str(tmp_path / "r")]
+    odd = ["env", *(f"{k}={v}" for k, v in env.items()), sys.executable, *args, *theirs]
+    cmd = [MPIEXEC, "-n", "2", sys.executable, *args, ":", "-n", "1", *odd]
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2 and time.monotonic() - t0 < 60, proc.stderr
+    assert proc.stderr.count("hpcdl.train: error: the ranks were started with different settings: ") == 1
+    assert text in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "r").exists()  # nothing written
 
 
 def test_dry_run_prints_the_configuration_and_the_rank_layout():
@@ -506,6 +543,13 @@ def test_a_second_job_into_a_run_directory_in_use_stops_at_once_and_loses_nothin
     assert json.loads((run_dir / "config.json").read_text())["seed"] == 1
     assert json.loads((run_dir / "summary.json").read_text())["epochs"] == 2
     assert not (run_dir / ".lock").exists()
+
+
+def test_more_parameter_servers_than_the_job_leaves_workers_is_one_line_and_status_2():
+    proc = mpiexec_job(["-m", "hpcdl.train", "--dp", "ps", "--ps-servers", "2", "--epochs", "1"])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("hpcdl.train: error: ps_servers=2 leaves no worker: the job has 2 ranks") == 1
+    assert "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_a_run_directory_that_cannot_be_made_is_one_line_and_status_2():

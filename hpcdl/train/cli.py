@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = parse_config(argv)
     except ConfigError as exc:  # the same on every rank: each exits, none has started work
-        _say_once(f"hpcdl.train: error: {exc}\n(see python -m hpcdl.train --help)")
+        _say_once(f"hpcdl.train: error: {exc} (see python -m hpcdl.train --help)")
         return 2
     if cfg.dry_run:
 

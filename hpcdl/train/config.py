@@ -25,6 +25,8 @@ from typing import Any, Literal
 
 from collectives.cli import ArgumentParser
 from collectives.config import BOOLS, register_env_names
+from collectives.config import load_config as collectives_config
+from collectives.errors import ConfigError as CollectivesConfigError
 from hpcdl.config import Config, load_config
 from hpcdl.errors import HpcdlError
 
@@ -379,7 +381,11 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     try:
         from_env = load_config(env)  # the runtime's HPCDL_<FIELD> variables
     except HpcdlError as exc:
-        raise ConfigError(str(exc)) from None
+        raise ConfigError(_from_environment(exc, env)) from None
+    try:  # the collectives' HPCDL_<FIELD> variables, read when the first communicator is used
+        collectives_config(env)
+    except CollectivesConfigError as exc:
+        raise ConfigError(_from_environment(exc, env)) from None
     for name in _RUNTIME_HINTS:
         if getattr(from_env, name) != getattr(_RUNTIME_DEFAULTS, name):
             runtime[name] = getattr(from_env, name)
@@ -395,6 +401,15 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
         return TrainConfig(**values)
     except ConfigError as exc:
         raise ConfigError(f"{exc} (from {_origin(exc, values, ns)})") from None
+
+
+def _from_environment(exc: Exception, env: Mapping[str, str]) -> str:
+    """``exc``'s message, naming the environment variable that set the field it is about."""
+    text = str(exc)
+    var = "HPCDL_" + text.split("=", 1)[0].upper()
+    if text.startswith("HPCDL_") or "=" not in text or var not in env:
+        return text
+    return f"environment variable {var}: {text}"
 
 
 def _runtime_table(table: Any, path: str) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from hpcdl.parallel import Grid, Pipeline, allreduce_sequence_parallel_grads
 from hpcdl.parallel.dense import gather_dense, gather_dense_optimizer, load_dense, local_optimizer_state
 
 from . import checkpoint as ckpt
+from .agreement import check_same_settings
 from .config import RunError, TrainConfig
 from .data import ShardedOrder, Split, corpus, digits, eval_indices
 from .launch import check_world, launcher, layout, pick_device, servers
@@ -38,8 +39,13 @@ _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.
 
 
 def init_runtime(cfg: TrainConfig) -> None:
-    """Start hpcdl with the job's runtime section and check that MPI sees the launcher's tasks."""
-    hvd.init(config=cfg.runtime)
+    """Start hpcdl with the job's runtime section, check that MPI sees the launcher's tasks,
+    and that every rank has the same settings (a :class:`RunError` on every rank if not)."""
+    check_same_settings(cfg)
+    try:
+        hvd.init(config=cfg.runtime)
+    except hvd.HpcdlError as exc:  # a runtime section that does not fit the world: every rank alike
+        raise RunError(str(exc)) from None
     check_world(hvd.size())
 
 

@@ -1,0 +1,73 @@
+"""Every rank of a training job must run with the same settings.
+
+A rank started with a different ``--epochs`` leaves the others waiting in a collective it
+never calls; one with a different ``--lr`` trains a different model and the replicas drift
+apart without a word. Before the first step the ranks compare a digest of everything that
+configures the run (the training fields, the runtime section, and the collectives'
+``HPCDL_*`` settings from the environment); on a difference every rank raises the same
+:class:`~.config.RunError`, naming each field that differs and which ranks hold which value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from mpi4py import MPI
+
+from collectives.config import load_config as collectives_config
+
+from .config import RunError, TrainConfig
+
+__all__ = ["settings", "check_same_settings", "rank_ranges"]
+
+
+def settings(cfg: TrainConfig, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """This rank's settings as one flat dictionary: the training fields by name, the runtime
+    section's as ``runtime.<field>``, the collectives' as ``collectives.<field>``."""
+    flat = {k: v for k, v in cfg.to_dict().items() if k != "runtime"}
+    flat.update({f"runtime.{k}": v for k, v in dataclasses.asdict(cfg.runtime).items()})
+    flat.update({f"collectives.{k}": v for k, v in dataclasses.asdict(collectives_config(environ)).items()})
+    return flat
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2,5``."""
+    parts: list[str] = []
+    start = prev = None
+    for r in sorted(ranks):
+        if prev is not None and r == prev + 1:
+            prev = r
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = r
+    if start is not None:
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+    return ",".join(parts)
+
+
+def check_same_settings(cfg: TrainConfig, comm: MPI.Comm = MPI.COMM_WORLD) -> None:
+    """Collective over ``comm`` (every process of the job; called before the runtime starts,
+    so the parameter servers take part too): return when every rank's :func:`settings` are
+    the same, else raise :class:`RunError` on every rank naming the fields that differ."""
+    mine = settings(cfg)
+    digest = hashlib.sha256(json.dumps(mine, sort_keys=True, default=repr).encode()).hexdigest()
+    if len(set(comm.allgather(digest))) == 1:
+        return
+    every = comm.allgather(mine)
+    differ = []
+    for key in sorted(set().union(*every)):
+        holders: dict[str, list[int]] = {}
+        for rank, values in enumerate(every):
+            holders.setdefault(repr(values.get(key)), []).append(rank)
+        if len(holders) > 1:
+            on = [f"{v} on rank{'s' if len(r) > 1 else ''} {rank_ranges(r)}" for v, r in holders.items()]
+            differ.append(f"{key} is " + ", ".join(on))
+    raise RunError(
+        "the ranks were started with different settings: " + "; ".join(differ) + " (give every rank the same "
+        "flags, config file and HPCDL_* variables)"
+    )
