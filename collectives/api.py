@@ -200,12 +200,15 @@ def _allreduce(x, op, algorithm, out, comm, blocking, agreed=False):
             on_done = None  # the node algorithm finalizes each slice itself
         else:
             ctx.shm_segments()
+    # every rank draws the tag, whichever branch its own input's layout takes: a tag drawn
+    # on some ranks only puts the next point-to-point collective on different tags
+    tag = ctx.next_tag()
     if call.resolved in ("native", "shm") and x.flags.c_contiguous and out is not x:
-        gen = fn(ctx, ctx.transport, buf, op, 0, src=_flat(x))
+        gen = fn(ctx, ctx.transport, buf, op, tag, src=_flat(x))
     else:
         if out is not x:
             np.copyto(out, x)
-        gen = fn(ctx, ctx.transport, buf, op, ctx.next_tag())
+        gen = fn(ctx, ctx.transport, buf, op, tag)
     return _launch(ctx, gen, blocking, out, on_done)
 
 

@@ -378,6 +378,50 @@ def test_out_in_place_and_non_contiguous_input():
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("coll", ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"])
+def test_a_layout_on_one_rank_only_keeps_every_rank_on_the_same_tags(coll):
+    """Each rank's input layout is its own business: one rank's column slice, another's
+    reversed view, an ``out`` on a third must not make that rank draw a point-to-point tag
+    the others do not (a shm allreduce of a non-contiguous input on one rank once did, and
+    the next tree or ring collective waited forever on mismatched tags). Checked directly,
+    every rank's next tag the same after each algorithm, then by a tree and a ring call."""
+    n, r = WORLD.size, WORLD.rank
+    comm = fresh(shm_small_bytes=256, shm_copy_small_bytes=1024, shm_chunk_bytes=4096, segment_bytes=512)
+    ctx = get_context(comm)
+    inputs = [np.arange(189.0).reshape(63, 3) * (q + 1) for q in range(n)]
+    flat = np.concatenate([a.reshape(-1) for a in inputs])
+    for alg in C.algorithms(coll):
+        kind = r % 3  # contiguous, a column block of a wider array, reversed rows
+        x = inputs[r].copy()
+        if kind == 1:
+            x = np.zeros((63, 5))[:, 1:4]
+            x[...] = inputs[r]
+        elif kind == 2:
+            x = np.zeros((63, 3))[::-1]
+            x[...] = inputs[r]
+        out = None if r % 2 else "given"
+        if coll == "allreduce":
+            got = C.allreduce(x, algorithm=alg, comm=comm, out=np.empty((63, 3)) if out else None)
+            assert np.array_equal(got, sum(inputs)), alg
+        elif coll == "reduce_scatter":
+            got = C.reduce_scatter(x, algorithm=alg, comm=comm)
+            off = offsets(block_counts(x.size, n))
+            assert np.array_equal(got, sum(inputs).reshape(-1)[off[r] : off[r + 1]]), alg
+        elif coll == "allgather":
+            assert np.array_equal(C.allgather(x, algorithm=alg, comm=comm), flat.reshape(-1, 3)), alg
+        elif coll == "broadcast":
+            got = C.broadcast(x, n - 1, algorithm=alg, comm=comm)
+            assert np.array_equal(got, inputs[n - 1]), alg
+        else:
+            got = C.reduce(x, n - 1, algorithm=alg, comm=comm)
+            assert got is None if r != n - 1 else np.array_equal(got, sum(inputs)), alg
+        assert len(set(comm.allgather(ctx.next_tag()))) == 1, f"{coll} {alg}: the ranks' tags went apart"
+        for follow in ("tree", "ring"):
+            assert np.array_equal(C.allreduce(inputs[r], algorithm=follow, comm=comm), sum(inputs))
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_freed_communicators_context_is_never_reused():
     # get_context remembers the last communicator object; freeing it must forget it
     a = WORLD.Dup()
