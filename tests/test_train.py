@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import pty
+import random
 import re
 import shutil
-import random
 import signal
 import socket
 import subprocess
@@ -635,6 +636,27 @@ def test_run_directory_and_resume_problems_are_one_line_and_status_2(tmp_path):
     assert ckpt.steps_in(str(ck_dir)) == [3] and ckpt.load(str(ck_dir / "step-00000003.pt"))["step"] == 3
 
 
+def test_a_resume_with_another_batch_size_ends_after_the_same_epochs_and_reports_its_own_steps(tmp_path):
+    """An epoch is one pass over the data whatever the step size: a run stopped 7 steps
+    into its second epoch at batch 32 (23 steps per epoch at 2 ranks) resumes at batch 64
+    (12 per epoch) 4 steps into that epoch, and ends with it; the result line gives this
+    job's steps and throughput only."""
+    run_dir = tmp_path / "run"
+    base = ["-m", "hpcdl.train", "--model", "mlp", "--epochs", "2", "--no-progress", "--run-dir", str(run_dir)]
+    first = mpiexec_job([*base, "--max-steps", "30", "--checkpoint-every", "10"])
+    assert first.returncode == 0, first.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["epochs"] == 1
+    proc = mpiexec_job([*base, "--resume", "--batch-size", "64"])
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["epochs"] == 2 and summary["steps"] == 30 + (12 - 4), summary
+    assert summary["steps_this_job"] == 8 and summary["resumed_from_step"] == 30
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in recs if r["kind"] == "eval"] == [0, 1]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("hpcdl.train: resumed from step 30; 8 steps (31-38) on 2 ranks"), last
+
+
 def test_a_diverging_run_stops_with_a_message_and_writes_only_valid_json(tmp_path):
     run_dir = tmp_path / "run"
     proc = mpiexec_job(
@@ -675,16 +697,62 @@ def _render(text: str) -> list[str]:
     return [*lines, "".join(cur).rstrip()] if cur else lines
 
 
-def test_progress_bar_and_log_lines_share_one_stream_under_mpiexec(tmp_path):
-    """mpiexec forwards stdout and stderr apart, so the bar, the epoch lines and the result
-    line go to one stream, where the bar is cleared before each line."""
-    proc = mpiexec_job(["-m", "hpcdl.train", "--model", "mlp", "--epochs", "2", "--run-dir", str(tmp_path / "r")])
-    assert proc.returncode == 0, proc.stderr
-    assert "\r" not in proc.stderr and "it/s" not in proc.stderr and "step/s" not in proc.stderr, proc.stderr
-    shown = _render(proc.stdout)
-    epochs = [line for line in shown if "epoch" in line and "accuracy" in line]
-    assert [line.split(":")[0] for line in epochs] == ["epoch 0", "epoch 1"], shown
-    assert shown[-1].startswith("hpcdl.train: ") and "held-out" in shown[-1], shown
+def _on_a_terminal(args: list[str]) -> tuple[int, str, str]:
+    """Run ``mpiexec -n 2 python ARGS`` with its standard output on a pseudo-terminal (as
+    from an interactive shell); its status, what the terminal got and its stderr."""
+    cmd = [MPIEXEC, "-n", "2", sys.executable, *args]
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=slave, stderr=subprocess.PIPE, env={**os.environ, "COLUMNS": "100"})
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: every writer has closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    return proc.returncode, b"".join(chunks).decode().replace("\r\n", "\n"), err
+
+
+def test_a_bar_only_on_a_terminal_and_epoch_lines_always(tmp_path):
+    """On a terminal (mpiexec's own output, behind the proxies' pipes) rank 0 draws a bar,
+    cleared before each epoch line and the result line; in a log (a pipe or a file all the
+    way) there is no bar, only the lines; --no-progress hides the bar, not the lines."""
+    args = ["-m", "hpcdl.train", "--model", "mlp", "--epochs", "2"]
+    code, shown_raw, err = _on_a_terminal([*args, "--run-dir", str(tmp_path / "a")])
+    assert code == 0, err
+    assert "step/s" in shown_raw or "s/step" in shown_raw, shown_raw
+    assert "\r" not in err and "step/s" not in err, err
+    for raw, where in ((shown_raw, "terminal"),):
+        shown = _render(raw)
+        epochs = [line for line in shown if line.startswith("epoch") and "accuracy" in line]
+        assert [line.split(":")[0] for line in epochs] == ["epoch 0", "epoch 1"], (where, shown)
+        assert shown[-1].startswith("hpcdl.train: ") and "held-out" in shown[-1], shown
+    logged = mpiexec_job([*args, "--run-dir", str(tmp_path / "b")])
+    code, quiet, err = _on_a_terminal([*args, "--no-progress", "--run-dir", str(tmp_path / "c")])
+    assert logged.returncode == 0 and code == 0, logged.stderr + err
+    for out in (logged.stdout, quiet.replace("\r\n", "\n")):
+        assert "\r" not in out and "step/s" not in out, out
+        lines = out.splitlines()
+        assert [line.split(":")[0] for line in lines[:2]] == ["epoch 0", "epoch 1"], lines
+        assert len(lines) == 3 and lines[2].startswith("hpcdl.train: 46 steps on 2 ranks"), lines
+
+
+def test_output_is_terminal_looks_through_the_launchers_pipes(tmp_path):
+    code = "from hpcdl.train.launch import output_is_terminal; print(output_is_terminal())"
+    through_pipe = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert through_pipe.stdout.strip() == "False"  # this test's pipe leads to pytest, not a terminal
+    log = tmp_path / "log"
+    with open(log, "w") as fh:
+        subprocess.run([sys.executable, "-c", code], stdout=fh, timeout=60)
+    assert log.read_text().strip() == "False"
+    status, shown, err = _on_a_terminal(["-c", code])
+    assert status == 0 and shown.split() == ["True", "True"], (shown, err)  # both ranks, behind hydra's pipes
 
 
 def test_a_checkpoint_of_an_older_configuration_resumes_with_a_warning(tmp_path, capsys):

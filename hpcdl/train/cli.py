@@ -87,8 +87,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         if hvd.rank() == 0:
             final = ", ".join(f"{k} {v:.4f}" for k, v in summary["final"].items())
+            steps = f"{summary['steps']} steps"
+            if summary["resumed_from_step"] is not None:  # this job's figures only
+                first = summary["resumed_from_step"]
+                steps = f"resumed from step {first}; {summary['steps_this_job']} steps ({first + 1}-{summary['steps']})"
             print(
-                f"hpcdl.train: {summary['steps']} steps on {summary['world_size']} ranks "
+                f"hpcdl.train: {steps} on {summary['world_size']} ranks "
                 f"({summary['device']}, {summary['precision']}) in "
                 f"{summary['wall_time_s']:.1f} s ({summary['samples_per_s']:.0f} samples/s); held-out {final}; "
                 f"run directory {summary['run_dir']}",

@@ -123,7 +123,9 @@ class TrainConfig:
     resume: bool = _field(False, "continue from the newest readable checkpoint in run_dir")
     overwrite: bool = _field(False, "start afresh in a run_dir that holds checkpoints, deleting them")
     timeline: str = _field("", "write hpcdl's Chrome-trace timeline to this file (empty: off)")
-    progress: bool = _field(True, "a progress bar on rank 0")
+    progress: bool = _field(
+        True, "a progress bar on rank 0 when its output reaches a terminal (never in a log file); epoch lines always"
+    )
     dry_run: bool = _field(False, "print the resolved configuration and the rank layout, then exit")
 
     def __post_init__(self) -> None:

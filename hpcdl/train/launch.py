@@ -13,7 +13,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["launcher", "launcher_size", "check_world", "layout", "pick_device", "servers"]
+__all__ = ["launcher", "launcher_size", "check_world", "layout", "pick_device", "servers", "output_is_terminal"]
 
 # (launcher, a variable only it sets, the variable holding the task count), looked at in
 # this order: hydra's and Open MPI's ranks inside a Slurm allocation still see SLURM_*, and
@@ -97,3 +97,26 @@ def servers(hvd: Any) -> dict[str, Any]:
     if job is None:
         return {}
     return {"servers": [{"rank": r, "host": h, "pid": p} for r, (h, p) in zip(job.servers, job.where, strict=True)]}
+
+
+def output_is_terminal(fd: int = 1, pid: int | None = None, hops: int = 6) -> bool:
+    """Whether what this process writes to ``fd`` reaches a terminal. A launcher hands its
+    ranks pipes (mpiexec's proxies forward them), so where ``fd`` is a pipe or a socket the
+    answer is that of the process at the pipe's other end, found by walking up the parent
+    processes (Linux ``/proc``); a file (a Slurm ``.out``, a redirect), ``/dev/null`` or
+    anything that cannot be read is not a terminal."""
+    if pid is None and os.isatty(fd):
+        return True
+    pid = os.getpid() if pid is None else pid
+    try:
+        for _ in range(hops):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if not target.startswith(("pipe:", "socket:")):
+                return target.startswith(("/dev/pts/", "/dev/tty"))
+            with open(f"/proc/{pid}/stat") as fh:  # the parent's pid follows the ")" ending the name
+                pid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            if pid <= 1:
+                return False
+    except (OSError, ValueError, IndexError):
+        return False
+    return False

@@ -28,7 +28,7 @@ from . import checkpoint as ckpt
 from .agreement import check_same_settings
 from .config import RunError, TrainConfig
 from .data import ShardedOrder, Split, corpus, digits, eval_indices
-from .launch import check_world, launcher, layout, pick_device, servers
+from .launch import check_world, launcher, layout, output_is_terminal, pick_device, servers
 from .lock import LockHeld, RunLock
 from .models import GPT, DigitsCNN, DigitsMLP, parallel_gpt, parallel_gpt_loss, wide
 from .report import Metrics, plot, write_json
@@ -235,15 +235,21 @@ class Trainer:
         # progress through the data
         batches = self.order.batches_per_epoch()
         self.steps_per_epoch = math.ceil(batches / cfg.grad_accum)
-        self.total_steps = self.steps_per_epoch * cfg.epochs
-        if cfg.max_steps:
-            self.total_steps = min(self.total_steps, cfg.max_steps)
         self.step = 0
         self.epoch = 0
         self.step_in_epoch = 0  # optimizer steps already taken in self.epoch
         self.sync_s = 0.0
         self.train_s = 0.0
         self.samples = 0
+        self._plan_steps()
+
+    def _plan_steps(self) -> None:
+        """``total_steps``: the step at which the run ends, --epochs passes over the data
+        from the current position (whatever batch size earlier steps had), or --max-steps."""
+        left = (self.cfg.epochs - self.epoch) * self.steps_per_epoch - self.step_in_epoch
+        self.total_steps = self.step + max(0, left)
+        if self.cfg.max_steps:
+            self.total_steps = min(self.total_steps, self.cfg.max_steps)
 
     # -- the pieces ---------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
@@ -381,6 +387,7 @@ class Trainer:
             "step": self.step,
             "epoch": self.epoch,
             "step_in_epoch": self.step_in_epoch,
+            "steps_per_epoch": self.steps_per_epoch,
             "world_size": self.world,
             "grid": list(self.shape),
             "model": model_state,
@@ -425,6 +432,12 @@ class Trainer:
             if self.device.type == "cuda" and st.get("cuda_rng"):
                 torch.cuda.set_rng_state(st["cuda_rng"][self.rank], self.device)
         self.step, self.epoch, self.step_in_epoch = st["step"], st["epoch"], st["step_in_epoch"]
+        saved_per_epoch = st.get("steps_per_epoch", self.steps_per_epoch)
+        if saved_per_epoch != self.steps_per_epoch:  # another batch size or rank count: the same share of the epoch
+            self.step_in_epoch = min(
+                self.steps_per_epoch, round(self.step_in_epoch * self.steps_per_epoch / saved_per_epoch)
+            )
+        self._plan_steps()
         c = st["counters"]
         self.samples, self.train_s, self.sync_s = c["samples"], c["train_s"], c["sync_s"]
 
@@ -441,6 +454,8 @@ class Trainer:
                 raise RunError(problem)
             self.restore(path, st)
             resumed_from = path
+        # this job's own figures start here (a resumed run's counters hold the earlier jobs' too)
+        start_step, start_samples, start_train_s, start_sync_s = self.step, self.samples, self.train_s, self.sync_s
         ranks = layout(hvd, self.device)
         metrics = None
         if self.rank == 0:
@@ -494,8 +509,11 @@ class Trainer:
                     last_eval = self.evaluate()
                     if metrics:
                         metrics.write({"kind": "eval", "step": self.step, "epoch": self.epoch, **last_eval})
+                    line = f"epoch {self.epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items())
                     if bar is not None:
-                        bar.write(f"epoch {self.epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items()))
+                        bar.write(line)
+                    elif self.rank == 0:  # a log without a bar still gets one line per epoch
+                        print(line, flush=True)
                     self.epoch += 1
                     self.step_in_epoch = 0
             if not last_eval:  # stopped by max_steps inside an epoch
@@ -511,6 +529,7 @@ class Trainer:
                 hvd.stop_timeline()
             if metrics:
                 metrics.close()
+        train_s = self.train_s - start_train_s
         summary = {
             "model": cfg.model,
             "world_size": self.world,
@@ -519,11 +538,13 @@ class Trainer:
             "steps": self.step,
             "epochs": self.epoch,
             "final": last_eval,
+            "steps_this_job": self.step - start_step,
             "wall_time_s": time.perf_counter() - t_start,
-            "train_time_s": self.train_s,
-            "samples_per_s": self.samples / self.train_s if self.train_s else 0.0,
-            "exposed_comm_share": self.sync_s / self.train_s if self.train_s else 0.0,
+            "train_time_s": train_s,
+            "samples_per_s": (self.samples - start_samples) / train_s if train_s else 0.0,
+            "exposed_comm_share": (self.sync_s - start_sync_s) / train_s if train_s else 0.0,
             "resumed_from": resumed_from,
+            "resumed_from_step": start_step if resumed_from else None,
             "checkpoint": ckpt.latest(ck_dir) if self.rank == 0 else None,
             "parameters": sum(math.prod(s) for s in self.dense_shapes.values()),
             "grid": dict(zip(("dp", "tp", "pp"), self.shape, strict=True)),
@@ -566,7 +587,9 @@ class Trainer:
         return hvd.broadcast_object(text, 0, name="train.sample")
 
     def _progress(self, resumed_from: str | None) -> Any:
-        if self.rank != 0 or not self.cfg.progress:
+        """Rank 0's progress bar, where its output reaches a terminal and --progress is on (a
+        bar in a log file or a Slurm ``.out`` is a flood of redrawn lines)."""
+        if self.rank != 0 or not self.cfg.progress or not output_is_terminal():
             return None
         from tqdm import tqdm
 
