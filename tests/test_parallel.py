@@ -82,9 +82,11 @@ def test_bad_grids_raise_on_every_rank():
 
 
 def tp_grid() -> Grid:
-    """TP over every rank up to 3 ranks; at 4, TP 2 and DP 2."""
+    """TP over the most ranks, up to 3, that divide the world (so that 12 features and 6
+    heads split evenly), the rest data-parallel: TP 2 x DP 2 at 4 ranks, TP 3 x DP 2 at 6,
+    TP 2 x DP 4 at 8; at a prime count above 3 (5, 7), TP 1 x DP n."""
     n = hvd.size()
-    tp = n if n <= 3 else 2
+    tp = max(t for t in (1, 2, 3) if n % t == 0)
     return Grid(dp=-1, tp=tp, pp=1)
 
 
