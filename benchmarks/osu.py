@@ -94,8 +94,10 @@ _MPI_NAME = {
 
 
 # -- options ------------------------------------------------------------------------------
-def parse_args(bench: str, argv: list[str] | None = None) -> argparse.Namespace:
-    """Parse OSU's options (and ours) for benchmark ``bench``."""
+def parse_args(bench: str, argv: list[str] | None = None, ranks: int | None = None) -> argparse.Namespace:
+    """Parse OSU's options (and ours) for benchmark ``bench`` run on ``ranks`` ranks (default:
+    the world's), refusing what OSU 7.x refuses: fewer than one timed iteration, a negative
+    warm-up, and a point-to-point test on other than exactly two ranks."""
     pt2pt = bench in ("latency", "bw")
     p = ArgumentParser(prog=f"osu_{bench}", description=f"OSU-style {bench} benchmark of hpcdl", allow_abbrev=False)
     p.add_argument("-m", "--message-size", default=None, help="[min:]max message size in bytes (K/M suffixes)")
@@ -121,6 +123,15 @@ def parse_args(bench: str, argv: list[str] | None = None) -> argparse.Namespace:
         )
     args = p.parse_args(argv)
     args.bench = bench
+    ranks = MPI.COMM_WORLD.size if ranks is None else ranks
+    if pt2pt and ranks != 2:
+        p.error(f"osu_{bench} is a point-to-point test: it needs exactly 2 ranks, not {ranks} (mpiexec -n 2)")
+    if args.iterations is not None and args.iterations < 1:
+        p.error(f"-i {args.iterations}: the iterations must be at least 1")
+    if args.warmup is not None and args.warmup < 0:
+        p.error(f"-x {args.warmup}: the warm-up iterations must be at least 0")
+    if getattr(args, "rounds", 1) < 1:
+        p.error(f"--rounds {args.rounds}: must be at least 1")
     lo, hi = 1, (1 << 22 if pt2pt else 1 << 20)
     if args.message_size:
         parts = args.message_size.split(":")
@@ -694,7 +705,7 @@ def plot(path: str, args: argparse.Namespace, rows: list[dict[str, Any]], ranks:
 def main(bench: str, argv: list[str] | None = None, comm: MPI.Comm | None = None) -> list[dict[str, Any]]:
     """Parse options, measure, print (rank 0) and return the rows."""
     comm = comm or MPI.COMM_WORLD
-    args = parse_args(bench, argv)
+    args = parse_args(bench, argv, comm.size)
     names = contenders(args)
     say = comm.rank == 0
     if say:  # the header now and each row as it is measured, as OSU prints

@@ -7,6 +7,24 @@
 # collective left waiting by a rank that failed ends in a stall error within
 # HPCDL_STALL_TIMEOUT, so one failing test never hangs the ones after it.
 source "$(dirname "$0")/env.sh"
+# SIGTERM (a CI runner's or Slurm's stop) and Ctrl-C end the running test job too: each
+# runs in the background under `timeout`, which passes the signal on to its whole job
+# (bash runs a trap only once the command it waits for ends, but `wait` it interrupts)
+stop() {
+    trap - TERM INT
+    pkill -TERM -P $$ 2>/dev/null
+    wait
+    rm -f .pytest-rank*.log
+    echo "stopped by signal: the test runs were ended" >&2
+    exit "$1"
+}
+trap 'stop 143' TERM
+trap 'stop 130' INT
+# run COMMAND... in the background and wait for it: its status, and signals still reach the traps
+in_bg() {
+    "$@" &
+    wait $!
+}
 PYTEST_OPTS=(-q -p no:cacheprovider --timeout=300)
 # in the mpiexec runs: a collective, or an engine request, that waits a minute for another rank ends in an error
 STALLS=(HPCDL_STALL_TIMEOUT="${HPCDL_STALL_TIMEOUT:-60}"
@@ -14,7 +32,7 @@ STALLS=(HPCDL_STALL_TIMEOUT="${HPCDL_STALL_TIMEOUT:-60}"
 status=0
 
 echo "== single process"
-timeout -k 10 1200 python -m pytest "${PYTEST_OPTS[@]}" tests || status=1
+in_bg timeout -k 10 1200 python -m pytest "${PYTEST_OPTS[@]}" tests || status=1
 
 # mpirun N [VAR=value ...] -- test files
 mpirun() {
@@ -26,7 +44,7 @@ mpirun() {
     echo "== mpiexec -n $n ${envs[*]} ${files[*]}"
     rm -f .pytest-rank*.log
     # thread timeouts end the process, so mpiexec ends the other ranks too
-    if ! env "${STALLS[@]}" "${envs[@]}" timeout -k 10 900 mpiexec -n "$n" python tests/mpi_pytest.py "${PYTEST_OPTS[@]}" \
+    if ! in_bg env "${STALLS[@]}" "${envs[@]}" timeout -k 10 900 mpiexec -n "$n" python tests/mpi_pytest.py "${PYTEST_OPTS[@]}" \
             --timeout=120 --timeout-method=thread -m mpi "${files[@]}"; then
         status=1
         for f in .pytest-rank*.log; do

@@ -85,15 +85,37 @@ def test_text_output_is_the_osu_format_and_parses_as_osu_parsers_read_it():
 
 
 def test_point_to_point_latency_and_bandwidth():
-    lat = osu.parse_args("latency", ["-m", "1:16", "-i", "20", "-x", "2", "-c"])
-    rows = osu.run(lat)
-    assert [r["size"] for r in rows] == [1, 2, 4, 8, 16]
-    assert all(r["results"]["mpi"]["avg"] > 0 and r["validation"]["mpi"] for r in rows)
-    bw = osu.parse_args("bw", ["-m", "64:128", "-i", "3", "-x", "1"])
-    rows = osu.run(bw)
-    text = osu.format_rows(bw, rows, WORLD.size).split("\n")
-    assert text[1:4] == ["# OSU MPI Bandwidth Test v7.4", "# Datatype: MPI_CHAR.", OSU_BW]
-    assert all(r["results"]["mpi"]["avg"] > 0 for r in rows)
+    pair = WORLD.Split(0 if WORLD.rank < 2 else 1, WORLD.rank)  # OSU's pair: ranks 0 and 1
+    if WORLD.rank < 2:
+        lat = osu.parse_args("latency", ["-m", "1:16", "-i", "20", "-x", "2", "-c"], ranks=pair.size)
+        rows = osu.run(lat, pair)
+        assert [r["size"] for r in rows] == [1, 2, 4, 8, 16]
+        assert all(r["results"]["mpi"]["avg"] > 0 and r["validation"]["mpi"] for r in rows)
+        bw = osu.parse_args("bw", ["-m", "64:128", "-i", "3", "-x", "1"], ranks=pair.size)
+        rows = osu.run(bw, pair)
+        text = osu.format_rows(bw, rows, pair.size).split("\n")
+        assert text[1:4] == ["# OSU MPI Bandwidth Test v7.4", "# Datatype: MPI_CHAR.", OSU_BW]
+        assert all(r["results"]["mpi"]["avg"] > 0 for r in rows)
+    pair.Free()
+
+
+@pytest.mark.parametrize(
+    "bench, argv, ranks, text",
+    [
+        ("allreduce", ["-i", "0"], 2, "-i 0: the iterations must be at least 1"),
+        ("allreduce", ["-i", "-5"], 2, "-i -5: the iterations must be at least 1"),
+        ("bcast", ["-x", "-1"], 2, "-x -1: the warm-up iterations must be at least 0"),
+        ("allgather", ["--rounds", "0"], 2, "--rounds 0: must be at least 1"),
+        ("latency", [], 3, "osu_latency is a point-to-point test: it needs exactly 2 ranks, not 3"),
+        ("bw", [], 1, "osu_bw is a point-to-point test: it needs exactly 2 ranks, not 1"),
+    ],
+)
+def test_options_osu_refuses_are_refused(bench, argv, ranks, text, capsys):
+    with pytest.raises(SystemExit) as stop:
+        osu.parse_args(bench, argv, ranks=ranks)
+    assert stop.value.code == 2
+    if WORLD.rank == 0:  # usage errors are printed once, by rank 0
+        assert text in capsys.readouterr().err
 
 
 def test_compare_with_gloo_busbw_json_and_plot():

@@ -88,3 +88,45 @@ def test_help_of_every_entry_point_prints_once_under_mpiexec(module):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("usage:") == 1, proc.stdout
     assert "--help" in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_sigterm_to_the_test_command_ends_its_children():
+    """A CI runner or Slurm stops ``jobs/test.sh`` with SIGTERM: the test job it is running
+    ends too, and the script exits 143, leaving no process of its session behind."""
+    import os
+    import signal
+    import subprocess
+
+    from conftest import ROOT
+
+    script = subprocess.Popen(
+        ["bash", os.path.join(ROOT, "jobs", "test.sh")],
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def session() -> list[str]:
+        out = subprocess.run(["ps", "-o", "pid=,args=", "-s", str(script.pid)], capture_output=True, text=True)
+        return [line.strip() for line in out.stdout.splitlines() if line.strip()]
+
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any("pytest" in p for p in session()):
+            time.sleep(0.2)
+        assert any("pytest" in p for p in session()), "the test command never started pytest"
+        script.send_signal(signal.SIGTERM)
+        _, err = script.communicate(timeout=60)
+        assert script.returncode == 143, err
+        assert "stopped by signal" in err
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and session():
+            time.sleep(0.2)
+        assert session() == [], session()
+    finally:
+        for line in session():  # whatever is left, in any process group of the session
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+        if script.poll() is None:
+            script.communicate()
