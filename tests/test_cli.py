@@ -93,6 +93,7 @@ def test_help_of_every_entry_point_prints_once_under_mpiexec(module):
 def test_sigterm_to_the_test_command_ends_its_children():
     """A CI runner or Slurm stops ``jobs/test.sh`` with SIGTERM: the test job it is running
     ends too, and the script exits 143, leaving no process of its session behind."""
+    import contextlib
     import os
     import signal
     import subprocess
@@ -127,6 +128,7 @@ def test_sigterm_to_the_test_command_ends_its_children():
         assert session() == [], session()
     finally:
         for line in session():  # whatever is left, in any process group of the session
-            os.kill(int(line.split()[0]), signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line.split()[0]), signal.SIGKILL)
         if script.poll() is None:
             script.communicate()
