@@ -73,7 +73,8 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def run_main(main: Callable[[], Any]) -> Any:
-    """Run ``main()``; on any uncaught exception print it and abort the whole MPI job.
+    """Run ``main()``; on any uncaught exception print it and abort the whole MPI job (on
+    Ctrl-C, one line per rank and status 130).
 
     Without this, one rank dying leaves the others waiting forever inside a collective
     (MPICH's ``mpiexec`` does not end the job when one rank merely exits non-zero). A
@@ -88,17 +89,19 @@ def run_main(main: Callable[[], Any]) -> Any:
         if not isinstance(exc.code, int):  # sys.exit("message"): the message, status 1
             print(exc.code, file=sys.stderr)
         _abort(None, exc.code if isinstance(exc.code, int) else 1)
+    except KeyboardInterrupt:  # Ctrl-C, which mpiexec passes to every rank: a line each, no traceback
+        _abort(None, 130, "interrupted")
     except BaseException as exc:  # noqa: BLE001 - every failure must end the job
         _abort(exc, 1)
 
 
-def _abort(exc: BaseException | None, code: int) -> None:
+def _abort(exc: BaseException | None, code: int, why: str = "") -> None:
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else 0
     sys.stdout.flush()
     if exc is None:
-        print(f"[rank {rank}] exited with status {code}: ending the job", file=sys.stderr)
+        print(f"[rank {rank}] {why or f'exited with status {code}'}: ending the job", file=sys.stderr)
     else:
         print(f"[rank {rank}] aborting the job after an uncaught exception:", file=sys.stderr)
         traceback.print_exception(exc, file=sys.stderr)

@@ -657,6 +657,63 @@ def test_a_resume_with_another_batch_size_ends_after_the_same_epochs_and_reports
     assert last.startswith("hpcdl.train: resumed from step 30; 8 steps (31-38) on 2 ranks"), last
 
 
+@pytest.mark.parametrize("sig, code, said", [(signal.SIGTERM, 143, "stopped by SIGTERM"), (signal.SIGINT, 130, "interrupted")])
+def test_sigterm_and_ctrl_c_stop_every_rank_after_a_step_in_one_line(tmp_path, sig, code, said):
+    """mpiexec passes SIGINT and SIGTERM to every rank; the ranks agree, with the step's
+    loss, to stop after the same step. SIGTERM (Slurm's preemption) first writes a
+    checkpoint of that step; Ctrl-C names the newest one. Either way one line, the shell's
+    status for the signal, and a --resume that ends where an uninterrupted run does."""
+    run_dir = tmp_path / "run"
+    args = ["-m", "hpcdl.train", "--model", "mlp", "--epochs", "30", "--no-progress", "--run-dir", str(run_dir)]
+    job = mpiexec_start([*args, "--checkpoint-every", "40"], text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not ckpt.steps_in(str(run_dir / "checkpoints")):
+            time.sleep(0.05)
+        assert job.poll() is None, "the job ended before the signal"
+        job.send_signal(sig)  # to mpiexec, as a terminal's Ctrl-C or Slurm would
+        out, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert job.returncode == code, err
+    lines = [line for line in err.splitlines() if line.startswith("hpcdl.train")]
+    assert len(lines) == 1 and lines[0].startswith(f"hpcdl.train: {said} at step "), err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    step = int(re.search(r"at step (\d+);", lines[0]).group(1))
+    newest = ckpt.latest(str(run_dir / "checkpoints"))
+    assert f"newest checkpoint {newest}; continue with --resume" in lines[0]
+    saved = ckpt.load(newest)["step"]
+    assert saved == step if sig == signal.SIGTERM else saved <= step
+    assert not (run_dir / ".lock").exists()
+    done = mpiexec_job([*args, "--resume"])
+    assert done.returncode == 0, done.stderr
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 30 * 23
+
+
+def test_a_run_stuck_at_chance_level_stops_naming_what_to_look_at():
+    from types import SimpleNamespace
+
+    from hpcdl.train.config import RunError
+    from hpcdl.train.loop import Trainer
+
+    cfg = TrainConfig(model="mlp", dp="ps", ps_mode="ssp", staleness=4, warmup_steps=20)
+    at = SimpleNamespace(cfg=cfg, epoch=1, step=46)
+    chance = {"loss": 2.3025, "accuracy": 0.1028}
+    with pytest.raises(RunError, match=r"stuck at chance level: after epoch 1 \(step 46\) the held-out loss is 2.3025"):
+        Trainer._check_not_at_chance(at, chance)
+    with pytest.raises(RunError, match=r"lower --lr, or --staleness \(now 4\), or use --ps-mode sync"):
+        Trainer._check_not_at_chance(at, chance)
+    Trainer._check_not_at_chance(SimpleNamespace(cfg=cfg, epoch=0, step=23), chance)  # the first epoch: too soon
+    Trainer._check_not_at_chance(SimpleNamespace(cfg=cfg, epoch=3, step=19), chance)  # still warming up
+    Trainer._check_not_at_chance(at, {"loss": 2.25, "accuracy": 0.15})  # learning, slowly
+    Trainer._check_not_at_chance(at, {"loss": 2.30, "accuracy": 0.4})  # right more often than chance
+    gpt = SimpleNamespace(cfg=TrainConfig(model="gpt"), epoch=2, step=500)
+    with pytest.raises(RunError, match=r"uniform guess over 256 classes \(ln 256 = 5.5452\); lower --lr;"):
+        Trainer._check_not_at_chance(gpt, {"loss": 5.54, "perplexity": 254.7})
+
+
 def test_a_diverging_run_stops_with_a_message_and_writes_only_valid_json(tmp_path):
     run_dir = tmp_path / "run"
     proc = mpiexec_job(

@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def train() -> int:
         import hpcdl as hvd
 
-        from .config import RunError
+        from .config import Interrupted, RunError
         from .loop import run
 
         try:
@@ -85,6 +85,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             _say_once(f"hpcdl.train: error: {exc}")
             hvd.shutdown()
             return 2
+        except Interrupted as exc:  # SIGINT or SIGTERM: 130 or 143, as a shell reports them
+            if exc.apart:  # ssp and async workers stop each at its own step: end the job from here
+                from mpi4py import MPI
+
+                print(f"hpcdl.train: {exc}", file=sys.stderr, flush=True)
+                MPI.COMM_WORLD.Abort(exc.code)
+            _say_once(f"hpcdl.train: {exc}")
+            hvd.shutdown()
+            return exc.code
         if hvd.rank() == 0:
             final = ", ".join(f"{k} {v:.4f}" for k, v in summary["final"].items())
             steps = f"{summary['steps']} steps"

@@ -30,7 +30,7 @@ from collectives.errors import ConfigError as CollectivesConfigError
 from hpcdl.config import Config, load_config
 from hpcdl.errors import HpcdlError
 
-__all__ = ["TrainConfig", "ConfigError", "RunError", "parse_config", "ENV_PREFIX"]
+__all__ = ["TrainConfig", "ConfigError", "RunError", "Interrupted", "parse_config", "ENV_PREFIX"]
 
 ENV_PREFIX = "HPCDL_TRAIN_"
 
@@ -43,6 +43,20 @@ class RunError(ConfigError):
     """A run directory or checkpoint the job cannot use (checkpoints of an earlier run, none
     to resume from, one that does not load): every rank raises it alike, and the job says
     why in one line and exits with status 2."""
+
+
+class Interrupted(Exception):
+    """The job was asked to stop (SIGINT or SIGTERM) and every rank stopped after step
+    ``step`` (``apart``: ssp and async workers, each at its own step)."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None, apart: bool = False) -> None:
+        import signal
+
+        self.signum, self.step, self.checkpoint, self.apart = signum, step, checkpoint, apart
+        self.code = 128 + signum
+        what = "stopped by SIGTERM" if signum == signal.SIGTERM else "interrupted"
+        newest = f"newest checkpoint {checkpoint}" if checkpoint else "no checkpoint yet"
+        super().__init__(f"{what} at step {step}; {newest}; continue with --resume")
 
 
 def _field(default: Any, help: str, **meta: Any) -> Any:

@@ -12,7 +12,9 @@ import contextlib
 import datetime
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +28,7 @@ from hpcdl.parallel.dense import gather_dense, gather_dense_optimizer, load_dens
 
 from . import checkpoint as ckpt
 from .agreement import check_same_settings
-from .config import RunError, TrainConfig
+from .config import Interrupted, RunError, TrainConfig
 from .data import ShardedOrder, Split, corpus, digits, eval_indices
 from .launch import check_world, launcher, layout, output_is_terminal, pick_device, servers
 from .lock import LockHeld, RunLock
@@ -242,6 +244,10 @@ class Trainer:
         self.train_s = 0.0
         self.samples = 0
         self._plan_steps()
+        self.signal: int | None = None
+        """The first of SIGINT or SIGTERM this rank received during the run (None: none)."""
+        self.stop_asked: int | None = None
+        """The signal the ranks agreed, with the last step's loss, to stop for."""
 
     def _plan_steps(self) -> None:
         """``total_steps``: the step at which the run ends, --epochs passes over the data
@@ -302,7 +308,13 @@ class Trainer:
             loss_sum += loss.detach().double() * len(idx)
         # the ranks of a replica agree on its loss: the world's average is the replicas' (ssp
         # and async workers log their own, which averaging would hold in step)
-        mean = None if self.apart else hvd.allreduce_async(loss_sum / total, op=hvd.Average, name="train.loss")
+        # with the loss, whether any rank was asked to stop (SIGINT, SIGTERM): every rank
+        # learns it at the same step (ssp and async workers, apart, stop on their own)
+        asked = [float(self.signal == signal.SIGINT), float(self.signal == signal.SIGTERM)]
+        mean = None
+        if not self.apart:
+            sent = torch.cat([(loss_sum / total).reshape(1).cpu(), torch.tensor(asked, dtype=torch.float64)])
+            mean = hvd.allreduce_async(sent, op=hvd.Average, name="train.loss")
         t = time.perf_counter()
         self.opt.synchronize()
         if self.cfg.sequence_parallel:  # the layer norms saw this rank's part of the sequence
@@ -318,7 +330,12 @@ class Trainer:
         if self.opt.backward_passes_per_step != self.passes:
             self.opt.set_backward_passes_per_step(self.passes)
         self.samples += total * self.replicas
-        return float(loss_sum / total) if mean is None else float(hvd.synchronize(mean))
+        if mean is None:
+            self.stop_asked = self.signal
+            return float(loss_sum / total)
+        got = hvd.synchronize(mean).tolist()
+        self.stop_asked = signal.SIGTERM if got[2] > 0 else signal.SIGINT if got[1] > 0 else None
+        return got[0]
 
     def _pipeline_step(self, x: torch.Tensor, y: torch.Tensor, share: float) -> torch.Tensor:
         """Forward and backward of one batch through the pipeline, its gradients weighted by
@@ -468,6 +485,7 @@ class Trainer:
         bar = self._progress(resumed_from)
         last_eval: dict[str, float] = {}
         last_saved = self.step if resumed_from else -1
+        handlers = self._catch_signals()
         try:
             while self.step < self.total_steps:
                 batches = self.order.batches(self.epoch)
@@ -505,10 +523,16 @@ class Trainer:
                     if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
                         self.save(ck_dir)
                         last_saved = self.step
+                    if self.stop_asked is not None:
+                        if self.stop_asked == signal.SIGTERM and not self.apart and last_saved != self.step:
+                            self.save(ck_dir)  # preempted: keep this step's work
+                            last_saved = self.step
+                        raise Interrupted(self.stop_asked, self.step, ckpt.latest(ck_dir), self.apart)
                 if self.step_in_epoch >= len(groups):  # the epoch is complete
                     last_eval = self.evaluate()
                     if metrics:
                         metrics.write({"kind": "eval", "step": self.step, "epoch": self.epoch, **last_eval})
+                    self._check_not_at_chance(last_eval)
                     line = f"epoch {self.epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items())
                     if bar is not None:
                         bar.write(line)
@@ -523,6 +547,8 @@ class Trainer:
             if last_saved != self.step:
                 self.save(ck_dir)
         finally:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
             if bar is not None:
                 bar.close()
             if cfg.timeline:
@@ -562,6 +588,40 @@ class Trainer:
                 f"hpcdl.train: {cfg.model}, {self.world} ranks",
             )
         return summary
+
+    def _catch_signals(self) -> dict[int, Any]:
+        """Note SIGINT (Ctrl-C, which mpiexec passes to every rank) and SIGTERM (Slurm's
+        preemption, ``scancel``) instead of dying mid-step: the ranks agree to stop after
+        the step, SIGTERM after a checkpoint. A second signal ends the job at once. Returns
+        the handlers to put back (none off the main thread, where Python allows none)."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def note(signum: int, frame: Any) -> None:
+            if self.signal is not None:  # asked twice: stop now
+                raise KeyboardInterrupt
+            self.signal = signum
+
+        return {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def _check_not_at_chance(self, held_out: dict[str, float]) -> None:
+        """A :class:`RunError` when, from the second epoch on and past warm-up, the held-out
+        loss is still that of a uniform guess (ln of the class count): training has made no
+        progress, or lost what it made (a learning rate too high, staleness too large)."""
+        classes = 256 if self.cfg.model == "gpt" else 10
+        chance = math.log(classes)
+        if self.epoch < 1 or self.step <= self.cfg.warmup_steps:
+            return
+        if abs(held_out["loss"] - chance) > 0.01 * chance or held_out.get("accuracy", 0.0) > 2.0 / classes:
+            return
+        hint = "lower --lr"
+        if self.cfg.dp == "ps" and self.cfg.ps_mode != "sync":
+            hint += f", or --staleness (now {self.cfg.staleness}), or use --ps-mode sync"
+        raise RunError(
+            f"training is stuck at chance level: after epoch {self.epoch} (step {self.step}) the held-out loss is "
+            f"{held_out['loss']:.4f}, that of a uniform guess over {classes} classes (ln {classes} = {chance:.4f}); "
+            f"{hint}; the checkpoints in the run directory hold the run up to here"
+        )
 
     def close(self) -> None:
         """Free the pipeline's communicator and the grid's process sets, or the parameter
