@@ -206,6 +206,40 @@ def subsets() -> None:
     print("OK subsets", flush=True)
 
 
+def step_size() -> None:
+    """ssp and async step each worker's gradient on its own: W steps a clock, each 1/W of a
+    clock's update. With the same constant gradient on every worker (a linear loss) the
+    order of arrival does not matter, and the servers' Adam must equal T x W steps of Adam
+    at lr / W here; before, each of those steps took the whole lr (Adam does not shrink
+    with a gradient divided by W), W times too far a clock."""
+    w, clocks, lr = hvd.size(), 6, 0.01
+    c = torch.linspace(-1.0, 2.0, 40, dtype=torch.float64)
+    start = torch.linspace(0.5, -0.5, 40, dtype=torch.float64)
+    twin = torch.nn.Parameter(start.clone())
+    ref = torch.optim.Adam([twin], lr=lr / w, betas=(0.8, 0.99))
+    for _ in range(clocks * w):
+        ref.zero_grad()
+        (twin * c).sum().backward()
+        ref.step()
+    for mode in ("ssp", "async"):
+        p = torch.nn.Parameter(start.clone())
+        opt = hvd.HybridOptimizer(
+            torch.optim.Adam([p], lr=lr, betas=(0.8, 0.99)), [("p", p)], mode=mode, staleness=2
+        )
+        for _ in range(clocks):
+            opt.zero_grad()
+            (p * c).sum().backward()
+            opt.step()
+        opt.refresh()
+        assert torch.allclose(p.detach(), twin.detach(), rtol=1e-12, atol=1e-12), (
+            mode,
+            (p - twin).abs().max().item(),
+            (start - twin).abs().max().item(),
+        )
+        opt.close()
+    print("OK step_size", flush=True)
+
+
 def bfloat16() -> None:
     """Partitions of any dtype travel: a bfloat16 model under ssp and async (the servers hold
     it) is equal on every worker once refreshed, and matches sync to bfloat16 rounding."""
@@ -363,6 +397,7 @@ def main() -> None:
         "checkpoint": lambda: checkpoint(arg or "ssp"),
         "errors": errors,
         "bfloat16": bfloat16,
+        "step_size": step_size,
         "subsets": subsets,
         "train_resume": lambda: train_resume(arg or "ssp"),
         "stall": stall,

@@ -12,7 +12,9 @@ short naps, so a server that shares cores with workers does not take one of them
   order of arrival, and sent back to every contributor.
 - ``ssp`` with staleness ``s`` (stale synchronous parallel, Ho et al., NIPS 2013): the
   server holds the partition's parameters and an instance of the workers' optimizer class.
-  Each worker's gradient is stepped as it comes, divided by the number of workers ``W``.
+  Each worker's gradient is stepped as it comes, with the learning rate divided by the
+  number of workers ``W`` (for SGD the same as dividing the gradient; for Adam, whose step
+  does not shrink with the gradient, the only way a clock's ``W`` steps add up to one).
   A worker that pushed clock ``t`` is sent the parameters, with every update applied so
   far, once every worker's updates of clocks up to ``t - s`` are in: it misses at most
   ``s`` clocks of any worker's updates, and waits only when it is more than ``s`` clocks
@@ -129,14 +131,19 @@ class _Table:
                 group[key] = float(vals[0]) if n == 1 and not isinstance(group[key], tuple) else tuple(map(float, vals))
             at += n
 
-    def _step(self, piece: Piece, grad: torch.Tensor, hyper: np.ndarray) -> None:
-        """One update of ``piece`` with the step's hyperparameters ``hyper``."""
+    def _step(self, piece: Piece, grad: torch.Tensor, hyper: np.ndarray, share: float = 1.0) -> None:
+        """One update of ``piece`` with the step's hyperparameters ``hyper``, its learning
+        rate times ``share`` (one worker's part of a clock's update)."""
         i = piece.index
         self._apply_hyper(piece, hyper)
+        group = self.opts[i].param_groups[0]
+        lr = group["lr"]
+        group["lr"] = lr * share
         param = self.params[i]
         param.grad = grad
         self.opts[i].step()
         param.grad = None
+        group["lr"] = lr
         self.version[i] += 1
 
     def _reply(self, piece: Piece, c: int, data: torch.Tensor, lag: int | None = None) -> None:
@@ -264,7 +271,10 @@ class _Table:
             grad = pend[t].pop(c)
             if not pend[t]:
                 del pend[t]
-            self._step(piece, grad.div_(len(who)), hyper)
+            # 1/W of a clock's update: the learning rate, not the gradient, is divided, since
+            # Adam's step does not shrink with its gradient (W full-size steps a clock made
+            # ssp and async W times as aggressive as sync, and collapsed runs at 4 workers)
+            self._step(piece, grad, hyper, share=1.0 / len(who))
             self.applied[i, c] = t + 1
             self.owed[i].append((c, t))
         self.to_apply[i] = still
