@@ -64,7 +64,7 @@ def test_pipelined_gradients_equal_the_whole_batch_for_every_micro_batch_count(s
     grid = Grid(dp=1, tp=1, pp=p)
     x, y = batch()
     want_loss, want = reference(p + 1, x, y)
-    for m in sorted({1, p, 2 * p + 1}):
+    for m in sorted({1, p, 2 * p + 1, 15}):  # 15 > the 11 samples: empty micro-batches add nothing
         pipe = Pipeline(layers(p + 1), chunks=m, schedule=schedule)
         loss = pipe.train_step(x, y, F.mse_loss)
         assert loss == pytest.approx(want_loss, rel=1e-12)

@@ -300,9 +300,12 @@ class Pipeline(nn.Module):
             x, out = kept.pop(i)
             if g.is_last_stage:
                 t0 = time.perf_counter()
-                loss = loss_fn(out, ts[i])
-                losses.append(float(loss.detach()) * len(ts[i]) / total)
-                (loss * (len(ts[i]) / total)).backward()
+                if len(ts[i]):
+                    loss = loss_fn(out, ts[i])
+                    losses.append(float(loss.detach()) * len(ts[i]) / total)
+                    (loss * (len(ts[i]) / total)).backward()
+                else:  # more chunks than samples: an empty micro-batch adds nothing (a mean of none is NaN)
+                    (out.sum() * 0.0).backward()
             else:
                 grad = link.recv(s + 1, GRAD, i, dev)
                 t0 = time.perf_counter()
@@ -385,7 +388,7 @@ class Pipeline(nn.Module):
             for i in range(m):
                 x = xs[i] if g.is_first_stage else link.recv(s - 1, ACT, i, dev)
                 out = self.stage(x)
-                if g.is_last_stage:
+                if g.is_last_stage and len(ts[i]):  # an empty micro-batch (more chunks than samples) adds nothing
                     value = metric_fn(out, ts[i]).detach()
                     total = value if total is None else total + value
                 else:
