@@ -664,8 +664,8 @@ def test_sigterm_and_ctrl_c_stop_every_rank_after_a_step_in_one_line(tmp_path, s
     checkpoint of that step; Ctrl-C names the newest one. Either way one line, the shell's
     status for the signal, and a --resume that ends where an uninterrupted run does."""
     run_dir = tmp_path / "run"
-    args = ["-m", "hpcdl.train", "--model", "mlp", "--epochs", "12", "--no-progress", "--run-dir", str(run_dir)]
-    job = mpiexec_start([*args, "--checkpoint-every", "40"], text=True)
+    args = ["-m", "hpcdl.train", "--model", "mlp", "--epochs", "20", "--no-progress", "--run-dir", str(run_dir)]
+    job = mpiexec_start([*args, "--checkpoint-every", "20"], text=True)
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and not ckpt.steps_in(str(run_dir / "checkpoints")):
@@ -689,7 +689,7 @@ def test_sigterm_and_ctrl_c_stop_every_rank_after_a_step_in_one_line(tmp_path, s
     assert not (run_dir / ".lock").exists()
     done = mpiexec_job([*args, "--resume"])
     assert done.returncode == 0, done.stderr
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 12 * 23
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 20 * 23
 
 
 def test_a_run_stuck_at_chance_level_stops_naming_what_to_look_at():
