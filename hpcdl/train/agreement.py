@@ -18,6 +18,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+import hpcdl as hvd
 from collectives.config import load_config as collectives_config
 
 from .config import RunError, TrainConfig
@@ -50,15 +51,23 @@ def rank_ranges(ranks: list[int]) -> str:
     return ",".join(parts)
 
 
-def check_same_settings(cfg: TrainConfig, comm: MPI.Comm = MPI.COMM_WORLD) -> None:
-    """Collective over ``comm`` (every process of the job; called before the runtime starts,
-    so the parameter servers take part too): return when every rank's :func:`settings` are
-    the same, else raise :class:`RunError` on every rank naming the fields that differ."""
+def check_same_settings(cfg: TrainConfig) -> None:
+    """Collective: return when every rank's :func:`settings` are the same, else raise
+    :class:`RunError` on every rank naming the fields that differ. Before the runtime
+    starts (the command line) every process of the job takes part, the parameter servers
+    too; once it runs (a script that called ``hvd.init``) its ranks do, the servers being
+    busy serving."""
+    if hvd.is_initialized():
+
+        def gather(obj: Any) -> list[Any]:
+            return hvd.allgather_object(obj, name="train.settings")
+    else:
+        gather = MPI.COMM_WORLD.allgather
     mine = settings(cfg)
     digest = hashlib.sha256(json.dumps(mine, sort_keys=True, default=repr).encode()).hexdigest()
-    if len(set(comm.allgather(digest))) == 1:
+    if len(set(gather(digest))) == 1:
         return
-    every = comm.allgather(mine)
+    every = gather(mine)
     differ = []
     for key in sorted(set().union(*every)):
         holders: dict[str, list[int]] = {}
