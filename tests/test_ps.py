@@ -99,6 +99,11 @@ def test_ssp_and_async_take_one_clocks_update_per_clock_with_adam(workers):
     run(["step_size"], workers + 1, {"HPCDL_PS_SERVERS": "1"}, workers)
 
 
+@pytest.mark.timeout(600)
+def test_ssp_trains_like_sync_over_eight_seeds():
+    run(["seeds"], 5, {"HPCDL_PS_SERVERS": "1"}, 4, timeout=600)
+
+
 def test_optimizers_of_disjoint_process_sets_on_one_node_share_the_servers():
     run(["subsets"], 5, {"HPCDL_PS_SERVERS": "1"}, 4, timeout=240)
 
