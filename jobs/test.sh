@@ -57,7 +57,7 @@ for n in 1 2 3 4; do
     mpirun "$n" -- tests
 done
 mpirun 2 HPCDL_SHM_SPIN=0 -- tests/test_collectives.py tests/test_compiled_channel.py tests/test_window_buffers.py
-mpirun 5 -- tests/test_collectives.py tests/test_collectives_errors.py tests/test_compiled_channel.py \
+mpirun 5 -- tests/test_collectives.py tests/test_collectives_errors.py tests/test_compiled_channel.py tests/test_layouts.py \
     tests/test_ops.py tests/test_optimizers.py tests/test_adasum.py tests/test_ps.py tests/test_device.py
 mpirun 8 -- tests/test_collectives.py tests/test_ops.py tests/test_optimizers.py
 rm -f .pytest-rank*.log
