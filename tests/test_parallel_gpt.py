@@ -123,8 +123,8 @@ def test_a_few_steps_on_every_grid_equal_one_process_on_the_replicas_batches(run
             dense = gather_dense(trainer.model, trainer.grid, trainer.dense_shapes)
             worst = max(rel(dense[k], p.detach()) for k, p in ref.named_parameters()) if hvd.rank() == 0 else None
             # float64 Adam: a gradient element near 0 whose sign the order of a sum decides takes
-        # a step of about lr either way, and the order differs with the replica count
-        assert hvd.broadcast_object(worst, 0) <= 1e-8, (tp, pp, extra)
+            # a step of about lr either way, and the order differs with the replica count
+            assert hvd.broadcast_object(worst, 0) <= 1e-8, (tp, pp, extra)
             trainer.close()
 
 
