@@ -178,5 +178,6 @@ def test_a_grid_that_does_not_fit_the_world_is_every_ranks_run_error(run_dir):
     n = hvd.size()
     from hpcdl.train.config import RunError
 
-    with pytest.raises(RunError, match=rf"--tp 8 --pp 1 on {n} ranks: Grid: .*8"):
-        Trainer(config(8, 1, run_dir, n_head=8))
+    tp = 1 << n.bit_length()  # the power of two above the world size: it divides the heads, not the world
+    with pytest.raises(RunError, match=rf"--tp {tp} --pp 1 on {n} ranks: Grid: .*{tp}"):
+        Trainer(config(tp, 1, run_dir, n_head=tp, d_model=4 * tp))
