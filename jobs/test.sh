@@ -7,10 +7,10 @@
 # collective left waiting by a rank that failed ends in a stall error within
 # HPCDL_STALL_TIMEOUT, so one failing test never hangs the ones after it.
 source "$(dirname "$0")/env.sh"
-# SIGTERM (a CI runner's or Slurm's stop) and Ctrl-C end the running test job too: each
+# SIGTERM (a CI runner or Slurm cancelling the job) and Ctrl-C end the running test job too: each
 # runs in the background under `timeout`, which passes the signal on to its whole job
 # (bash runs a trap only once the command it waits for ends, but `wait` it interrupts)
-stop() {
+end_on_signal() {
     trap - TERM INT
     pkill -TERM -P $$ 2>/dev/null
     wait
@@ -18,8 +18,8 @@ stop() {
     echo "stopped by signal: the test runs were ended" >&2
     exit "$1"
 }
-trap 'stop 143' TERM
-trap 'stop 130' INT
+trap 'end_on_signal 143' TERM
+trap 'end_on_signal 130' INT
 # run COMMAND... in the background and wait for it: its status, and signals still reach the traps
 in_bg() {
     "$@" &
