@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -37,17 +38,10 @@ def settings(cfg: TrainConfig, environ: Mapping[str, str] | None = None) -> dict
 
 def rank_ranges(ranks: list[int]) -> str:
     """``[0, 1, 2, 5]`` as ``0-2,5``."""
-    parts: list[str] = []
-    start = prev = None
-    for r in sorted(ranks):
-        if prev is not None and r == prev + 1:
-            prev = r
-            continue
-        if start is not None:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = r
-    if start is not None:
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
+    parts = []
+    for _, run in itertools.groupby(enumerate(sorted(ranks)), key=lambda pair: pair[1] - pair[0]):
+        rs = [r for _, r in run]
+        parts.append(str(rs[0]) if len(rs) == 1 else f"{rs[0]}-{rs[-1]}")
     return ",".join(parts)
 
 
