@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Split", "digits", "corpus", "ShardedOrder", "eval_indices"]
+__all__ = ["Split", "digits", "digits_arrays", "digits_split", "corpus", "ShardedOrder", "eval_indices"]
 
-_SPLIT_SEED = 0
+_DIGITS_TRAIN = 1437  # of 1797 samples; the other 360 are held out
 
 
 @dataclass
@@ -39,22 +39,52 @@ class Split:
         return Split(self.x.to(device), self.y.to(device))
 
 
+def digits_arrays() -> tuple:
+    """scikit-learn's digits as ``(data, target)`` numpy arrays (1797 x 64 pixel values
+    0-16, and labels), read from the file scikit-learn ships without importing it (an
+    import that costs each rank about 1.5 s of start-up); ``load_digits`` where the file
+    is not found."""
+    import gzip
+    import importlib.util
+    import os
+
+    import numpy as np
+
+    spec = importlib.util.find_spec("sklearn")
+    path = os.path.join(spec.submodule_search_locations[0], "datasets", "data", "digits.csv.gz") if spec else ""
+    if not os.path.isfile(path):
+        from sklearn.datasets import load_digits
+
+        data = load_digits()
+        return data.data, data.target
+    with gzip.open(path, "rt") as f:
+        raw = np.loadtxt(f, delimiter=",")
+    return raw[:, :-1], raw[:, -1].astype(int)
+
+
+def digits_split() -> tuple[list[int], list[int]]:
+    """The fixed split of the digits: training sample indices in training order, then the
+    held-out ones. It is scikit-learn's ``train_test_split(test_size=0.2,
+    stratify=target, random_state=0)``, computed once and shipped as ``digits_split.txt``
+    so that every run, rank and version of scikit-learn sees the same split."""
+    import os
+
+    with open(os.path.join(os.path.dirname(__file__), "digits_split.txt")) as f:
+        idx = [int(v) for line in f if not line.startswith("#") for v in line.split()]
+    return idx[:_DIGITS_TRAIN], idx[_DIGITS_TRAIN:]
+
+
 def digits(image: bool) -> tuple[Split, Split]:
     """Training and test split of scikit-learn's digits, scaled to [0, 1]; ``image``
     shapes a sample as 1x8x8 (for a CNN), else as 64 features."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    data, target = digits_arrays()
+    train, test = digits_split()
 
-    data = load_digits()
-    x_tr, x_te, y_tr, y_te = train_test_split(
-        data.data, data.target, test_size=0.2, stratify=data.target, random_state=_SPLIT_SEED
-    )
+    def split(idx: list[int]) -> Split:
+        xt = torch.tensor(data[idx], dtype=torch.float32) / 16.0
+        return Split(xt.view(-1, 1, 8, 8) if image else xt, torch.tensor(target[idx], dtype=torch.long))
 
-    def split(x, y) -> Split:
-        xt = torch.tensor(x, dtype=torch.float32) / 16.0
-        return Split(xt.view(-1, 1, 8, 8) if image else xt, torch.tensor(y, dtype=torch.long))
-
-    return split(x_tr, y_tr), split(x_te, y_te)
+    return split(train), split(test)
 
 
 def corpus_bytes() -> bytes:
