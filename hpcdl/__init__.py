@@ -8,6 +8,10 @@ broadcast helpers, compression, ``SyncBatchNorm`` and the timeline.
 
 from __future__ import annotations
 
+from .startup import quiet_interrupt_while_starting
+
+quiet_interrupt_while_starting()  # before torch and MPI load: a Ctrl-C there is one line in the training job
+
 from importlib.metadata import PackageNotFoundError, version
 
 try:

@@ -298,6 +298,22 @@ def test_datasets_ship_with_installed_packages():
     assert len(tr) > 6000 and len(te) > 600
 
 
+def test_the_digits_split_is_scikit_learns_stratified_split_read_without_importing_it():
+    """The job reads the digits from scikit-learn's data file and takes the shipped split;
+    both must equal what ``load_digits`` and ``train_test_split`` give."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    ref = load_digits()
+    x_tr, x_te, y_tr, y_te = train_test_split(ref.data, ref.target, test_size=0.2, stratify=ref.target, random_state=0)
+    train, test = digits(image=False)
+    assert torch.equal(train.x, torch.tensor(x_tr, dtype=torch.float32) / 16.0)
+    assert torch.equal(test.x, torch.tensor(x_te, dtype=torch.float32) / 16.0)
+    assert train.y.tolist() == y_tr.tolist() and test.y.tolist() == y_te.tolist()
+    code = "import sys; from hpcdl.train.data import digits; digits(True); print('sklearn' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
 # -- schedule, checkpoints, models ------------------------------------------------------------------
 def test_checkpoint_is_atomic_and_loads_without_unpickling_code(tmp_path, monkeypatch):
     d = str(tmp_path)
@@ -690,6 +706,24 @@ def test_sigterm_and_ctrl_c_stop_every_rank_after_a_step_in_one_line(tmp_path, s
     done = mpiexec_job([*args, "--resume"])
     assert done.returncode == 0, done.stderr
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 20 * 23
+
+
+def test_ctrl_c_while_the_job_is_still_importing_is_one_line_and_status_130(tmp_path):
+    """A Ctrl-C a second after the start lands while the ranks import torch and MPI, before
+    the job's own handling exists: one line for the whole job, status 130, no traceback."""
+    job = mpiexec_start(["-m", "hpcdl.train", "--model", "mlp", "--run-dir", str(tmp_path / "run")], text=True)
+    try:
+        time.sleep(1.0)
+        assert job.poll() is None, "the job ended before the signal"
+        job.send_signal(signal.SIGINT)
+        out, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert job.returncode == 130, err
+    assert err.strip() == "hpcdl.train: interrupted while starting, before the first step", err
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_run_stuck_at_chance_level_stops_naming_what_to_look_at():
