@@ -85,6 +85,8 @@ def test_the_runtime_section_reads_file_environment_and_flags(tmp_path):
         (["--lr", "fast"], {}, None, r"--lr='fast': lr must be a number"),
         (["--lr", "inf"], {}, None, r"lr=inf must be a finite number"),
         ([], {"HPCDL_TRAIN_MOMENTUM": "nan"}, None, r"momentum=nan must be a finite number"),
+        ([], {"HPCDL_TRAIN_EPOCHS": "0"}, None, r"epochs=0 must be >= 1 \(from environment variable HPCDL_TRAIN_EPOCHS\)$"),
+        ([], {}, "epochs = 0\n", r"epochs=0 must be >= 1 \(from config file '.*'\)$"),
         (["--resume", "--overwrite", "--run-dir", "r"], {}, None, r"resume continues the run .* pass one"),
         ([], {"HPCDL_TRAIN_ZERO": "3"}, None, r"HPCDL_TRAIN_ZERO='3' is not accepted for zero; choose one of 0, 1, 2"),
         (

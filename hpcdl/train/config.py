@@ -416,7 +416,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     try:
         return TrainConfig(**values)
     except ConfigError as exc:
-        raise ConfigError(f"{exc} (from {_origin(exc, values, ns)})") from None
+        raise ConfigError(f"{exc} (from {_origin(exc, values, ns, env)})") from None
 
 
 def _from_environment(exc: Exception, env: Mapping[str, str]) -> str:
@@ -441,15 +441,17 @@ def _runtime_table(table: Any, path: str) -> dict[str, Any]:
     return out
 
 
-def _origin(exc: ConfigError, values: dict[str, Any], ns: argparse.Namespace) -> str:
+def _origin(exc: ConfigError, values: dict[str, Any], ns: argparse.Namespace, env: Mapping[str, str]) -> str:
     """Where the offending field's value came from, for the message."""
     name = str(exc).split("=", 1)[0]
     if name not in _FIELDS:
         return "the combination of fields"
     if getattr(ns, name) is not None:
         return "--" + name.replace("_", "-")
+    if ENV_PREFIX + name.upper() in env:
+        return f"environment variable {ENV_PREFIX}{name.upper()}"
     if name in values:
-        return f"{ENV_PREFIX}{name.upper()} or the config file"
+        return f"config file {ns.config!r}"
     return "the default"
 
 
