@@ -67,15 +67,16 @@ def candidates(collective: str, comm: MPI.Comm) -> list[str]:
 
 
 def measure(
-    comm: MPI.Comm, collective: str, nbytes: int, names: list[str], rounds: int, dtype=np.float32
+    comm: MPI.Comm, collective: str, nbytes: int, names: list[str], rounds: int, dtype=np.float32, iterations: int = 0
 ) -> dict[str, float]:
     """Median seconds per call of each algorithm for a message of ``nbytes`` (``auto``'s measure:
-    the whole vector, or for allgather everything gathered)."""
+    the whole vector, or for allgather everything gathered), each timed over ``iterations``
+    calls a round (0: by size, from 200 for small messages down to 3)."""
     item = np.dtype(dtype).itemsize
     n = comm.size
     count = max(nbytes // item // (n if collective == "allgather" else 1), 1)
     x = np.random.default_rng(comm.rank).standard_normal(count).astype(dtype)
-    iters = max(3, min(200, (32 << 20) // max(nbytes, 1)))
+    iters = iterations or max(3, min(200, (32 << 20) // max(nbytes, 1)))
     call = _caller(collective, x, comm)
     for name in names:  # first calls set up windows and scratch: not timed
         call(name)
@@ -129,6 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max", type=parse_size, default="64M", help="largest message in bytes")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size")
     p.add_argument(
+        "--iterations", type=int, default=0, help="timed calls per algorithm, size and round (0: by size, 200 to 3)"
+    )
+    p.add_argument(
         "--sweeps",
         type=int,
         default=1,
@@ -139,6 +143,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--collectives", default=",".join(COLLECTIVES), help="comma-separated subset")
     p.add_argument("--machine", default="", help="a line describing the machine, for the record")
     args = p.parse_args(argv)
+    checks = (("--rounds", args.rounds, 1), ("--sweeps", args.sweeps, 1), ("--iterations", args.iterations, 0))
+    for flag, value, least in checks:
+        if value < least:
+            p.error(f"{flag} {value}: must be at least {least}")
+    if not 0 < args.min <= args.max:
+        p.error(f"--min {args.min} --max {args.max}: need 0 < min <= max")
     comm = MPI.COMM_WORLD
     ctx = get_context(comm)
     nodes = ctx.layout().nodes
@@ -154,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         meds: dict[int, list[dict[str, float]]] = {nbytes: [] for nbytes in sizes}
         for sweep in range(max(args.sweeps, 1)):
             for nbytes in sizes:
-                med = measure(comm, coll, nbytes, names, args.rounds)
+                med = measure(comm, coll, nbytes, names, args.rounds, iterations=args.iterations)
                 meds[nbytes].append(med)
                 if comm.rank == 0:
                     cells = "  ".join(f"{k}={v * 1e6:.1f}" for k, v in med.items())

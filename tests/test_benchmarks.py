@@ -128,6 +128,8 @@ def test_compare_with_gloo_busbw_json_and_plot():
                 "4:64",
                 "-i",
                 "3",
+                "-x",
+                "1",
                 "-T",
                 "mpi_float",
                 "--compare",
@@ -158,10 +160,30 @@ def test_compare_with_gloo_busbw_json_and_plot():
                     os.remove(f)
 
 
+@pytest.mark.parametrize(
+    "argv, text",
+    [
+        (["--rounds", "0"], "--rounds 0: must be at least 1"),
+        (["--sweeps", "-1"], "--sweeps -1: must be at least 1"),
+        (["--iterations", "-3"], "--iterations -3: must be at least 0"),
+        (["--min", "1M", "--max", "4K"], "--min 1048576 --max 4096: need 0 < min <= max"),
+    ],
+)
+def test_options_the_tuner_refuses_are_refused(argv, text, capsys):
+    with pytest.raises(SystemExit) as stop:
+        tune.main(["--out", "never-written.json", *argv])
+    assert stop.value.code == 2 and not os.path.exists("never-written.json")
+    if WORLD.rank == 0:
+        assert text in capsys.readouterr().err
+
+
 def test_tuner_writes_a_table_that_auto_follows():
     path = shared_path(".json")
     try:
-        tune.main(["--out", path, "--min", "4", "--max", "64", "--rounds", "1", "--collectives", "allreduce,allgather"])
+        tune.main(
+            ["--out", path, "--min", "4", "--max", "64", "--rounds", "1", "--iterations", "3"]
+            + ["--collectives", "allreduce,allgather"]
+        )
         WORLD.Barrier()
         with open(path, encoding="utf-8") as fh:
             table = json.load(fh)
