@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import shutil
 import sys
 import time
 
@@ -361,6 +362,7 @@ def train_resume(mode: str) -> None:
         for k, v in a["model"].items():
             assert torch.equal(b["model"][k], v), k
         assert whole["final"] == resumed["final"], (whole["final"], resumed["final"])
+        shutil.rmtree(root, ignore_errors=True)
     print("OK train_resume", flush=True)
 
 
@@ -391,6 +393,8 @@ def seeds() -> None:
             print(f"seed {seed}: sync {acc['sync']:.4f} ssp {acc['ssp']:.4f}", flush=True)
         assert acc["ssp"] > 0.85, (seed, acc)  # chance is 0.10
     assert max(gaps) <= SEEDS_GAP, gaps
+    if hvd.rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
     print("OK seeds", flush=True)
 
 
