@@ -8,9 +8,9 @@ broadcast helpers, compression, ``SyncBatchNorm`` and the timeline.
 
 from __future__ import annotations
 
-from .startup import quiet_interrupt_while_starting
+from .startup import note_signals_while_starting
 
-quiet_interrupt_while_starting()  # before torch and MPI load: a Ctrl-C there is one line in the training job
+note_signals_while_starting()  # before torch and MPI load: the training job notes a Ctrl-C there
 
 from importlib.metadata import PackageNotFoundError, version
 

@@ -1,21 +1,31 @@
 """What the training job needs before anything heavy is imported.
 
-``python -m hpcdl.train`` spends its first seconds importing torch and MPI, before the job's
-own Ctrl-C handling (:func:`collectives.cli.run_main`, then the trainer's) exists. A Ctrl-C
-then would print a traceback on every rank. :func:`quiet_interrupt_while_starting`, called
-first thing by ``hpcdl/__init__.py``, makes it one line instead, when this process is the
-training job; a script that imports hpcdl keeps Python's own behaviour.
+``python -m hpcdl.train`` spends its first seconds importing torch and starting MPI, before
+the trainer's own signal handling exists. Python's default Ctrl-C there would raise a
+KeyboardInterrupt at a different point on each rank: a traceback per rank, and worse, a
+rank that leaves before ``MPI_Init`` strands a peer that is already inside it (blocked in C,
+where no Python handler runs) and the launcher waits for it forever.
+
+So :func:`note_signals_while_starting`, called first thing by ``hpcdl/__init__.py``, makes a
+Ctrl-C during start-up a note instead (:func:`signal_while_starting`): every rank finishes
+starting, and the trainer, which takes the note over, stops the job after its first step
+with one line and status 130. A second Ctrl-C stops at once; then Python's own ending
+applies (death by SIGINT, which makes the launcher end the other ranks), with one line
+instead of a traceback. A script that imports hpcdl keeps Python's behaviour.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
-__all__ = ["quiet_interrupt_while_starting", "running_the_training_job"]
+__all__ = ["note_signals_while_starting", "running_the_training_job", "signal_while_starting"]
 
 #: where launchers put the rank before MPI is up (MPICH's and Intel's Hydra, Open MPI, PMIx, Slurm)
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "MV2_COMM_WORLD_RANK")
+
+_noted: list[int] = []
 
 
 def running_the_training_job() -> bool:
@@ -34,20 +44,31 @@ def _launch_rank() -> int:
     return 0
 
 
-def quiet_interrupt_while_starting() -> None:
-    """In the training job, an uncaught KeyboardInterrupt (Ctrl-C while modules are still
-    being imported) prints one line, on the launch's rank 0 only, and the process still ends
-    as Python ends one on SIGINT (status 130). Other exceptions keep the hook they had."""
-    if not running_the_training_job():
+def signal_while_starting() -> int | None:
+    """The signal (SIGINT) noted while the training job was starting, or None."""
+    return _noted[0] if _noted else None
+
+
+def note_signals_while_starting() -> None:
+    """In the training job: note a first SIGINT instead of raising KeyboardInterrupt, and
+    make an uncaught KeyboardInterrupt (a second one) print one line, on the launch's rank 0
+    only, instead of a traceback."""
+    if not running_the_training_job() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         return
+
+    def note(signum: int, frame) -> None:
+        if _noted:  # asked twice: stop now
+            raise KeyboardInterrupt
+        _noted.append(signum)
+
+    signal.signal(signal.SIGINT, note)
     previous = sys.excepthook
 
     def hook(kind, value, tb) -> None:
         if issubclass(kind, KeyboardInterrupt):
             if _launch_rank() == 0:
                 print("hpcdl.train: interrupted while starting, before the first step", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(130)  # the status a shell gives Ctrl-C; a death by SIGINT would make mpiexec print a banner
+            return  # Python then ends the process by SIGINT, as the launcher expects of a Ctrl-C
         previous(kind, value, tb)
 
     sys.excepthook = hook

@@ -49,6 +49,8 @@ def _dry_run(cfg) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     from collectives.cli import run_main
 
+    from hpcdl.startup import signal_while_starting
+
     from .config import ConfigError, parse_config
 
     try:
@@ -69,6 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _say_once(f"hpcdl.train: error: {exc}")
                 hvd.shutdown()
                 return 2
+            if signal_while_starting() is not None:  # a Ctrl-C noted while it ran
+                _say_once("hpcdl.train: interrupted")
+                return 130
             return 0
 
         return run_main(dry_run)

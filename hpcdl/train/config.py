@@ -55,8 +55,10 @@ class Interrupted(Exception):
         self.signum, self.step, self.checkpoint, self.apart = signum, step, checkpoint, apart
         self.code = 128 + signum
         what = "stopped by SIGTERM" if signum == signal.SIGTERM else "interrupted"
-        newest = f"newest checkpoint {checkpoint}" if checkpoint else "no checkpoint yet"
-        super().__init__(f"{what} at step {step}; {newest}; continue with --resume")
+        if checkpoint:
+            super().__init__(f"{what} at step {step}; newest checkpoint {checkpoint}; continue with --resume")
+        else:
+            super().__init__(f"{what} at step {step}, before the first checkpoint: start the run again")
 
 
 def _field(default: Any, help: str, **meta: Any) -> Any:

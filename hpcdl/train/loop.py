@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import hpcdl as hvd
 from hpcdl.parallel import Grid, Pipeline, allreduce_sequence_parallel_grads
 from hpcdl.parallel.dense import gather_dense, gather_dense_optimizer, load_dense, local_optimizer_state
+from hpcdl.startup import signal_while_starting
 
 from . import checkpoint as ckpt
 from .agreement import check_same_settings
@@ -602,6 +603,8 @@ class Trainer:
                 raise KeyboardInterrupt
             self.signal = signum
 
+        if self.signal is None:  # a Ctrl-C while the job was starting: stop after the first step
+            self.signal = signal_while_starting()
         return {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def _check_not_at_chance(self, held_out: dict[str, float]) -> None:
