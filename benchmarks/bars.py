@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, help="PNG of allreduce latency and busbw against size")
     args = p.parse_args(argv)
+    p.require_at_least(("--rounds", args.rounds, 1), ("--min", args.min, 1), ("--max", args.max, args.min))
     np.seterr(over="ignore")  # window_inplace sums its own result again and again: inf, at full speed
     comm = MPI.COMM_WORLD
     comm.Barrier()

@@ -279,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", default=None, help="also write the figures to this file (rank 0)")
     argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
+    p.require_at_least(("--steps", a.steps, 1))
     shapes = []
     for text in a.grids.split(","):
         try:

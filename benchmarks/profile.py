@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-a", "--algorithm", default="auto")
     p.add_argument("--top", type=int, default=14, help="functions listed")
     args = p.parse_args(argv)
+    p.require_at_least(("--calls", args.calls, 1))
     text = profile(args.collective, args.size, args.calls, args.algorithm, args.top, MPI.COMM_WORLD)
     if text:
         print(text, flush=True)

@@ -364,6 +364,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", default=None, help="also write the figures to this file (rank 0)")
     argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
+    p.require_at_least(("--steps", a.steps, 1), ("--mib", a.mib, 1))
     if a.section == "bytes":
         _ring_everywhere()
     torch.set_num_threads(1)

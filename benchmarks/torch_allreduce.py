@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the tensors live")
     p.add_argument("--json", default=None, help="also write the figures to this file (rank 0)")
     a = p.parse_args(argv)
+    p.require_at_least(("--rounds", a.rounds, 1))
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device here")
     torch.set_num_threads(1)

@@ -318,6 +318,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", default=None, help="also write the figures to this file (rank 0)")
     argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
+    p.require_at_least(("--rounds", a.rounds, 1), ("--steps", a.steps, 1))
     models = a.models.split(",")
     unknown = [m for m in models if m not in MODELS]
     if unknown:

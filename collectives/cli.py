@@ -38,6 +38,13 @@ class ArgumentParser(argparse.ArgumentParser):
         if world_rank() == 0:
             super()._print_message(message, file)
 
+    def require_at_least(self, *checks: tuple[str, int, int]) -> None:
+        """A usage error (status 2) naming the first ``(flag, value, least)`` whose value is
+        below ``least``: ``--rounds 0: must be at least 1``."""
+        for flag, value, least in checks:
+            if value < least:
+                self.error(f"{flag} {value}: must be at least {least}")
+
 
 def _finite(obj: Any) -> Any:
     if isinstance(obj, float):

@@ -143,10 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--collectives", default=",".join(COLLECTIVES), help="comma-separated subset")
     p.add_argument("--machine", default="", help="a line describing the machine, for the record")
     args = p.parse_args(argv)
-    checks = (("--rounds", args.rounds, 1), ("--sweeps", args.sweeps, 1), ("--iterations", args.iterations, 0))
-    for flag, value, least in checks:
-        if value < least:
-            p.error(f"{flag} {value}: must be at least {least}")
+    p.require_at_least(("--rounds", args.rounds, 1), ("--sweeps", args.sweeps, 1), ("--iterations", args.iterations, 0))
     if not 0 < args.min <= args.max:
         p.error(f"--min {args.min} --max {args.max}: need 0 < min <= max")
     comm = MPI.COMM_WORLD

@@ -177,6 +177,30 @@ def test_options_the_tuner_refuses_are_refused(argv, text, capsys):
         assert text in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "module, argv, text",
+    [
+        ("bars", ["--rounds", "0"], "--rounds 0: must be at least 1"),
+        ("bars", ["--min", "1M", "--max", "4K"], "--max 4096: must be at least 1048576"),
+        ("torch_allreduce", ["--rounds", "-1"], "--rounds -1: must be at least 1"),
+        ("train_throughput", ["--steps", "0"], "--steps 0: must be at least 1"),
+        ("parallel_gpt", ["--steps", "0"], "--steps 0: must be at least 1"),
+        ("ps_vs_allreduce", ["--section", "steps", "--steps", "0"], "--steps 0: must be at least 1"),
+        ("ps_vs_allreduce", ["--section", "bytes", "--mib", "0"], "--mib 0: must be at least 1"),
+        ("profile", ["--calls", "0"], "--calls 0: must be at least 1"),
+    ],
+)
+def test_the_other_benchmarks_refuse_counts_below_one(module, argv, text, capsys):
+    import importlib
+
+    main = importlib.import_module(f"benchmarks.{module}").main
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    if WORLD.rank == 0:
+        assert text in capsys.readouterr().err
+
+
 def test_tuner_writes_a_table_that_auto_follows():
     path = shared_path(".json")
     try:
