@@ -122,7 +122,9 @@ def test_bad_init_arguments_on_one_rank_raise_on_every_rank(args, message):
 def test_a_shutdown_on_one_rank_shuts_every_rank_down_and_init_starts_them_all_again(pending):
     """Rank k shuts down while the others have a request in flight (or make a call after):
     their request fails naming rank k, every rank then reads is_initialized() False, and
-    init() on every rank starts a runtime that works; for each k in turn."""
+    init() on every rank starts a runtime that works; for each k in turn. The MPI barrier
+    orders rank k's shutdown after the others' checks and submissions, which would otherwise
+    race with it (a request submitted after the shutdown arrived raises at submission)."""
     n, r = WORLD.size, WORLD.rank
     for stopper in range(n):
         hvd.init()
@@ -130,6 +132,7 @@ def test_a_shutdown_on_one_rank_shuts_every_rank_down_and_init_starts_them_all_a
         handle = None
         if r != stopper and pending == "in flight":
             handle = hvd.allreduce_async(torch.ones(4), op=hvd.Sum, name="never-on-the-stopper")
+        WORLD.Barrier()
         if r == stopper:
             hvd.shutdown()
         else:
