@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite: single-process tests, then the multi-rank tests under mpiexec -n 1, 2,
-# 3 and 4 (at 4 less the files the 5-rank run covers); the collectives' tests again at 2 ranks with every wait
-# sleeping at once; the collectives, ops, optimizer, Adasum, parameter-server and device-array
-# tests at 5 ranks and the collectives, ops and optimizer tests at 8 (oversubscribed on a small
-# machine).
+# 3 and 4 (at 3 and 4 less the collectives, ops, optimizer and device-array files, which run at
+# 5 and 8); the collectives' tests again at 2 ranks with every wait sleeping at once; the
+# collectives, ops, optimizer, Adasum, parameter-server and device-array tests at 5 ranks and
+# the collectives, ops and optimizer tests at 8 (oversubscribed on a small machine).
 # Every run has a hard time limit, so a deadlock fails, never hangs; a hung test prints every
 # rank's stacks first. The ranks agree on each test's outcome (tests/conftest.py), and a
 # collective left waiting by a rank that failed ends in a stall error within
@@ -55,18 +55,20 @@ mpirun() {
     fi
 }
 
-# at 4 ranks, every file but those the 5-rank run covers too (the collectives, ops and
+# at 3 and 4 ranks, every file but those the 5-rank run covers too (the collectives, ops and
 # optimizer tests also run at 8, a power of two as 4 is); Adasum (powers of two only) and the
-# parameter servers keep their 4-rank run
+# parameter servers keep their 3- and 4-rank runs
 AT_5=(tests/test_collectives.py tests/test_collectives_errors.py tests/test_compiled_channel.py tests/test_layouts.py
     tests/test_ops.py tests/test_optimizers.py tests/test_adasum.py tests/test_ps.py tests/test_device.py)
 AT_8=(tests/test_collectives.py tests/test_ops.py tests/test_optimizers.py)
-NOT_AT_4=(tests/test_collectives.py tests/test_collectives_errors.py tests/test_compiled_channel.py tests/test_layouts.py
+NOT_AT_3_4=(tests/test_collectives.py tests/test_collectives_errors.py tests/test_compiled_channel.py tests/test_layouts.py
     tests/test_ops.py tests/test_optimizers.py tests/test_device.py)
-for n in 1 2 3; do
+for n in 1 2; do
     mpirun "$n" -- tests
 done
-mpirun 4 -- $(ls tests/test_*.py | grep -v -x -F "$(printf '%s\n' "${NOT_AT_4[@]}")")
+for n in 3 4; do
+    mpirun "$n" -- $(ls tests/test_*.py | grep -v -x -F "$(printf '%s\n' "${NOT_AT_3_4[@]}")")
+done
 mpirun 2 HPCDL_SHM_SPIN=0 -- tests/test_collectives.py tests/test_compiled_channel.py tests/test_window_buffers.py
 mpirun 5 -- "${AT_5[@]}"
 mpirun 8 -- "${AT_8[@]}"
