@@ -77,8 +77,9 @@ clock starts at a wait's first look, so a stall is declared up to one spin budge
 
 
 def spin_budget(ranks: int) -> int:
-    """:data:`SPIN`, or 0 when the node's ranks outnumber the cores this process may run
-    on: then the peer being waited for is likely not running, and spinning only delays it."""
+    """:data:`SPIN`, or :data:`POLITE_SPIN` when the node's ranks outnumber the cores this
+    process may run on: then the peer being waited for is likely not running, and spinning
+    only delays it."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
