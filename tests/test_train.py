@@ -865,3 +865,23 @@ def test_a_checkpoint_of_an_older_configuration_resumes_with_a_warning(tmp_path,
     assert problem is None and path == ckpt.path_for(str(tmp_path), 3) and st["step"] == 3
     err = capsys.readouterr().err
     assert "fusion_threshold=-1 (this run: None)" in err
+
+
+def test_the_default_run_directories_are_ignored_by_git(tmp_path):
+    """A run writes under runs/<model>-<time> by default (an empty --run-dir); git ignores all
+    of it, so results never show up as changes to commit. Checked in a scratch repository
+    with the project's .gitignore, so it holds in any checkout."""
+    git = shutil.which("git")
+    if git is None:
+        pytest.skip("git is not installed")
+    shutil.copy(os.path.join(ROOT, ".gitignore"), tmp_path / ".gitignore")
+    env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "HOME": str(tmp_path)}
+    subprocess.run([git, "init", "-q", str(tmp_path)], check=True, env=env)
+    probe = tmp_path / "runs" / "cnn-20261125-120000" / "checkpoints" / "step-00000050.pt"
+    probe.parent.mkdir(parents=True)
+    probe.write_bytes(b"")
+    status = subprocess.run(
+        [git, "-C", str(tmp_path), "status", "--porcelain", "--untracked-files=all"],
+        check=True, capture_output=True, text=True, env=env,
+    ).stdout
+    assert status.splitlines() == ["?? .gitignore"], status
