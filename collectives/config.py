@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 from .errors import ConfigError
 
@@ -99,8 +101,47 @@ class Config:
             raise ConfigError(f"shm_spin={self.shm_spin} must be >= 0, or -1 (decided by the cores)")
         if not self.stall_timeout >= 0:
             raise ConfigError(f"stall_timeout={self.stall_timeout} must be >= 0 seconds (0: wait forever)")
-        if self.tuning_file and not os.path.isfile(self.tuning_file):
-            raise ConfigError(f"tuning_file={self.tuning_file!r} does not exist")
+        if self.tuning_file:
+            read_tuning_file(self.tuning_file)
+
+
+def read_tuning_file(path: str) -> dict[str, Any]:
+    """Read the tuning table at ``path`` (as ``python -m collectives.tune`` writes it) and
+    check its form; a :class:`ConfigError` naming the file and what is wrong otherwise."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"tuning_file={path!r} " + ("is a directory" if os.path.isdir(path) else "does not exist"))
+    what = f"tuning_file={path!r} is not a tuning table (the JSON python -m collectives.tune writes)"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            table = json.load(fh)
+    except OSError as exc:
+        raise ConfigError(f"tuning_file={path!r} cannot be read: {exc.strerror}") from None
+    except ValueError as exc:  # not JSON, or not UTF-8
+        raise ConfigError(f"{what}: {exc}") from None
+    problem = _table_problem(table)
+    if problem is not None:
+        raise ConfigError(f"{what}: {problem}")
+    return table
+
+
+def _table_problem(table: Any) -> str | None:
+    """What is wrong with the form of a tuning table, or None."""
+    if not isinstance(table, dict) or not isinstance(table.get("tables"), list):
+        return 'it needs an object with a "tables" list'
+    for i, e in enumerate(table["tables"]):
+        if not isinstance(e, dict) or not isinstance(e.get("collective"), str):
+            return f'tables[{i}] needs a "collective" name'
+        for key in ("size", "nodes"):
+            v = e.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                return f'tables[{i}] needs "{key}", a count of at least 1, not {v!r}'
+        rules = e.get("rules")
+        ok = isinstance(rules, list) and all(
+            isinstance(r, list) and len(r) == 2 and isinstance(r[0], int) and isinstance(r[1], str) for r in rules
+        )
+        if not ok:
+            return f'tables[{i}] needs "rules", a list of [max_bytes, algorithm] pairs'
+    return None
 
 
 def register_env_names(names: Iterable[str]) -> None:

@@ -20,6 +20,7 @@ from importlib import resources
 from typing import Any
 
 from . import hierarchical as hier
+from .config import read_tuning_file
 from . import native, node, pairwise, rabenseifner, recursive_doubling, ring, shm, tree
 
 __all__ = ["REGISTRY", "DEVICE", "algorithms", "choose", "rules", "rules_for", "load_table"]
@@ -88,8 +89,7 @@ def algorithms(collective: str, device: bool = False) -> list[str]:
 def load_table(path: str | None = None) -> dict[str, Any]:
     """Read a tuning table (the packaged one when ``path`` is empty)."""
     if path:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
+        return read_tuning_file(path)
     return json.loads(resources.files(__package__).joinpath("tuning/default.json").read_text("utf-8"))
 
 

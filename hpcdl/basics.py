@@ -25,6 +25,7 @@ from .engine import Engine
 from .errors import HorovodInternalError, HpcdlError
 from .process_sets import add_process_set
 from .state import Runtime
+from .timeline import path_problem
 
 __all__ = [
     "HpcdlError",
@@ -112,6 +113,10 @@ def init(
                 ranks = _rank_list(comm)
             except HpcdlError as exc:
                 problem = str(exc)
+        if problem is None and config.timeline and base.rank == (ranks[0] if ranks else 0):  # its writer
+            bad = path_problem(config.timeline)
+            if bad is not None:
+                problem = f"HPCDL_TIMELINE={config.timeline!r}: {bad}"
         agreed = None
         if problem is None:
             agreed = {f: getattr(config, f) for f in AGREED}

@@ -19,7 +19,22 @@ import os
 import time
 from typing import Any
 
-__all__ = ["Timeline", "write_trace"]
+__all__ = ["Timeline", "write_trace", "path_problem"]
+
+
+def path_problem(path: str) -> str | None:
+    """Why the timeline cannot be written to ``path`` (its directory is missing or not
+    writable, or it names a directory), or None. Checked where a timeline starts, on the
+    rank that writes it, so a bad path fails at once rather than when the trace is written."""
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(path):
+        return f"{path} is a directory; give a file name"
+    folder = os.path.dirname(path)
+    if not os.path.isdir(folder):
+        return f"its directory {folder} does not exist"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"its directory {folder} is not writable"
+    return None
 
 
 class Timeline:

@@ -27,6 +27,26 @@ def test_config_reads_env_and_rejects_unknown_names():
         Config(tuning_file="/nonexistent/table.json")
 
 
+@pytest.mark.parametrize(
+    "text, problem",
+    [
+        ("root:x:0:0:root:/root:/bin/bash\n", "Expecting value: line 1 column 1"),
+        ('{"machine": "x"}', 'it needs an object with a "tables" list'),
+        ('{"tables": [{"collective": "allreduce", "size": 0, "nodes": 1, "rules": []}]}', 'tables[0] needs "size"'),
+        ('{"tables": [{"collective": "allreduce", "size": 2, "nodes": 1, "rules": [[1, 2]]}]}', 'tables[0] needs "rules"'),
+    ],
+)
+def test_a_tuning_file_that_is_not_a_tuning_table_is_named_with_what_is_wrong(tmp_path, text, problem):
+    path = tmp_path / "table.json"
+    path.write_text(text)
+    with pytest.raises(C.ConfigError) as err:
+        Config(tuning_file=str(path))
+    assert str(err.value).startswith(f"tuning_file={str(path)!r} is not a tuning table"), err.value
+    assert problem in str(err.value), err.value
+    with pytest.raises(C.ConfigError, match="is a directory"):
+        Config(tuning_file=str(tmp_path))
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(120)
 @pytest.mark.usefixtures("clean_runtime")

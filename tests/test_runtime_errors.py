@@ -255,6 +255,21 @@ def shared_dir():
         shutil.rmtree(path, ignore_errors=True)
 
 
+def test_a_timeline_rank_0_cannot_write_raises_on_every_rank_at_its_start(shared_dir, monkeypatch):
+    """start_timeline and HPCDL_TIMELINE with a path in a missing directory raise on every
+    rank when they start, naming the path (not when the trace is written, at the end)."""
+    missing = os.path.join(shared_dir, "no", "trace.json")
+    hvd.init()
+    with pytest.raises(hvd.HpcdlArgumentError, match=rf"rank 0: start_timeline\('{missing}'\): its directory"):
+        hvd.start_timeline(missing)
+    hvd.allreduce(torch.ones(2), name="after the refused timeline")  # the runtime goes on
+    hvd.shutdown()
+    monkeypatch.setenv("HPCDL_TIMELINE", missing)
+    with pytest.raises(hvd.HpcdlError, match=rf"rank 0: HPCDL_TIMELINE='{missing}': its directory .* does not exist"):
+        hvd.init()
+    assert not hvd.is_initialized()
+
+
 def test_timeline_has_every_ranks_events(shared_dir):
     path = os.path.join(shared_dir, "timeline.json")
     hvd.init()

@@ -109,6 +109,7 @@ def test_the_runtime_section_reads_file_environment_and_flags(tmp_path):
         ([], {"HPCDL_SHM_CHUNK_BYTES": "abc"}, None, r"^HPCDL_SHM_CHUNK_BYTES='abc' is not an integer$"),
         ([], {"HPCDL_SHM_CHUNK_BYTES": "0"}, None, r"^environment variable HPCDL_SHM_CHUNK_BYTES: shm_chunk_bytes=0"),
         ([], {"HPCDL_TUNING_FILE": "/no/such.json"}, None, r"HPCDL_TUNING_FILE: tuning_file='/no/such.json' does not"),
+        ([], {"HPCDL_TUNING_FILE": os.path.join(ROOT, "README.md")}, None, r"HPCDL_TUNING_FILE: .* is not a tuning tab"),
         ([], {"HPCDL_FUSION_THRESHOLD": "-5"}, None, r"^environment variable HPCDL_FUSION_THRESHOLD: fusion_thr"),
         (
             ["--device", "gpu"],
@@ -569,6 +570,23 @@ def test_more_parameter_servers_than_the_job_leaves_workers_is_one_line_and_stat
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("hpcdl.train: error: ps_servers=2 leaves no worker: the job has 2 ranks") == 1
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_timeline_rank_0_cannot_write_is_one_line_and_status_2(tmp_path):
+    """--timeline and HPCDL_TIMELINE in a directory that does not exist stop the job before
+    its first step, naming the setting and why, instead of failing when the trace is due."""
+    missing = tmp_path / "no" / "trace.json"
+    base = ["-m", "hpcdl.train", "--model", "mlp", "--max-steps", "2", "--no-progress"]
+    why = f"its directory {missing.parent} does not exist"
+    cases = [
+        ([*base, "--run-dir", str(tmp_path / "a"), "--timeline", str(missing)], {}, "hpcdl.train: error: --timeline: "),
+        ([*base, "--run-dir", str(tmp_path / "b")], {"HPCDL_TIMELINE": str(missing)}, f"HPCDL_TIMELINE={str(missing)!r}"),
+    ]
+    for argv, env, text in cases:
+        proc = mpiexec_job(argv, env=env)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count(text) == 1 and proc.stderr.count(why) == 1, proc.stderr
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def test_a_run_directory_that_cannot_be_made_is_one_line_and_status_2():

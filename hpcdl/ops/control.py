@@ -6,6 +6,7 @@ from .. import state
 from ..engine import Request
 from ..handles import control, request_name, submit, synchronize
 from ..process_sets import ProcessSet, global_process_set, registered_id
+from ..timeline import path_problem
 
 __all__ = ["barrier", "join", "start_timeline", "stop_timeline"]
 
@@ -29,8 +30,14 @@ def join(device: int = -1) -> int:
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     """Start recording every rank's requests; rank 0's ``file_path`` receives the Chrome
-    trace when :func:`stop_timeline` (or shutdown) is called. Collective over all ranks."""
-    control("start_timeline", (bool(mark_cycles),), var=str(file_path))
+    trace when :func:`stop_timeline` (or shutdown) is called. Collective over all ranks.
+    A path rank 0 cannot write (a missing or read-only directory) raises
+    :class:`~hpcdl.HpcdlArgumentError` on every rank, and nothing is recorded."""
+    path = str(file_path)
+    problem = path_problem(path) if state.running().rank == 0 else None
+    if problem is not None:
+        problem = f"start_timeline({path!r}): {problem}"
+    control("start_timeline", (bool(mark_cycles),), var=path, error=problem)
 
 
 def stop_timeline() -> None:

@@ -482,7 +482,10 @@ class Trainer:
             write_json(os.path.join(run_dir, "ranks.json"), {"launcher": launcher(), "ranks": ranks, **servers(hvd)})
             metrics = Metrics(os.path.join(run_dir, "metrics.jsonl"), self.step if resumed_from else None)
         if cfg.timeline:
-            hvd.start_timeline(cfg.timeline)
+            try:
+                hvd.start_timeline(cfg.timeline)
+            except hvd.HpcdlArgumentError as exc:  # every rank alike: rank 0 cannot write there
+                raise RunError(f"--timeline: {exc}") from None
         bar = self._progress(resumed_from)
         last_eval: dict[str, float] = {}
         last_saved = self.step if resumed_from else -1
