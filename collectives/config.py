@@ -17,7 +17,16 @@ from typing import Any
 
 from .errors import ConfigError
 
-__all__ = ["Config", "load_config", "register_env_names", "known_env_names", "check_unknown", "env_values", "BOOLS"]
+__all__ = [
+    "Config",
+    "load_config",
+    "read_tuning_file",
+    "register_env_names",
+    "known_env_names",
+    "check_unknown",
+    "env_values",
+    "BOOLS",
+]
 
 PREFIX = "HPCDL_"
 _extra_names: set[str] = set()

@@ -589,6 +589,12 @@ def test_a_timeline_rank_0_cannot_write_is_one_line_and_status_2(tmp_path):
         assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+def test_a_block_size_the_corpus_cannot_fill_is_one_line_and_status_2(tmp_path):
+    proc = mpiexec_job(["-m", "hpcdl.train", "--model", "gpt", "--block-size", "100000", "--run-dir", str(tmp_path)])
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "hpcdl.train: error: --block-size: block_size=100000 leaves no sample in the corpus"
+
+
 def test_a_run_directory_that_cannot_be_made_is_one_line_and_status_2():
     proc = mpiexec_job(["-m", "hpcdl.train", "--run-dir", "/dev/null/x", "--epochs", "1"])
     assert proc.returncode == 2, proc.stderr
@@ -767,6 +773,12 @@ def test_a_run_stuck_at_chance_level_stops_naming_what_to_look_at():
     Trainer._check_not_at_chance(SimpleNamespace(cfg=cfg, epoch=3, step=19), chance)  # still warming up
     Trainer._check_not_at_chance(at, {"loss": 2.25, "accuracy": 0.15})  # learning, slowly
     Trainer._check_not_at_chance(at, {"loss": 2.30, "accuracy": 0.4})  # right more often than chance
+    far = {"loss": 1011526.0889, "accuracy": 0.0972}  # --lr 1e6: worse than any guess, and finite
+    with pytest.raises(RunError, match=r"training has diverged: after epoch 1 \(step 46\) the held-out loss is 101"):
+        Trainer._check_not_at_chance(at, far)
+    with pytest.raises(RunError, match=r"has diverged: .* loss is nan, worse than a uniform guess over 10 classes"):
+        Trainer._check_not_at_chance(at, {"loss": float("nan"), "accuracy": 0.1})
+    Trainer._check_not_at_chance(at, {"loss": 3.1, "accuracy": 0.9})  # overconfident, yet right: not diverged
     gpt = SimpleNamespace(cfg=TrainConfig(model="gpt"), epoch=2, step=500)
     with pytest.raises(RunError, match=r"uniform guess over 256 classes \(ln 256 = 5.5452\); lower --lr;"):
         Trainer._check_not_at_chance(gpt, {"loss": 5.54, "perplexity": 254.7})

@@ -177,7 +177,10 @@ class Trainer:
             torch.backends.cudnn.benchmark = False
         # data, on the training device
         if cfg.model == "gpt":
-            train_set, test_set = corpus(cfg.block_size)
+            try:
+                train_set, test_set = corpus(cfg.block_size)
+            except ValueError as exc:  # every rank alike: the corpus is the same everywhere
+                raise RunError(f"--block-size: {exc}") from None
         else:
             train_set, test_set = digits(image=cfg.model == "cnn")
         if cfg.precision == "fp64" and cfg.model != "gpt":  # the images in float64 as the weights
@@ -612,20 +615,26 @@ class Trainer:
 
     def _check_not_at_chance(self, held_out: dict[str, float]) -> None:
         """A :class:`RunError` when, from the second epoch on and past warm-up, the held-out
-        loss is still that of a uniform guess (ln of the class count): training has made no
-        progress, or lost what it made (a learning rate too high, staleness too large)."""
+        loss is still that of a uniform guess (ln of the class count), or worse, or not a
+        number, and the accuracy no better than a guess: training has made no progress, or
+        lost what it made (a learning rate too high, staleness too large)."""
         classes = 256 if self.cfg.model == "gpt" else 10
         chance = math.log(classes)
         if self.epoch < 1 or self.step <= self.cfg.warmup_steps:
             return
-        if abs(held_out["loss"] - chance) > 0.01 * chance or held_out.get("accuracy", 0.0) > 2.0 / classes:
+        loss = held_out["loss"]
+        if held_out.get("accuracy", 0.0) > 2.0 / classes:  # right more often than a guess
+            return
+        if math.isfinite(loss) and loss < chance * 0.99:  # learning
             return
         hint = "lower --lr"
         if self.cfg.dp == "ps" and self.cfg.ps_mode != "sync":
             hint += f", or --staleness (now {self.cfg.staleness}), or use --ps-mode sync"
+        what = "is stuck at chance level" if abs(loss - chance) <= 0.01 * chance else "has diverged"
+        than = "that of" if what.endswith("level") else "worse than"
         raise RunError(
-            f"training is stuck at chance level: after epoch {self.epoch} (step {self.step}) the held-out loss is "
-            f"{held_out['loss']:.4f}, that of a uniform guess over {classes} classes (ln {classes} = {chance:.4f}); "
+            f"training {what}: after epoch {self.epoch} (step {self.step}) the held-out loss is {loss:.4f}, "
+            f"{than} a uniform guess over {classes} classes (ln {classes} = {chance:.4f}); "
             f"{hint}; the checkpoints in the run directory hold the run up to here"
         )
 
