@@ -14,6 +14,7 @@ from mpi4py import MPI
 
 from . import state
 from .errors import HpcdlError
+from .engine import SetIdSig, SetSig
 from .handles import control
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "registered_id"]
@@ -100,7 +101,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     problem = None
     if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < n for r in ranks):
         problem = f"process set ranks {ranks} must be distinct ranks in [0, {n})"
-    ps.process_set_id = control("add_process_set", (tuple(ranks),), error=problem)
+    ps.process_set_id = control("add_process_set", SetSig(tuple(ranks)), error=problem)
     rt.process_sets.append(ps)  # shutdown unregisters it
     return ps
 
@@ -110,6 +111,6 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     sid = process_set.process_set_id
     if not sid:
         return False
-    control("remove_process_set", (sid,))
+    control("remove_process_set", SetIdSig(sid))
     process_set.process_set_id = None
     return True

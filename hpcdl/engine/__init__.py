@@ -10,6 +10,27 @@ start and idle engines sleep) and :mod:`.loop` (the thread that ties them).
 from __future__ import annotations
 
 from .loop import Engine
-from .request import SIG_FIELDS, ProcessSetInfo, Request
+from .request import (
+    BroadcastSig,
+    Descriptor,
+    GatherSig,
+    ProcessSetInfo,
+    ReduceSig,
+    Request,
+    SetIdSig,
+    SetSig,
+    TimelineSig,
+)
 
-__all__ = ["Engine", "Request", "ProcessSetInfo", "SIG_FIELDS"]
+__all__ = [
+    "Engine",
+    "Request",
+    "Descriptor",
+    "ReduceSig",
+    "GatherSig",
+    "BroadcastSig",
+    "SetSig",
+    "SetIdSig",
+    "TimelineSig",
+    "ProcessSetInfo",
+]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -31,7 +31,7 @@ import collectives
 from ..config import Config
 from ..errors import HpcdlArgumentError, HpcdlError
 from .process_set_table import ProcessSetTable
-from .request import DTYPES, JOIN_OK, SIG_FIELDS, Request
+from .request import DTYPES, JOIN_OK, Descriptor, Request, field_label
 from .response_cache import ResponseCache
 
 __all__ = ["Controller", "Entry", "Ready", "F_SHUTDOWN", "F_JOIN"]
@@ -45,12 +45,21 @@ F_SHUTDOWN, F_JOIN = 1, 2
 class Entry:
     """A request (a name in a process set) some ranks submitted: their descriptors, by rank."""
 
-    descs: dict[int, tuple]
+    descs: dict[int, Descriptor]
     first: int  # rank 0's clock (us) in the cycle it was first announced
 
 
-Ready = tuple[str, Entry, "HpcdlError | None"]
-"""A ready request: its name, its entry, and the error every rank raises (None: agreed)."""
+class Ready(NamedTuple):
+    """A ready request: its name, its entry, and the error every rank raises (None: agreed)."""
+
+    name: str
+    entry: Entry
+    problem: HpcdlError | None
+
+    @property
+    def first(self) -> Descriptor:
+        """One rank's descriptor (every rank's agree where ``problem`` is None)."""
+        return next(iter(self.entry.descs.values()))
 
 
 class Controller:
@@ -92,9 +101,9 @@ class Controller:
         now_ref = int(table[0, 1])
         for r in range(self.size):
             for d in cache.decode(table[r, _H:]) + lists[r]:
-                ent = self.table.get((d[2], d[0]))
+                ent = self.table.get((d.set_id, d.name))
                 if ent is None:
-                    ent = self.table[(d[2], d[0])] = Entry({}, now_ref)
+                    ent = self.table[(d.set_id, d.name)] = Entry({}, now_ref)
                 ent.descs[r] = d
             if table[r, 0] & F_JOIN:
                 self.joined.add(r)
@@ -113,7 +122,7 @@ class Controller:
         process set their descriptors name (a set not registered has no members)."""
         members = set(ent.descs)
         for d in ent.descs.values():
-            info = self.sets.get(d[2])
+            info = self.sets.get(d.set_id)
             if info is not None:
                 members.update(info.ranks)
         return members
@@ -135,12 +144,12 @@ class Controller:
         done: list[tuple[int, str]] = []
         for key, ent in self.table.items():
             if all(r in ent.descs or r in self.joined for r in self.members(ent)):
-                ready.append((key[1], ent, self.judge(key[1], ent)))
+                ready.append(Ready(key[1], ent, self.judge(key[1], ent)))
                 done.append(key)
         for keys in self._crossed():
             both = Entry({r: d for k in keys for r, d in self.table[k].descs.items()}, self.table[keys[0]].first)
             problem = self.judge(keys[0][1], both)
-            ready += [(k[1], self.table[k], problem) for k in keys]
+            ready += [Ready(k[1], self.table[k], problem) for k in keys]
             done += keys
         if not ready:
             return []
@@ -150,12 +159,12 @@ class Controller:
         open_batch: dict[tuple, tuple[list, int]] = {}
         limit = self.cfg.fusion_threshold
         for item in ready:
-            name, ent, problem = item
-            d = next(iter(ent.descs.values()))
-            if problem is None and d[1] == "allreduce" and limit and d[3][2] != "adasum":  # adasum: per tensor
-                nbytes = math.prod(d[3][1]) * DTYPES[d[3][0]].itemsize
+            d = item.first
+            if item.problem is None and d.kind == "allreduce" and limit and d.sig.op != "adasum":  # adasum: per tensor
+                s = d.sig
+                nbytes = math.prod(s.shape) * DTYPES[s.dtype].itemsize
                 if nbytes <= limit:
-                    key = (d[2], d[3][0], *d[3][2:])  # set, dtype, op, scale factors, memory
+                    key = (d.set_id, s.dtype, s.op, s.prescale_factor, s.postscale_factor, s.memory)
                     batch = open_batch.get(key)
                     if batch is not None and batch[1] + nbytes <= limit:
                         batch[0].append(item)
@@ -166,7 +175,7 @@ class Controller:
                     open_batch[key] = (group, nbytes)
                     continue
             plan.append([item])
-        last = [g for g in plan if next(iter(g[0][1].descs.values()))[1] == "remove_process_set"]
+        last = [g for g in plan if g[0].first.kind == "remove_process_set"]
         return [g for g in plan if g not in last] + last
 
     def _crossed(self) -> list[list[tuple[int, str]]]:
@@ -192,9 +201,9 @@ class Controller:
 
     def remember(self, group: list[Ready]) -> None:
         """Cache every rank's descriptor of ``group`` (on every rank alike, members or not)."""
-        for _, ent, _ in group:
-            for r in sorted(ent.descs):
-                self.cache.remember(ent.descs[r])
+        for item in group:
+            for r in sorted(item.entry.descs):
+                self.cache.remember(item.entry.descs[r])
 
     def judge(self, name: str, ent: Entry) -> HpcdlError | None:
         """None when every rank's descriptor agrees (and can run now), else the error every
@@ -202,18 +211,18 @@ class Controller:
         ranks that disagree or a request that cannot run while ranks have joined."""
         descs = ent.descs
         d0 = next(iter(descs.values()))
-        if d0[5] is None and not self.joined and all(d == d0 for d in descs.values()):
+        if d0.error is None and not self.joined and all(d == d0 for d in descs.values()):
             return None  # the steady state: every rank sent the same (cached) descriptor
-        errors = [f"rank {r}: {d[5]}" for r, d in sorted(descs.items()) if d[5] is not None]
+        errors = [f"rank {r}: {d.error}" for r, d in sorted(descs.items()) if d.error is not None]
         if errors:
             return HpcdlArgumentError(f"request '{name}' has bad arguments: " + "; ".join(errors))
-        for field, idx in (("operation", 1), ("process set", 2)):
-            text = _differs(descs, lambda d, i=idx: d[i], field)
+        for label, field in (("operation", "kind"), ("process set", "set_id")):
+            text = _differs(descs, lambda d, f=field: getattr(d, f), label)
             if text:
                 return HpcdlError(f"ranks disagree on request '{name}': {text}")
-        kind = d0[1]  # every rank's agrees from here on
-        for i, field in enumerate(SIG_FIELDS.get(kind, ())):
-            text = _differs(descs, lambda d, i=i: d[3][i], field)
+        kind = d0.kind  # every rank's agrees from here on, and so does its signature's type
+        for field in getattr(d0.sig, "_fields", ()):
+            text = _differs(descs, lambda d, f=field: getattr(d.sig, f), field_label(field))
             if text:
                 return HpcdlError(f"ranks disagree on {kind} '{name}': {text}")
         joined = sorted(self.joined & self.members(ent))
@@ -222,7 +231,7 @@ class Controller:
         return None
 
 
-def _differs(descs: dict[int, tuple], get: Any, field: str) -> str | None:
+def _differs(descs: dict[int, Descriptor], get: Any, field: str) -> str | None:
     """``field`` values by rank when they are not all equal, else None."""
     by_value: dict[Any, list[int]] = {}
     for r, d in sorted(descs.items()):

@@ -37,7 +37,7 @@ from collectives.layout import block_counts, offsets
 from collectives.select import choose
 
 from ..config import Config
-from .request import DTYPES, ProcessSetInfo, Request, identity
+from .request import DTYPES, Descriptor, ProcessSetInfo, Request, identity
 
 __all__ = ["Executors", "scale"]
 
@@ -86,7 +86,7 @@ class Executors:
         """Run the agreed data collective ``kind`` and return its result. ``entries``: the
         controller's entry of each request of the group (every rank's descriptor, by
         rank); ``reqs``: this rank's requests, None where it joined."""
-        device = next(iter(entries[0].descs.values()))[3][-1] == "device"
+        device = next(iter(entries[0].descs.values())).on_device
         with self._on_gpu(reqs, info) if device else contextlib.nullcontext() as cp:
             if kind == "allreduce":
                 self._allreduce([next(iter(e.descs.values())) for e in entries], reqs, info, cp, device)
@@ -119,14 +119,15 @@ class Executors:
             cp.cuda.get_current_stream().synchronize()
 
     def _allreduce(
-        self, descs: list[tuple], reqs: list[Request | None], info: ProcessSetInfo, cp: Any, device: bool
+        self, descs: list[Descriptor], reqs: list[Request | None], info: ProcessSetInfo, cp: Any, device: bool
     ) -> None:
         """Reduce a group of agreed allreduces (``descs``: one descriptor of each), fusing
         the small ones; results land in each request's ``out``. ``cp``: the CuPy module for
         device memory; ``device`` without ``cp``: a joined rank that cannot make device
         arrays, whose host identity takes the agreeing path so every rank fails alike."""
-        dtype_name, _, op, pre, post, _ = descs[0][3]
-        dtype = DTYPES[dtype_name]
+        sig = descs[0].sig
+        op, pre, post = sig.op, sig.prescale_factor, sig.postscale_factor
+        dtype = DTYPES[sig.dtype]
         comm = info.comm
         xp = np if cp is None else cp
         reduce = collectives.allreduce if device and cp is None else agreed.allreduce
@@ -135,7 +136,7 @@ class Executors:
             if req is not None:
                 xs.append((req.x, req.out, req))
             else:  # joined: the op's identity, result discarded
-                shape = d[3][1]
+                shape = d.sig.shape
                 xs.append((xp.full(shape, identity(op, dtype), dtype), xp.empty(shape, dtype), None))
         limit = self.cfg.fusion_alone_bytes if op != "adasum" else 0  # adasum combines each tensor alone
         small = [e for e in xs if e[0].nbytes < limit]
@@ -203,26 +204,26 @@ class Executors:
         ordinary memory."""
         return allocate(info.arena, nbytes, np.uint8)
 
-    def allgather(self, descs: dict[int, tuple], req: Request, info: ProcessSetInfo, rank: int) -> Any:
-        rows = [descs[r][4] for r in info.ranks]  # every member's, as its descriptor says
+    def allgather(self, descs: dict[int, Descriptor], req: Request, info: ProcessSetInfo, rank: int) -> Any:
+        rows = [descs[r].var for r in info.ranks]  # every member's, as its descriptor says
         t0 = time.perf_counter()
         # an ``out`` (ZeroOptimizer's flat parameters) holds this rank's block already
         res = agreed.allgather(req.x, rows, comm=info.comm, out=req.out)
-        alg = self.algorithm(info.comm, "allgather", res.nbytes, "ready" in req.args)
+        alg = self.algorithm(info.comm, "allgather", res.nbytes, req.on_device)
         self.span([req], "ALLGATHER", t0, algorithm=alg, bytes=int(res.nbytes))
         return res
 
-    def broadcast(self, descs: dict[int, tuple], req: Request, info: ProcessSetInfo, rank: int) -> Any:
-        root = req.sig[2]
+    def broadcast(self, descs: dict[int, Descriptor], req: Request, info: ProcessSetInfo, rank: int) -> Any:
+        root = req.sig.root_rank
         out = req.out
         src = req.x if rank == root else out
         t0 = time.perf_counter()
         agreed.broadcast(src, info.ranks.index(root), out=out, comm=info.comm)
-        alg = self.algorithm(info.comm, "broadcast", out.nbytes, "ready" in req.args)
+        alg = self.algorithm(info.comm, "broadcast", out.nbytes, req.on_device)
         self.span([req], "BROADCAST", t0, algorithm=alg, bytes=int(out.nbytes))
         return out
 
-    def alltoall(self, descs: dict[int, tuple], req: Request, info: ProcessSetInfo, rank: int) -> Any:
+    def alltoall(self, descs: dict[int, Descriptor], req: Request, info: ProcessSetInfo, rank: int) -> Any:
         n = len(info.ranks)
         splits = req.args.get("splits")
         rows = req.x.shape[0]
@@ -233,8 +234,9 @@ class Executors:
         self.span([req], "ALLTOALL", t0, algorithm="pairwise", bytes=int(out.nbytes))
         return out, received
 
-    def reducescatter(self, descs: dict[int, tuple], req: Request, info: ProcessSetInfo, rank: int) -> Any:
-        _, shape, op, pre, post, _ = req.sig
+    def reducescatter(self, descs: dict[int, Descriptor], req: Request, info: ProcessSetInfo, rank: int) -> Any:
+        sig = req.sig
+        shape, op, pre, post = sig.shape, sig.op, sig.prescale_factor, sig.postscale_factor
         n, me = len(info.ranks), info.ranks.index(rank)
         x, out = req.x, req.out
         t0 = time.perf_counter()
@@ -245,7 +247,7 @@ class Executors:
         rows = shape[0] if shape else 0
         if rows % n == 0 and x.size:
             agreed.reduce_scatter(src, op=op, out=out.reshape(-1), comm=info.comm)
-            alg = self.algorithm(info.comm, "reduce_scatter", x.nbytes, "ready" in req.args)
+            alg = self.algorithm(info.comm, "reduce_scatter", x.nbytes, req.on_device)
         else:  # uneven rows: reduce everything, keep this rank's rows
             full = agreed.allreduce(src, op=op, comm=info.comm)
             off = offsets(block_counts(rows, n))

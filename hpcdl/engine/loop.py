@@ -35,7 +35,7 @@ from .doorbell import make_doorbell
 from .executors import Executors
 from .process_set_table import ProcessSetTable
 from .queue import SHUT_DOWN, TensorQueue
-from .request import CONTROL_KINDS, DATA_KINDS, Request
+from .request import CONTROL_KINDS, DATA_KINDS, Descriptor, Request
 from .stall_inspector import StallInspector
 
 __all__ = ["Engine"]
@@ -209,12 +209,12 @@ class Engine:
         return False
 
     def _execute(self, group: list[Ready], t_now: float) -> None:
-        reqs = [self.mine.pop((next(iter(ent.descs.values()))[2], name), None) for name, ent, _ in group]
-        d0 = next(iter(group[0][1].descs.values()))
-        kind, set_id = d0[1], d0[2]
+        reqs = [self.mine.pop((item.first.set_id, item.name), None) for item in group]
+        d0 = group[0].first
+        kind, set_id = d0.kind, d0.set_id
         info = self.sets.get(set_id)
         member = info is not None and self.rank in info.ranks
-        name, _, problem = group[0]
+        name, problem = group[0].name, group[0].problem
         if self.tl is not None:
             for req in reqs:
                 if req is not None:
@@ -233,7 +233,7 @@ class Engine:
             if kind in DATA_KINDS:
                 if info.comm.size > 1:
                     self._be_polite(info.comm)  # the collective below sets up its context anyway
-                res = self.executors.run(kind, [ent for _, ent, _ in group], reqs, info, self.rank)
+                res = self.executors.run(kind, [item.entry for item in group], reqs, info, self.rank)
             else:
                 res = getattr(self, "_run_" + kind)(d0, reqs[0])
             if kind == "allreduce":
@@ -268,24 +268,24 @@ class Engine:
                     self.tl.span(req.name, phase, t0, t1, **args)
 
     # -- control requests (every rank runs them) -------------------------------------------------
-    def _run_barrier(self, d0: tuple, req: Request | None) -> Any:
+    def _run_barrier(self, d0: Descriptor, req: Request | None) -> Any:
         return None  # every member submitted it: that is the barrier
 
-    def _run_add_process_set(self, d0: tuple, req: Request | None) -> Any:
-        return self.sets.add(d0[3][0])
+    def _run_add_process_set(self, d0: Descriptor, req: Request | None) -> Any:
+        return self.sets.add(d0.sig.ranks)
 
-    def _run_remove_process_set(self, d0: tuple, req: Request | None) -> Any:
-        sid = d0[3][0]
+    def _run_remove_process_set(self, d0: Descriptor, req: Request | None) -> Any:
+        sid = d0.sig.process_set
         return self.sets.remove(sid, self.controller.pending_on(sid))
 
-    def _run_start_timeline(self, d0: tuple, req: Request | None) -> Any:
+    def _run_start_timeline(self, d0: Descriptor, req: Request | None) -> Any:
         if self.tl is not None:
             raise HpcdlError(f"a timeline is already being written to {self.tl.path!r}; stop it first")
-        path = d0[4]
-        self.tl = Timeline(self.rank, path, time.perf_counter(), bool(d0[3][0]))
+        path = d0.var
+        self.tl = Timeline(self.rank, path, time.perf_counter(), d0.sig.mark_cycles)
         return path
 
-    def _run_stop_timeline(self, d0: tuple, req: Request | None) -> Any:
+    def _run_stop_timeline(self, d0: Descriptor, req: Request | None) -> Any:
         return self._write_timeline()
 
     def _write_timeline(self) -> str | None:

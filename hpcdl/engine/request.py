@@ -1,11 +1,14 @@
-"""What travels through the engine: a :class:`Request`, its descriptor, and the tables of
-what each kind's signature holds.
+"""What travels through the engine: a :class:`Request`, its :class:`Descriptor`, and the
+signature types of each kind.
 
-A request's *descriptor* is what the other ranks learn about it in negotiation:
-``(name, kind, process set id, signature, var, error)``. The signature is the tuple every
-rank's must equal (dtype, shape, op, ...; see :data:`SIG_FIELDS`); ``var`` is carried but
-may differ (a timeline's path); ``error`` is this rank's problem with its arguments, which
-makes the request fail on every rank.
+A request's *descriptor* is what the other ranks learn about it in negotiation: its name,
+kind, process set, *signature*, ``var`` and ``error``. The signature (a :class:`ReduceSig`,
+:class:`GatherSig`, :class:`BroadcastSig`, :class:`SetSig`, :class:`SetIdSig`,
+:class:`TimelineSig`, or ``()`` for a kind without arguments) is what every rank's must
+equal; ``var`` is carried but may differ (a rank's allgather rows, a timeline's path);
+``error`` is this rank's problem with its arguments, which makes the request fail on every
+rank. Every one is a named tuple: hashable and equal by value, so descriptors key the
+response cache and compare across ranks as plain tuples would, and are read by field name.
 """
 
 from __future__ import annotations
@@ -13,30 +16,100 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
 
 import collectives
 
-__all__ = ["Request", "ProcessSetInfo", "SIG_FIELDS", "DATA_KINDS", "JOIN_OK", "CONTROL_KINDS", "DTYPES", "identity"]
+__all__ = [
+    "Request",
+    "Descriptor",
+    "ReduceSig",
+    "GatherSig",
+    "BroadcastSig",
+    "SetSig",
+    "SetIdSig",
+    "TimelineSig",
+    "field_label",
+    "ProcessSetInfo",
+    "DATA_KINDS",
+    "JOIN_OK",
+    "CONTROL_KINDS",
+    "DTYPES",
+    "identity",
+]
 
-SIG_FIELDS: dict[str, tuple[str, ...]] = {
-    "allreduce": ("dtype", "shape", "op", "prescale_factor", "postscale_factor", "memory"),
-    "reducescatter": ("dtype", "shape", "op", "prescale_factor", "postscale_factor", "memory"),
-    "allgather": ("dtype", "shape after the first dimension", "memory"),
-    "broadcast": ("dtype", "shape", "root_rank", "memory"),
-    "alltoall": ("dtype", "shape after the first dimension", "memory"),
-    "barrier": (),
-    "add_process_set": ("ranks",),
-    "remove_process_set": ("process set",),
-    "start_timeline": ("mark_cycles",),
-    "stop_timeline": (),
-}
-"""The compared fields of each kind's signature, in order, for error messages. A data
-kind's last field is its buffers' memory: ``"host"``, or ``"device"`` where CUDA tensors
-stay on their GPU (CuPy views); ranks must agree on it, as Horovod's on CPU or GPU."""
+
+class ReduceSig(NamedTuple):
+    """An allreduce's or reducescatter's signature. ``memory`` (in every data kind's
+    signature) is where the buffers are: ``"host"``, or ``"device"`` where CUDA tensors
+    stay on their GPU (CuPy views); ranks must agree on it, as Horovod's on CPU or GPU."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    op: str
+    prescale_factor: float
+    postscale_factor: float
+    memory: str
+
+
+class GatherSig(NamedTuple):
+    """An allgather's or alltoall's signature: the rows (first dimension) may differ."""
+
+    dtype: str
+    item_shape: tuple[int, ...]
+    memory: str
+
+
+class BroadcastSig(NamedTuple):
+    dtype: str
+    shape: tuple[int, ...]
+    root_rank: int  # -1: not a rank
+    memory: str
+
+
+class SetSig(NamedTuple):
+    """add_process_set's signature: the new set's ranks."""
+
+    ranks: tuple[int, ...]
+
+
+class SetIdSig(NamedTuple):
+    """remove_process_set's signature: the set's id."""
+
+    process_set: int
+
+
+class TimelineSig(NamedTuple):
+    """start_timeline's signature."""
+
+    mark_cycles: bool
+
+
+_LABELS = {"item_shape": "shape after the first dimension", "process_set": "process set"}
+
+
+def field_label(field: str) -> str:
+    """A signature field's name as error messages show it."""
+    return _LABELS.get(field, field)
+
+
+class Descriptor(NamedTuple):
+    """What the other ranks learn about a request in negotiation (the response cache's key)."""
+
+    name: str
+    kind: str
+    set_id: int
+    sig: tuple  # one of the signature types above, or () for a kind without arguments
+    var: Any = None
+    error: str | None = None
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the request's buffers stay on a GPU (the device path)."""
+        return getattr(self.sig, "memory", "host") == "device"
 
 DATA_KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
 """Kinds that move data through :mod:`collectives`."""
@@ -109,9 +182,14 @@ class Request:
         self.t_announce = 0.0
 
     @property
-    def desc(self) -> tuple:
+    def desc(self) -> Descriptor:
         """What the other ranks learn about this request (hashable; the cache key)."""
-        return (self.name, self.kind, self.set_id, self.sig, self.var, self.error)
+        return Descriptor(self.name, self.kind, self.set_id, self.sig, self.var, self.error)
+
+    @property
+    def on_device(self) -> bool:
+        """Whether this request's buffers stay on a GPU (CuPy views of CUDA tensors)."""
+        return getattr(self.sig, "memory", "host") == "device"
 
     def finish(self, result: Any = None, exc: BaseException | None = None) -> None:
         """Record the outcome and wake whoever waits on the request."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .. import state
-from ..engine import Request
+from ..engine import Request, TimelineSig
 from ..handles import control, request_name, submit, synchronize
 from ..process_sets import ProcessSet, global_process_set, registered_id
 from ..timeline import path_problem
@@ -37,7 +37,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
     problem = path_problem(path) if state.running().rank == 0 else None
     if problem is not None:
         problem = f"start_timeline({path!r}): {problem}"
-    control("start_timeline", (bool(mark_cycles),), var=path, error=problem)
+    control("start_timeline", TimelineSig(bool(mark_cycles)), var=path, error=problem)
 
 
 def stop_timeline() -> None:

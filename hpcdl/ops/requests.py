@@ -19,7 +19,7 @@ import torch
 from collectives.layout import block_counts
 
 from .. import state
-from ..engine import Request
+from ..engine import BroadcastSig, GatherSig, ReduceSig, Request
 from ..handles import request_name, submit, tensor_results
 from ..process_sets import ProcessSet, registered_id
 from ..staging import (
@@ -127,7 +127,7 @@ def start_allreduce(
                 _group_name(base, i, len(tensors)),
                 "allreduce",
                 sid,
-                (dtype_name(src), tuple(src.shape), OP_NAMES.get(op, "invalid"), float(pre), float(post), memory(dev)),
+                ReduceSig(dtype_name(src), tuple(src.shape), OP_NAMES.get(op, "invalid"), float(pre), float(post), memory(dev)),
                 error=problem,
                 **_buffers(dev, problem, src, out),
             )
@@ -154,7 +154,7 @@ def _allgather_reqs(
                 _group_name(base, i, len(tensors)),
                 "allgather",
                 sid,
-                (dtype_name(src), item, memory(dev)),
+                GatherSig(dtype_name(src), item, memory(dev)),
                 var=src.shape[0] if src.dim() else 0,  # every rank's rows: the engine gathers without asking
                 error=problem,
                 **_buffers(dev, problem, src),
@@ -192,7 +192,7 @@ def allgather_into_async(shard: torch.Tensor, out: torch.Tensor, name: str, proc
         or (shard.data_ptr() != out[me * k : (me + 1) * k].data_ptr())
     ):
         req.error = req.error or "the gathered shard must be this rank's block of the flat output"
-    on_device = "ready" in req.args
+    on_device = req.on_device
     if req.error is None and (out.device.type == "cpu" or on_device):
         req.out = to_cupy(out) if on_device else to_numpy(out)
         return submit(rt, reqs, lambda _: out)
@@ -221,7 +221,7 @@ def start_broadcast(
         request_name(rt, "broadcast", sid, name),
         "broadcast",
         sid,
-        (dtype_name(src), tuple(src.shape), -1 if root is None else root, memory(dev)),
+        BroadcastSig(dtype_name(src), tuple(src.shape), -1 if root is None else root, memory(dev)),
         error=problem,
         **_buffers(dev, problem, src, out),
     )
@@ -257,7 +257,7 @@ def start_alltoall(tensor: torch.Tensor, splits: Any, name: str | None, process_
         request_name(rt, "alltoall", sid, name),
         "alltoall",
         sid,
-        (dtype_name(src), tuple(src.shape[1:]), memory(dev)),
+        GatherSig(dtype_name(src), tuple(src.shape[1:]), memory(dev)),
         error=problem,
         splits=sp,
         **_buffers(dev, problem, src),
@@ -307,7 +307,7 @@ def start_reducescatter(
                 _group_name(base, i, len(tensors)),
                 "reducescatter",
                 sid,
-                (dtype_name(src), tuple(src.shape), OP_NAMES.get(op, "invalid"), float(pre), float(post), memory(dev)),
+                ReduceSig(dtype_name(src), tuple(src.shape), OP_NAMES.get(op, "invalid"), float(pre), float(post), memory(dev)),
                 error=problem,
                 **_buffers(dev, problem, src, out),
             )
