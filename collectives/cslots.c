@@ -868,7 +868,10 @@ PyMODINIT_FUNC PyInit_cslots(void) {
         Py_DECREF(m);
         return NULL;
     }
-    if (PyModule_AddIntConstant(m, "FUTEX", HAVE_FUTEX) < 0) {
+    if (PyModule_AddIntConstant(m, "FUTEX", HAVE_FUTEX) < 0 ||
+        PyModule_AddIntConstant(m, "STEP_REDUCE", STEP_REDUCE) < 0 ||
+        PyModule_AddIntConstant(m, "STEP_BROADCAST", STEP_BROADCAST) < 0 ||
+        PyModule_AddIntConstant(m, "STEP_ALLGATHER", STEP_ALLGATHER) < 0) {
         Py_DECREF(m);
         return NULL;
     }

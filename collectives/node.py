@@ -58,6 +58,11 @@ def _reducer(op: str, n: int) -> Callable[[Sequence[np.ndarray], np.ndarray], No
     return red
 
 
+STEP_REDUCE, STEP_BROADCAST, STEP_ALLGATHER = 0, 1, 2
+"""The compiled loop's kinds of one-step call (``cslots.c``'s enum, which the module also
+exports under these names; a test keeps the two equal)."""
+
+
 def _step(ch: Channel, kind: int, a: int, b: int, shape: tuple[int, ...], dtype: np.dtype, **kw: Any) -> Any:
     """The compiled one-step call (:meth:`.cslots.Core.step`) with the signature words ``a,
     b`` (and ``c``, ``fits``), whose result has ``shape`` and ``dtype``; None where there is
@@ -67,7 +72,7 @@ def _step(ch: Channel, kind: int, a: int, b: int, shape: tuple[int, ...], dtype:
     if core is None:
         return None
     op = kw.get("op")
-    if kind == 0 and (op not in OPS or not core.has_kernel(dtype_code(dtype), OPS.index(op))):
+    if kind == STEP_REDUCE and (op not in OPS or not core.has_kernel(dtype_code(dtype), OPS.index(op))):
         return None
     lo, hi = kw.get("lo", 0), kw.get("hi", math.prod(shape))
     try:
@@ -79,7 +84,7 @@ def _step(ch: Channel, kind: int, a: int, b: int, shape: tuple[int, ...], dtype:
             kw.get("fits", b),
             np.empty(shape, dtype),
             dtype_code(dtype),
-            OPS.index(op) if kind == 0 else 0,
+            OPS.index(op) if kind == STEP_REDUCE else 0,
             lo,
             hi,
             kw.get("root", -1),
@@ -102,7 +107,7 @@ def small_allreduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, .
     :data:`MISMATCH`, or :data:`SLOW` without posting when ``out`` is not C-contiguous
     with x's shape and dtype."""
     count = math.prod(shape)
-    step = _step(ch, 0, a, count, shape, dtype, op=op)
+    step = _step(ch, STEP_REDUCE, a, count, shape, dtype, op=op)
     if step is not None:
         return step
     views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
@@ -128,7 +133,7 @@ def small_reduce_scatter_fn(ch: Channel, a: int, dtype: np.dtype, count: int, op
     without posting when ``out`` is not exactly right."""
     off = offsets(block_counts(count, ch.n))
     lo, hi = off[ch.me], off[ch.me + 1]
-    step = _step(ch, 0, a, count, (hi - lo,), dtype, op=op, lo=lo, hi=hi)
+    step = _step(ch, STEP_REDUCE, a, count, (hi - lo,), dtype, op=op, lo=lo, hi=hi)
     if step is not None:
         return step
     views = [[v[lo:hi] for v in ch.slot_views(p, dtype, (count,))] for p in (0, 1)]
@@ -153,7 +158,7 @@ def small_reduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, ...]
     """One-step reduce: ``fn(x)`` returns the result on ``root``, None elsewhere, or
     :data:`MISMATCH`."""
     count = math.prod(shape)
-    step = _step(ch, 0, a, count, shape, dtype, op=op, root=root)
+    step = _step(ch, STEP_REDUCE, a, count, shape, dtype, op=op, root=root)
     if step is not None:
         return step
     views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
@@ -178,7 +183,7 @@ def small_broadcast_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, .
     :data:`MISMATCH`, or :data:`SLOW` without posting when ``out`` is not C-contiguous with
     x's shape and dtype; only the root posts data."""
     count = math.prod(shape)
-    step = _step(ch, 1, a, count, shape, dtype, root=root, nbytes=count * dtype.itemsize)
+    step = _step(ch, STEP_BROADCAST, a, count, shape, dtype, root=root, nbytes=count * dtype.itemsize)
     if step is not None:
         return step
     views = [ch.slot_views(p, dtype, shape)[root] for p in (0, 1)]
@@ -211,7 +216,7 @@ def small_allgather_fn(ch: Channel, a: int, c: int, dtype: np.dtype, shape: tupl
     full = (ch.n * rows, *shape[1:])
     plain = rows
     fits = rows + (full[0] + 1) * unit
-    step = _step(ch, 2, a, plain, full, dtype, c=c, fits=fits, nbytes=math.prod(shape) * dtype.itemsize)
+    step = _step(ch, STEP_ALLGATHER, a, plain, full, dtype, c=c, fits=fits, nbytes=math.prod(shape) * dtype.itemsize)
     if step is not None:
         return step
     views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]

@@ -52,6 +52,14 @@ def test_the_extension_is_built_where_a_compiler_is():
     assert Core is not None, "collectives.cslots did not build: reinstall with `pip install -e .` and read its log"
 
 
+@needs_core
+def test_the_step_kinds_are_the_compiled_loops():
+    from collectives import cslots, node
+
+    kinds = ("STEP_REDUCE", "STEP_BROADCAST", "STEP_ALLGATHER")
+    assert [getattr(node, k) for k in kinds] == [getattr(cslots, k) for k in kinds]
+
+
 @pytest.fixture(scope="module")
 def comms():
     """A communicator on the compiled loop and one on Python's, both on one node."""
