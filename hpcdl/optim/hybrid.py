@@ -25,6 +25,7 @@ Partitions of about ``partition_bytes`` are spread over the servers by bytes
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import threading
@@ -42,7 +43,7 @@ from ..errors import HpcdlArgumentError, HpcdlError
 from ..functions import allgather_object
 from ..ops import Average, ReduceOp, Sum, allgather_into_async, barrier, poll, reducescatter_into_async, synchronize
 from ..process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from ..ps import Layout, PSJob, Server, Tags, as_bytes, wait_politely
+from ..ps import Ask, Layout, Load, PSJob, Release, Server, Stats, TableSpec, Tags, as_bytes, wait_politely
 from .buckets import Bucket, Reducer, elementwise_state
 
 __all__ = ["HybridOptimizer", "MODES"]
@@ -288,31 +289,34 @@ class HybridReducer(Reducer):
             m = lay.shard_numels[b.index]
             lo = self._shard * m
             b.zero = _Flat(b.params, lay.padded(b.index), lo, lo + m, per_node > 1)
-        spec: dict[str, Any] = {
-            "name": self._prefix,
-            "mode": mode,
-            "staleness": self.staleness,
-            "bucket_numels": numels,
-            "itemsize": itemsize,
-            "dtype": dtype,
-            "node_ranks": per_node,
-            "nodes": nodes_ps,
-            "partition_bytes": partition_bytes,
-            "servers": job.servers,
-            "workers": self._workers_ps,
-        }
+        spec = TableSpec(
+            name=self._prefix,
+            mode=mode,
+            staleness=self.staleness,
+            bucket_numels=numels,
+            itemsize=itemsize,
+            dtype=dtype,
+            node_ranks=per_node,
+            nodes=nodes_ps,
+            partition_bytes=partition_bytes,
+            servers=job.servers,
+            workers=self._workers_ps,
+        )
         if mode != "sync":
             groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
-            spec.update(
+            spec = dataclasses.replace(
+                spec,
                 optimizer=base,
                 groups=groups,
                 hyper_keys=_hyper_keys(groups),
                 bucket_group=[b.group for b in self._buckets],
             )
-            self._hyper_keys = spec["hyper_keys"]
+            self._hyper_keys = spec.hyper_keys
         init = self._initial_pieces() if mode != "sync" and me == 0 else None
         specs = [  # each server gets the starting values of its own partitions only
-            {**spec, "init": None if init is None else {i: t for i, t in init.items() if lay.pieces[i].server == s}}
+            dataclasses.replace(
+                spec, init=None if init is None else {i: t for i, t in init.items() if lay.pieces[i].server == s}
+            )
             for s in range(len(job.servers))
         ]
         self._slots = job.register(specs)
@@ -488,7 +492,7 @@ class HybridReducer(Reducer):
         """Every server's record of this optimizer: ``lags`` (worker -> the largest lag of
         parameters sent to it: its clock minus their version), ``lag_counts``, the server's
         ``bytes`` (sent, received) and ``cpu_s`` (its process's CPU time so far)."""
-        return [self._job.ask(s, ("stats", slot)) for s, slot in enumerate(self._slots)]
+        return [self._job.ask(s, Stats(slot)) for s, slot in enumerate(self._slots)]
 
     def _updates_taken(self) -> int:
         """The updates every partition has taken once every worker's steps so far are in
@@ -507,7 +511,7 @@ class HybridReducer(Reducer):
         need = self._updates_taken()
         got: dict[int, torch.Tensor] = {}
         for s, slot in enumerate(self._slots):
-            got.update(self._job.ask(s, ("params", slot, need)))
+            got.update(self._job.ask(s, Ask("params", slot, need)))
         with torch.no_grad():
             for b in self._buckets:
                 flat = torch.cat([got[pc.index] for pc in self._layout.of_bucket(b.index, 0)])
@@ -541,7 +545,7 @@ class HybridReducer(Reducer):
         need = self._updates_taken()
         got: dict[int, Any] = {}
         for s, slot in enumerate(self._slots):
-            got.update(self._job.ask(s, ("state", slot, need)))
+            got.update(self._job.ask(s, Ask("state", slot, need)))
         params = [p for g in self.param_groups for p in g["params"]]
         index = {p: i for i, p in enumerate(params)}
         st: dict[int, dict[str, Any]] = {}
@@ -603,7 +607,7 @@ class HybridReducer(Reducer):
         if self._process_set.rank() == 0:  # a failure here must reach every rank, not leave them waiting
             try:
                 for srv, pieces in self._partitions_of(state_dict["state"], ids, index, version).items():
-                    self._job.ask(srv, ("load", self._slots[srv], pieces, clock))
+                    self._job.ask(srv, Load(self._slots[srv], pieces, clock))
             except (HpcdlError, KeyError, RuntimeError, TypeError, ValueError) as exc:
                 problem = f"{type(exc).__name__}: {exc}"
         said = allgather_object(problem, name=f"{self._prefix}.load", process_set=self._process_set)
@@ -655,7 +659,7 @@ class HybridReducer(Reducer):
                 rt.at_shutdown.remove(job.end)
         elif self._process_set.rank() == 0:
             for s, slot in enumerate(self._slots):
-                job.ask(s, ("release", slot))
+                job.ask(s, Release(slot))
         barrier(process_set=self._process_set)
         for ps in getattr(self, "_made_sets", []):
             remove_process_set(ps)

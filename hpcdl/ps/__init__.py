@@ -23,7 +23,22 @@ from mpi4py import MPI
 from ..errors import HpcdlError
 from .layout import Layout, Piece
 from .server import Server, serve
-from .wire import CTRL, CTRL_REPLY, Counter, Tags, as_bytes, wait_politely
+from .wire import (
+    CTRL,
+    CTRL_REPLY,
+    Ask,
+    Bye,
+    Counter,
+    Load,
+    Register,
+    Release,
+    Reply,
+    Stats,
+    TableSpec,
+    Tags,
+    as_bytes,
+    wait_politely,
+)
 
 __all__ = [
     "PSJob",
@@ -37,6 +52,14 @@ __all__ = [
     "as_bytes",
     "CTRL",
     "CTRL_REPLY",
+    "TableSpec",
+    "Register",
+    "Ask",
+    "Load",
+    "Stats",
+    "Release",
+    "Bye",
+    "Reply",
 ]
 
 
@@ -61,16 +84,17 @@ class PSJob:
         self.threads: list[threading.Thread] = []
         self.ended = False
 
-    def register(self, specs: list[dict[str, Any]]) -> list[int]:
+    def register(self, specs: list[TableSpec]) -> list[int]:
         """Register a table with every server (``specs[s]`` for server ``s``), all of them
         first and then their answers, so no server waits on another; return the slot each
         server gave the table. A server's error raises."""
         for dest, spec in zip(self.servers, specs, strict=True):
-            self.comm.send(("register", spec), dest=dest, tag=CTRL)
+            self.comm.send(Register(spec), dest=dest, tag=CTRL)
         return [self.answer(s) for s in range(len(self.servers))]
 
     def ask(self, server: int, msg: tuple) -> Any:
-        """Send a control message to server ``server`` (an index) and return its answer."""
+        """Send a control message (a named tuple of :mod:`.wire`) to server ``server`` (an
+        index) and return its answer."""
         dest = self.servers[server]
         self.comm.send(msg, dest=dest, tag=CTRL)
         return self.answer(server)
@@ -84,10 +108,10 @@ class PSJob:
                 self.check_alive(server)
                 start = time.monotonic()
             time.sleep(2e-4)
-        kind, payload = msg.recv()
-        if kind == "error":
-            raise HpcdlError(payload)
-        return payload
+        reply = msg.recv()
+        if not reply.ok:
+            raise HpcdlError(reply.value)
+        return reply.value
 
     def check_alive(self, server: int) -> None:
         """End the job naming server ``server`` if its process on this host has died."""
@@ -112,7 +136,7 @@ class PSJob:
             return
         self.ended = True
         for dest in self.servers:
-            self.comm.send(("bye",), dest=dest, tag=CTRL)
+            self.comm.send(Bye(), dest=dest, tag=CTRL)
         for t in self.threads:
             t.join()
         if not self.dedicated:

@@ -30,6 +30,7 @@ worker's applied updates (at most ``s`` under ``ssp``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -39,7 +40,22 @@ import torch
 from mpi4py import MPI
 
 from .layout import Layout, Piece
-from .wire import CTRL, CTRL_REPLY, MAX_TABLES, Counter, Tags, as_bytes
+from .wire import (
+    CTRL,
+    CTRL_REPLY,
+    MAX_TABLES,
+    Ask,
+    Bye,
+    Counter,
+    Load,
+    Register,
+    Release,
+    Reply,
+    Stats,
+    TableSpec,
+    Tags,
+    as_bytes,
+)
 
 __all__ = ["Server", "serve"]
 
@@ -49,21 +65,19 @@ log = logging.getLogger("hpcdl")
 class _Table:
     """What a server holds of one optimizer: its partitions, receives, sums or parameters."""
 
-    def __init__(self, spec: dict[str, Any], slot: int, index: int, comm: MPI.Comm, counter: Counter) -> None:
-        self.spec = {k: v for k, v in spec.items() if k != "init"}  # the starting values go to the parameters
+    def __init__(self, spec: TableSpec, slot: int, index: int, comm: MPI.Comm, counter: Counter) -> None:
+        self.bucket_group = spec.bucket_group
         self.slot = slot
-        self.name = spec["name"]
-        self.mode = spec["mode"]
-        self.s = spec["staleness"]
+        self.name = spec.name
+        self.mode = spec.mode
+        self.s = spec.staleness
         self.comm = comm
         self.counter = counter
-        self.dtype = getattr(torch, spec["dtype"])
-        self.layout = Layout(
-            spec["bucket_numels"], spec["itemsize"], spec["node_ranks"], len(spec["servers"]), spec["partition_bytes"]
-        )
+        self.dtype = getattr(torch, spec.dtype)
+        self.layout = Layout(spec.bucket_numels, spec.itemsize, spec.node_ranks, len(spec.servers), spec.partition_bytes)
         self.tags = Tags(slot, len(self.layout.pieces))
         self.pieces = self.layout.of_server(index)
-        nodes = spec["nodes"]
+        nodes = spec.nodes
         # a piece of shard l is pushed by local rank l of every node
         self.contrib = {p.index: [node[p.shard] for node in nodes] for p in self.pieces}
         self.bufs: dict[tuple[int, int], torch.Tensor] = {}
@@ -81,16 +95,16 @@ class _Table:
                 self._arm(p, c)
 
     # -- ssp / async: the parameters and the optimizer live here -------------------------------
-    def _setup_update(self, spec: dict[str, Any]) -> None:
-        cls = spec["optimizer"]
-        self.groups = spec["groups"]
-        self.hyper_keys = spec["hyper_keys"]
+    def _setup_update(self, spec: TableSpec) -> None:
+        cls = spec.optimizer
+        self.groups = spec.groups
+        self.hyper_keys = spec.hyper_keys
         self.params: dict[int, torch.nn.Parameter] = {}
         self.opts: dict[int, torch.optim.Optimizer] = {}
         for p in self.pieces:
-            init = spec["init"][p.index]
+            init = spec.init[p.index]
             self.params[p.index] = torch.nn.Parameter(init.clone().to(self.dtype), requires_grad=False)
-            group = self.groups[spec["bucket_group"][p.bucket]]
+            group = self.groups[spec.bucket_group[p.bucket]]
             self.opts[p.index] = cls([{**group, "params": [self.params[p.index]]}])
         self.version = {p.index: 0 for p in self.pieces}
         self.next_clock = {(p.index, c): 0 for p in self.pieces for c in self.contrib[p.index]}
@@ -108,7 +122,7 @@ class _Table:
         # not progressing MPI): one slow worker would otherwise stall every partition
         self.snaps: dict[int, tuple[int, torch.Tensor, list[Any]]] = {}
         self.retiring: list[tuple[int, torch.Tensor, list[Any]]] = []
-        self.workers = spec["workers"]
+        self.workers = spec.workers
         self.hyper_len = sum(n for _, _, n in self.hyper_keys)
         self.hyper: dict[tuple[int, int], np.ndarray] = {}  # (worker, clock) -> the step's hyperparameters
         self.hyper_clock = {c: 0 for c in self.workers}
@@ -123,7 +137,7 @@ class _Table:
 
     def _apply_hyper(self, piece: Piece, vec: np.ndarray) -> None:
         group = self.opts[piece.index].param_groups[0]
-        gi = self.spec["bucket_group"][piece.bucket]
+        gi = self.bucket_group[piece.bucket]
         at = 0
         for g, key, n in self.hyper_keys:
             if g == gi:
@@ -406,7 +420,7 @@ class Server:
         self.stall_seconds = stall_seconds
         self._reqs: list[Any] | None = None
         self._what: list[tuple[_Table, tuple]] = []
-        self.deferred: list[tuple[int, str, int, int]] = []  # (worker, kind, slot, version needed)
+        self.deferred: list[tuple[int, Ask]] = []  # (worker, what it asked), answered once the table reached it
 
     def serve(self) -> None:
         """Serve until every worker said goodbye."""
@@ -454,69 +468,64 @@ class Server:
                 self._what.append((t, w))
 
     def _control(self, src: int, msg: tuple) -> None:
-        kind = msg[0]
-        if kind == "bye":
+        """Answer one control message of worker ``src`` (a named tuple of :mod:`.wire`)."""
+        if isinstance(msg, Bye):
             self.left.discard(src)
-        elif kind == "register":
-            spec = msg[1]
-            waiting = self.registering.setdefault(spec["name"], {})
+        elif isinstance(msg, Register):
+            spec = msg.spec
+            waiting = self.registering.setdefault(spec.name, {})
             waiting[src] = spec
-            if set(waiting) >= set(spec["workers"]):
-                del self.registering[spec["name"]]
+            if set(waiting) >= set(spec.workers):
+                del self.registering[spec.name]
                 self._register(waiting)
-        elif kind != "release" and msg[1] not in self.tables:
-            self.comm.send(
-                ("error", f"parameter server {self.index}: no table {msg[1]} (the optimizer was closed?)"),
-                dest=src,
-                tag=CTRL_REPLY,
-            )
-        elif kind == "release":
-            t = self.tables.pop(msg[1], None)
+        elif isinstance(msg, Release):
+            t = self.tables.pop(msg.slot, None)
             if t is not None:
                 t.close()
                 self._reqs = None
-            self.comm.send(("ok", None), dest=src, tag=CTRL_REPLY)
-        elif kind in ("state", "params"):  # once every partition has taken the updates asked for
-            self.deferred.append((src, kind, msg[1], msg[2]))
+            self.comm.send(Reply(True, None), dest=src, tag=CTRL_REPLY)
+        elif not isinstance(msg, (Ask, Load, Stats)):
+            self.comm.send(Reply(False, f"parameter server: unknown request {msg!r}"), dest=src, tag=CTRL_REPLY)
+        elif msg.slot not in self.tables:
+            what = f"parameter server {self.index}: no table {msg.slot} (the optimizer was closed?)"
+            self.comm.send(Reply(False, what), dest=src, tag=CTRL_REPLY)
+        elif isinstance(msg, Ask):  # once every partition has taken the updates asked for
+            self.deferred.append((src, msg))
             self._answer_deferred()
-        elif kind == "load":
-            t = self.tables[msg[1]]
-            t.load(msg[2], msg[3])
-            self.comm.send(("ok", None), dest=src, tag=CTRL_REPLY)
-        elif kind == "stats":
-            t = self.tables[msg[1]]
+        elif isinstance(msg, Load):
+            self.tables[msg.slot].load(msg.pieces, msg.clock)
+            self.comm.send(Reply(True, None), dest=src, tag=CTRL_REPLY)
+        else:
+            t = self.tables[msg.slot]
             stats = {"lags": dict(t.lags), "lag_counts": dict(t.lag_counts)}
             stats["bytes"] = (self.counter.sent, self.counter.received)
             stats["cpu_s"] = time.process_time()  # this process's CPU time so far
-            self.comm.send(("ok", stats), dest=src, tag=CTRL_REPLY)
-        else:
-            self.comm.send(("error", f"parameter server: unknown request {kind!r}"), dest=src, tag=CTRL_REPLY)
+            self.comm.send(Reply(True, stats), dest=src, tag=CTRL_REPLY)
 
     def _answer_deferred(self) -> None:
         still = []
-        for src, kind, slot, need in self.deferred:
-            t = self.tables.get(slot)
+        for src, ask in self.deferred:
+            t = self.tables.get(ask.slot)
             if t is None:
-                self.comm.send(("error", f"parameter server {self.index}: table {slot} was released"), src, CTRL_REPLY)
-            elif t.reached(need):
-                self.comm.send(("ok", t.state() if kind == "state" else t.params_now()), dest=src, tag=CTRL_REPLY)
+                self.comm.send(Reply(False, f"parameter server {self.index}: table {ask.slot} was released"), src, CTRL_REPLY)
+            elif t.reached(ask.need):
+                self.comm.send(Reply(True, t.state() if ask.what == "state" else t.params_now()), src, CTRL_REPLY)
             else:
-                still.append((src, kind, slot, need))
+                still.append((src, ask))
         self.deferred = still
 
-    def _register(self, specs: dict[int, dict]) -> None:
+    def _register(self, specs: dict[int, TableSpec]) -> None:
         """Build the table every worker of ``specs`` registered, in the slot this server
         picks (a table of the same name is replaced), and tell each worker the slot."""
         first = specs[min(specs)]
-        keys = [k for k in first if k != "init"]
-        differ = [k for k in keys if any(s.get(k) != first.get(k) for s in specs.values())]
+        differ = sorted({f for s in specs.values() for f in first.differences(s)})
         problem, slot = None, None
         if differ:
-            problem = f"parameter server {self.index}: workers registered '{first['name']}' differently ({differ})"
+            problem = f"parameter server {self.index}: workers registered '{first.name}' differently ({differ})"
         else:
-            if first["mode"] != "sync":
-                first = dict(first, init=next(s["init"] for s in specs.values() if s.get("init") is not None))
-            slot = next((k for k, t in self.tables.items() if t.name == first["name"]), None)
+            if first.mode != "sync":
+                first = dataclasses.replace(first, init=next(s.init for s in specs.values() if s.init is not None))
+            slot = next((k for k, t in self.tables.items() if t.name == first.name), None)
             if slot is not None:
                 self.tables.pop(slot).close()
             else:
@@ -530,7 +539,7 @@ class Server:
                     problem = f"parameter server {self.index}: {type(exc).__name__}: {exc}"
             self._reqs = None
         for w in specs:
-            self.comm.send(("error", problem) if problem else ("ok", slot), dest=w, tag=CTRL_REPLY)
+            self.comm.send(Reply(False, problem) if problem else Reply(True, slot), dest=w, tag=CTRL_REPLY)
 
 
 def serve(comm: MPI.Comm, index: int, workers: list[int], stall_seconds: float = 60.0) -> Counter:

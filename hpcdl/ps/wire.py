@@ -1,7 +1,8 @@
 """What travels between workers and servers: tags, control messages and a polite wait.
 
-Control messages are small pickled tuples on :data:`CTRL` (to a server) and
-:data:`CTRL_REPLY` (to a worker). Data never is pickled: each partition of a table
+Control messages are small pickled named tuples on :data:`CTRL` (to a server:
+:class:`Register` with a :class:`TableSpec`, :class:`Ask`, :class:`Load`, :class:`Stats`,
+:class:`Release`, :class:`Bye`) and :data:`CTRL_REPLY` (to a worker: a :class:`Reply`). Data never is pickled: each partition of a table
 (one :class:`~hpcdl.optim.HybridOptimizer`) has its own pair of tags, one for pushes
 and one for replies, so a server posts its receives straight into the buffers that sum
 them and a worker its receives straight into the buffers that hold the results; MPI
@@ -10,15 +11,32 @@ keeps the messages of one tag from one sender in order, which numbers the clocks
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-__all__ = ["CTRL", "CTRL_REPLY", "MAX_TABLES", "Tags", "wait_politely", "Counter", "as_bytes"]
+__all__ = [
+    "CTRL",
+    "CTRL_REPLY",
+    "MAX_TABLES",
+    "TableSpec",
+    "Register",
+    "Ask",
+    "Load",
+    "Stats",
+    "Release",
+    "Bye",
+    "Reply",
+    "Tags",
+    "wait_politely",
+    "Counter",
+    "as_bytes",
+]
 
 CTRL, CTRL_REPLY = 1, 2
 MAX_TABLES = 64
@@ -26,6 +44,81 @@ MAX_TABLES = 64
 data tags are disjoint."""
 
 _FIRST = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+    """What every worker registers with a server for one
+    :class:`~hpcdl.optim.HybridOptimizer`: the table's name, mode and layout, and for ssp
+    and async the optimizer the server steps with. Every worker's must be equal but for
+    ``init``, the starting values of this server's partitions (from worker 0 only)."""
+
+    name: str
+    mode: str  # "sync", "ssp" or "async"
+    staleness: int
+    bucket_numels: list[int]
+    itemsize: int
+    dtype: str  # a torch dtype's name
+    node_ranks: int  # workers per node
+    nodes: list[list[int]]  # each node's workers
+    partition_bytes: int
+    servers: list[int]
+    workers: list[int]
+    optimizer: type | None = None  # ssp and async: the optimizer class, and its groups
+    groups: list[dict[str, Any]] | None = None
+    hyper_keys: list[tuple[int, str, int]] | None = None  # (group, key, values) of each hyperparameter
+    bucket_group: list[int] | None = None  # each bucket's parameter group
+    init: dict[int, Any] | None = None
+
+    def differences(self, other: TableSpec) -> list[str]:
+        """The fields (``init`` aside) in which ``other`` differs."""
+        return [f.name for f in dataclasses.fields(self) if f.name != "init" and getattr(self, f.name) != getattr(other, f.name)]
+
+
+class Register(NamedTuple):
+    """Worker to server: build the table of ``spec`` (once every worker of it asked)."""
+
+    spec: TableSpec
+
+
+class Ask(NamedTuple):
+    """Worker to server: ``what`` ("state" or "params") of the table in ``slot``, once its
+    partitions have taken the updates ``need`` counts."""
+
+    what: str
+    slot: int
+    need: Any
+
+
+class Load(NamedTuple):
+    """Worker to server: load ``pieces`` (a checkpoint's partitions) at clock ``clock``."""
+
+    slot: int
+    pieces: dict[int, Any]
+    clock: int
+
+
+class Stats(NamedTuple):
+    """Worker to server: the table's staleness counts and the server's bytes and CPU time."""
+
+    slot: int
+
+
+class Release(NamedTuple):
+    """Worker to server: drop the table in ``slot`` (the optimizer was closed)."""
+
+    slot: int
+
+
+class Bye(NamedTuple):
+    """Worker to server: this worker is done with the server."""
+
+
+class Reply(NamedTuple):
+    """Server to worker: ``value``, or the error message of a request that failed."""
+
+    ok: bool
+    value: Any
 
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:
