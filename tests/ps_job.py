@@ -291,6 +291,12 @@ def errors() -> None:
             assert pattern in str(exc), (pattern, exc)
         else:
             raise AssertionError(f"{kwargs} was accepted")
+    try:  # the servers step partitions: an optimizer whose update mixes elements is refused
+        hvd.HybridOptimizer(torch.optim.LBFGS(m.parameters()), m.named_parameters(), mode="ssp")
+    except hvd.HpcdlArgumentError as exc:
+        assert "HybridOptimizer(mode='ssp') runs LBFGS on partitions of the parameters" in str(exc), exc
+    else:
+        raise AssertionError("LBFGS under ssp was accepted")
     try:  # one rank alone with a bad argument: every rank raises, none waits for it
         hvd.HybridOptimizer(make_inner("sgd", m), m.named_parameters(), mode="bsp" if r == 1 else "sync")
     except hvd.HpcdlArgumentError as exc:

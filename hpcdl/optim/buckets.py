@@ -34,7 +34,16 @@ from ..handles import request_name, synchronize
 from ..ops import Adasum, Average, ReduceOp, Sum, allreduce_async, grouped_allreduce_async_, sparse_allreduce_async
 from ..process_sets import ProcessSet, registered_id
 
-__all__ = ["Bucket", "Reducer", "elementwise_state"]
+__all__ = ["Bucket", "Reducer", "elementwise_state", "is_elementwise"]
+
+_NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+
+
+def is_elementwise(optimizer_class: type) -> bool:
+    """Whether ``optimizer_class`` updates each element from that element alone, so that it
+    may step pieces of the parameters (shards, partitions) and give the same result: not
+    LBFGS, SparseAdam, Adafactor or Muon, whose update of an element depends on others."""
+    return optimizer_class.__name__ not in _NOT_ELEMENTWISE
 
 
 def elementwise_state(key: str, value: Any, numel: int) -> bool:

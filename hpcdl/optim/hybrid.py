@@ -44,12 +44,11 @@ from ..functions import allgather_object
 from ..ops import Average, ReduceOp, Sum, allgather_into_async, barrier, poll, reducescatter_into_async, synchronize
 from ..process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from ..ps import Ask, Layout, Load, PSJob, Release, Server, Stats, TableSpec, Tags, as_bytes, wait_politely
-from .buckets import Bucket, Reducer, elementwise_state
+from .buckets import Bucket, Reducer, elementwise_state, is_elementwise
 
 __all__ = ["HybridOptimizer", "MODES"]
 
 MODES = ("sync", "ssp", "async")
-_NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
 
 
 def HybridOptimizer(  # noqa: N802 - a factory that looks like a class, as DistributedOptimizer
@@ -129,7 +128,7 @@ def _check_arguments(
         raise HpcdlArgumentError("HybridOptimizer: only Compression.none is supported")
     if mode != "sync" and opt._op != Average:
         raise HpcdlArgumentError(f"HybridOptimizer(mode={mode!r}) averages the gradients: op must be Average")
-    if mode != "sync" and base.__name__ in _NOT_ELEMENTWISE:
+    if mode != "sync" and not is_elementwise(base):
         raise HpcdlArgumentError(
             f"HybridOptimizer(mode={mode!r}) runs {base.__name__} on partitions of the parameters, but its "
             "update of an element depends on other elements; use an element-wise optimizer or mode='sync'"

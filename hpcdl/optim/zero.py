@@ -57,12 +57,10 @@ from ..ops import (
     synchronize,
 )
 from ..process_sets import ProcessSet, global_process_set
-from .buckets import Bucket, Reducer, elementwise_state
+from .buckets import Bucket, Reducer, elementwise_state, is_elementwise
 
 __all__ = ["ZeroOptimizer"]
 
-# optimizers whose update of an element depends on other elements: sharding would change it
-_NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
 # per-parameter entries of an optimizer's state that are not per element (Adam's step count)
 _SCALAR_KEYS = ("step",)
 
@@ -211,7 +209,7 @@ class ZeroOptimizer(Reducer, torch.optim.Optimizer):
             raise HpcdlArgumentError(
                 f"ZeroOptimizer: stage={stage!r} must be 1 (optimizer state) or 2 (also gradients)"
             )
-        if type(optimizer).__name__ in _NOT_ELEMENTWISE:
+        if not is_elementwise(type(optimizer)):
             raise HpcdlArgumentError(
                 f"ZeroOptimizer cannot shard {type(optimizer).__name__}: its update of an element depends on "
                 "other elements; use an element-wise optimizer (SGD, Adam, AdamW, RMSprop, ...) or "
