@@ -24,7 +24,7 @@ from .channel import Channel
 from .config import Config, load_config
 from .transport import MPITransport
 
-__all__ = ["Context", "get_context", "reset", "Pending", "Layout"]
+__all__ = ["Context", "get_context", "reset", "node_transport", "node_groups", "Pending", "Layout"]
 
 
 class ScratchPool:
@@ -208,10 +208,7 @@ class Context:
         """Return the node layout, computing it collectively on first use."""
         if self._layout is None:
             t = self.transport
-            node = t.split_shared()
-            k = self.config.ranks_per_node
-            if k:
-                node = node.split(node.rank // k, node.rank)
+            node = node_transport(t, self.config.ranks_per_node)
             cross = t.split(node.rank, t.rank)
             info = t.allgather_obj((node.rank, node.size))
             nodes = sum(1 for lr, _ in info if lr == 0)
@@ -353,6 +350,34 @@ def reset(comm: Any = None) -> None:
     if ctx is not None:
         del comm._collectives_context
         ctx.free()
+
+
+def node_transport(t: Any, ranks_per_node: int) -> Any:
+    """The transport over the ranks of ``t`` on this rank's node (collective over ``t``):
+    those sharing its memory, cut into nodes of ``ranks_per_node`` ranks where that is set
+    (``HPCDL_RANKS_PER_NODE``, simulated nodes)."""
+    node = t.split_shared()
+    if ranks_per_node:
+        cut = node.split(node.rank // ranks_per_node, node.rank)
+        if isinstance(node, MPITransport):
+            node.comm.Free()
+        node = cut
+    return node
+
+
+def node_groups(comm: MPI.Comm) -> list[list[int]]:
+    """The ranks of ``comm`` grouped by node as the collectives see the nodes (real, or
+    simulated by ``HPCDL_RANKS_PER_NODE``), each group in rank order and the groups in the
+    order of their lowest rank. Collective over ``comm``; leaves nothing allocated."""
+    t = MPITransport(comm)
+    node = node_transport(t, load_config().ranks_per_node)
+    mine = node.allgather_obj(t.rank)
+    node.comm.Free()
+    groups: list[list[int]] = []
+    for g in t.allgather_obj(mine):
+        if g not in groups:
+            groups.append(g)
+    return groups
 
 
 def get_context(comm: Any = None, config: Config | None = None) -> Context:

@@ -37,6 +37,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from collectives.context import node_groups
+
 from .. import state
 from ..compression import Compression, Compressor
 from ..errors import HpcdlArgumentError, HpcdlError
@@ -221,18 +223,8 @@ class HybridReducer(Reducer):
         sub = world.Create_group(grp)
         grp.Free()
         grp_all.Free()
-        node = sub.Split_type(MPI.COMM_TYPE_SHARED, key=sub.rank)
-        k = _ranks_per_node()
-        if k:
-            cut = node.Split(node.rank // k, node.rank)
-            node.Free()
-            node = cut
-        mine = node.allgather(rt.rank)
-        node.Free()
-        nodes = []
-        for n in sub.allgather(mine):
-            if n not in nodes:
-                nodes.append(n)
+        nodes = [[members[r] for r in g] for g in node_groups(sub)]  # as runtime ranks
+        mine = next(n for n in nodes if rt.rank in n)
         same = len({len(n) for n in nodes}) == 1
         # the node sets are registered by every rank of the runtime: only a set of all of them can
         whole = len(members) == rt.size
@@ -669,7 +661,3 @@ def _copy(value: Any) -> Any:
     return value.clone() if torch.is_tensor(value) else value
 
 
-def _ranks_per_node() -> int:
-    from collectives.config import load_config
-
-    return load_config().ranks_per_node
