@@ -64,6 +64,8 @@ class GatherSig(NamedTuple):
 
 
 class BroadcastSig(NamedTuple):
+    """A broadcast's signature."""
+
     dtype: str
     shape: tuple[int, ...]
     root_rank: int  # -1: not a rank
