@@ -76,7 +76,8 @@ def run(scenario: list[str], n: int, env: dict[str, str], workers: int, timeout:
     return out
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
+# dedicated servers run on 2 nodes x 2 workers + 2 servers, which covers 2 workers + 1 server
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s != "2 workers + 1 server"])
 def test_sync_equals_distributed_optimizer_and_ssp_zero_equals_sync(shape):
     n, env, args = SHAPES[shape]
     workers = n - int(env.get("HPCDL_PS_SERVERS", 0))
@@ -94,9 +95,8 @@ def test_a_checkpoint_of_the_servers_state_resumes_bitwise(mode):
     run(["checkpoint", mode], 3, {"HPCDL_PS_SERVERS": "1"}, 2)
 
 
-@pytest.mark.parametrize("workers", [2, 4])
-def test_ssp_and_async_take_one_clocks_update_per_clock_with_adam(workers):
-    run(["step_size"], workers + 1, {"HPCDL_PS_SERVERS": "1"}, workers)
+def test_ssp_and_async_take_one_clocks_update_per_clock_with_adam():
+    run(["step_size"], 5, {"HPCDL_PS_SERVERS": "1"}, 4)  # 4 workers: a clock is 4 of the server's steps
 
 
 @pytest.mark.timeout(600)
