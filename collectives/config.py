@@ -146,10 +146,11 @@ def _table_problem(table: Any) -> str | None:
                 return f'tables[{i}] needs "{key}", a count of at least 1, not {v!r}'
         rules = e.get("rules")
         ok = isinstance(rules, list) and all(
-            isinstance(r, list) and len(r) == 2 and isinstance(r[0], int) and isinstance(r[1], str) for r in rules
+            isinstance(r, list) and len(r) == 2 and (r[0] is None or isinstance(r[0], int)) and isinstance(r[1], str)
+            for r in rules
         )
         if not ok:
-            return f'tables[{i}] needs "rules", a list of [max_bytes, algorithm] pairs'
+            return f'tables[{i}] needs "rules", a list of [max_bytes, algorithm] pairs (max_bytes null: any size)'
     return None
 
 
