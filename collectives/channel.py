@@ -72,7 +72,7 @@ _DOZE = 1e-3
 _STALL_POLLS = 4095
 """A spinning wait looks at the peers' abort words and the clock when its poll count has
 none of these bits set, every 4096 polls (a sleeping wait looks after every sleep). A stall
-is a matter of seconds; a look every 64 polls made 256 KiB allreduces 1-2 % slower. The
+is a matter of seconds; a look every 64 polls cost 256 KiB allreduces at 2 ranks about 2 %. The
 clock starts at a wait's first look, so a stall is declared up to one spin budget late."""
 
 
