@@ -289,13 +289,14 @@ class Channel:
             spins, budget, start = 0, self.budget(), 0.0
             while v[0] < seq:
                 spins += 1
-                if spins % 64 == 0:
-                    self.progress()
-                    if spins >= budget:
-                        self._doze(v, addr, seq)
-                        start = self._check_stall(i, seq, start, 0)
-                    elif not spins & _STALL_POLLS:
-                        start = self._check_stall(i, seq, start, 0)
+                if spins % 64:
+                    continue
+                self.progress()
+                if spins >= budget:
+                    self._doze(v, addr, seq)
+                elif spins & _STALL_POLLS:
+                    continue
+                start = self._check_stall(i, seq, start, 0)
         self.fence()
 
     def _check_stall(self, i: int, want: int, start: float, kind: int) -> float:
@@ -391,13 +392,14 @@ class Channel:
             spins, budget, start = 0, self.budget(), 0.0
             while v[0] < s:
                 spins += 1
-                if spins % 64 == 0:
-                    yield []
-                    if spins >= budget:
-                        self._doze(v, addr, s)
-                        start = self._check_stall(i, s, start, 3)
-                    elif not spins & _STALL_POLLS:
-                        start = self._check_stall(i, s, start, 3)
+                if spins % 64:
+                    continue
+                yield []
+                if spins >= budget:
+                    self._doze(v, addr, s)
+                elif spins & _STALL_POLLS:
+                    continue
+                start = self._check_stall(i, s, start, 3)
         self.fence()
 
     def barrier(self) -> Schedule:

@@ -20,8 +20,8 @@ from importlib import resources
 from typing import Any
 
 from . import hierarchical as hier
-from .config import read_tuning_file
 from . import native, node, pairwise, rabenseifner, recursive_doubling, ring, shm, tree
+from .config import read_tuning_file
 
 __all__ = ["REGISTRY", "DEVICE", "algorithms", "choose", "rules", "rules_for", "load_table"]
 

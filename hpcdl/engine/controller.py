@@ -160,8 +160,8 @@ class Controller:
         limit = self.cfg.fusion_threshold
         for item in ready:
             d = item.first
-            if item.problem is None and d.kind == "allreduce" and limit and d.sig.op != "adasum":  # adasum: per tensor
-                s = d.sig
+            s = d.sig
+            if item.problem is None and d.kind == "allreduce" and limit and s.op != "adasum":  # adasum: per tensor
                 nbytes = math.prod(s.shape) * DTYPES[s.dtype].itemsize
                 if nbytes <= limit:
                     key = (d.set_id, s.dtype, s.op, s.prescale_factor, s.postscale_factor, s.memory)

@@ -98,6 +98,11 @@ def field_label(field: str) -> str:
     return _LABELS.get(field, field)
 
 
+def _on_device(sig: tuple) -> bool:
+    """Whether a signature's buffers stay on a GPU: its ``memory`` field (host where it has none)."""
+    return getattr(sig, "memory", "host") == "device"
+
+
 class Descriptor(NamedTuple):
     """What the other ranks learn about a request in negotiation (the response cache's key)."""
 
@@ -111,7 +116,7 @@ class Descriptor(NamedTuple):
     @property
     def on_device(self) -> bool:
         """Whether the request's buffers stay on a GPU (the device path)."""
-        return getattr(self.sig, "memory", "host") == "device"
+        return _on_device(self.sig)
 
 DATA_KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
 """Kinds that move data through :mod:`collectives`."""
@@ -191,7 +196,7 @@ class Request:
     @property
     def on_device(self) -> bool:
         """Whether this request's buffers stay on a GPU (CuPy views of CUDA tensors)."""
-        return getattr(self.sig, "memory", "host") == "device"
+        return _on_device(self.sig)
 
     def finish(self, result: Any = None, exc: BaseException | None = None) -> None:
         """Record the outcome and wake whoever waits on the request."""

@@ -77,6 +77,12 @@ def _source(rt: state.Runtime, t: Any, what: str, device_ok: bool = True) -> tup
     return host_source(t, what), False
 
 
+def _reduce_sig(src: torch.Tensor, op: Any, pre: float, post: float, on_device: bool) -> ReduceSig:
+    """The signature of an allreduce or reducescatter of ``src`` (an unknown op reads "invalid")."""
+    name = OP_NAMES.get(op, "invalid")
+    return ReduceSig(dtype_name(src), tuple(src.shape), name, float(pre), float(post), memory(on_device))
+
+
 def _buffers(on_device: bool, problem: str | None, x: torch.Tensor, out: torch.Tensor | None = None) -> dict[str, Any]:
     """A request's buffers (``x``, ``out``: numpy or CuPy views; none after a problem) and,
     on the device, the event the engine awaits before reading them."""
@@ -127,7 +133,7 @@ def start_allreduce(
                 _group_name(base, i, len(tensors)),
                 "allreduce",
                 sid,
-                ReduceSig(dtype_name(src), tuple(src.shape), OP_NAMES.get(op, "invalid"), float(pre), float(post), memory(dev)),
+                _reduce_sig(src, op, pre, post, dev),
                 error=problem,
                 **_buffers(dev, problem, src, out),
             )
@@ -307,7 +313,7 @@ def start_reducescatter(
                 _group_name(base, i, len(tensors)),
                 "reducescatter",
                 sid,
-                ReduceSig(dtype_name(src), tuple(src.shape), OP_NAMES.get(op, "invalid"), float(pre), float(post), memory(dev)),
+                _reduce_sig(src, op, pre, post, dev),
                 error=problem,
                 **_buffers(dev, problem, src, out),
             )

@@ -630,8 +630,8 @@ class Trainer:
         hint = "lower --lr"
         if self.cfg.dp == "ps" and self.cfg.ps_mode != "sync":
             hint += f", or --staleness (now {self.cfg.staleness}), or use --ps-mode sync"
-        what = "is stuck at chance level" if abs(loss - chance) <= 0.01 * chance else "has diverged"
-        than = "that of" if what.endswith("level") else "worse than"
+        stuck = abs(loss - chance) <= 0.01 * chance  # else worse than chance, or nan
+        what, than = ("is stuck at chance level", "that of") if stuck else ("has diverged", "worse than")
         raise RunError(
             f"training {what}: after epoch {self.epoch} (step {self.step}) the held-out loss is {loss:.4f}, "
             f"{than} a uniform guess over {classes} classes (ln {classes} = {chance:.4f}); "
