@@ -74,7 +74,9 @@ class _Table:
         self.comm = comm
         self.counter = counter
         self.dtype = getattr(torch, spec.dtype)
-        self.layout = Layout(spec.bucket_numels, spec.itemsize, spec.node_ranks, len(spec.servers), spec.partition_bytes)
+        self.layout = Layout(
+            spec.bucket_numels, spec.itemsize, spec.node_ranks, len(spec.servers), spec.partition_bytes
+        )
         self.tags = Tags(slot, len(self.layout.pieces))
         self.pieces = self.layout.of_server(index)
         nodes = spec.nodes
@@ -507,7 +509,8 @@ class Server:
         for src, ask in self.deferred:
             t = self.tables.get(ask.slot)
             if t is None:
-                self.comm.send(Reply(False, f"parameter server {self.index}: table {ask.slot} was released"), src, CTRL_REPLY)
+                gone = f"parameter server {self.index}: table {ask.slot} was released"
+                self.comm.send(Reply(False, gone), src, CTRL_REPLY)
             elif t.reached(ask.need):
                 self.comm.send(Reply(True, t.state() if ask.what == "state" else t.params_now()), src, CTRL_REPLY)
             else:

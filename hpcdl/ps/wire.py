@@ -2,7 +2,8 @@
 
 Control messages are small pickled named tuples on :data:`CTRL` (to a server:
 :class:`Register` with a :class:`TableSpec`, :class:`Ask`, :class:`Load`, :class:`Stats`,
-:class:`Release`, :class:`Bye`) and :data:`CTRL_REPLY` (to a worker: a :class:`Reply`). Data never is pickled: each partition of a table
+:class:`Release`, :class:`Bye`) and :data:`CTRL_REPLY` (to a worker: a :class:`Reply`).
+Data never is pickled: each partition of a table
 (one :class:`~hpcdl.optim.HybridOptimizer`) has its own pair of tags, one for pushes
 and one for replies, so a server posts its receives straight into the buffers that sum
 them and a worker its receives straight into the buffers that hold the results; MPI
@@ -72,7 +73,8 @@ class TableSpec:
 
     def differences(self, other: TableSpec) -> list[str]:
         """The fields (``init`` aside) in which ``other`` differs."""
-        return [f.name for f in dataclasses.fields(self) if f.name != "init" and getattr(self, f.name) != getattr(other, f.name)]
+        names = [f.name for f in dataclasses.fields(self) if f.name != "init"]
+        return [n for n in names if getattr(self, n) != getattr(other, n)]
 
 
 class Register(NamedTuple):
