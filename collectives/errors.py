@@ -6,6 +6,9 @@ they mean; all derive from :class:`CollectiveError`.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable, Sequence
+
 __all__ = [
     "CollectiveError",
     "CollectiveMismatchError",
@@ -19,6 +22,8 @@ __all__ = [
     "ConfigError",
     "DeviceUnavailableError",
     "StallError",
+    "combined_problem",
+    "rank_ranges",
 ]
 
 
@@ -82,3 +87,27 @@ class StallError(CollectiveError):
     ranks, or another rank gave up after such a wait: the ranks fell out of step (one raised,
     or skipped or reordered a collective). The communicator's collectives then stop on every
     rank, each raising this, until :func:`collectives.reset` is called on every rank."""
+
+
+def rank_ranges(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2,5``."""
+    parts = []
+    for _, run in itertools.groupby(enumerate(sorted(ranks)), key=lambda pair: pair[1] - pair[0]):
+        rs = [r for _, r in run]
+        parts.append(str(rs[0]) if len(rs) == 1 else f"{rs[0]}-{rs[-1]}")
+    return ",".join(parts)
+
+
+def combined_problem(problems: Sequence[str | None], ranks: Sequence[int] | None = None) -> str | None:
+    """One message for what each rank found wrong (``problems[i]``: rank ``ranks[i]``'s
+    problem, or None; ``ranks`` defaults to ``0..n-1``), the same text on every rank that
+    computes it from the same list: None when no rank has a problem, the problem itself when
+    every rank found the same one, else ``"rank 1: <a>; rank 3: <b>"`` for the ranks that
+    found one."""
+    ranks = range(len(problems)) if ranks is None else ranks
+    found = {r: p for r, p in zip(ranks, problems, strict=True) if p is not None}
+    if not found:
+        return None
+    if len(found) == len(problems) and len(set(found.values())) == 1:
+        return next(iter(found.values()))
+    return "; ".join(f"rank {r}: {p}" for r, p in found.items())

@@ -16,6 +16,7 @@ from typing import Any
 from mpi4py import MPI
 
 from collectives import agreed as collectives_agreed
+from collectives.errors import combined_problem
 from collectives.nccl import available as nccl_available
 
 from . import ps as ps_roles
@@ -132,9 +133,9 @@ def init(
             except (TypeError, ValueError):
                 problem = f"init(process_sets=...) takes ProcessSet objects or rank lists, not {process_sets!r}"
         said = base.allgather((problem, ranks, sets, agreed))
-        bad = [f"rank {r}: {p}" for r, (p, _, _, _) in enumerate(said) if p is not None]
-        if bad:
-            raise HpcdlError("init failed: " + "; ".join(bad))
+        bad = combined_problem([p for p, _, _, _ in said])
+        if bad is not None:
+            raise HpcdlError(f"init failed: {bad}")
         differ = [r for r, (_, other, _, _) in enumerate(said) if other != said[0][1]]
         if differ:
             raise HpcdlError(f"init(comm=<ranks>): ranks {differ} passed a different list than rank 0")

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from collectives.arena import allocate
+from collectives.errors import combined_problem
 
 from . import state
 from .errors import HpcdlError
@@ -22,7 +23,13 @@ from .handles import request_name
 from .ops import allgather, broadcast_, broadcast_async_, synchronize
 from .process_sets import ProcessSet, global_process_set, registered_id
 
-__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
+__all__ = [
+    "broadcast_parameters",
+    "broadcast_optimizer_state",
+    "broadcast_object",
+    "allgather_object",
+    "check_on_every_rank",
+]
 
 
 def broadcast_parameters(
@@ -161,6 +168,27 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
         out.append(torch.load(io.BytesIO(blob[off : off + n]), weights_only=False))
         off += n
     return out
+
+
+def check_on_every_rank(
+    problem: str | None,
+    error: type[Exception] = HpcdlError,
+    payload: Any = None,
+    *,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> list[Any]:
+    """Collective: raise ``error`` on every rank of ``process_set`` when any rank found a
+    ``problem`` (its text; None for none), else return every rank's ``payload`` in rank
+    order. The message is :func:`collectives.errors.combined_problem`'s, the same on every
+    rank. A check that only one rank can make (of its input, a file, a server's reply) must
+    end this way: raised on that rank alone, it would leave the others waiting in their
+    next collective."""
+    said = allgather_object((problem, payload), name=name, process_set=process_set)
+    text = combined_problem([p for p, _ in said], process_set.ranks)
+    if text is not None:
+        raise error(text)
+    return [x for _, x in said]
 
 
 def _unnamed(kind: str, process_set: ProcessSet) -> str:

@@ -48,6 +48,18 @@ def test_bad_input_raises_specific_error(exc, call):
         call()
 
 
+def test_problems_of_several_ranks_read_as_one_message():
+    from collectives.errors import combined_problem, rank_ranges
+
+    assert combined_problem([None, None, None]) is None
+    assert combined_problem(["full", "full"]) == "full"  # the same everywhere: said once
+    assert combined_problem([None, "a", None, "a"]) == "rank 1: a; rank 3: a"
+    assert combined_problem(["a", "b", None], ranks=[4, 6, 9]) == "rank 4: a; rank 6: b"
+    with pytest.raises(ValueError):  # a rank list that does not fit the problems
+        combined_problem(["a", None], ranks=[0])
+    assert [rank_ranges(r) for r in ([], [3], [2, 0, 1, 5], [0, 2, 4, 5])] == ["", "3", "0-2,5", "0,2,4-5"]
+
+
 def test_error_messages_say_what_to_do():
     with pytest.raises(C.UnsupportedOpError, match="sum, avg, min, max, prod"):
         C.allreduce(np.zeros(1), op="mean")

@@ -140,6 +140,30 @@ def test_alltoall_splits_are_argument_errors_on_every_rank(splits, rows, pattern
     usable()
 
 
+def test_check_on_every_rank_raises_one_message_everywhere_or_returns_the_payloads():
+    """A problem found on some ranks is the same error on every rank of the set; without one
+    every rank gets every rank's payload."""
+    from hpcdl.functions import check_on_every_rank
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    assert check_on_every_rank(None, payload=r * r) == [q * q for q in range(n)]
+    odd = [q for q in range(n) if q % 2]
+    want = "; ".join(f"rank {q}: bad {q}" for q in odd)
+    with pytest.raises(hvd.HpcdlArgumentError) as info:
+        check_on_every_rank(f"bad {r}" if r % 2 else None, hvd.HpcdlArgumentError, payload=r)
+    assert str(info.value) == want
+    with pytest.raises(KeyError, match="everywhere"):  # the same problem everywhere is said once
+        check_on_every_rank("everywhere", KeyError)
+    if n > 2:  # over a process set, named by the ranks of the whole job
+        last = hvd.add_process_set([0, n - 1])
+        if last.included():
+            with pytest.raises(hvd.HpcdlError, match=rf"^rank {n - 1}: late$"):
+                check_on_every_rank("late" if r == n - 1 else None, process_set=last)
+        hvd.remove_process_set(last)
+    usable()
+
+
 def test_a_name_in_flight_is_an_argument_error():
     hvd.init()
     h = hvd.allreduce_async(torch.ones(2), name="twice")

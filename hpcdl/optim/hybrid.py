@@ -42,7 +42,7 @@ from collectives.context import node_groups
 from .. import state
 from ..compression import Compression, Compressor
 from ..errors import HpcdlArgumentError, HpcdlError
-from ..functions import allgather_object
+from ..functions import allgather_object, check_on_every_rank
 from ..ops import Average, ReduceOp, Sum, allgather_into_async, barrier, poll, reducescatter_into_async, synchronize
 from ..process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from ..ps import Ask, Layout, Load, PSJob, Release, Server, Stats, TableSpec, Tags, as_bytes, wait_politely
@@ -103,13 +103,7 @@ def HybridOptimizer(  # noqa: N802 - a factory that looks like a class, as Distr
         _check_arguments(obj, base, mode, staleness, servers, partition_bytes)
     except HpcdlArgumentError as exc:
         problem = str(exc)
-    said = allgather_object(problem, process_set=process_set)
-    if any(said):
-        bad = {p for p in said if p}
-        if len(bad) == 1 and all(said):
-            raise HpcdlArgumentError(bad.pop())
-        ranks = process_set.ranks
-        raise HpcdlArgumentError("; ".join(f"rank {ranks[i]}: {p}" for i, p in enumerate(said) if p))
+    check_on_every_rank(problem, HpcdlArgumentError, process_set=process_set)
     obj._hybrid_setup(base, mode, staleness, servers, partition_bytes, node_reduce)
     return obj
 
@@ -600,10 +594,8 @@ class HybridReducer(Reducer):
                 for srv, pieces in self._partitions_of(state_dict["state"], ids, index, version).items():
                     self._job.ask(srv, Load(self._slots[srv], pieces, clock))
             except (HpcdlError, KeyError, RuntimeError, TypeError, ValueError) as exc:
-                problem = f"{type(exc).__name__}: {exc}"
-        said = allgather_object(problem, name=f"{self._prefix}.load", process_set=self._process_set)
-        if said[0] is not None:
-            raise HpcdlError(f"{self._kind}.load_state_dict: the servers did not take the state: {said[0]}")
+                problem = f"{self._kind}.load_state_dict: the servers did not take the state: {type(exc).__name__}: {exc}"
+        check_on_every_rank(problem, name=f"{self._prefix}.load", process_set=self._process_set)
         self._clock = clock
 
     def _partitions_of(

@@ -31,7 +31,7 @@ from torch import nn
 
 from .. import state
 from ..errors import HpcdlArgumentError, PipelineError
-from ..functions import allgather_object
+from ..functions import check_on_every_rank
 from .grid import Grid, current_grid
 from .pp_comm import ACT, GRAD, Link
 
@@ -86,15 +86,11 @@ def balance_by_time(layers: Sequence[nn.Module], stages: int, sample: torch.Tens
             problem = str(exc)
     rt = state.peek()
     if rt is not None and rt.engine is not None:
-        said = allgather_object((problem, times))
-        failed = [(r, text) for r, (text, _) in enumerate(said) if text is not None]
-        if failed:
-            r, text = failed[0]
-            raise HpcdlArgumentError(text if len(failed) == len(said) else f"{text} (on rank {r})")
-        counts = [len(t) for _, t in said]
+        said = check_on_every_rank(problem, HpcdlArgumentError, times)
+        counts = [len(t) for t in said]
         if len(set(counts)) > 1:
             raise HpcdlArgumentError(f"balance_by_time: ranks disagree on the number of layers ({counts}, by rank)")
-        times = [max(column) for column in zip(*(t for _, t in said), strict=True)]
+        times = [max(column) for column in zip(*said, strict=True)]
     elif problem is not None:
         raise HpcdlArgumentError(problem)
     return _partition(times, stages)
@@ -345,14 +341,14 @@ class Pipeline(nn.Module):
     def _conclude(self, problem: str | None, value: Any) -> Any:
         """End a schedule on every stage: the last stage's ``value``, or the first failure
         as a :class:`PipelineError` on every stage."""
-        said = allgather_object((problem, value), process_set=self.grid.pp_group)
         self.steps_done += 1
-        failed = [text for text, _ in said if text is not None]
-        if failed:  # sends to a failed stage may never be matched: leave them behind
+        try:
+            said = check_on_every_rank(problem, PipelineError, value, process_set=self.grid.pp_group)
+        except PipelineError:  # sends to a failed stage may never be matched: leave them behind
             self._link.abandon()
-            raise PipelineError(failed[0])
+            raise
         self._link.finish()  # every stage ran its whole schedule: every send is matched
-        return said[-1][1]
+        return said[-1]
 
     def _span(self, phase: str, t0: float, micro_batch: int) -> None:
         """This stage's compute from ``t0`` to now, on the timeline when one is written."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -21,6 +20,7 @@ from mpi4py import MPI
 
 import hpcdl as hvd
 from collectives.config import load_config as collectives_config
+from collectives.errors import rank_ranges
 
 from .config import RunError, TrainConfig
 
@@ -34,15 +34,6 @@ def settings(cfg: TrainConfig, environ: Mapping[str, str] | None = None) -> dict
     flat.update({f"runtime.{k}": v for k, v in dataclasses.asdict(cfg.runtime).items()})
     flat.update({f"collectives.{k}": v for k, v in dataclasses.asdict(collectives_config(environ)).items()})
     return flat
-
-
-def rank_ranges(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` as ``0-2,5``."""
-    parts = []
-    for _, run in itertools.groupby(enumerate(sorted(ranks)), key=lambda pair: pair[1] - pair[0]):
-        rs = [r for _, r in run]
-        parts.append(str(rs[0]) if len(rs) == 1 else f"{rs[0]}-{rs[-1]}")
-    return ",".join(parts)
 
 
 def check_same_settings(cfg: TrainConfig) -> None:

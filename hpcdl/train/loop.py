@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import hpcdl as hvd
 from hpcdl.parallel import Grid, Pipeline, allreduce_sequence_parallel_grads
 from hpcdl.parallel.dense import gather_dense, gather_dense_optimizer, load_dense, local_optimizer_state
+from hpcdl.functions import check_on_every_rank
 from hpcdl.startup import signal_while_starting
 
 from . import checkpoint as ckpt
@@ -442,9 +443,7 @@ class Trainer:
                 self.model.load_state_dict(st["model"])
         except (ValueError, RuntimeError, KeyError) as exc:
             problem = f"resume: {path} does not fit this run: {str(exc).splitlines()[0]}"
-        problems = [p for p in hvd.allgather_object(problem, name="train.restore") if p is not None]
-        if problems:
-            raise RunError(problems[0])
+        check_on_every_rank(problem, RunError, name="train.restore")
         self.opt.load_state_dict(opt_state)
         if self.scaler and st["scaler"]:
             self.scaler.load_state_dict(st["scaler"])
