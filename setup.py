@@ -1,4 +1,4 @@
-"""Build hook for the optional compiled part of the node channel (``collectives.cslots``).
+"""Build hook for the optional compiled part of the node channel (``collectives.node.cslots``).
 
 The package metadata lives in setup.cfg. The extension is optional: where it does not
 build (no C compiler or Python headers), the install goes on and the pure-Python channel
@@ -10,8 +10,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "collectives.cslots",
-            ["collectives/cslots.c"],
+            "collectives.node.cslots",
+            ["collectives/node/cslots.c"],
             optional=True,
             # IEEE operations exactly as written, so reductions give numpy's bits
             extra_compile_args=["-O2", "-ffp-contract=off", "-fno-fast-math"],

@@ -285,7 +285,7 @@ def _device_contender(bench, name, comm, x_host, out_host, want) -> Contender:
     pointers (only where it is CUDA-aware), or gloo on CUDA tensors."""
     import cupy as cp
 
-    from collectives.device import cuda_aware_mpi
+    from collectives.device.arrays import cuda_aware_mpi
 
     r = comm.rank
     x = cp.asarray(x_host)

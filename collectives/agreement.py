@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from . import recursive_doubling
+from .algorithms import recursive_doubling
 from .context import Context
 from .errors import (
     CollectiveError,
@@ -107,7 +107,7 @@ class Call:
                 )
             if algorithm == "native" and getattr(self.t, "comm", None) is None:
                 raise InvalidArgumentError(f"{collective}: algorithm 'native' needs an MPI communicator")
-            if algorithm == "shm" and collective != "allreduce" and ctx.layout().nodes > 1:
+            if algorithm == "shm" and collective != "allreduce" and ctx.topology().nodes > 1:
                 raise InvalidArgumentError(f"{collective}: algorithm 'shm' needs every rank on one node")
         except CollectiveError as exc:
             self.error = exc

@@ -14,14 +14,15 @@ from typing import Any
 
 import numpy as np
 
-from . import gpu, node
 from .agreement import ROWS, Call, check_out, equal_counts
-from .arena import allocate
+from .blocks import block_counts, offsets
 from .context import Context, Pending, get_context
-from .device import is_device
+from .device import api as gpu
+from .device.arrays import is_device
 from .errors import InvalidArgumentError, OutputMismatchError
-from .layout import block_counts, offsets
-from .onestep import onestep
+from .node import inplace, slots, staged
+from .node.arena import allocate
+from .node.onestep import onestep
 from .ops import finalize
 from .select import REGISTRY
 
@@ -46,7 +47,7 @@ __all__ = [
     "copied_bytes",
 ]
 
-_SLOW = node.SLOW
+_SLOW = slots.SLOW
 
 
 class Request:
@@ -96,7 +97,7 @@ def _fast_allgather(comm: Any, key: tuple, x: np.ndarray, out: np.ndarray | None
     """:func:`.onestep.onestep` for an allgather, finishing one whose ranks' rows turned out
     uneven on the general path; ``_SLOW`` when the call takes the general path from the start."""
     res = onestep(comm, key, x, out)
-    if res is node.UNEVEN:
+    if res is slots.UNEVEN:
         return _allgather(x, key[4], out, comm, True, posted=True)
     return res
 
@@ -186,16 +187,16 @@ def _allreduce(x, op, algorithm, out, comm, blocking, agreed=False):
         return _done(out, blocking, ctx)
     buf = _flat(out)
     if small:
-        node.small_allreduce(ctx.chan, call.seq, out, op)
+        slots.small_allreduce(ctx.chan, call.seq, out, op)
         return _done(out, blocking, ctx)
     ws = call.inplace(output=True)
     if ws is not None:  # every rank's input and output lie in the arena: read them there
-        return _launch(ctx, node.inplace_allreduce(ctx, buf, ws, op), blocking, out)
+        return _launch(ctx, inplace.inplace_allreduce(ctx, buf, ws, op), blocking, out)
     fn = REGISTRY["allreduce"][call.resolved]
     on_done = lambda: finalize(buf, op, n)
     if call.resolved == "shm":
         # shared windows are allocated collectively: here, in call order, not mid-schedule
-        if ctx.layout().nodes == 1:
+        if ctx.topology().nodes == 1:
             ctx.channel()
             on_done = None  # the node algorithm finalizes each slice itself
         else:
@@ -266,14 +267,14 @@ def _reduce_scatter(x, op, algorithm, out, comm, blocking, agreed=False):
         result[...] = _flat(x)
         return _done(result, blocking, ctx)
     if small:
-        node.small_reduce_scatter(ctx.chan, call.seq, counts, result, op)
+        slots.small_reduce_scatter(ctx.chan, call.seq, counts, result, op)
         return _done(result, blocking, ctx)
     ws = call.inplace(output=False)
     if ws is not None:  # every rank's input lies in the arena: read it there
-        return _launch(ctx, node.inplace_reduce_scatter(ctx, counts, result, x.dtype, ws, op), blocking, result)
+        return _launch(ctx, inplace.inplace_reduce_scatter(ctx, counts, result, x.dtype, ws, op), blocking, result)
     if call.resolved == "shm":
         ctx.channel()  # collective allocation, in call order
-        gen = node.reduce_scatter(ctx, t, _flat(src), counts, op, 0, out=result)
+        gen = staged.reduce_scatter(ctx, t, _flat(src), counts, op, 0, out=result)
         return _launch(ctx, gen, blocking, result)
     work = ctx.scratch.get(x.size, x.dtype)
     np.copyto(work, _flat(x))  # one copy, also of non-contiguous input
@@ -376,7 +377,7 @@ def _allgather(x, algorithm, out, comm, blocking, posted=False, rows=None):
     mine = buf[off[t.rank] : off[t.rank + 1]]
     own = None if _aliases(mine, _flat(src)) else _flat(src)  # x may be its block of out already
     small = call.resolved == "shm" and ch is not None and max(counts) * x.itemsize <= ch.copy_small
-    ws = call.inplace(output=True, inputs=False) if buf.nbytes <= node.COPY_INPLACE_MAX and not small else None
+    ws = call.inplace(output=True, inputs=False) if buf.nbytes <= inplace.COPY_INPLACE_MAX and not small else None
     staged_as_read = blocking and call.resolved == "shm" and not small and ws is None and t.size > 1
     if own is not None and (not staged_as_read or np.may_share_memory(own, buf)):
         mine[...] = own
@@ -384,14 +385,14 @@ def _allgather(x, algorithm, out, comm, blocking, posted=False, rows=None):
     if t.size == 1 or buf.size == 0:
         return _done(out, blocking, ctx)
     if small:
-        node.small_allgather(ch, call.seq, counts, buf)
+        slots.small_allgather(ch, call.seq, counts, buf)
         return _done(out, blocking, ctx)
     if ws is not None:  # every rank's out lies in the arena, its own block in place: read them there
-        return _launch(ctx, node.inplace_allgather(ctx, buf, counts, ws), blocking, out)
+        return _launch(ctx, inplace.inplace_allgather(ctx, buf, counts, ws), blocking, out)
     if call.resolved == "shm":
         ctx.channel()  # collective allocation, in call order
         # blocking: x is copied into out piece by piece as it is staged (read once, from cache)
-        gen = node.allgather(ctx, t, buf, counts, ctx.next_tag(), src=own)
+        gen = staged.allgather(ctx, t, buf, counts, ctx.next_tag(), src=own)
     else:
         gen = REGISTRY["allgather"][call.resolved](ctx, t, buf, counts, ctx.next_tag())
     return _launch(ctx, gen, blocking, out)
@@ -450,11 +451,15 @@ def _broadcast(x, root, algorithm, out, comm, blocking, agreed=False):
         np.copyto(out, x)
     if ctx.transport.size == 1 or x.size == 0:
         return _done(out, blocking, ctx)
-    ws = call.inplace(output=False, only=root) if (either or not small) and x.nbytes <= node.COPY_INPLACE_MAX else None
+    ws = (
+        call.inplace(output=False, only=root)
+        if (either or not small) and x.nbytes <= inplace.COPY_INPLACE_MAX
+        else None
+    )
     if ws is not None:  # the root's input lies in the arena: read it there
-        return _launch(ctx, node.inplace_broadcast(ctx, _flat(out), root, ws), blocking, out)
+        return _launch(ctx, inplace.inplace_broadcast(ctx, _flat(out), root, ws), blocking, out)
     if small:  # the root posted its data with the call
-        node.small_broadcast(ctx.chan, call.seq, root, _flat(out))
+        slots.small_broadcast(ctx.chan, call.seq, root, _flat(out))
         return _done(out, blocking, ctx)
     if call.resolved == "shm":
         ctx.channel()  # collective allocation, in call order
@@ -495,10 +500,10 @@ def ibroadcast(
     return _broadcast(x, root, algorithm, out, comm, False)
 
 
-# -- calls whose arguments the caller agreed already (collectives.agreed) ---------------
+# -- calls whose arguments the caller agreed already (collectives.unchecked) ---------------
 def allreduce_agreed(x: np.ndarray, *, op: str = "sum", out: np.ndarray | None = None, comm: Any = None) -> np.ndarray:
     """:func:`collectives.allreduce` with ``algorithm="auto"``, without the signature exchange
-    (see :mod:`collectives.agreed`)."""
+    (see :mod:`collectives.unchecked`)."""
     if type(x) is np.ndarray:
         res = onestep(comm, ("allreduce", x.dtype, x.shape, op, "auto"), x, out)
         if res is not _SLOW:
@@ -512,7 +517,7 @@ def reduce_scatter_agreed(
     x: np.ndarray, *, op: str = "sum", out: np.ndarray | None = None, comm: Any = None
 ) -> np.ndarray:
     """:func:`collectives.reduce_scatter` with ``algorithm="auto"``, without the signature exchange
-    (see :mod:`collectives.agreed`)."""
+    (see :mod:`collectives.unchecked`)."""
     if type(x) is np.ndarray:
         res = onestep(comm, ("reduce_scatter", x.dtype, x.shape, op, "auto"), x, out)
         if res is not _SLOW:
@@ -524,7 +529,7 @@ def reduce_scatter_agreed(
 
 def broadcast_agreed(x: np.ndarray, root: int = 0, *, out: np.ndarray | None = None, comm: Any = None) -> np.ndarray:
     """:func:`collectives.broadcast` with ``algorithm="auto"``, without the signature exchange
-    (see :mod:`collectives.agreed`)."""
+    (see :mod:`collectives.unchecked`)."""
     if type(x) is np.ndarray:
         res = onestep(comm, ("broadcast", x.dtype, x.shape, root, "auto"), x, out)
         if res is not _SLOW:
@@ -539,7 +544,7 @@ def allgather_agreed(
 ) -> np.ndarray:
     """:func:`collectives.allgather` with ``algorithm="auto"``, given every rank's rows
     (``rows[r]``: the first dimension of rank r's ``x``), without the signature exchange
-    (see :mod:`collectives.agreed`)."""
+    (see :mod:`collectives.unchecked`)."""
     if type(x) is np.ndarray:
         res = _fast_allgather(comm, ("allgather", x.dtype, x.shape, None, "auto"), x, out)
         if res is not _SLOW:
@@ -586,11 +591,11 @@ def reduce(
         return out
     if small:
         if is_root:
-            node.small_allreduce(ctx.chan, call.seq, out, op)
+            slots.small_allreduce(ctx.chan, call.seq, out, op)
         return out
     ws = call.inplace(output=False)
     if ws is not None:  # every rank's input lies in the arena: read it there
-        ctx.run(node.inplace_reduce(ctx, None if out is None else _flat(out), x.size, x.dtype, ws, op, root))
+        ctx.run(inplace.inplace_reduce(ctx, None if out is None else _flat(out), x.size, x.dtype, ws, op, root))
         return out
     if call.resolved == "shm":
         ctx.channel()  # collective allocation, in call order

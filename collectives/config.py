@@ -65,7 +65,7 @@ class Config:
     only once allocated from (0: none; ``empty`` then gives ordinary memory)."""
 
     compiled_channel: bool = True
-    """Post, wait and finish one-step calls in the compiled loop (``collectives.cslots``)
+    """Post, wait and finish one-step calls in the compiled loop (``collectives.node.cslots``)
     where it was built; False: the pure-Python loop (the same protocol, slower)."""
 
     device_window_bytes: int = 64 << 20

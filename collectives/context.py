@@ -1,4 +1,4 @@
-"""Per-communicator state: transport, node layout, scratch buffers and in-flight schedules.
+"""Per-communicator state: transport, node topology, scratch buffers and in-flight schedules.
 
 A context is cached on its MPI communicator as an MPI attribute (freed with the
 communicator), or on a test transport as a plain attribute; there is no global table.
@@ -19,12 +19,12 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .arena import Arena
-from .channel import Channel
 from .config import Config, load_config
+from .node.arena import Arena
+from .node.channel import Channel
 from .transport import MPITransport
 
-__all__ = ["Context", "get_context", "reset", "node_transport", "node_groups", "Pending", "Layout"]
+__all__ = ["Context", "get_context", "reset", "node_transport", "node_groups", "Pending", "Topology"]
 
 
 class ScratchPool:
@@ -58,7 +58,7 @@ class ScratchPool:
 
 
 @dataclasses.dataclass(slots=True)
-class Layout:
+class Topology:
     """Where this rank sits among nodes (real or simulated by ``ranks_per_node``)."""
 
     node: Any
@@ -135,7 +135,7 @@ class Context:
         if comm is not None:
             ub = comm.Get_attr(MPI.TAG_UB)
             self._tag_ub = int(ub) if ub else 32767
-        self._layout: Layout | None = None
+        self._topology: Topology | None = None
         self._segments: list[np.ndarray] | None = None
         self._channel: Channel | None = None
         self.agree_comm: MPI.Comm | None = None
@@ -150,7 +150,7 @@ class Context:
         self._told: list = []
         # collective, so done here, where every rank's first call on the communicator
         # meets, and never later where ranks might disagree about what they are calling
-        lay = self.layout()
+        lay = self.topology()
         self.chan: Channel | None = None
         """The node channel, when every rank is on one node: it carries argument agreement."""
         self.arena: Arena | None = None
@@ -203,25 +203,25 @@ class Context:
         if p.error is not None:
             raise p.error
 
-    # -- node layout and shared memory -------------------------------------------------
-    def layout(self) -> Layout:
-        """Return the node layout, computing it collectively on first use."""
-        if self._layout is None:
+    # -- node topology and shared memory -------------------------------------------------
+    def topology(self) -> Topology:
+        """Where this rank sits among nodes, computed collectively on first use."""
+        if self._topology is None:
             t = self.transport
             node = node_transport(t, self.config.ranks_per_node)
             cross = t.split(node.rank, t.rank)
             info = t.allgather_obj((node.rank, node.size))
             nodes = sum(1 for lr, _ in info if lr == 0)
             homogeneous = len({ls for _, ls in info}) == 1
-            self._layout = Layout(node, cross, nodes, homogeneous, getattr(node, "memory_sync", _no_sync))
-        return self._layout
+            self._topology = Topology(node, cross, nodes, homogeneous, getattr(node, "memory_sync", _no_sync))
+        return self._topology
 
     def channel(self) -> Channel:
         """Return the node's shared-memory channel, allocating it collectively on first use."""
         if self._channel is None:
             cfg = self.config
             self._channel = Channel(
-                self.layout().node,
+                self.topology().node,
                 cfg.shm_small_bytes,
                 cfg.shm_chunk_bytes,
                 self._progress_if_busy,
@@ -240,7 +240,7 @@ class Context:
     def shm_segments(self) -> list[np.ndarray]:
         """Return every node peer's shared window segment, allocating them on first use."""
         if self._segments is None:
-            self._segments = self.layout().node.shared_segments(self.config.shm_bytes)
+            self._segments = self.topology().node.shared_segments(self.config.shm_bytes)
         return self._segments
 
     def free(self) -> None:
@@ -249,7 +249,7 @@ class Context:
             if hasattr(obj, "free"):
                 obj.free()  # before the node transport its windows were exchanged over
         self.device.clear()
-        lay, self._layout, self._segments = self._layout, None, None
+        lay, self._topology, self._segments = self._topology, None, None
         arena, self._channel, self.chan, self.arena = self.arena, None, None, None
         if arena is not None and isinstance(lay.node, MPITransport):
             # arrays from the arena that outlive the communicator (a model's parameters in

@@ -1,13 +1,26 @@
-"""Reduction ops and the dtype table, with the one reduction kernel ``reduce_into``."""
+"""Reduction ops and the dtype table, with the one reduction kernel ``reduce_into`` and the
+rank-order reducer the node engine uses (:func:`rank_order_reducer`)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
 
 import ml_dtypes
 import numpy as np
 
 from .errors import UnsupportedDtypeError, UnsupportedOpError
 
-__all__ = ["OPS", "DTYPES", "check_dtype", "check_op", "reduce_into", "ufunc", "finalize", "dtype_code"]
+__all__ = [
+    "OPS",
+    "DTYPES",
+    "check_dtype",
+    "check_op",
+    "reduce_into",
+    "ufunc",
+    "finalize",
+    "dtype_code",
+    "rank_order_reducer",
+]
 
 #: Reduction ops by name. ``avg`` reduces as ``sum`` and divides once at the end.
 OPS: tuple[str, ...] = ("sum", "avg", "min", "max", "prod")
@@ -76,3 +89,22 @@ def finalize(buf: np.ndarray, op: str, size: int) -> None:
         buf[...] = q
     else:
         np.divide(buf, buf.dtype.type(size), out=buf)
+
+
+def rank_order_reducer(op: str, n: int) -> Callable[[Sequence[np.ndarray], np.ndarray], None]:
+    """``red(views, out)``: ``out = views[0] op views[1] op ...`` in rank order (so every rank
+    gets the same bits), then the op's final step (the average's division)."""
+    f = ufunc(op)
+    if op in ("min", "max"):  # numpy wants their out= by keyword; add/multiply are quicker without
+        g = f
+        f = lambda a, b, out: g(a, b, out=out)  # noqa: E731
+    avg = op == "avg"
+
+    def red(v: Sequence[np.ndarray], out: np.ndarray) -> None:
+        f(v[0], v[1], out)
+        for w in v[2:]:
+            f(out, w, out)
+        if avg:
+            finalize(out, op, n)
+
+    return red

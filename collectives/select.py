@@ -19,9 +19,10 @@ from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
-from . import hierarchical as hier
-from . import native, node, pairwise, rabenseifner, recursive_doubling, ring, shm, tree
+from .algorithms import hierarchical as hier
+from .algorithms import native, pairwise, rabenseifner, recursive_doubling, ring, shm, tree
 from .config import read_tuning_file
+from .node import staged
 
 __all__ = ["REGISTRY", "DEVICE", "algorithms", "choose", "rules", "rules_for", "load_table"]
 
@@ -40,16 +41,16 @@ REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {
         "native": native.reduce_scatter,
         "ring": ring.reduce_scatter,
         "recursive_halving": rabenseifner.reduce_scatter,
-        "shm": node.reduce_scatter,
+        "shm": staged.reduce_scatter,
     },
     "allgather": {
         "native": native.allgather,
         "ring": ring.allgather,
         "recursive_doubling": recursive_doubling.allgather,
-        "shm": node.allgather,
+        "shm": staged.allgather,
     },
-    "broadcast": {"native": native.broadcast, "tree": tree.broadcast, "shm": node.broadcast},
-    "reduce": {"native": native.reduce, "tree": tree.reduce, "shm": node.reduce},
+    "broadcast": {"native": native.broadcast, "tree": tree.broadcast, "shm": staged.broadcast},
+    "reduce": {"native": native.reduce, "tree": tree.reduce, "shm": staged.reduce},
     "alltoall": {"native": native.alltoall, "pairwise": pairwise.alltoall},
 }
 
@@ -113,7 +114,7 @@ def rules_for(ctx: Any, collective: str) -> list[list[Any]]:
         return DEFAULT_RULES[collective]
     if ctx.tuning is None:
         ctx.tuning = load_table(ctx.config.tuning_file)
-    return rules(ctx.tuning, collective, ctx.transport.size, ctx.layout().nodes)
+    return rules(ctx.tuning, collective, ctx.transport.size, ctx.topology().nodes)
 
 
 def choose(ctx: Any, collective: str, nbytes: int) -> str:
@@ -121,7 +122,7 @@ def choose(ctx: Any, collective: str, nbytes: int) -> str:
     picks = ctx.picks.get(collective)
     if picks is None:  # the rules that apply here, once per communicator and collective
         mpi = getattr(ctx.transport, "comm", None) is not None
-        multi = mpi and ctx.layout().nodes > 1
+        multi = mpi and ctx.topology().nodes > 1
         picks = []
         for limit, name in rules_for(ctx, collective):
             if (name == "native" and not mpi) or (name == "shm" and multi and collective != "allreduce"):

@@ -28,9 +28,9 @@ import numpy as np
 from mpi4py import MPI
 
 from . import api
+from .blocks import block_counts
 from .cli import ArgumentParser, dump_json, parse_size, run_main
 from .context import get_context
-from .layout import block_counts
 from .select import REGISTRY
 
 __all__ = ["measure", "vote", "rules_from", "main"]
@@ -61,7 +61,7 @@ COLLECTIVES = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce"
 def candidates(collective: str, comm: MPI.Comm) -> list[str]:
     """The algorithms worth timing for ``collective`` on ``comm``."""
     names = list(REGISTRY[collective])
-    if collective != "allreduce" and get_context(comm).layout().nodes > 1:
+    if collective != "allreduce" and get_context(comm).topology().nodes > 1:
         names.remove("shm")
     return names
 
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--min {args.min} --max {args.max}: need 0 < min <= max")
     comm = MPI.COMM_WORLD
     ctx = get_context(comm)
-    nodes = ctx.layout().nodes
+    nodes = ctx.topology().nodes
     lo, hi = args.min, args.max
     sizes, s = [], lo
     while s < hi:

@@ -15,9 +15,9 @@ from typing import Any
 
 from mpi4py import MPI
 
-from collectives import agreed as collectives_agreed
+from collectives import unchecked as collectives_agreed
+from collectives.device.nccl import available as nccl_available
 from collectives.errors import combined_problem
-from collectives.nccl import available as nccl_available
 
 from . import ps as ps_roles
 from . import state
@@ -277,7 +277,7 @@ def mpi_built() -> bool:
 
 def nccl_built() -> bool:
     """True when CuPy is installed and can load NCCL, which CUDA tensors' allreduces then
-    use where every rank has its own GPU (:mod:`collectives.gpu`)."""
+    use where every rank has its own GPU (:mod:`collectives.device.api`)."""
     return nccl_available()
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from collectives.arena import allocate
 from collectives.errors import combined_problem
+from collectives.node.arena import allocate
 
 from . import state
 from .errors import HpcdlError

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from . import state
-from .engine import Request
+from .engine import Submission
 from .errors import HpcdlError
 from .staging import home
 from .state import Runtime
@@ -38,11 +38,11 @@ class Handle:
 
     __slots__ = ("reqs", "post")
 
-    def __init__(self, reqs: list[Request], post: Callable[[list[Any]], Any]) -> None:
+    def __init__(self, reqs: list[Submission], post: Callable[[list[Any]], Any]) -> None:
         self.reqs, self.post = reqs, post
 
 
-def submit(rt: Runtime, reqs: list[Request], post: Callable[[list[Any]], Any]) -> int:
+def submit(rt: Runtime, reqs: list[Submission], post: Callable[[list[Any]], Any]) -> int:
     """Submit ``reqs`` to the engine together; return the handle number for them."""
     rt.engine.submit_many(reqs)
     h = rt.next_handle
@@ -79,7 +79,7 @@ def synchronize(handle: int | Callable[[], Any]) -> Any:
 def control(kind: str, sig: tuple, *, var: Any = None, error: str | None = None) -> Any:
     """Run a negotiated control request (process sets, timeline) and return its result."""
     rt = state.running()
-    req = Request(request_name(rt, kind, 0, None), kind, 0, sig, var=var, error=error)
+    req = Submission(request_name(rt, kind, 0, None), kind, 0, sig, var=var, error=error)
     return synchronize(submit(rt, [req], lambda res: res[0]))
 
 

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from collectives.device import as_cupy, bfloat16_ok, cupy_module
+from collectives.device.arrays import as_cupy, bfloat16_ok, cupy_module
 from collectives.errors import DeviceUnavailableError
 
 __all__ = [

@@ -43,7 +43,7 @@ class Runtime:
         self.comm = comm
         self.config = config
         self.owned = owned
-        lay = get_context(comm).layout()
+        lay = get_context(comm).topology()
         self.rank, self.size = comm.rank, comm.size
         self.local_rank, self.local_size = lay.node.rank, lay.node.size
         self.cross_rank, self.cross_size = lay.cross.rank, lay.cross.size

@@ -6,8 +6,8 @@ it is queued; NCCL is absent. Where real CuPy differs from numpy in a way that h
 bugs, it does as CuPy does: ``asarray`` of another library's device array (a CUDA tensor:
 :class:`CudaTensor` here) types the view by the interface's typestr, so bfloat16 arrives as
 the untyped ``V2``, and arithmetic refuses such dtypes as CuPy's kernels do. Installed in ``sys.modules`` as ``cupy`` for a test, it
-lets :mod:`collectives.gpu`'s logic (agreement, output checks, algorithm choice, the
-staged and MPI paths, the ``ipc`` schedules on :class:`collectives.ipc.HostPeers`) run
+lets :mod:`collectives.device.api`'s logic (agreement, output checks, algorithm choice, the
+staged and MPI paths, the ``ipc`` schedules on :class:`collectives.device.ipc.HostPeers`) run
 on a machine without a GPU. It proves nothing about CUDA itself: ``test_gpu.py`` does.
 """
 

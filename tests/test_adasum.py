@@ -1,5 +1,5 @@
 """Adasum (Maleki et al.): the distributed recursive halving against a numpy reference of
-the pairwise formula combined in a binary tree, for collectives.agreed.adasum, hvd.allreduce
+the pairwise formula combined in a binary tree, for collectives.unchecked.adasum, hvd.allreduce
 (op=hvd.Adasum) and DistributedOptimizer(op=hvd.Adasum), Horovod's delta optimizer."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 import collectives as C
 import hpcdl as hvd
-from collectives import agreed
+from collectives import unchecked as agreed
 
 pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("clean_runtime")]
 

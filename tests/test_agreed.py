@@ -1,4 +1,4 @@
-"""collectives.agreed: the entry points for callers that agreed the arguments already
+"""collectives.unchecked: the entry points for callers that agreed the arguments already
 (hpcdl's engine) give the public collectives' results, post no signature unless the call
 finishes in one step, and the runtime refuses ranks whose configurations differ."""
 
@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 import collectives as C
 import hpcdl as hvd
-from collectives import agreed
+from collectives import unchecked as agreed
 from collectives.context import get_context
 
 pytestmark = pytest.mark.mpi

@@ -9,9 +9,9 @@ from mpi4py import MPI
 from reference import COUNTS, DTYPES, OPS, check_close, digest, expected, make_input
 
 import collectives as C
+from collectives.blocks import Fold, block_counts, offsets
 from collectives.config import Config
 from collectives.context import get_context
-from collectives.layout import Fold, block_counts, offsets
 from collectives.ops import finalize
 
 WORLD = MPI.COMM_WORLD
@@ -329,7 +329,7 @@ def test_fast_allgather_with_uneven_rows_finishes_on_the_general_path():
 def test_simulated_nodes(per_node, alg):
     comm = fresh(ranks_per_node=per_node, shm_bytes=4096)
     n, r = comm.size, comm.rank
-    lay = get_context(comm).layout()
+    lay = get_context(comm).topology()
     assert lay.nodes == -(-n // per_node)
     assert lay.node.size == min(per_node, n - (r // per_node) * per_node)
     assert lay.homogeneous == (n % per_node == 0 or n < per_node)

@@ -1,4 +1,4 @@
-"""The compiled node-channel loop (``collectives.cslots``) against the pure-Python one.
+"""The compiled node-channel loop (``collectives.node.cslots``) against the pure-Python one.
 
 Under mpiexec -n 2, 3, 4: every one-step collective, dtype and op on a communicator whose
 channel runs the compiled loop and on one whose channel runs Python's, against a numpy
@@ -19,10 +19,10 @@ from mpi4py import MPI
 from reference import OPS, check_close, digest, expected, make_input
 
 import collectives as C
+from collectives.blocks import block_counts, offsets
 from collectives.config import Config
 from collectives.context import get_context
 from collectives.errors import CollectiveMismatchError
-from collectives.layout import block_counts, offsets
 
 WORLD = MPI.COMM_WORLD
 N, ME = WORLD.size, WORLD.rank
@@ -38,26 +38,26 @@ def _compiler() -> bool:
 
 
 try:
-    from collectives.cslots import Core
+    from collectives.node.cslots import Core
 except ImportError:
     Core = None
 
-needs_core = pytest.mark.skipif(Core is None, reason="collectives.cslots is not built (no C compiler)")
+needs_core = pytest.mark.skipif(Core is None, reason="collectives.node.cslots is not built (no C compiler)")
 
 
 def test_the_extension_is_built_where_a_compiler_is():
     # the install builds it whenever it can; a silent build failure would cost every small call
     if not _compiler():
         pytest.skip("no C compiler: the pure-Python loop is the one in use")
-    assert Core is not None, "collectives.cslots did not build: reinstall with `pip install -e .` and read its log"
+    assert Core is not None, "collectives.node.cslots did not build: reinstall with `pip install -e .` and read its log"
 
 
 @needs_core
 def test_the_step_kinds_are_the_compiled_loops():
-    from collectives import cslots, node
+    from collectives.node import cslots, slots
 
     kinds = ("STEP_REDUCE", "STEP_BROADCAST", "STEP_ALLGATHER")
-    assert [getattr(node, k) for k in kinds] == [getattr(cslots, k) for k in kinds]
+    assert [getattr(slots, k) for k in kinds] == [getattr(cslots, k) for k in kinds]
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ What a device array is; the memory kind in the agreed signature (a host array on
 and a device array on another is a mismatch on every rank, whatever the size and the
 collective); CuPy missing is an error on every rank; algorithm names checked against the
 kind of array; CUDA-aware MPI detection; and the ``ipc`` schedules run on their host twin
-(:class:`collectives.ipc.HostPeers`: numpy, a rank's work reaching its peers only through
+(:class:`collectives.device.ipc.HostPeers`: numpy, a rank's work reaching its peers only through
 the events, as on a GPU) at 1..4 ranks with a
 window small enough to need many chunks, against rank-order numpy reductions, bitwise.
 The same schedules on a GPU are tested in ``test_gpu.py``.
@@ -19,18 +19,18 @@ from mpi4py import MPI
 from reference import OPS, check_close, digest, expected, make_input, rank_order
 
 import collectives as C
-from collectives import ipc
 from collectives.agreement import pack, unpack
+from collectives.blocks import block_counts, offsets
 from collectives.config import Config, load_config
 from collectives.context import get_context
-from collectives.device import cuda_aware_mpi, describe, is_device, stand_in
+from collectives.device import ipc
+from collectives.device.arrays import cuda_aware_mpi, describe, is_device, stand_in
 from collectives.errors import (
     CollectiveMismatchError,
     ConfigError,
     DeviceUnavailableError,
     UnknownAlgorithmError,
 )
-from collectives.layout import block_counts, offsets
 
 WORLD = MPI.COMM_WORLD
 N, ME = WORLD.size, WORLD.rank
@@ -199,7 +199,7 @@ WINDOW = 4096  # bytes per rank: 1001 float64 take two chunks, 1001 × N a few m
 def twin():
     comm = WORLD.Dup()
     ctx = get_context(comm)
-    peers = ipc.HostPeers(ctx.layout().node, WINDOW) if N > 1 else None
+    peers = ipc.HostPeers(ctx.topology().node, WINDOW) if N > 1 else None
     yield ctx, peers
     comm.Free()
 
@@ -340,7 +340,7 @@ def fake(monkeypatch):
     for c, aware in ((plain, "0"), (direct, "1")):
         ctx = get_context(c, config=Config(cuda_aware_mpi=aware))
         if N > 1:
-            ctx.device["ipc"] = ipc.HostPeers(ctx.layout().node, WINDOW)
+            ctx.device["ipc"] = ipc.HostPeers(ctx.topology().node, WINDOW)
     yield cp, plain, direct
     plain.Free()
     direct.Free()

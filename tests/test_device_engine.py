@@ -25,9 +25,9 @@ from mpi4py import MPI
 from tensors import close, data, everyone, expected_reduce
 
 import hpcdl as hvd
-from collectives import ipc
+from collectives.blocks import block_counts, offsets
 from collectives.context import get_context
-from collectives.layout import block_counts, offsets
+from collectives.device import ipc
 from hpcdl import state
 from hpcdl.ops import allgather_into_async, reducescatter_into_async
 from hpcdl.ops import requests as reqmod
@@ -73,7 +73,7 @@ def device(monkeypatch):
     info = state.running().engine.sets.get(0)
     ctx = get_context(info.comm)
     if info.comm.size > 1:  # every rank at once, before the engine first uses the communicator
-        ctx.device["ipc"] = ipc.HostPeers(ctx.layout().node, WINDOW)
+        ctx.device["ipc"] = ipc.HostPeers(ctx.topology().node, WINDOW)
     yield types.SimpleNamespace(cp=cp, log=log, pending=pending, info=info)
     hvd.shutdown()
 

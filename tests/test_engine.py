@@ -14,8 +14,9 @@ from mpi4py import MPI
 
 import collectives as C
 import hpcdl as hvd
-from collectives import agreed, channel
+from collectives import unchecked as agreed
 from collectives.context import get_context
+from collectives.node import channel
 from hpcdl.engine.doorbell import MPIDoorbell, ShmDoorbell
 
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(120), pytest.mark.usefixtures("clean_runtime")]

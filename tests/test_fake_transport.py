@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 from reference import DTYPES, OPS, check_close, digest, expected, make_input
 
 import collectives as C
+from collectives.blocks import block_counts, offsets
 from collectives.config import Config
 from collectives.context import get_context
 from collectives.fake import run_ranks
-from collectives.layout import block_counts, offsets
 
 P2P = {c: [a for a in C.algorithms(c) if a != "native"] for c in ("allreduce", "reduce_scatter", "allgather")}
 

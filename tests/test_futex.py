@@ -12,7 +12,7 @@ import pytest
 
 
 def test_waiting_ranks_sleep_soon_only_when_the_node_is_oversubscribed():
-    from collectives import channel
+    from collectives.node import channel
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     assert channel.spin_budget(1) == channel.SPIN
@@ -24,7 +24,7 @@ def test_waiting_ranks_sleep_soon_only_when_the_node_is_oversubscribed():
 def test_futex_sleeps_until_woken_and_never_past_a_change():
     import threading
 
-    from collectives import futex
+    from collectives.node import futex
 
     assert futex.OK
     word = np.zeros(1, np.int64)
@@ -60,7 +60,7 @@ def test_futex_sleeps_until_woken_and_never_past_a_change():
 
 
 def test_futex_fallback_sleeps_briefly(monkeypatch):
-    from collectives import futex
+    from collectives.node import futex
 
     monkeypatch.setattr(futex, "_SYS", None)
     word = np.zeros(1, np.int64)

@@ -20,13 +20,13 @@ from mpi4py import MPI
 from reference import OPS, check_close, digest, make_input, rank_order
 
 import collectives as C
+from collectives.blocks import block_counts, offsets
 from collectives.config import Config
 from collectives.context import get_context
-from collectives.device import bfloat16_ok
+from collectives.device.api import NCCL_DTYPES
+from collectives.device.arrays import bfloat16_ok
+from collectives.device.nccl import plan as nccl_plan
 from collectives.errors import CollectiveMismatchError, DeviceUnavailableError, UnsupportedDtypeError
-from collectives.gpu import NCCL_DTYPES
-from collectives.layout import block_counts, offsets
-from collectives.nccl import plan as nccl_plan
 
 WORLD = MPI.COMM_WORLD
 N, ME = WORLD.size, WORLD.rank

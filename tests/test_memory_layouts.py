@@ -19,9 +19,9 @@ from mpi4py import MPI
 from reference import check_close, expected, make_input
 
 import collectives as C
+from collectives.blocks import block_counts, offsets
 from collectives.config import Config
 from collectives.context import get_context
-from collectives.layout import block_counts, offsets
 
 pytestmark = pytest.mark.mpi
 

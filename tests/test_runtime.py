@@ -10,7 +10,7 @@ from mpi4py import MPI
 import hpcdl as hvd
 from collectives.config import Config
 from collectives.context import get_context
-from collectives.nccl import available as nccl_available
+from collectives.device.nccl import available as nccl_available
 
 pytestmark = pytest.mark.usefixtures("clean_runtime")
 

@@ -14,9 +14,9 @@ from mpi4py import MPI
 from reference import check_close, digest, expected, make_input
 
 import collectives as C
-from collectives.arena import ALIGN, Arena
+from collectives.blocks import block_counts
 from collectives.context import get_context
-from collectives.layout import block_counts
+from collectives.node.arena import ALIGN, Arena
 
 WORLD = MPI.COMM_WORLD
 N, ME = WORLD.size, WORLD.rank

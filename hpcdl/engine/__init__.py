@@ -16,7 +16,7 @@ from .request import (
     GatherSig,
     ProcessSetInfo,
     ReduceSig,
-    Request,
+    Submission,
     SetIdSig,
     SetSig,
     TimelineSig,
@@ -24,7 +24,7 @@ from .request import (
 
 __all__ = [
     "Engine",
-    "Request",
+    "Submission",
     "Descriptor",
     "ReduceSig",
     "GatherSig",

@@ -31,7 +31,7 @@ import collectives
 from ..config import Config
 from ..errors import HpcdlArgumentError, HpcdlError
 from .process_set_table import ProcessSetTable
-from .request import DTYPES, JOIN_OK, Descriptor, Request, field_label
+from .request import DTYPES, JOIN_OK, Descriptor, Submission, field_label
 from .response_cache import ResponseCache
 
 __all__ = ["Controller", "Entry", "Ready", "F_SHUTDOWN", "F_JOIN"]
@@ -80,7 +80,7 @@ class Controller:
         self.joined: set[int] = set()
         self.last_joined = -1
 
-    def negotiate(self, new: list[Request], flags: int, t_start: float) -> tuple[list[int], int]:
+    def negotiate(self, new: list[Submission], flags: int, t_start: float) -> tuple[list[int], int]:
         """Announce ``new`` and this rank's ``flags``; learn every rank's. Return the ranks
         that asked to shut down and rank 0's clock (us)."""
         cache = self.cache

@@ -8,7 +8,7 @@ machine whose cores all compute (two ranks on two cores), every wake-up is taken
 training step.
 
 :class:`ShmDoorbell` is used when every rank is on one node and futexes are available
-(:mod:`collectives.futex`). Each rank owns a line of a small shared window holding ``bell``
+(:mod:`collectives.node.futex`). Each rank owns a line of a small shared window holding ``bell``
 (the highest cycle a peer asked it to start) and ``wake`` (a counter the engine sleeps
 on). Ringing writes the cycle number into each peer's ``bell``, bumps its ``wake`` and
 wakes it; the user thread bumps its own engine's ``wake`` when it submits. The engine
@@ -25,7 +25,7 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
-from collectives import futex
+from collectives.node import futex
 
 __all__ = ["MPIDoorbell", "ShmDoorbell", "make_doorbell"]
 

@@ -28,16 +28,16 @@ from typing import Any
 import numpy as np
 
 import collectives
-from collectives import agreed
-from collectives.arena import allocate
+from collectives import unchecked as agreed
+from collectives.blocks import block_counts, offsets
 from collectives.context import get_context
-from collectives.device import cupy_module
+from collectives.device.arrays import cupy_module
 from collectives.errors import DeviceUnavailableError
-from collectives.layout import block_counts, offsets
+from collectives.node.arena import allocate
 from collectives.select import choose
 
 from ..config import Config
-from .request import DTYPES, Descriptor, ProcessSetInfo, Request, identity
+from .request import DTYPES, Descriptor, ProcessSetInfo, Submission, identity
 
 __all__ = ["Executors", "scale"]
 
@@ -82,7 +82,7 @@ class Executors:
             self.algs[key] = alg
         return alg
 
-    def run(self, kind: str, entries: list[Any], reqs: list[Request | None], info: ProcessSetInfo, rank: int) -> Any:
+    def run(self, kind: str, entries: list[Any], reqs: list[Submission | None], info: ProcessSetInfo, rank: int) -> Any:
         """Run the agreed data collective ``kind`` and return its result. ``entries``: the
         controller's entry of each request of the group (every rank's descriptor, by
         rank); ``reqs``: this rank's requests, None where it joined."""
@@ -94,7 +94,7 @@ class Executors:
             return getattr(self, kind)(entries[0].descs, reqs[0], info, rank)
 
     @contextlib.contextmanager
-    def _on_gpu(self, reqs: list[Request | None], info: ProcessSetInfo) -> Iterator[Any]:
+    def _on_gpu(self, reqs: list[Submission | None], info: ProcessSetInfo) -> Iterator[Any]:
         """Run a group of device requests: after each tensor's ready event, with its GPU
         current, the stream synchronized at the end. Gives the CuPy module, or None on a
         joined rank without CuPy (whose host identity then fails the group on every rank)."""
@@ -119,7 +119,7 @@ class Executors:
             cp.cuda.get_current_stream().synchronize()
 
     def _allreduce(
-        self, descs: list[Descriptor], reqs: list[Request | None], info: ProcessSetInfo, cp: Any, device: bool
+        self, descs: list[Descriptor], reqs: list[Submission | None], info: ProcessSetInfo, cp: Any, device: bool
     ) -> None:
         """Reduce a group of agreed allreduces (``descs``: one descriptor of each), fusing
         the small ones; results land in each request's ``out``. ``cp``: the CuPy module for
@@ -204,7 +204,7 @@ class Executors:
         ordinary memory."""
         return allocate(info.arena, nbytes, np.uint8)
 
-    def allgather(self, descs: dict[int, Descriptor], req: Request, info: ProcessSetInfo, rank: int) -> Any:
+    def allgather(self, descs: dict[int, Descriptor], req: Submission, info: ProcessSetInfo, rank: int) -> Any:
         rows = [descs[r].var for r in info.ranks]  # every member's, as its descriptor says
         t0 = time.perf_counter()
         # an ``out`` (ZeroOptimizer's flat parameters) holds this rank's block already
@@ -213,7 +213,7 @@ class Executors:
         self.span([req], "ALLGATHER", t0, algorithm=alg, bytes=int(res.nbytes))
         return res
 
-    def broadcast(self, descs: dict[int, Descriptor], req: Request, info: ProcessSetInfo, rank: int) -> Any:
+    def broadcast(self, descs: dict[int, Descriptor], req: Submission, info: ProcessSetInfo, rank: int) -> Any:
         root = req.sig.root_rank
         out = req.out
         src = req.x if rank == root else out
@@ -223,7 +223,7 @@ class Executors:
         self.span([req], "BROADCAST", t0, algorithm=alg, bytes=int(out.nbytes))
         return out
 
-    def alltoall(self, descs: dict[int, Descriptor], req: Request, info: ProcessSetInfo, rank: int) -> Any:
+    def alltoall(self, descs: dict[int, Descriptor], req: Submission, info: ProcessSetInfo, rank: int) -> Any:
         n = len(info.ranks)
         splits = req.args.get("splits")
         rows = req.x.shape[0]
@@ -234,7 +234,7 @@ class Executors:
         self.span([req], "ALLTOALL", t0, algorithm="pairwise", bytes=int(out.nbytes))
         return out, received
 
-    def reducescatter(self, descs: dict[int, Descriptor], req: Request, info: ProcessSetInfo, rank: int) -> Any:
+    def reducescatter(self, descs: dict[int, Descriptor], req: Submission, info: ProcessSetInfo, rank: int) -> Any:
         sig = req.sig
         shape, op, pre, post = sig.shape, sig.op, sig.prescale_factor, sig.postscale_factor
         n, me = len(info.ranks), info.ranks.index(rank)

@@ -1,6 +1,6 @@
 """The engine's loop: one thread per rank that does all of the runtime's communication.
 
-User calls build a :class:`~.request.Request` and submit it to the
+User calls build a :class:`~.request.Submission` and submit it to the
 :class:`~.queue.TensorQueue`; the engine thread then works in *cycles*, the same sequence
 of cycles on every rank:
 
@@ -25,7 +25,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from collectives import agreed
+from collectives import unchecked as agreed
 
 from ..config import Config
 from ..errors import HpcdlError
@@ -35,7 +35,7 @@ from .doorbell import make_doorbell
 from .executors import Executors
 from .process_set_table import ProcessSetTable
 from .queue import SHUT_DOWN, TensorQueue
-from .request import CONTROL_KINDS, DATA_KINDS, Descriptor, Request
+from .request import CONTROL_KINDS, DATA_KINDS, Descriptor, Submission
 from .stall_inspector import StallInspector
 
 __all__ = ["Engine"]
@@ -59,7 +59,7 @@ class Engine:
         self.stall = StallInspector(config, self.rank)
         self.done = 0  # cycles run
         self.last_cycle = -math.inf
-        self.mine: dict[tuple[int, str], Request] = {}  # this rank's announced requests, by (set id, name)
+        self.mine: dict[tuple[int, str], Submission] = {}  # this rank's announced requests, by (set id, name)
         self.tl: Timeline | None = None
         if config.timeline:
             self.tl = Timeline(self.rank, config.timeline, time.perf_counter(), config.timeline_mark_cycles)
@@ -70,13 +70,13 @@ class Engine:
         self.thread.start()
 
     # -- user side ---------------------------------------------------------------------------
-    def submit_many(self, reqs: list[Request]) -> None:
+    def submit_many(self, reqs: list[Submission]) -> None:
         """Queue ``reqs`` together for the next cycle (all or none: raises at once if the
         engine has stopped or a name is already in flight on this rank)."""
         self.queue.push(reqs)
         self.bell.poke()
 
-    def wait(self, req: Request) -> Any:
+    def wait(self, req: Submission) -> Any:
         """Block until ``req`` has finished; return its result or raise its error."""
         if not req.event.is_set():
             if self.queue.waiting(req):  # the user waits on it: no point in waiting for more
@@ -254,13 +254,13 @@ class Engine:
     def _user_busy(self) -> bool:
         return self.queue.user_waiting == 0
 
-    def _finish(self, reqs: list[Request | None], result: Any = None, exc: BaseException | None = None) -> None:
+    def _finish(self, reqs: list[Submission | None], result: Any = None, exc: BaseException | None = None) -> None:
         self.queue.release(reqs)
         for req in reqs:
             if req is not None and not req.event.is_set():
                 req.finish(req.result if result is None else result, exc)
 
-    def _span(self, reqs: list[Request | None], phase: str, t0: float, **args: Any) -> None:
+    def _span(self, reqs: list[Submission | None], phase: str, t0: float, **args: Any) -> None:
         if self.tl is not None:
             t1 = time.perf_counter()
             for req in reqs:
@@ -268,24 +268,24 @@ class Engine:
                     self.tl.span(req.name, phase, t0, t1, **args)
 
     # -- control requests (every rank runs them) -------------------------------------------------
-    def _run_barrier(self, d0: Descriptor, req: Request | None) -> Any:
+    def _run_barrier(self, d0: Descriptor, req: Submission | None) -> Any:
         return None  # every member submitted it: that is the barrier
 
-    def _run_add_process_set(self, d0: Descriptor, req: Request | None) -> Any:
+    def _run_add_process_set(self, d0: Descriptor, req: Submission | None) -> Any:
         return self.sets.add(d0.sig.ranks)
 
-    def _run_remove_process_set(self, d0: Descriptor, req: Request | None) -> Any:
+    def _run_remove_process_set(self, d0: Descriptor, req: Submission | None) -> Any:
         sid = d0.sig.process_set
         return self.sets.remove(sid, self.controller.pending_on(sid))
 
-    def _run_start_timeline(self, d0: Descriptor, req: Request | None) -> Any:
+    def _run_start_timeline(self, d0: Descriptor, req: Submission | None) -> Any:
         if self.tl is not None:
             raise HpcdlError(f"a timeline is already being written to {self.tl.path!r}; stop it first")
         path = d0.var
         self.tl = Timeline(self.rank, path, time.perf_counter(), d0.sig.mark_cycles)
         return path
 
-    def _run_stop_timeline(self, d0: Descriptor, req: Request | None) -> Any:
+    def _run_stop_timeline(self, d0: Descriptor, req: Submission | None) -> Any:
         return self._write_timeline()
 
     def _write_timeline(self) -> str | None:

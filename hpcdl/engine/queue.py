@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 
 from ..errors import HpcdlArgumentError, HpcdlError
-from .request import Request
+from .request import Submission
 
 __all__ = ["TensorQueue", "SHUT_DOWN"]
 
@@ -39,13 +39,13 @@ class TensorQueue:
     def __init__(self, known_set: Callable[[int], bool]) -> None:
         self.known_set = known_set
         self.cv = threading.Condition()
-        self.pending: list[Request] = []
+        self.pending: list[Submission] = []
         self.pending_bytes = 0
         self.names: set[str] = set()
         self.urgent = False
         self.user_waiting = 0
         self.stop_requested = False
-        self.join_req: Request | None = None
+        self.join_req: Submission | None = None
         self.join_sent = False
         self.error: HpcdlError | None = None
         self.stop_reason: HpcdlError | None = None
@@ -58,7 +58,7 @@ class TensorQueue:
         if not self.running or self.stop_requested:
             raise self.stop_reason or HpcdlError(SHUT_DOWN)
 
-    def push(self, reqs: list[Request]) -> None:
+    def push(self, reqs: list[Submission]) -> None:
         """Queue ``reqs`` together for the next cycle (all or none: raises at once if the
         engine has stopped, a process set is unknown or a name is already in flight)."""
         with self.cv:
@@ -78,13 +78,13 @@ class TensorQueue:
             self.pending_bytes += sum(r.nbytes for r in reqs)
             self.cv.notify()
 
-    def push_join(self) -> Request:
+    def push_join(self) -> Submission:
         """Queue this rank's join; return the request that finishes when every rank joined."""
         with self.cv:
             self.check_alive()
             if self.join_req is not None:
                 raise HpcdlError("join() is already in progress on this rank")
-            req = self.join_req = Request("join", "join", 0, ())
+            req = self.join_req = Submission("join", "join", 0, ())
             self.join_sent = False
             self.cv.notify()
         return req
@@ -94,7 +94,7 @@ class TensorQueue:
             self.stop_requested = True
             self.cv.notify()
 
-    def waiting(self, req: Request) -> bool:
+    def waiting(self, req: Submission) -> bool:
         """A user thread starts waiting on ``req``: True when it is still pending (then the
         next cycle starts at once)."""
         with self.cv:
@@ -109,7 +109,7 @@ class TensorQueue:
         with self.cv:
             self.user_waiting -= 1
 
-    def take(self) -> tuple[list[Request], bool, bool]:
+    def take(self) -> tuple[list[Submission], bool, bool]:
         """For a cycle: the pending requests, whether a stop was requested, and whether the
         cycle announces this rank's join."""
         with self.cv:
@@ -121,20 +121,20 @@ class TensorQueue:
                 self.join_sent = True
             return new, self.stop_requested, join
 
-    def end_join(self) -> Request | None:
+    def end_join(self) -> Submission | None:
         """Every rank joined: this rank's join request, no longer pending."""
         with self.cv:
             req, self.join_req = self.join_req, None
         return req
 
-    def release(self, reqs: list[Request | None]) -> None:
+    def release(self, reqs: list[Submission | None]) -> None:
         """The names of ``reqs`` (finished) may be used again."""
         with self.cv:
             for req in reqs:
                 if req is not None:
                     self.names.discard(req.name)
 
-    def close(self, err: HpcdlError | None) -> list[Request]:
+    def close(self, err: HpcdlError | None) -> list[Submission]:
         """Take no more requests (``err``: later calls raise it); return every request the
         user side still holds, the join included, for the engine to fail."""
         with self.cv:

@@ -1,4 +1,4 @@
-"""What travels through the engine: a :class:`Request`, its :class:`Descriptor`, and the
+"""What travels through the engine: a :class:`Submission`, its :class:`Descriptor`, and the
 signature types of each kind.
 
 A request's *descriptor* is what the other ranks learn about it in negotiation: its name,
@@ -24,7 +24,7 @@ import numpy as np
 import collectives
 
 __all__ = [
-    "Request",
+    "Submission",
     "Descriptor",
     "ReduceSig",
     "GatherSig",
@@ -118,6 +118,7 @@ class Descriptor(NamedTuple):
         """Whether the request's buffers stay on a GPU (the device path)."""
         return _on_device(self.sig)
 
+
 DATA_KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter")
 """Kinds that move data through :mod:`collectives`."""
 
@@ -145,7 +146,7 @@ def identity(op: str, dtype: np.dtype) -> Any:
     return inf if op == "min" else -inf
 
 
-class Request:
+class Submission:
     """One submitted operation: its descriptor, its numpy buffers, and its completion."""
 
     __slots__ = (
@@ -208,7 +209,7 @@ class Request:
 class ProcessSetInfo:
     """A registered process set: its ranks (of the runtime's communicator) and, on its
     members, its communicator, the node window its buffers may live in (a
-    :class:`collectives.arena.Arena`, or None where its ranks span nodes) and the engine's
+    :class:`collectives.node.arena.Arena`, or None where its ranks span nodes) and the engine's
     fusion buffer for it."""
 
     ranks: tuple[int, ...]

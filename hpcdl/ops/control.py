@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .. import state
-from ..engine import Request, TimelineSig
+from ..engine import Submission, TimelineSig
 from ..handles import control, request_name, submit, synchronize
 from ..process_sets import ProcessSet, global_process_set, registered_id
 from ..timeline import path_problem
@@ -15,7 +15,7 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
     """Block until every rank of the process set has called barrier."""
     rt = state.running()
     sid = registered_id(process_set)
-    synchronize(submit(rt, [Request(request_name(rt, "barrier", sid, None), "barrier", sid, ())], lambda res: None))
+    synchronize(submit(rt, [Submission(request_name(rt, "barrier", sid, None), "barrier", sid, ())], lambda res: None))
 
 
 def join(device: int = -1) -> int:

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from collectives.layout import block_counts
+from collectives.blocks import block_counts
 
 from .. import state
-from ..engine import BroadcastSig, GatherSig, ReduceSig, Request
+from ..engine import BroadcastSig, GatherSig, ReduceSig, Submission
 from ..handles import request_name, submit, tensor_results
 from ..process_sets import ProcessSet, registered_id
 from ..staging import (
@@ -129,7 +129,7 @@ def start_allreduce(
         if inplace and private:
             fixups.append(lambda t=t, out=out: t.copy_(out))
         reqs.append(
-            Request(
+            Submission(
                 _group_name(base, i, len(tensors)),
                 "allreduce",
                 sid,
@@ -145,7 +145,7 @@ def start_allreduce(
 # -- allgather -----------------------------------------------------------------------------
 def _allgather_reqs(
     rt: state.Runtime, tensors: Any, name: str | None, sid: int, what: str
-) -> tuple[list[Request], Callable[[list], list[torch.Tensor]]]:
+) -> tuple[list[Submission], Callable[[list], list[torch.Tensor]]]:
     reqs = []
     tensors = tensor_list(tensors, what)
     base = request_name(rt, "allgather", sid, name)
@@ -156,7 +156,7 @@ def _allgather_reqs(
             problem = "allgather needs a tensor with at least one dimension"
         item = tuple(src.shape[1:]) if src.dim() else ()
         reqs.append(
-            Request(
+            Submission(
                 _group_name(base, i, len(tensors)),
                 "allgather",
                 sid,
@@ -223,7 +223,7 @@ def start_broadcast(
     private = is_private(src, tensor)
     out = src if inplace or private else torch.empty_like(src)
     fix = (lambda: tensor.copy_(out)) if inplace and private else None
-    req = Request(
+    req = Submission(
         request_name(rt, "broadcast", sid, name),
         "broadcast",
         sid,
@@ -259,7 +259,7 @@ def start_alltoall(tensor: torch.Tensor, splits: Any, name: str | None, process_
                 )
     elif problem is None and rows % n:
         problem = f"alltoall of {rows} rows without splits: they do not divide evenly over {n} ranks; pass splits"
-    req = Request(
+    req = Submission(
         request_name(rt, "alltoall", sid, name),
         "alltoall",
         sid,
@@ -309,7 +309,7 @@ def start_reducescatter(
         fits = given is not None and given.device == src.device
         out = given if fits else torch.empty((rows, *src.shape[1:]), dtype=src.dtype, device=src.device)
         reqs.append(
-            Request(
+            Submission(
                 _group_name(base, i, len(tensors)),
                 "reducescatter",
                 sid,

@@ -33,25 +33,16 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from ..agreement import ROWS, Call
+from ..algorithms.native import mpi_op
+from ..blocks import block_counts, offsets
+from ..context import Context, get_context
+from ..errors import CollectiveError, InvalidArgumentError, OutputMismatchError, UnsupportedDtypeError
+from ..ops import finalize
 from . import ipc
-from .agreement import ROWS, Call
-from .context import Context, get_context
-from .device import (
-    BFLOAT16_CUPY,
-    as_cupy,
-    bfloat16_ok,
-    cuda_aware_mpi,
-    cupy_module,
-    describe,
-    is_device,
-    stand_in,
-)
-from .errors import CollectiveError, InvalidArgumentError, OutputMismatchError, UnsupportedDtypeError
-from .layout import block_counts, offsets
-from .native import mpi_op
+from .arrays import BFLOAT16_CUPY, as_cupy, bfloat16_ok, cuda_aware_mpi, cupy_module, describe, is_device, stand_in
 from .nccl import Nccl
 from .nccl import plan as nccl_plan
-from .ops import finalize
 
 __all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "NCCL_DTYPES"]
 
@@ -69,7 +60,7 @@ Host = Callable[..., Any]
 def _peers(ctx: Context) -> ipc.CudaPeers:
     st = ctx.device
     if "ipc" not in st:
-        st["ipc"] = ipc.CudaPeers(ctx.layout().node, ctx.config.device_window_bytes)
+        st["ipc"] = ipc.CudaPeers(ctx.topology().node, ctx.config.device_window_bytes)
     return st["ipc"]
 
 
@@ -93,7 +84,7 @@ def _call(ctx: Context, collective: str, x: Any, algorithm: str, op: str | None 
     call = Call(ctx, collective, stand_in(shape, dtype), algorithm, op, root=root, device=True)
     if problem is not None:
         call.fail(problem)
-    lay = ctx.layout()
+    lay = ctx.topology()
     if algorithm == "ipc" and lay.nodes > 1:
         call.fail(InvalidArgumentError(f"{collective}: algorithm 'ipc' needs every rank on one node"))
     if algorithm == "nccl" and dtype.name not in NCCL_DTYPES:
@@ -149,7 +140,7 @@ def _resolve(ctx: Context, call: Call) -> str:
             st["nccl_plan"] = nccl_plan(ctx.transport)
         if st["nccl_plan"] is None:
             return "nccl"
-    if ctx.layout().nodes == 1 and call.collective != "alltoall":
+    if ctx.topology().nodes == 1 and call.collective != "alltoall":
         return "ipc"
     if _mpi_direct(ctx, call.x.dtype):
         return "native"

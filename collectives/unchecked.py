@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .adasum import allreduce as adasum_schedule
+from .algorithms.adasum import allreduce as adasum_schedule
 from .api import allgather_agreed as allgather
 from .api import allreduce_agreed as allreduce
 from .api import broadcast_agreed as broadcast
@@ -41,7 +41,7 @@ __all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "adasum", "f
 
 
 def adasum(x: np.ndarray, *, out: np.ndarray | None = None, comm: Any = None) -> np.ndarray:
-    """The Adasum of every rank's floating-point ``x`` (:mod:`collectives.adasum`), in
+    """The Adasum of every rank's floating-point ``x`` (:mod:`collectives.algorithms.adasum`), in
     ``out`` when given. The number of ranks must be a power of two (an
     :class:`~collectives.InvalidArgumentError` otherwise, on every rank alike)."""
     ctx = get_context(comm)

@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from .device import cupy_module
-from .errors import DeviceUnavailableError, UnsupportedDtypeError
-from .ops import finalize
+from ..errors import DeviceUnavailableError, UnsupportedDtypeError
+from ..ops import finalize
+from .arrays import cupy_module
 
 __all__ = ["Nccl", "plan", "dtype_code", "available"]
 

@@ -11,8 +11,8 @@ from collections.abc import Generator
 
 import numpy as np
 
-from .layout import block_counts, offsets
-from .ops import reduce_into
+from ..blocks import block_counts, offsets
+from ..ops import reduce_into
 
 Schedule = Generator[list, None, None]
 

@@ -11,7 +11,7 @@ from collections.abc import Generator
 
 import numpy as np
 
-from .ops import reduce_into
+from ..ops import reduce_into
 
 Schedule = Generator[list, None, None]
 

@@ -1,7 +1,7 @@
 """Rabenseifner's allreduce: recursive-halving reduce-scatter, recursive-doubling allgather.
 
 Also the standalone recursive-halving reduce-scatter. Both fold non-power-of-two sizes
-(:class:`~collectives.layout.Fold`); blocks stay in the MPICH layout, and each folded rank
+(:class:`~collectives.blocks.Fold`); blocks stay in the MPICH layout, and each folded rank
 owns the contiguous blocks of the actual ranks it stands for. Every element is reduced on
 one rank only, so results are bitwise equal everywhere.
 """
@@ -12,8 +12,8 @@ from collections.abc import Generator
 
 import numpy as np
 
-from .layout import Fold, block_counts, offsets
-from .ops import reduce_into
+from ..blocks import Fold, block_counts, offsets
+from ..ops import reduce_into
 from .recursive_doubling import doubling_exchange
 
 Schedule = Generator[list, None, None]

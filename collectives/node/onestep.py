@@ -15,15 +15,15 @@ from typing import Any
 
 import numpy as np
 
-from . import node
-from .agreement import OP_CODES, ROWS, Call, word
-from .context import Context, get_context
-from .ops import dtype_code
-from .select import choose
+from ..agreement import OP_CODES, ROWS, Call, word
+from ..context import Context, get_context
+from ..ops import dtype_code
+from ..select import choose
+from . import slots
 
 __all__ = ["onestep", "onestep_fn"]
 
-_SLOW, _MISMATCH = node.SLOW, node.MISMATCH
+_SLOW, _MISMATCH = slots.SLOW, slots.MISMATCH
 
 
 def onestep_fn(ctx: Context, key: tuple) -> Any:
@@ -56,22 +56,22 @@ def onestep_fn(ctx: Context, key: tuple) -> Any:
         c = zlib.crc32(repr(tuple(shape[1:])).encode()) if len(shape) > 1 else 0
         if shape[0] >= ROWS:
             return fn
-        fn = node.small_allgather_fn(ch, word(coll, algorithm, algorithm, None, dtype, None), c, dtype, shape, ROWS)
+        fn = slots.small_allgather_fn(ch, word(coll, algorithm, algorithm, None, dtype, None), c, dtype, shape, ROWS)
     elif (choose(ctx, coll, nbytes) if algorithm == "auto" else "shm") == "shm":
         a = word(coll, algorithm, "shm", op, dtype, root)
         if coll == "allreduce":
-            fn = node.small_allreduce_fn(ch, a, dtype, shape, op)
+            fn = slots.small_allreduce_fn(ch, a, dtype, shape, op)
         elif coll == "reduce_scatter":
-            fn = node.small_reduce_scatter_fn(ch, a, dtype, math.prod(shape), op)
+            fn = slots.small_reduce_scatter_fn(ch, a, dtype, math.prod(shape), op)
         elif coll == "broadcast":
-            fn = node.small_broadcast_fn(ch, a, dtype, shape, root)
+            fn = slots.small_broadcast_fn(ch, a, dtype, shape, root)
         else:
-            fn = node.small_reduce_fn(ch, a, dtype, shape, op, root)
+            fn = slots.small_reduce_fn(ch, a, dtype, shape, op, root)
     return fn
 
 
 def onestep(comm: Any, key: tuple, x: np.ndarray, out: np.ndarray | None = None) -> Any:
-    """Run ``key``'s one-step function on ``x``, or return ``node.SLOW`` when there is none (the
+    """Run ``key``'s one-step function on ``x``, or return ``slots.SLOW`` when there is none (the
     caller then takes the general path). Raises the agreement error on a mismatch."""
     ctx = get_context(comm)
     try:

@@ -28,7 +28,7 @@ waiter then writes its ``abort`` word (beside its counter) and raises
 :class:`~.errors.StallError`; every other rank's wait sees that word and raises too, and
 so does every later call on the channel, on every rank, until :func:`collectives.reset`.
 
-Where the compiled loop (``collectives.cslots``, built at install) is present, it posts,
+Where the compiled loop (``collectives.node.cslots``, built at install) is present, it posts,
 waits and finishes one-step calls on the same words with the same protocol
 (:attr:`Channel.core`); the methods here are then its pure-Python twin, and ranks on
 either interoperate.
@@ -44,8 +44,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import StallError
 from . import futex
-from .errors import StallError
 
 try:
     from .cslots import Core

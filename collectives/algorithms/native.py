@@ -15,9 +15,9 @@ import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
-from .errors import InvalidArgumentError
-from .layout import offsets
-from .ops import reduce_into
+from ..blocks import offsets
+from ..errors import InvalidArgumentError
+from ..ops import reduce_into
 
 Schedule = Generator[list, None, None]
 

@@ -13,8 +13,8 @@ from collections.abc import Generator
 
 import numpy as np
 
+from ..blocks import block_counts, offsets
 from . import recursive_doubling, ring, tree
-from .layout import block_counts, offsets
 
 Schedule = Generator[list, None, None]
 
@@ -32,7 +32,7 @@ def cross_allreduce(ctx, t, buf: np.ndarray, op: str, tag: int) -> Schedule:
 
 def allreduce(ctx, t, buf: np.ndarray, op: str, tag: int) -> Schedule:
     """Reduce ``buf`` in place over all ranks, node by node."""
-    lay = ctx.layout()
+    lay = ctx.topology()
     node, cross = lay.node, lay.cross
     if not lay.homogeneous:
         yield from tree.reduce(ctx, node, buf, 0, op, tag)

@@ -1,6 +1,6 @@
 """Recursive-doubling allreduce and allgather (Thakur, Rabenseifner & Gropp, 2005).
 
-Non-power-of-two sizes fold first (see :class:`~collectives.layout.Fold`): the extra even
+Non-power-of-two sizes fold first (see :class:`~collectives.blocks.Fold`): the extra even
 ranks hand their data to a partner and receive the result at the end. In the allreduce
 both partners of an exchange compute ``a op b`` from the same two operands, and IEEE
 addition and multiplication commute exactly, so every rank ends bitwise equal.
@@ -12,8 +12,8 @@ from collections.abc import Generator
 
 import numpy as np
 
-from .layout import Fold, offsets
-from .ops import reduce_into
+from ..blocks import Fold, offsets
+from ..ops import reduce_into
 
 Schedule = Generator[list, None, None]
 

@@ -23,10 +23,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .device import cupy_module
-from .errors import DeviceUnavailableError
-from .layout import block_counts, offsets
-from .ops import finalize, ufunc
+from ..blocks import block_counts, offsets
+from ..errors import DeviceUnavailableError
+from ..ops import finalize, ufunc
+from .arrays import cupy_module
 
 __all__ = [
     "Peers",

@@ -1,6 +1,6 @@
 """Shared-memory allreduce over several nodes, through an MPI-3 shared window per node.
 
-With every rank on one node, ``allreduce`` here hands over to :mod:`collectives.node`.
+With every rank on one node, ``allreduce`` here hands over to :mod:`collectives.node.staged`.
 
 Each rank copies its vector into its own window segment; after a barrier, rank ``i``
 reduces slice ``i`` by reading that slice straight from every peer's segment (in rank
@@ -16,10 +16,10 @@ from collections.abc import Generator
 
 import numpy as np
 
-from . import node
+from ..blocks import block_counts, offsets
+from ..node import staged
+from ..ops import reduce_into
 from .hierarchical import cross_allreduce
-from .layout import block_counts, offsets
-from .ops import reduce_into
 
 Schedule = Generator[list, None, None]
 
@@ -38,11 +38,11 @@ def barrier(t, tag: int) -> Schedule:
 def allreduce(ctx, t, buf: np.ndarray, op: str, tag: int, src: np.ndarray | None = None) -> Schedule:
     """Reduce ``src`` (default: ``buf`` in place) over all ranks into ``buf`` through shared memory.
 
-    One node: :func:`collectives.node.allreduce` (which also applies ``avg``'s division).
+    One node: :func:`collectives.node.staged.allreduce` (which also applies ``avg``'s division).
     Several: each node's sum is made in its window and allreduced across nodes.
     """
-    if ctx.layout().nodes == 1:
-        yield from node.allreduce(ctx, t, buf, op, tag, src)
+    if ctx.topology().nodes == 1:
+        yield from staged.allreduce(ctx, t, buf, op, tag, src)
         return
     if src is not None:
         np.copyto(buf, src)
@@ -50,7 +50,7 @@ def allreduce(ctx, t, buf: np.ndarray, op: str, tag: int, src: np.ndarray | None
 
 
 def _windowed(ctx, t, buf: np.ndarray, op: str, tag: int) -> Schedule:
-    lay = ctx.layout()
+    lay = ctx.topology()
     node = lay.node
     token = object()
     ctx.shm_queue.append(token)

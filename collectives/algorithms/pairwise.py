@@ -6,7 +6,7 @@ from collections.abc import Generator
 
 import numpy as np
 
-from .layout import offsets
+from ..blocks import offsets
 
 Schedule = Generator[list, None, None]
 

@@ -18,7 +18,7 @@ from typing import Any
 import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy, for dtypes read by name
 import numpy as np
 
-from .errors import DeviceUnavailableError
+from ..errors import DeviceUnavailableError
 
 __all__ = [
     "is_device",
