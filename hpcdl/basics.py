@@ -15,7 +15,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from collectives import unchecked as collectives_agreed
+from collectives import unchecked
 from collectives.device.nccl import available as nccl_available
 from collectives.errors import combined_problem
 
@@ -123,7 +123,7 @@ def init(
             agreed = {f: getattr(config, f) for f in AGREED}
             agreed["ps_servers"] = servers
             try:  # the engine's collectives skip their own agreement: their configuration must match
-                agreed["collectives"] = collectives_agreed.fingerprint()
+                agreed["collectives"] = unchecked.fingerprint()
             except Exception as exc:  # a bad HPCDL_* value of the collectives layer
                 problem = str(exc)
         sets = None

@@ -11,7 +11,8 @@ from mpi4py import MPI
 
 import collectives as C
 import hpcdl as hvd
-from collectives import unchecked as agreed
+from collectives import unchecked
+from hpcdl.optim.distributed import AdasumReducer, DistributedReducer
 
 pytestmark = [pytest.mark.mpi, pytest.mark.usefixtures("clean_runtime")]
 
@@ -56,9 +57,9 @@ def test_agreed_adasum_matches_the_tree_of_pairwise_combines(count, dtype):
     xs = vectors(count, count + 1, dtype)
     if not POWER_OF_TWO:
         with pytest.raises(C.InvalidArgumentError, match=f"power-of-two number of ranks, not {N}"):
-            agreed.adasum(xs[ME])
+            unchecked.adasum(xs[ME])
         return
-    got = agreed.adasum(xs[ME])
+    got = unchecked.adasum(xs[ME])
     want = tree(xs)
     tol = 1e-12 if dtype == np.float64 else 1e-5
     np.testing.assert_allclose(got.astype(np.float64).reshape(-1), want, rtol=tol, atol=tol)
@@ -111,3 +112,36 @@ def test_distributed_optimizer_with_adasum_is_horovods_delta_optimizer():
             np.testing.assert_allclose(p.detach().numpy(), w, rtol=1e-12, atol=1e-12)
     every = hvd.allgather_object([p.detach().clone() for p in model.parameters()])
     assert all(all(torch.equal(a, b) for a, b in zip(e, every[0], strict=True)) for e in every)
+
+
+def test_distributed_optimizer_picks_the_adasum_reducer_for_op_adasum_only():
+    """As Horovod's factory does: op=Adasum gets the delta optimizer's class, the other ops
+    the plain one; either way the result is an instance of the wrapped optimizer's class."""
+    hvd.init()
+    plain = hvd.DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), op=hvd.Sum)
+    assert isinstance(plain, torch.optim.SGD) and isinstance(plain, DistributedReducer)
+    assert not isinstance(plain, AdasumReducer)
+    if POWER_OF_TWO:
+        ada = hvd.DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), op=hvd.Adasum)
+        assert isinstance(ada, torch.optim.SGD) and isinstance(ada, AdasumReducer)
+
+
+def test_adasum_on_a_rank_outside_its_process_set_is_the_plain_local_step():
+    """Every rank wraps its optimizer with op=Adasum over a set of two ranks (one at two
+    ranks); the members combine their changes with Adasum, the others step on their own."""
+    hvd.init()
+    members = [0, 1] if N > 2 else [0]
+    ps = hvd.add_process_set(members)
+    try:
+        m = torch.nn.Linear(3, 1, bias=False).double()
+        with torch.no_grad():
+            m.weight.fill_(1.0)
+        sgd = torch.optim.SGD(m.parameters(), lr=0.5)
+        opt = hvd.DistributedOptimizer(sgd, named_parameters=m.named_parameters(), op=hvd.Adasum, process_set=ps)
+        m(torch.full((1, 3), float(ME + 1), dtype=torch.float64)).sum().backward()  # d/dw = x
+        opt.step()
+        changes = [np.full(3, -0.5 * (q + 1)) for q in (members if ME in members else [ME])]
+        want = 1.0 + tree(changes)
+        np.testing.assert_allclose(m.weight.detach().numpy().reshape(-1), want, rtol=1e-12, atol=1e-12)
+    finally:
+        hvd.remove_process_set(ps)

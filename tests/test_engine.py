@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 import collectives as C
 import hpcdl as hvd
-from collectives import unchecked as agreed
+from collectives import unchecked
 from collectives.context import get_context
 from collectives.node import channel
 from hpcdl.engine.doorbell import MPIDoorbell, ShmDoorbell
@@ -87,9 +87,9 @@ def test_a_rank_waiting_for_a_late_peer_sleeps(count):
             assert waited > 0.3
             assert spent < 0.5 * waited, f"spent {spent * 1e3:.0f} ms of CPU waiting {waited * 1e3:.0f} ms"
         # the engine's hint: while its user thread computes, poll only briefly before sleeping
-        agreed.set_polite(comm, lambda: True)
+        unchecked.set_polite(comm, lambda: True)
         assert ch.budget() == channel.POLITE_SPIN
-        agreed.set_polite(comm, None)
+        unchecked.set_polite(comm, None)
         assert ch.budget() == ch.spin
     finally:
         comm.Free()

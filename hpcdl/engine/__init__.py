@@ -16,9 +16,9 @@ from .request import (
     GatherSig,
     ProcessSetInfo,
     ReduceSig,
-    Submission,
     SetIdSig,
     SetSig,
+    Submission,
     TimelineSig,
 )
 

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 import collectives
-from collectives import unchecked as agreed
+from collectives import unchecked
 from collectives.blocks import block_counts, offsets
 from collectives.context import get_context
 from collectives.device.arrays import cupy_module
@@ -130,7 +130,7 @@ class Executors:
         dtype = DTYPES[sig.dtype]
         comm = info.comm
         xp = np if cp is None else cp
-        reduce = collectives.allreduce if device and cp is None else agreed.allreduce
+        reduce = collectives.allreduce if device and cp is None else unchecked.allreduce
         xs = []
         for d, req in zip(descs, reqs, strict=True):
             if req is not None:
@@ -150,7 +150,7 @@ class Executors:
                 scale(x, pre, out)
                 src = out
             if op == "adasum":
-                agreed.adasum(src, out=out, comm=comm)
+                unchecked.adasum(src, out=out, comm=comm)
             else:
                 reduce(src, op=op, out=out, comm=comm)
             if post != 1.0:
@@ -208,7 +208,7 @@ class Executors:
         rows = [descs[r].var for r in info.ranks]  # every member's, as its descriptor says
         t0 = time.perf_counter()
         # an ``out`` (ZeroOptimizer's flat parameters) holds this rank's block already
-        res = agreed.allgather(req.x, rows, comm=info.comm, out=req.out)
+        res = unchecked.allgather(req.x, rows, comm=info.comm, out=req.out)
         alg = self.algorithm(info.comm, "allgather", res.nbytes, req.on_device)
         self.span([req], "ALLGATHER", t0, algorithm=alg, bytes=int(res.nbytes))
         return res
@@ -218,7 +218,7 @@ class Executors:
         out = req.out
         src = req.x if rank == root else out
         t0 = time.perf_counter()
-        agreed.broadcast(src, info.ranks.index(root), out=out, comm=info.comm)
+        unchecked.broadcast(src, info.ranks.index(root), out=out, comm=info.comm)
         alg = self.algorithm(info.comm, "broadcast", out.nbytes, req.on_device)
         self.span([req], "BROADCAST", t0, algorithm=alg, bytes=int(out.nbytes))
         return out
@@ -246,10 +246,10 @@ class Executors:
             scale(x, pre, src)
         rows = shape[0] if shape else 0
         if rows % n == 0 and x.size:
-            agreed.reduce_scatter(src, op=op, out=out.reshape(-1), comm=info.comm)
+            unchecked.reduce_scatter(src, op=op, out=out.reshape(-1), comm=info.comm)
             alg = self.algorithm(info.comm, "reduce_scatter", x.nbytes, req.on_device)
         else:  # uneven rows: reduce everything, keep this rank's rows
-            full = agreed.allreduce(src, op=op, comm=info.comm)
+            full = unchecked.allreduce(src, op=op, comm=info.comm)
             off = offsets(block_counts(rows, n))
             out[...] = full[off[me] : off[me + 1]]
             alg = "allreduce+slice"

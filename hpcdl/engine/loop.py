@@ -25,7 +25,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from collectives import unchecked as agreed
+from collectives import unchecked
 
 from ..config import Config
 from ..errors import HpcdlError
@@ -249,7 +249,7 @@ class Engine:
     def _be_polite(self, comm: Any) -> None:
         """Make ``comm``'s node channel sleep soon when it waits for a peer while no user
         thread waits on the engine: the user thread is computing then, on the same cores."""
-        agreed.set_polite(comm, self._user_busy)
+        unchecked.set_polite(comm, self._user_busy)
 
     def _user_busy(self) -> bool:
         return self.queue.user_waiting == 0

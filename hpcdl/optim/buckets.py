@@ -31,7 +31,7 @@ from ..compression import Compressor
 from ..errors import HpcdlArgumentError, HpcdlError
 from ..functions import allgather_object
 from ..handles import request_name, synchronize
-from ..ops import Adasum, Average, ReduceOp, Sum, allreduce_async, grouped_allreduce_async_, sparse_allreduce_async
+from ..ops import Average, ReduceOp, Sum, allreduce_async, grouped_allreduce_async_, sparse_allreduce_async
 from ..process_sets import ProcessSet, registered_id
 
 __all__ = ["Bucket", "Reducer", "elementwise_state", "is_elementwise"]
@@ -80,13 +80,23 @@ class Reducer:
     accumulation, the missing-gradient check and the step protocol.
 
     A subclass puts it in front of an optimizer class (plain ``super()`` reaches that
-    class) and calls :meth:`_hpcdl_setup` once the parameter groups exist. By default each
-    bucket's gradients are allreduced in place (``DistributedOptimizer``); a subclass
-    changes how a bucket is sent (:meth:`_submit`) and its result put in place
-    (:meth:`_unpack`), as ``ZeroOptimizer`` does. These two, :meth:`_request_args`,
-    :meth:`_agree`, :attr:`_buckets` and :attr:`_prefix` are the interface for subclasses."""
+    class), names itself in :attr:`_kind` and calls :meth:`_hpcdl_setup` once the parameter
+    groups exist. By default each bucket's gradients are allreduced in place, and ``step()``
+    waits for them and runs the optimizer's own step. A subclass changes:
 
-    _kind = "DistributedOptimizer"
+    - which reduction ops it accepts (:attr:`_ops`, :meth:`_check_op`);
+    - whether this rank takes part at all (:meth:`_takes_part`);
+    - how a bucket is sent (:meth:`_submit`) and its result put in place (:meth:`_unpack`);
+    - what ``step()`` does (:meth:`step`; :meth:`_wrapped_step` runs the optimizer's own).
+
+    :meth:`_request_args`, :meth:`_agree`, :attr:`_buckets` and :attr:`_prefix` are there
+    for subclasses to use."""
+
+    _kind = "Reducer"
+    """The optimizer's name in messages and request names: each subclass sets its own."""
+
+    _ops: tuple[ReduceOp, ...] = (Average, Sum)
+    """The reduction ops over the ranks that ``op`` may be."""
 
     def _hpcdl_setup(
         self,
@@ -100,47 +110,84 @@ class Reducer:
         sparse_as_dense: bool = False,
         check_missing_gradients: bool | None = None,
     ) -> None:
-        ops = (Average, Sum, Adasum) if self._kind == "DistributedOptimizer" else (Average, Sum)
-        if op not in ops:
-            names = ", ".join(f"hpcdl.{o.name}" for o in ops)
-            raise HpcdlArgumentError(f"{self._kind}: op must be one of {names}, not {op!r}")
-        n = process_set.size()
-        if op == Adasum and n & (n - 1):
-            raise HpcdlArgumentError(f"{self._kind}(op=Adasum) needs a power-of-two number of ranks, not {n}")
+        """Check the arguments, then cut the parameters into buckets and hook them (the
+        arguments as documented at :func:`hpcdl.DistributedOptimizer`). Raises
+        :class:`HpcdlArgumentError` naming the first bad argument, before any hook exists."""
+        self._check_op(op, process_set)
         if gradient_predivide_factor != 1.0 and op != Average:
             raise HpcdlArgumentError(f"{self._kind}: gradient_predivide_factor needs op=Average")
         rt = state.running()
-        first_bytes = rt.config.first_bucket_bytes
         if bucket_bytes is None:
             bucket_bytes = rt.config.bucket_bytes
         elif bucket_bytes <= 0:
             raise HpcdlArgumentError(f"{self._kind}: bucket_bytes={bucket_bytes} must be > 0")
+        names = self._name_parameters(named_parameters)
+        self._member = self._takes_part(process_set)
+        """False where this rank takes no part (:meth:`_takes_part`): no hooks, no
+        reductions, and ``step()`` is the optimizer's own, on local gradients."""
+        self._store_settings(
+            rt,
+            compression,
+            backward_passes_per_step,
+            op,
+            gradient_predivide_factor,
+            process_set,
+            sparse_as_dense,
+            check_missing_gradients,
+        )
+        self._cut_buckets(bucket_bytes, rt.config.first_bucket_bytes)
+        self._index = {p: i for i, p in enumerate(self._bucket_of)}
+        self._names = {p: names[p] for p in self._bucket_of}
+        self._parameter_names = names  # Horovod's attribute name
+        self._hook_parameters()
+
+    def _check_op(self, op: ReduceOp, process_set: ProcessSet) -> None:
+        """Raise :class:`HpcdlArgumentError` unless ``op`` is one of :attr:`_ops`; a subclass
+        adds what its op needs of ``process_set``."""
+        if op not in self._ops:
+            names = ", ".join(f"hpcdl.{o.name}" for o in self._ops)
+            raise HpcdlArgumentError(f"{self._kind}: op must be one of {names}, not {op!r}")
+
+    def _takes_part(self, process_set: ProcessSet) -> bool:
+        """Whether this rank takes part in the reductions over ``process_set``: by default,
+        every rank that builds the optimizer does."""
+        return True
+
+    def _name_parameters(
+        self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None
+    ) -> dict[torch.nn.Parameter, str]:
+        """Every parameter of the optimizer's groups -> its name: from ``named_parameters``
+        (which must name each of them once), or made up from its position when None."""
         params = [p for g in self.param_groups for p in g["params"]]
         if named_parameters is None:
-            names = {p: f"param.{i}" for i, p in enumerate(params)}
-        else:
-            pairs = list(named_parameters)
-            if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in pairs):
-                raise HpcdlArgumentError(
-                    "named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()"
-                )
-            dupes = sorted({n for n, _ in pairs if sum(1 for m, _ in pairs if m == n) > 1})
-            if dupes:
-                raise HpcdlArgumentError(f"named_parameters has duplicate names: {dupes}")
-            names = {p: n for n, p in pairs}
-            unnamed = [i for i, p in enumerate(params) if p not in names]
-            if unnamed:
-                raise HpcdlArgumentError(f"named_parameters misses optimizer parameters at positions {unnamed}")
+            return {p: f"param.{i}" for i, p in enumerate(params)}
+        pairs = list(named_parameters)
+        if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in pairs):
+            raise HpcdlArgumentError("named_parameters must be (name, parameter) pairs, e.g. model.named_parameters()")
+        dupes = sorted({n for n, _ in pairs if sum(1 for m, _ in pairs if m == n) > 1})
+        if dupes:
+            raise HpcdlArgumentError(f"named_parameters has duplicate names: {dupes}")
+        names = {p: n for n, p in pairs}
+        unnamed = [i for i, p in enumerate(params) if p not in names]
+        if unnamed:
+            raise HpcdlArgumentError(f"named_parameters misses optimizer parameters at positions {unnamed}")
+        return {p: names[p] for p in params}
+
+    def _store_settings(
+        self,
+        rt: state.Runtime,
+        compression: type[Compressor],
+        backward_passes_per_step: int,
+        op: ReduceOp,
+        gradient_predivide_factor: float,
+        process_set: ProcessSet,
+        sparse_as_dense: bool,
+        check_missing_gradients: bool | None,
+    ) -> None:
+        """Keep the settings (also under Horovod's attribute names) and start the step's
+        bookkeeping empty; name this optimizer's requests."""
         # requests are named per optimizer (numbered in construction order per process set,
         # alike on the set's ranks), so two wrapped optimizers can be in flight together
-        self._member = not (
-            self._kind == "DistributedOptimizer"
-            and getattr(process_set, "process_set_id", None)  # a registered set other than the global one
-            and not process_set.included()
-        )
-        """False on a rank outside a DistributedOptimizer's process set: as in Horovod, it takes
-        no part (no hooks, no reductions) and ``step()`` is the optimizer's own, on local
-        gradients."""
         self._prefix = request_name(rt, self._kind, registered_id(process_set), None) if self._member else ""
         self._compression = compression
         self._op = op
@@ -153,16 +200,21 @@ class Reducer:
         self.sparse_as_dense = self._sparse_as_dense
         self._passes_per_step = 0
         self.set_backward_passes_per_step(backward_passes_per_step)
-        self._passes: dict[torch.nn.Parameter, int] = {}
-        self._bucket_of: dict[torch.nn.Parameter, Bucket] = {}
-        self._buckets: list[Bucket] = []
         self._synchronized = False
         self._skip = False
         self._sent = 0  # buckets submitted by hooks this step
         self._flags: int | None = None  # the missing-gradient check, when sent early
+
+    def _cut_buckets(self, bucket_bytes: int, first_bytes: int) -> None:
+        """Group the parameters that need a gradient into buckets of at most ``bucket_bytes``
+        (the first, whose gradients backward produces first, of at most ``first_bytes`` too).
+        A rank that takes no part has no buckets."""
+        self._passes: dict[torch.nn.Parameter, int] = {}
+        self._bucket_of: dict[torch.nn.Parameter, Bucket] = {}
+        self._buckets: list[Bucket] = []
         size = 0
         # backward produces the last layers' gradients first; a bucket holds one group's
-        # parameters of one dtype on one device (a flat shard for ZeroOptimizer)
+        # parameters of one dtype on one device
         owned = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"]] if self._member else []
         for gi, p in reversed(owned):
             if not p.requires_grad:
@@ -183,9 +235,9 @@ class Reducer:
             size += nbytes
             self._bucket_of[p] = b
             self._passes[p] = 0
-        self._index = {p: i for i, p in enumerate(self._bucket_of)}
-        self._names = {p: names[p] for p in self._bucket_of}
-        self._parameter_names = {p: names[p] for p in params}  # Horovod's attribute name
+
+    def _hook_parameters(self) -> None:
+        """Register the hook that counts each bucketed parameter's gradient as ready."""
         # the hooks reach the optimizer through a weak reference, so an optimizer the script
         # drops stops reducing (and is freed) instead of hooking its parameters for ever
         me = weakref.ref(self)
@@ -268,15 +320,7 @@ class Reducer:
     def step(self, closure: Any = None) -> Any:
         """Synchronize the gradients (unless skipped), then step. After an explicit
         ``synchronize()`` outside ``skip_synchronize()`` it warns, as Horovod does, and steps
-        with the gradients already reduced. With ``op=Adasum`` each parameter has taken its
-        local step already, when its gradient was ready (Horovod's delta optimizer):
-        ``step()`` only waits for the combined updates."""
-        if self._op == Adasum and self._member:
-            loss = closure() if closure is not None else None
-            if not self._synchronized:
-                self.synchronize()
-            self._synchronized = False
-            return loss
+        with the gradients already reduced."""
         if not self._skip:
             if self._synchronized:
                 warnings.warn(
@@ -298,6 +342,11 @@ class Reducer:
         super().zero_grad(set_to_none=set_to_none)  # type: ignore[misc]
 
     # -- internals -----------------------------------------------------------------------------
+    def _wrapped_step(self) -> Any:
+        """Run the wrapped optimizer's own ``step()`` and nothing else: no reduction, no
+        waiting (for a subclass whose ranks step before they communicate)."""
+        return super().step()  # type: ignore[misc]
+
     def _in_flight(self) -> bool:
         """True while a gradient reduction or the missing-gradient check is in flight."""
         flags = getattr(self, "_flags", None)  # set_backward_passes_per_step runs before setup ends
@@ -368,9 +417,6 @@ class Reducer:
         dense gradients (zeros for the ones missing), and for each sparse gradient an
         allgather of its indices and values (or, with ``sparse_as_dense``, its dense form
         in the grouped allreduce)."""
-        if self._op == Adasum:
-            self._submit_adasum(b)
-            return
         sent, sparse = [], []
         args = self._request_args(b)
         for p in b.params:
@@ -399,40 +445,10 @@ class Reducer:
         b.sent, b.sparse = [], []
         b.ready = 0
 
-    def _submit_adasum(self, b: Bucket) -> None:
-        """Horovod's Adasum delta optimizer: the wrapped optimizer steps ``b``'s parameters
-        alone, here and now; the change each made is combined over the ranks with Adasum
-        and added to the value it started from (:meth:`_unpack`). A parameter without a
-        gradient is not stepped, so its change is zero."""
-        b.starts = {p: p.detach().clone() for p in b.params}
-        ids = {id(p) for p in b.params}
-        stashed = [g["params"] for g in self.param_groups]
-        for g in self.param_groups:
-            g["params"] = [p for p in g["params"] if id(p) in ids]
-        try:
-            super().step()  # type: ignore[misc]
-        finally:
-            for g, params in zip(self.param_groups, stashed, strict=True):
-                g["params"] = params
-        sent = []
-        for p in b.params:
-            t, ctx = self._compression.compress(p.detach() - b.starts[p])
-            sent.append((t, ctx, p))
-        b.sent = sent
-        args = {**self._request_args(b), "prescale_factor": 1.0, "postscale_factor": 1.0}
-        b.handle = grouped_allreduce_async_([t for t, _, _ in sent], **args)
-
     def _unpack(self, b: Bucket, result: Any) -> None:
         """Put the result of :meth:`_submit`'s request in place: by default, the reduced
         gradients back into ``p.grad`` (a no-op where they were reduced in place; a sparse
-        gradient sent dense is made sparse again); with Adasum, the starting values plus
-        the combined changes into the parameters."""
-        if self._op == Adasum:
-            with torch.no_grad():
-                for t, ctx, p in b.sent:
-                    p.copy_(b.starts[p] + self._compression.decompress(t, ctx))
-            b.starts = {}
-            return
+        gradient sent dense is made sparse again)."""
         for t, ctx, p in b.sent:
             if p.grad.is_sparse:
                 p.grad.zero_().add_(self._compression.decompress(t, ctx).to_sparse())

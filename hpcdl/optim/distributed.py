@@ -1,7 +1,17 @@
 """``DistributedOptimizer``: data-parallel training by wrapping the optimizer a script has.
 
-The gradients are bucketed and allreduced in place while backward runs
-(:mod:`hpcdl.optim.buckets`); ``step()`` waits for them and runs the optimizer's own step.
+The factory puts one of two reducers in front of the optimizer's class, as Horovod does:
+
+- :class:`DistributedReducer` (``op=Average`` or ``Sum``): the gradients are bucketed and
+  allreduced in place while backward runs (:mod:`hpcdl.optim.buckets`); ``step()`` waits
+  for them and runs the optimizer's own step.
+- :class:`AdasumReducer` (``op=Adasum``, Horovod's delta optimizer): each bucket's
+  parameters take the optimizer's own step locally as soon as their gradients are ready;
+  the changes are combined over the ranks with Adasum and added to the values they started
+  from, and ``step()`` only waits for that. It needs a power-of-two number of ranks.
+
+A rank that passes a registered process set it is not in takes no part, as in Horovod:
+its ``step()`` is the optimizer's own, on its local gradients.
 """
 
 from __future__ import annotations
@@ -13,11 +23,81 @@ import torch
 
 from ..compression import Compression, Compressor
 from ..errors import HpcdlArgumentError
-from ..ops import Average, ReduceOp
+from ..ops import Adasum, Average, ReduceOp, Sum, grouped_allreduce_async_
 from ..process_sets import ProcessSet, global_process_set
-from .buckets import Reducer
+from .buckets import Bucket, Reducer
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["AdasumReducer", "DistributedOptimizer", "DistributedReducer"]
+
+
+class DistributedReducer(Reducer):
+    """The reducer :func:`DistributedOptimizer` puts in front of the optimizer's class: the
+    buckets' gradients are allreduced in place (:class:`hpcdl.optim.buckets.Reducer`'s
+    default), with ``Average`` or ``Sum``."""
+
+    _kind = "DistributedOptimizer"
+    _ops = (Average, Sum, Adasum)  # Adasum: the factory picks AdasumReducer for it
+
+    def _takes_part(self, process_set: ProcessSet) -> bool:
+        """As in Horovod, a rank outside a registered process set other than the global one
+        takes no part (no hooks, no reductions; ``step()`` is the optimizer's own)."""
+        return not (getattr(process_set, "process_set_id", None) and not process_set.included())
+
+
+class AdasumReducer(DistributedReducer):
+    """:func:`DistributedOptimizer` with ``op=Adasum``, Horovod's delta optimizer
+    (``_DistributedAdasumOptimizer``): each bucket's parameters step locally when their
+    gradients are ready (:meth:`_submit`), and the changes, combined over the ranks with
+    Adasum, are added to the values they started from (:meth:`_unpack`). Needs a
+    power-of-two number of ranks."""
+
+    def _check_op(self, op: ReduceOp, process_set: ProcessSet) -> None:
+        """Also refuse a process set whose size is not a power of two."""
+        super()._check_op(op, process_set)
+        n = process_set.size()
+        if n & (n - 1):
+            raise HpcdlArgumentError(f"{self._kind}(op=Adasum) needs a power-of-two number of ranks, not {n}")
+
+    def step(self, closure: Any = None) -> Any:
+        """Each parameter has taken its local step already, when its gradient was ready:
+        wait for the combined updates (unless :meth:`synchronize` did). A rank that takes no
+        part steps as :class:`hpcdl.optim.buckets.Reducer` does."""
+        if not self._member:
+            return super().step(closure)
+        loss = closure() if closure is not None else None
+        if not self._synchronized:
+            self.synchronize()
+        self._synchronized = False
+        return loss
+
+    def _submit(self, b: Bucket) -> None:
+        """The wrapped optimizer steps ``b``'s parameters alone, here and now; the change
+        each made is sent to be combined over the ranks with Adasum. A parameter without a
+        gradient is not stepped, so its change is zero."""
+        b.starts = {p: p.detach().clone() for p in b.params}
+        ids = {id(p) for p in b.params}
+        stashed = [g["params"] for g in self.param_groups]
+        for g in self.param_groups:
+            g["params"] = [p for p in g["params"] if id(p) in ids]
+        try:
+            self._wrapped_step()
+        finally:
+            for g, params in zip(self.param_groups, stashed, strict=True):
+                g["params"] = params
+        sent = []
+        for p in b.params:
+            t, ctx = self._compression.compress(p.detach() - b.starts[p])
+            sent.append((t, ctx, p))
+        b.sent = sent
+        args = {**self._request_args(b), "prescale_factor": 1.0, "postscale_factor": 1.0}
+        b.handle = grouped_allreduce_async_([t for t, _, _ in sent], **args)
+
+    def _unpack(self, b: Bucket, result: Any) -> None:
+        """Put the starting values plus the combined changes into the parameters."""
+        with torch.no_grad():
+            for t, ctx, p in b.sent:
+                p.copy_(b.starts[p] + self._compression.decompress(t, ctx))
+        b.starts = {}
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name: a factory that looks like a class
@@ -48,7 +128,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name: a factory that looks l
         compression: ``Compression.none``, ``fp16`` or ``bf16`` on the wire.
         backward_passes_per_step: communicate once every this many backward passes; the
             passes' gradients add up, as in Horovod (divide the loss by it to average).
-        op: ``Average`` (default) or ``Sum`` over ranks.
+        op: ``Average`` (default) or ``Sum`` over ranks, or ``Adasum`` (Horovod's delta
+            optimizer: see :class:`AdasumReducer`).
         gradient_predivide_factor: divide by this before the sum and by ``size / factor``
             after it (``Average`` only).
         num_groups, groups: Horovod's grouping of tensors into fused requests; accepted,
@@ -72,7 +153,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name: a factory that looks l
             f"groups={groups!r} must be a non-negative integer or a list of lists of parameters, as in Horovod"
         )
     base = type(optimizer)
-    cls = type(base.__name__, (Reducer, base), {"__module__": base.__module__})
+    reducer = AdasumReducer if op == Adasum else DistributedReducer
+    cls = type(base.__name__, (reducer, base), {"__module__": base.__module__})
     obj = cls(optimizer.param_groups)
     if optimizer.state:
         obj.load_state_dict(optimizer.state_dict())

@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 import collectives as C
 import hpcdl as hvd
-from collectives import unchecked as agreed
+from collectives import unchecked
 from collectives.context import get_context
 
 pytestmark = pytest.mark.mpi
@@ -29,16 +29,16 @@ def inputs(count: int, seed: int = 0) -> list[np.ndarray]:
 def test_agreed_calls_give_the_public_results(count):
     xs = inputs(count)
     want = np.sum(np.stack(xs).astype(np.float64), axis=0)
-    got = agreed.allreduce(xs[ME], op="sum", comm=COMM)
+    got = unchecked.allreduce(xs[ME], op="sum", comm=COMM)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * N)
     assert np.array_equal(got, C.allreduce(xs[ME], op="sum", comm=COMM))  # bitwise the public path's
     out = np.empty(count, np.float32)
-    assert agreed.allreduce(xs[ME], op="max", out=out, comm=COMM) is out
+    assert unchecked.allreduce(xs[ME], op="max", out=out, comm=COMM) is out
     assert np.array_equal(out, np.max(np.stack(xs), axis=0))
     for root in range(N):
         x = xs[ME] if ME == root else np.zeros(count, np.float32)
-        assert np.array_equal(agreed.broadcast(x, root, comm=COMM), xs[root])
-    block = agreed.reduce_scatter(xs[ME], op="sum", comm=COMM)
+        assert np.array_equal(unchecked.broadcast(x, root, comm=COMM), xs[root])
+    block = unchecked.reduce_scatter(xs[ME], op="sum", comm=COMM)
     assert np.array_equal(block, C.reduce_scatter(xs[ME], op="sum", comm=COMM))
 
 
@@ -46,10 +46,10 @@ def test_agreed_calls_give_the_public_results(count):
 def test_agreed_allgather_takes_every_ranks_rows(count):
     rows = [count + r % 2 for r in range(N)]  # uneven when N > 1
     xs = [np.full((rows[r], 2), r, np.int32) for r in range(N)]
-    got = agreed.allgather(xs[ME], rows, comm=COMM)
+    got = unchecked.allgather(xs[ME], rows, comm=COMM)
     assert np.array_equal(got, np.concatenate(xs))
     out = np.empty((sum(rows), 2), np.int32)
-    assert agreed.allgather(xs[ME], rows, out=out, comm=COMM) is out
+    assert unchecked.allgather(xs[ME], rows, out=out, comm=COMM) is out
     assert np.array_equal(out, np.concatenate(xs))
 
 
@@ -60,15 +60,15 @@ def test_agreed_calls_on_one_node_post_where_their_buffers_lie():
         pytest.skip("needs a node channel (two or more ranks on one node)")
     big = np.ones(100_000, np.float32)  # above the one-step size: chunked
     seq = ch.seq
-    agreed.allreduce(big, comm=COMM)
+    unchecked.allreduce(big, comm=COMM)
     assert ch.seq == seq + 1  # its signature and arena words, no more
     assert ch.wheres(ch.seq)[ch.me] == (0, 0)  # ordinary memory
     shared = C.empty(100_000, np.float32, comm=COMM)
     shared[...] = 1
-    agreed.allreduce(shared, out=shared, comm=COMM)
+    unchecked.allreduce(shared, out=shared, comm=COMM)
     assert ch.wheres(ch.seq)[ch.me] == (ctx.arena.where(shared),) * 2
     assert np.array_equal(shared, np.full(100_000, N, np.float32))
-    agreed.allreduce(np.ones(4, np.float32), comm=COMM)
+    unchecked.allreduce(np.ones(4, np.float32), comm=COMM)
     assert ch.seq == seq + 3  # a one-step call posts, since its data travels with it
 
 
