@@ -8,7 +8,7 @@ bugs, it does as CuPy does: ``asarray`` of another library's device array (a CUD
 the untyped ``V2``, and arithmetic refuses such dtypes as CuPy's kernels do. Installed in ``sys.modules`` as ``cupy`` for a test, it
 lets :mod:`collectives.device.api`'s logic (agreement, output checks, algorithm choice, the
 staged and MPI paths, the ``ipc`` schedules on :class:`collectives.device.ipc.HostPeers`) run
-on a machine without a GPU. It proves nothing about CUDA itself: ``test_gpu.py`` does.
+on a machine without a GPU. It proves nothing about CUDA itself: ``test_device_gpu.py`` does.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def expected_reduce(xs, op):
 
 def autograd_through_allreduce_and_allgather(dev: torch.device) -> None:
     """Gradients through a Sum allreduce and an allgather on ``dev``, as Horovod gives them,
-    on the input's device (test_ops runs it on the CPU, test_cuda on a GPU)."""
+    on the input's device (test_ops runs it on the CPU, test_device_cuda on a GPU)."""
     r, n = hvd.rank(), hvd.size()
     x = data(r, (3,), torch.float32, seed=7).to(dev).requires_grad_()
     y = hvd.allreduce(x, op=hvd.Sum)

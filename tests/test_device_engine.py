@@ -7,7 +7,7 @@ tensors': the three conversions between torch and CuPy (``device_source``, ``to_
 ``ready_event``) are replaced by host twins; everything after them runs as on a GPU: the
 requests, negotiation, fusion into the device buffer, the executors, joined ranks, and
 the ``ipc`` schedules on host windows. Results are checked against torch on every rank's
-inputs and are bitwise alike on every rank. ``test_cuda.py`` runs the same calls on CUDA
+inputs and are bitwise alike on every rank. ``test_device_cuda.py`` runs the same calls on CUDA
 tensors where there is a GPU.
 """
 

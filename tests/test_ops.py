@@ -327,7 +327,7 @@ def test_scale_factors_on_16_bit_floats_scale_in_float32_as_horovod_does(dtype):
 
 
 def test_autograd_through_allreduce_and_allgather_on_the_cpu():
-    autograd_through_allreduce_and_allgather(torch.device("cpu"))  # test_cuda runs the same on a GPU
+    autograd_through_allreduce_and_allgather(torch.device("cpu"))  # test_device_cuda runs the same on a GPU
 
 
 def test_allgather_broadcast_alltoall_reducescatter_gradients():

@@ -32,7 +32,7 @@ def test_training_equals_one_process_on_the_concatenated_batches(run_dir):
     steps equal one process stepping on every rank's batches at once."""
     cfg = TrainConfig(
         model="mlp",
-        device="cpu",  # the reference runs on the CPU (tests/test_cuda.py covers CUDA)
+        device="cpu",  # the reference runs on the CPU (tests/test_device_cuda.py covers CUDA)
         optimizer="sgd",
         lr=0.05,
         lr_scaling="none",

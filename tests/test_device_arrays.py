@@ -7,7 +7,7 @@ kind of array; CUDA-aware MPI detection; and the ``ipc`` schedules run on their 
 (:class:`collectives.device.ipc.HostPeers`: numpy, a rank's work reaching its peers only through
 the events, as on a GPU) at 1..4 ranks with a
 window small enough to need many chunks, against rank-order numpy reductions, bitwise.
-The same schedules on a GPU are tested in ``test_gpu.py``.
+The same schedules on a GPU are tested in ``test_device_gpu.py``.
 """
 
 from __future__ import annotations
