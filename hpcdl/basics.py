@@ -10,6 +10,7 @@ the same local rank (the node's index when every node has the same number of ran
 from __future__ import annotations
 
 import atexit
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -91,89 +92,124 @@ def init(
         base = comm if isinstance(comm, MPI.Comm) else MPI.COMM_WORLD
         if base == MPI.COMM_NULL:
             raise HpcdlError("init(comm=MPI.COMM_NULL): this process is not part of the communicator")
-        problem, ranks = None, None
-        try:
-            if config is None:
-                config = load_config()
-            elif not isinstance(config, Config):
-                raise HpcdlError(f"init(config=...) takes an hpcdl.Config, not {type(config).__name__}")
-            if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
-                raise HpcdlError(
-                    "MPI was initialized without thread support; hpcdl's engine thread needs at least "
-                    "MPI_THREAD_SERIALIZED (mpi4py's default is MPI_THREAD_MULTIPLE)"
-                )
-            servers = config.ps_servers if ps_servers is None else ps_servers
-            if not isinstance(servers, int) or isinstance(servers, bool) or servers < 0:
-                raise HpcdlError(f"init(ps_servers={servers!r}) must be an integer >= 0")
-            if servers and comm is not None:
-                raise HpcdlError(f"init(ps_servers={servers}) takes the servers from MPI.COMM_WORLD: pass no comm")
-        except HpcdlError as exc:
-            problem = str(exc)
-        if problem is None and listed:
-            try:
-                ranks = _rank_list(comm)
-            except HpcdlError as exc:
-                problem = str(exc)
-        if problem is None and config.timeline and base.rank == (ranks[0] if ranks else 0):  # its writer
-            bad = path_problem(config.timeline)
-            if bad is not None:
-                problem = f"HPCDL_TIMELINE={config.timeline!r}: {bad}"
-        agreed = None
-        if problem is None:
-            agreed = {f: getattr(config, f) for f in AGREED}
-            agreed["ps_servers"] = servers
-            try:  # the engine's collectives skip their own agreement: their configuration must match
-                agreed["collectives"] = unchecked.fingerprint()
-            except Exception as exc:  # a bad HPCDL_* value of the collectives layer
-                problem = str(exc)
-        sets = None
-        if problem is None and process_sets:
-            try:
-                sets = [sorted(int(r) for r in getattr(ps, "ranks", ps)) for ps in process_sets]
-            except (TypeError, ValueError):
-                problem = f"init(process_sets=...) takes ProcessSet objects or rank lists, not {process_sets!r}"
-        said = base.allgather((problem, ranks, sets, agreed))
-        bad = combined_problem([p for p, _, _, _ in said])
-        if bad is not None:
-            raise HpcdlError(f"init failed: {bad}")
-        differ = [r for r, (_, other, _, _) in enumerate(said) if other != said[0][1]]
-        if differ:
-            raise HpcdlError(f"init(comm=<ranks>): ranks {differ} passed a different list than rank 0")
-        differ = [r for r, (_, _, other, _) in enumerate(said) if other != said[0][2]]
-        if differ:
-            raise HpcdlError(f"init(process_sets=...): ranks {differ} passed different process sets than rank 0")
-        for f in AGREED:
-            values = {r: a[f] for r, (_, _, _, a) in enumerate(said)}
-            if len(set(values.values())) > 1:
-                raise HpcdlError(
-                    f"init: every rank needs the same {f} (HPCDL_{f.upper()}); got "
-                    + ", ".join(f"{v!r} on rank {r}" for r, v in values.items())
-                )
-        differ = [r for r, (_, _, _, a) in enumerate(said) if a["collectives"] != said[0][3]["collectives"]]
-        if differ:
-            raise HpcdlError(
-                f"init: ranks {differ} configure the collectives layer differently from rank 0 (HPCDL_* "
-                "variables such as HPCDL_TUNING_FILE or HPCDL_SHM_SMALL_BYTES, or the tuning file itself)"
-            )
-        ps_job = None
-        if servers:  # on the servers this serves, then ends the process
-            base, ps_job = ps_roles.split_roles(base, servers, config.stall_check_time_seconds)
-        comm, owned = base, ps_job is not None
-        if listed:
-            if base.rank not in ranks:
-                raise HpcdlError(f"init(comm={ranks}): world rank {base.rank} is not in the list")
-            whole = base.Get_group()
-            group = whole.Incl(ranks)
-            comm, owned = base.Create_group(group), True
-            group.Free()
-            whole.Free()
-        rt = Runtime(comm, owned, config)
-        rt.ps = ps_job
-        rt.engine = Engine(comm, config)
-        state.install(rt)
+        args = _InitArgs(comm if listed else None, process_sets, config, ps_servers)
+        problem = args.check(base, comm is not None)
+        said = base.allgather((problem, args.ranks, args.sets, args.agreed))
+        _agree(said)
+        state.install(_start(base, args))
     if process_sets:
         for ps in process_sets:
             add_process_set(ps)
+
+
+@dataclasses.dataclass
+class _InitArgs:
+    """What one rank passed to :func:`init`, checked on this rank alone; what every rank
+    must agree on is in ``ranks``, ``sets`` and ``agreed`` once :meth:`check` found no
+    problem."""
+
+    listed: Any
+    process_sets: Sequence[Any] | None
+    config: Any
+    ps_servers: int | None
+    servers: int = 0
+    ranks: list[int] | None = None
+    sets: list[list[int]] | None = None
+    agreed: dict[str, Any] | None = None
+
+    def check(self, base: MPI.Comm, comm_given: bool) -> str | None:
+        """This rank's problem with its arguments (None: none), every check in order."""
+        try:
+            self._check_config(comm_given)
+            if self.listed is not None:
+                self.ranks = _rank_list(self.listed)
+            timeline = self.config.timeline
+            if timeline and base.rank == (self.ranks[0] if self.ranks else 0):  # its writer
+                bad = path_problem(timeline)
+                if bad is not None:
+                    raise HpcdlError(f"HPCDL_TIMELINE={timeline!r}: {bad}")
+            self.agreed = {f: getattr(self.config, f) for f in AGREED}
+            self.agreed["ps_servers"] = self.servers
+            try:  # the engine's collectives skip their own agreement: their configuration must match
+                self.agreed["collectives"] = unchecked.fingerprint()
+            except Exception as exc:  # a bad HPCDL_* value of the collectives layer
+                raise HpcdlError(str(exc)) from exc
+            if self.process_sets:
+                try:
+                    self.sets = [sorted(int(r) for r in getattr(ps, "ranks", ps)) for ps in self.process_sets]
+                except (TypeError, ValueError):
+                    raise HpcdlError(
+                        f"init(process_sets=...) takes ProcessSet objects or rank lists, not {self.process_sets!r}"
+                    ) from None
+        except HpcdlError as exc:
+            return str(exc)
+        return None
+
+    def _check_config(self, comm_given: bool) -> None:
+        """The configuration, MPI's thread level and the number of parameter servers."""
+        if self.config is None:
+            self.config = load_config()
+        elif not isinstance(self.config, Config):
+            raise HpcdlError(f"init(config=...) takes an hpcdl.Config, not {type(self.config).__name__}")
+        if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+            raise HpcdlError(
+                "MPI was initialized without thread support; hpcdl's engine thread needs at least "
+                "MPI_THREAD_SERIALIZED (mpi4py's default is MPI_THREAD_MULTIPLE)"
+            )
+        servers = self.config.ps_servers if self.ps_servers is None else self.ps_servers
+        if not isinstance(servers, int) or isinstance(servers, bool) or servers < 0:
+            raise HpcdlError(f"init(ps_servers={servers!r}) must be an integer >= 0")
+        if servers and comm_given:
+            raise HpcdlError(f"init(ps_servers={servers}) takes the servers from MPI.COMM_WORLD: pass no comm")
+        self.servers = servers
+
+
+def _agree(said: list[tuple[Any, ...]]) -> None:
+    """Raise on every rank unless every rank's ``(problem, ranks, sets, agreed)`` is fine
+    and the same as rank 0's."""
+    bad = combined_problem([p for p, _, _, _ in said])
+    if bad is not None:
+        raise HpcdlError(f"init failed: {bad}")
+    differ = [r for r, (_, other, _, _) in enumerate(said) if other != said[0][1]]
+    if differ:
+        raise HpcdlError(f"init(comm=<ranks>): ranks {differ} passed a different list than rank 0")
+    differ = [r for r, (_, _, other, _) in enumerate(said) if other != said[0][2]]
+    if differ:
+        raise HpcdlError(f"init(process_sets=...): ranks {differ} passed different process sets than rank 0")
+    for f in AGREED:
+        values = {r: a[f] for r, (_, _, _, a) in enumerate(said)}
+        if len(set(values.values())) > 1:
+            raise HpcdlError(
+                f"init: every rank needs the same {f} (HPCDL_{f.upper()}); got "
+                + ", ".join(f"{v!r} on rank {r}" for r, v in values.items())
+            )
+    differ = [r for r, (_, _, _, a) in enumerate(said) if a["collectives"] != said[0][3]["collectives"]]
+    if differ:
+        raise HpcdlError(
+            f"init: ranks {differ} configure the collectives layer differently from rank 0 (HPCDL_* "
+            "variables such as HPCDL_TUNING_FILE or HPCDL_SHM_SMALL_BYTES, or the tuning file itself)"
+        )
+
+
+def _start(base: MPI.Comm, args: _InitArgs) -> Runtime:
+    """The runtime on the agreed ranks, its engine started: on a parameter server this
+    serves, then ends the process."""
+    ps_job = None
+    if args.servers:
+        base, ps_job = ps_roles.split_roles(base, args.servers, args.config.stall_check_time_seconds)
+    comm, owned = base, ps_job is not None
+    if args.ranks is not None:
+        if base.rank not in args.ranks:
+            raise HpcdlError(f"init(comm={args.ranks}): world rank {base.rank} is not in the list")
+        whole = base.Get_group()
+        group = whole.Incl(args.ranks)
+        comm, owned = base.Create_group(group), True
+        group.Free()
+        whole.Free()
+    rt = Runtime(comm, owned, args.config)
+    rt.ps = ps_job
+    rt.engine = Engine(comm, args.config)
+    return rt
 
 
 def _rank_list(ranks: Any) -> list[int]:
