@@ -313,20 +313,8 @@ class Pipeline(nn.Module):
 
         problem = None
         try:
-            if self.schedule == "gpipe":
-                for i in range(m):
-                    fwd(i)
-                for i in range(m):
-                    bwd(i)
-            else:
-                warm = min(p - s - 1, m)
-                for i in range(warm):
-                    fwd(i)
-                for k in range(m - warm):
-                    fwd(warm + k)
-                    bwd(k)
-                for k in range(m - warm, m):
-                    bwd(k)
+            for forward, i in self._order():
+                (fwd if forward else bwd)(i)
         except PipelineError as exc:  # a neighbour passed on another stage's failure
             problem = str(exc)
         except Exception as exc:  # noqa: BLE001 - this stage's layers failed: every stage must hear it
@@ -337,6 +325,18 @@ class Pipeline(nn.Module):
                     link.send_error(problem, peer, tag)
         self.peak_live = peak
         return self._conclude(problem, sum(losses))
+
+    def _order(self) -> list[tuple[bool, int]]:
+        """This stage's steps of a batch in order: ``(True, i)`` the forward of micro-batch
+        ``i``, ``(False, i)`` its backward. GPipe runs every forward, then every backward;
+        1F1B warms up with ``p - s - 1`` forwards, then alternates one forward and one
+        backward, then drains the remaining backwards."""
+        m = self.chunks
+        if self.schedule == "gpipe":
+            return [(True, i) for i in range(m)] + [(False, i) for i in range(m)]
+        warm = min(self.grid.pp - self.grid.pp_rank - 1, m)
+        steady = [step for k in range(m - warm) for step in ((True, warm + k), (False, k))]
+        return [(True, i) for i in range(warm)] + steady + [(False, k) for k in range(m - warm, m)]
 
     def _conclude(self, problem: str | None, value: Any) -> Any:
         """End a schedule on every stage: the last stage's ``value``, or the first failure
