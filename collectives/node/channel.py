@@ -155,23 +155,7 @@ class Channel:
         """The compiled loop (:mod:`.cslots`) on this window, when built and ``compiled``: it
         then posts, waits and finishes one-step calls; None: the Python methods below do."""
         if compiled and Core is not None:
-            self.core = core = Core(
-                me,
-                self._seq_addr,
-                [s[8:16].ctypes.data for s in segs],
-                [s[self._slot0 + p * slot :].ctypes.data for s in segs for p in (0, 1)],
-                [s[self._slot0 + p * slot + LINE :].ctypes.data for s in segs for p in (0, 1)],
-                self.slot_bytes,
-                self._spin,
-                progress,
-                np.ascontiguousarray,
-                futex.OK,
-                [s[16:24].ctypes.data for s in segs],
-                self.stalled,
-            )
-            core.stall = stall_timeout
-            # the same protocol on the same words, without the interpreter in the loop
-            self.post, self.exchange, self.wait_posted = core.post, core.exchange, core.wait_posted
+            self._attach_core(segs, slot, stall_timeout)
         self.queue: list[object] = []
         """Chunked operations in flight, oldest first: only the first uses the buffers."""
         self._views: dict[tuple, list] = {}
@@ -179,6 +163,26 @@ class Channel:
         """Bytes this rank wrote in the chunked and in-place algorithms, by kind: staged (its
         input into the window), reduced (reduction results) and copied out (results into
         its output). One-step calls are not counted."""
+
+    def _attach_core(self, segs: list[np.ndarray], slot: int, stall_timeout: float) -> None:
+        """Run one-step calls in the compiled loop: the same protocol on the same words,
+        without the interpreter in the loop (``slot``: the bytes of one slot with its head)."""
+        self.core = core = Core(
+            self.me,
+            self._seq_addr,
+            [s[8:16].ctypes.data for s in segs],
+            [s[self._slot0 + p * slot :].ctypes.data for s in segs for p in (0, 1)],
+            [s[self._slot0 + p * slot + LINE :].ctypes.data for s in segs for p in (0, 1)],
+            self.slot_bytes,
+            self._spin,
+            self.progress,
+            np.ascontiguousarray,
+            futex.OK,
+            [s[16:24].ctypes.data for s in segs],
+            self.stalled,
+        )
+        core.stall = stall_timeout
+        self.post, self.exchange, self.wait_posted = core.post, core.exchange, core.wait_posted
 
     @property
     def seq(self) -> int:
