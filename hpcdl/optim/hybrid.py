@@ -44,9 +44,10 @@ from ..compression import Compression, Compressor
 from ..errors import HpcdlArgumentError, HpcdlError
 from ..functions import allgather_object
 from ..ops import Average, ReduceOp, Sum, allgather_into_async, barrier, poll, reducescatter_into_async, synchronize
+from ..optim_state import copy_value, flatten_state, hyperparameters, is_per_element, numbered_groups, unflatten_state
 from ..process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from ..ps import Ask, Layout, Load, PSJob, Release, Server, Stats, TableSpec, Tags, as_bytes, wait_politely
-from .buckets import Bucket, Reducer, elementwise_state, is_elementwise
+from .buckets import Bucket, Reducer, is_elementwise
 
 __all__ = ["HybridOptimizer", "MODES"]
 
@@ -172,6 +173,7 @@ class _Flat:
                 seg.copy_(t.reshape(-1))
 
     def pieces(self, params: list[torch.nn.Parameter], src: torch.Tensor) -> list[torch.Tensor]:
+        """Views of the flat tensor ``src`` shaped like each parameter."""
         return [src[o : o + p.numel()].view_as(p) for p, o in zip(params, self.offsets, strict=True)]
 
 
@@ -294,7 +296,7 @@ class HybridReducer(Reducer):
             workers=self._workers_ps,
         )
         if mode != "sync":
-            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+            groups = [hyperparameters(g) for g in self.param_groups]
             spec = dataclasses.replace(
                 spec,
                 optimizer=base,
@@ -546,23 +548,17 @@ class HybridReducer(Reducer):
             pcs = self._layout.of_bucket(b.index, 0)
             flat = torch.cat([got[pc.index][0] for pc in pcs])
             states = [got[pc.index][1] for pc in pcs]
-            whole = {  # per-element entries joined over the partitions; others (Adam's step) as they are
-                k: torch.cat([s[k] for s in states]) if elementwise_state(k, v, pcs[0].numel) else v
+            whole = {  # the bucket's state in flat form: per-element entries joined over the partitions
+                k: torch.cat([s[k] for s in states]) if is_per_element(k, v, (pcs[0].numel,)) else v
                 for k, v in states[0].items()
             }
-            cut = {k: elementwise_state(k, v, flat.numel()) for k, v in whole.items()}
-            for j, p in enumerate(b.params):
-                o = b.zero.offsets[j]
-                values[index[p]] = flat[o : o + p.numel()].view_as(p).clone()
-                if whole:
-                    st[index[p]] = {
-                        k: v[o : o + p.numel()].view_as(p).clone() if cut[k] else _copy(v) for k, v in whole.items()
-                    }
-        groups, start = [], 0
-        for g in self.param_groups:
-            hyper = {k: v for k, v in g.items() if k != "params"}
-            groups.append({**hyper, "params": list(range(start, start + len(g["params"])))})
-            start += len(g["params"])
+            for p, v in zip(b.params, b.zero.pieces(b.params, flat), strict=True):
+                values[index[p]] = v.clone()
+            if whole:
+                per_param = unflatten_state(whole, b.params, b.zero.offsets, flat.numel())
+                for p, pst in zip(b.params, per_param, strict=True):
+                    st[index[p]] = pst
+        groups = numbered_groups(self.param_groups)
         # no rank pushes its next step before every rank has its state of this one
         barrier(process_set=self._process_set)
         return {
@@ -585,7 +581,7 @@ class HybridReducer(Reducer):
         index = {p: i for i, p in enumerate(params)}
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         for g, s in zip(self.param_groups, state_dict["param_groups"], strict=True):
-            g.update({k: v for k, v in s.items() if k != "params"})
+            g.update(hyperparameters(s))
         values = state_dict.get("ps_params", {})
         version = int(state_dict.get("ps_version", 0))
         clock = int(state_dict.get("ps_clock", version))
@@ -615,21 +611,11 @@ class HybridReducer(Reducer):
         out: dict[int, dict[int, Any]] = {s: {} for s in range(len(self._job.servers))}
         for b in self._buckets:
             flat = self._flat_params(b)
-            sts = [saved.get(ids[index[p]], {}) for p in b.params]
-            flat_state: dict[str, Any] = {}
-            for k in dict.fromkeys(k for st in sts for k in st):  # every key any parameter has, in order
-                v0 = next(st[k] for st in sts if k in st)
-                if k != "step" and torch.is_tensor(v0) and v0.dim() > 0:
-                    t = torch.zeros(self._layout.padded(b.index), dtype=b.params[0].dtype)
-                    for p, o, st in zip(b.params, b.zero.offsets, sts, strict=True):
-                        if k in st:
-                            t[o : o + p.numel()] = st[k].reshape(-1)
-                    flat_state[k] = t
-                else:
-                    flat_state[k] = v0
+            sts = [saved.get(ids[index[p]]) for p in b.params]
+            flat_state = flatten_state(sts, b.params, b.zero.offsets, flat.numel())
             for pc in self._layout.of_bucket(b.index, 0):
                 st = {
-                    k: v[pc.lo : pc.hi].clone() if elementwise_state(k, v, flat.numel()) else _copy(v)
+                    k: v[pc.lo : pc.hi].clone() if is_per_element(k, v, flat.shape) else copy_value(v)
                     for k, v in flat_state.items()
                 }
                 out[pc.server][pc.index] = (flat[pc.lo : pc.hi].clone(), st, version)
@@ -655,9 +641,3 @@ class HybridReducer(Reducer):
         for ps in getattr(self, "_made_sets", []):
             remove_process_set(ps)
         self._made_sets = []
-
-
-def _copy(value: Any) -> Any:
-    return value.clone() if torch.is_tensor(value) else value
-
-
