@@ -143,10 +143,13 @@ def _check_arguments(
         raise HpcdlArgumentError("HybridOptimizer: no parameter requires a gradient")
 
 
-class _Flat:
-    """A bucket's buffers: ``flat`` (its gradients, padded to whole shards), ``shard`` (this
-    rank's block after the node's reduce-scatter) and ``full`` (the result: sums, or the
-    parameters, with this rank's block filled by the servers' replies)."""
+class _BucketBuffers:
+    """One bucket's buffers on its way through the servers, kept by the optimizer in
+    ``_buffers[bucket.index]``: ``flat`` (its gradients laid end to end at ``offsets``,
+    padded to whole shards), ``shard`` (this rank's block after the node's reduce-scatter;
+    ``flat`` itself without one), ``full`` (the result: sums, or the parameters) and
+    ``mine`` (this rank's block of ``full``, which the servers' replies fill); ``reqs`` are
+    the pushes and pulls in flight, ``rs`` the node's reduce-scatter in flight."""
 
     __slots__ = ("offsets", "numels", "flat", "shard", "full", "mine", "reqs", "rs")
 
@@ -278,10 +281,11 @@ class HybridReducer(Reducer):
         self._hyper_sent = False
         self._hyper_reqs: list[Any] = []
         lay = self._layout
+        self._buffers: list[_BucketBuffers] = []  # by bucket index
         for b in self._buckets:
             m = lay.shard_numels[b.index]
             lo = self._shard * m
-            b.zero = _Flat(b.params, lay.padded(b.index), lo, lo + m, per_node > 1)
+            self._buffers.append(_BucketBuffers(b.params, lay.padded(b.index), lo, lo + m, per_node > 1))
         spec = TableSpec(
             name=self._prefix,
             mode=mode,
@@ -319,7 +323,7 @@ class HybridReducer(Reducer):
     # -- what the servers start from (ssp, async) ------------------------------------------------
     def _flat_params(self, b: Bucket) -> torch.Tensor:
         f = torch.zeros(self._layout.padded(b.index), dtype=b.params[0].dtype)
-        for p, o in zip(b.params, b.zero.offsets, strict=True):
+        for p, o in zip(b.params, self._buffers[b.index].offsets, strict=True):
             f[o : o + p.numel()] = p.detach().reshape(-1).cpu()
         return f
 
@@ -346,7 +350,7 @@ class HybridReducer(Reducer):
         if self.mode != "sync" and not self._hyper_sent:
             self._send_hyper()
             self._hyper_sent = True
-        f: _Flat = b.zero
+        f = self._buffers[b.index]
         grads = []
         for p in b.params:
             g = p.grad
@@ -366,13 +370,15 @@ class HybridReducer(Reducer):
     def _poll_node_reductions(self) -> None:
         """Push the buckets whose reduce-scatter inside the node has finished."""
         for b in self._buckets:
-            if b.zero.rs is not None and poll(b.zero.rs):
+            rs = self._buffers[b.index].rs
+            if rs is not None and poll(rs):
                 self._push_reduced(b)
 
     def _push_reduced(self, b: Bucket) -> None:
         """Wait for bucket ``b``'s reduce-scatter inside the node, then push its shard."""
-        synchronize(b.zero.rs)
-        b.zero.rs = None
+        f = self._buffers[b.index]
+        synchronize(f.rs)
+        f.rs = None
         self._push(b)
 
     def _send_flags(self, missing: list[int]) -> int | None:
@@ -382,7 +388,7 @@ class HybridReducer(Reducer):
 
     def _push(self, b: Bucket) -> None:
         """Post the receives of the replies, then send this rank's partitions of ``b``."""
-        f: _Flat = b.zero
+        f = self._buffers[b.index]
         job = self._job
         reqs = []
         for pc in self._layout.of_bucket(b.index, self._shard):
@@ -407,7 +413,7 @@ class HybridReducer(Reducer):
             )
 
     def _unpack(self, b: Bucket, result: Any) -> None:
-        f: _Flat = b.zero
+        f = self._buffers[b.index]
         if f.rs is not None:
             self._push_reduced(b)
         t0 = time.perf_counter()
@@ -508,7 +514,7 @@ class HybridReducer(Reducer):
         with torch.no_grad():
             for b in self._buckets:
                 flat = torch.cat([got[pc.index] for pc in self._layout.of_bucket(b.index, 0)])
-                for p, v in zip(b.params, b.zero.pieces(b.params, flat), strict=True):
+                for p, v in zip(b.params, self._buffers[b.index].pieces(b.params, flat), strict=True):
                     p.copy_(v)
         barrier(process_set=self._process_set)  # no rank pushes its next step before every rank has these
 
@@ -545,6 +551,7 @@ class HybridReducer(Reducer):
         values: dict[int, torch.Tensor] = {}
         version = min(v for _, _, v in got.values())
         for b in self._buckets:
+            f = self._buffers[b.index]
             pcs = self._layout.of_bucket(b.index, 0)
             flat = torch.cat([got[pc.index][0] for pc in pcs])
             states = [got[pc.index][1] for pc in pcs]
@@ -552,10 +559,10 @@ class HybridReducer(Reducer):
                 k: torch.cat([s[k] for s in states]) if is_per_element(k, v, (pcs[0].numel,)) else v
                 for k, v in states[0].items()
             }
-            for p, v in zip(b.params, b.zero.pieces(b.params, flat), strict=True):
+            for p, v in zip(b.params, f.pieces(b.params, flat), strict=True):
                 values[index[p]] = v.clone()
             if whole:
-                per_param = unflatten_state(whole, b.params, b.zero.offsets, flat.numel())
+                per_param = unflatten_state(whole, b.params, f.offsets, flat.numel())
                 for p, pst in zip(b.params, per_param, strict=True):
                     st[index[p]] = pst
         groups = numbered_groups(self.param_groups)
@@ -612,7 +619,7 @@ class HybridReducer(Reducer):
         for b in self._buckets:
             flat = self._flat_params(b)
             sts = [saved.get(ids[index[p]]) for p in b.params]
-            flat_state = flatten_state(sts, b.params, b.zero.offsets, flat.numel())
+            flat_state = flatten_state(sts, b.params, self._buffers[b.index].offsets, flat.numel())
             for pc in self._layout.of_bucket(b.index, 0):
                 st = {
                     k: v[pc.lo : pc.hi].clone() if is_per_element(k, v, flat.shape) else copy_value(v)
