@@ -180,6 +180,32 @@ class _BucketBuffers:
         return [src[o : o + p.numel()].view_as(p) for p, o in zip(params, self.offsets, strict=True)]
 
 
+def _members_comm_and_nodes(world: MPI.Comm, members: list[int]) -> tuple[MPI.Comm, list[list[int]]]:
+    """The communicator of ``members`` (runtime ranks) cut from ``world`` (collective over
+    the members), and the members' nodes as runtime ranks: who reduces with whom before
+    pushing."""
+    grp_all = world.Get_group()
+    grp = grp_all.Incl(members)
+    sub = world.Create_group(grp)
+    grp.Free()
+    grp_all.Free()
+    return sub, [[members[r] for r in g] for g in node_groups(sub)]
+
+
+def _start_colocated_servers(sub: MPI.Comm, leaders: list[int], rt: state.Runtime) -> PSJob:
+    """Start a server thread on every node leader (``leaders``: their ranks in ``sub``, the
+    members' communicator), ended at the runtime's shutdown; collective over ``sub``."""
+    hosts = sub.allgather((socket.gethostname(), os.getpid()))
+    job = PSJob(sub, leaders, [hosts[r] for r in leaders], dedicated=False)
+    if sub.rank in leaders:
+        srv = Server(sub, leaders.index(sub.rank), list(range(sub.size)), rt.config.stall_check_time_seconds)
+        t = threading.Thread(target=srv.serve, name="hpcdl-ps-server", daemon=True)
+        t.start()
+        job.threads.append(t)
+    rt.at_shutdown.append(job.end)
+    return job
+
+
 def _hyper_keys(groups: list[dict]) -> list[tuple[int, str, int]]:
     """The numeric hyperparameters of every group, sent with each step (a scheduler may
     change them): (group, key, length); tuples of numbers (Adam's betas) count their length."""
@@ -213,47 +239,23 @@ class HybridReducer(Reducer):
         partition_bytes: int,
         node_reduce: bool,
     ) -> None:
+        """Join the parameter servers: find the members' nodes, agree on the setup, start the
+        co-located servers (or reach the dedicated ones), register the node sets, lay out the
+        buckets and register this optimizer's table with every server."""
         rt = state.running()
-        dtype = str(self._buckets[0].params[0].dtype).removeprefix("torch.")
-        job: PSJob | None = rt.ps if servers is None else None
-        where = "dedicated" if job is not None else "colocated"
+        members = self._process_set.ranks
         self.mode, self.staleness = mode, (staleness if mode == "ssp" else None)
         self.partition_bytes = partition_bytes
-        members = self._process_set.ranks
-        me = members.index(rt.rank)
-        # the nodes among the members: who reduces with whom before pushing
-        world = rt.comm
-        grp_all = world.Get_group()
-        grp = grp_all.Incl(members)
-        sub = world.Create_group(grp)
-        grp.Free()
-        grp_all.Free()
-        nodes = [[members[r] for r in g] for g in node_groups(sub)]  # as runtime ranks
+        job: PSJob | None = rt.ps if servers is None else None
+        sub, nodes = _members_comm_and_nodes(rt.comm, members)
         mine = next(n for n in nodes if rt.rank in n)
         same = len({len(n) for n in nodes}) == 1
         # the node sets are registered by every rank of the runtime: only a set of all of them can
         whole = len(members) == rt.size
         per_node = len(mine) if (mode == "sync" and node_reduce and same and whole) else 1
-        mine_agreed = {
-            "mode": mode,
-            "staleness": self.staleness,
-            "partition_bytes": partition_bytes,
-            "node_reduce": bool(node_reduce),
-            "servers": where,
-            "optimizer": base.__name__,
-            "buckets": [[(tuple(p.shape), str(p.dtype)) for p in b.params] for b in self._buckets],
-        }
-        self._agree(mine_agreed)
+        self._agree_setup(base, node_reduce, "dedicated" if job is not None else "colocated")
         if job is None:  # co-located: a server thread on every node leader, over the members' communicator
-            leaders = [members.index(n[0]) for n in nodes]
-            hosts = sub.allgather((socket.gethostname(), os.getpid()))
-            job = PSJob(sub, leaders, [hosts[r] for r in leaders], dedicated=False)
-            if sub.rank in leaders:
-                srv = Server(sub, leaders.index(sub.rank), list(range(sub.size)), rt.config.stall_check_time_seconds)
-                t = threading.Thread(target=srv.serve, name="hpcdl-ps-server", daemon=True)
-                t.start()
-                job.threads.append(t)
-            rt.at_shutdown.append(job.end)
+            job = _start_colocated_servers(sub, [members.index(n[0]) for n in nodes], rt)
             self._own_job = True
             to_ps = members.index
         else:
@@ -263,43 +265,76 @@ class HybridReducer(Reducer):
         self._job = job
         self._workers_ps = [to_ps(r) for r in members]
         nodes_ps = [[to_ps(r) for r in n] for n in nodes] if per_node > 1 else [[w] for w in self._workers_ps]
+        self._make_node_sets(nodes, mine, per_node)
+        self._lay_out(per_node)
+        self._register_table(base, nodes_ps)
+
+    def _agree_setup(self, base: type, node_reduce: bool, where: str) -> None:
+        """Compare the setup every worker asks for (collective over the process set) and
+        raise on every rank naming what differs: the tables only line up when it is one."""
+        self._agree(
+            {
+                "mode": self.mode,
+                "staleness": self.staleness,
+                "partition_bytes": self.partition_bytes,
+                "node_reduce": bool(node_reduce),
+                "servers": where,
+                "optimizer": base.__name__,
+                "buckets": [[(tuple(p.shape), str(p.dtype)) for p in b.params] for b in self._buckets],
+            }
+        )
+
+    def _make_node_sets(self, nodes: list[list[int]], mine: list[int], per_node: int) -> None:
+        """With node reduction (``per_node > 1``), register every node's process set (every
+        worker registers all of them, in the same order), keep this worker's node set and
+        its place there, which is its shard of every bucket; without, no set and shard 0."""
+        rank = state.running().rank
         self._L = per_node
-        self._shard = mine.index(rt.rank) if per_node > 1 else 0
+        self._shard = mine.index(rank) if per_node > 1 else 0
         self._node_set: ProcessSet | None = None
-        if per_node > 1:  # every worker registers every node's set, in the same order
+        if per_node > 1:
             made = [add_process_set(n) for n in nodes]
-            self._node_set = next(ps for ps in made if rt.rank in ps.ranks)
+            self._node_set = next(ps for ps in made if rank in ps.ranks)
             self._made_sets = made
+
+    def _lay_out(self, per_node: int) -> None:
+        """Cut the buckets into shards and partitions over the servers
+        (:class:`hpcdl.ps.Layout`), make each bucket's buffers and start the counters."""
         itemsize = self._buckets[0].params[0].element_size()
         numels = [sum(p.numel() for p in b.params) for b in self._buckets]
-        self._layout = Layout(numels, itemsize, per_node, len(job.servers), partition_bytes)
-        self._holding = sorted({pc.server for pc in self._layout.pieces})  # servers with partitions
-        self._n = len(members)
+        lay = self._layout = Layout(numels, itemsize, per_node, len(self._job.servers), self.partition_bytes)
+        self._holding = sorted({pc.server for pc in lay.pieces})  # servers with partitions
+        self._n = len(self._process_set.ranks)
         self._clock = 0
         self.wait_seconds = 0.0
         """Seconds this worker has waited for the servers' replies (after pushing)."""
         self._hyper_sent = False
         self._hyper_reqs: list[Any] = []
-        lay = self._layout
         self._buffers: list[_BucketBuffers] = []  # by bucket index
         for b in self._buckets:
             m = lay.shard_numels[b.index]
             lo = self._shard * m
             self._buffers.append(_BucketBuffers(b.params, lay.padded(b.index), lo, lo + m, per_node > 1))
+
+    def _register_table(self, base: type, nodes_ps: list[list[int]]) -> None:
+        """Register this optimizer's table with every server (collective over the process
+        set): its :class:`hpcdl.ps.TableSpec`, for ``ssp`` and ``async`` with the optimizer,
+        its groups and, from the first worker, each server's starting partitions."""
+        lay, job = self._layout, self._job
         spec = TableSpec(
             name=self._prefix,
-            mode=mode,
+            mode=self.mode,
             staleness=self.staleness,
-            bucket_numels=numels,
-            itemsize=itemsize,
-            dtype=dtype,
-            node_ranks=per_node,
+            bucket_numels=lay.bucket_numels,
+            itemsize=lay.itemsize,
+            dtype=str(self._buckets[0].params[0].dtype).removeprefix("torch."),
+            node_ranks=self._L,
             nodes=nodes_ps,
-            partition_bytes=partition_bytes,
+            partition_bytes=self.partition_bytes,
             servers=job.servers,
             workers=self._workers_ps,
         )
-        if mode != "sync":
+        if self.mode != "sync":
             groups = [hyperparameters(g) for g in self.param_groups]
             spec = dataclasses.replace(
                 spec,
@@ -309,7 +344,7 @@ class HybridReducer(Reducer):
                 bucket_group=[b.group for b in self._buckets],
             )
             self._hyper_keys = spec.hyper_keys
-        init = self._initial_pieces() if mode != "sync" and me == 0 else None
+        init = self._initial_pieces() if self.mode != "sync" and self._process_set.rank() == 0 else None
         specs = [  # each server gets the starting values of its own partitions only
             dataclasses.replace(
                 spec, init=None if init is None else {i: t for i, t in init.items() if lay.pieces[i].server == s}
