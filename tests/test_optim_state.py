@@ -17,7 +17,7 @@ from hpcdl.optim_state import (
     unflatten_state,
 )
 
-SHAPES = [(3, 4), (5,), (), (2, 2, 2)]
+SHAPES = [(), (3, 4), (5,), (2, 2, 2)]  # a scalar parameter first: its moments are per element too
 PAD = 3  # elements of padding after the parameters
 
 
