@@ -44,9 +44,10 @@ from ..compression import Compression, Compressor
 from ..errors import HpcdlArgumentError, HpcdlError
 from ..functions import allgather_object, check_on_every_rank
 from ..ops import Average, ReduceOp, Sum, allgather_into_async, barrier, poll, reducescatter_into_async, synchronize
+from ..optim_state import copy_value, flatten_state, hyperparameters, is_per_element, numbered_groups, unflatten_state
 from ..process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from ..ps import Ask, Layout, Load, PSJob, Release, Server, Stats, TableSpec, Tags, as_bytes, wait_politely
-from .buckets import Bucket, Reducer, elementwise_state, is_elementwise
+from .buckets import Bucket, Reducer, is_elementwise
 
 __all__ = ["HybridOptimizer", "MODES"]
 
@@ -136,10 +137,13 @@ def _check_arguments(
         raise HpcdlArgumentError("HybridOptimizer: no parameter requires a gradient")
 
 
-class _Flat:
-    """A bucket's buffers: ``flat`` (its gradients, padded to whole shards), ``shard`` (this
-    rank's block after the node's reduce-scatter) and ``full`` (the result: sums, or the
-    parameters, with this rank's block filled by the servers' replies)."""
+class _BucketBuffers:
+    """One bucket's buffers on its way through the servers, kept by the optimizer in
+    ``_buffers[bucket.index]``: ``flat`` (its gradients laid end to end at ``offsets``,
+    padded to whole shards), ``shard`` (this rank's block after the node's reduce-scatter;
+    ``flat`` itself without one), ``full`` (the result: sums, or the parameters) and
+    ``mine`` (this rank's block of ``full``, which the servers' replies fill); ``reqs`` are
+    the pushes and pulls in flight, ``rs`` the node's reduce-scatter in flight."""
 
     __slots__ = ("offsets", "numels", "flat", "shard", "full", "mine", "reqs", "rs")
 
@@ -166,7 +170,34 @@ class _Flat:
                 seg.copy_(t.reshape(-1))
 
     def pieces(self, params: list[torch.nn.Parameter], src: torch.Tensor) -> list[torch.Tensor]:
+        """Views of the flat tensor ``src`` shaped like each parameter."""
         return [src[o : o + p.numel()].view_as(p) for p, o in zip(params, self.offsets, strict=True)]
+
+
+def _members_comm_and_nodes(world: MPI.Comm, members: list[int]) -> tuple[MPI.Comm, list[list[int]]]:
+    """The communicator of ``members`` (runtime ranks) cut from ``world`` (collective over
+    the members), and the members' nodes as runtime ranks: who reduces with whom before
+    pushing."""
+    grp_all = world.Get_group()
+    grp = grp_all.Incl(members)
+    sub = world.Create_group(grp)
+    grp.Free()
+    grp_all.Free()
+    return sub, [[members[r] for r in g] for g in node_groups(sub)]
+
+
+def _start_colocated_servers(sub: MPI.Comm, leaders: list[int], rt: state.Runtime) -> PSJob:
+    """Start a server thread on every node leader (``leaders``: their ranks in ``sub``, the
+    members' communicator), ended at the runtime's shutdown; collective over ``sub``."""
+    hosts = sub.allgather((socket.gethostname(), os.getpid()))
+    job = PSJob(sub, leaders, [hosts[r] for r in leaders], dedicated=False)
+    if sub.rank in leaders:
+        srv = Server(sub, leaders.index(sub.rank), list(range(sub.size)), rt.config.stall_check_time_seconds)
+        t = threading.Thread(target=srv.serve, name="hpcdl-ps-server", daemon=True)
+        t.start()
+        job.threads.append(t)
+    rt.at_shutdown.append(job.end)
+    return job
 
 
 def _hyper_keys(groups: list[dict]) -> list[tuple[int, str, int]]:
@@ -202,47 +233,23 @@ class HybridReducer(Reducer):
         partition_bytes: int,
         node_reduce: bool,
     ) -> None:
+        """Join the parameter servers: find the members' nodes, agree on the setup, start the
+        co-located servers (or reach the dedicated ones), register the node sets, lay out the
+        buckets and register this optimizer's table with every server."""
         rt = state.running()
-        dtype = str(self._buckets[0].params[0].dtype).removeprefix("torch.")
-        job: PSJob | None = rt.ps if servers is None else None
-        where = "dedicated" if job is not None else "colocated"
+        members = self._process_set.ranks
         self.mode, self.staleness = mode, (staleness if mode == "ssp" else None)
         self.partition_bytes = partition_bytes
-        members = self._process_set.ranks
-        me = members.index(rt.rank)
-        # the nodes among the members: who reduces with whom before pushing
-        world = rt.comm
-        grp_all = world.Get_group()
-        grp = grp_all.Incl(members)
-        sub = world.Create_group(grp)
-        grp.Free()
-        grp_all.Free()
-        nodes = [[members[r] for r in g] for g in node_groups(sub)]  # as runtime ranks
+        job: PSJob | None = rt.ps if servers is None else None
+        sub, nodes = _members_comm_and_nodes(rt.comm, members)
         mine = next(n for n in nodes if rt.rank in n)
         same = len({len(n) for n in nodes}) == 1
         # the node sets are registered by every rank of the runtime: only a set of all of them can
         whole = len(members) == rt.size
         per_node = len(mine) if (mode == "sync" and node_reduce and same and whole) else 1
-        mine_agreed = {
-            "mode": mode,
-            "staleness": self.staleness,
-            "partition_bytes": partition_bytes,
-            "node_reduce": bool(node_reduce),
-            "servers": where,
-            "optimizer": base.__name__,
-            "buckets": [[(tuple(p.shape), str(p.dtype)) for p in b.params] for b in self._buckets],
-        }
-        self._agree(mine_agreed)
+        self._agree_setup(base, node_reduce, "dedicated" if job is not None else "colocated")
         if job is None:  # co-located: a server thread on every node leader, over the members' communicator
-            leaders = [members.index(n[0]) for n in nodes]
-            hosts = sub.allgather((socket.gethostname(), os.getpid()))
-            job = PSJob(sub, leaders, [hosts[r] for r in leaders], dedicated=False)
-            if sub.rank in leaders:
-                srv = Server(sub, leaders.index(sub.rank), list(range(sub.size)), rt.config.stall_check_time_seconds)
-                t = threading.Thread(target=srv.serve, name="hpcdl-ps-server", daemon=True)
-                t.start()
-                job.threads.append(t)
-            rt.at_shutdown.append(job.end)
+            job = _start_colocated_servers(sub, [members.index(n[0]) for n in nodes], rt)
             self._own_job = True
             to_ps = members.index
         else:
@@ -252,43 +259,77 @@ class HybridReducer(Reducer):
         self._job = job
         self._workers_ps = [to_ps(r) for r in members]
         nodes_ps = [[to_ps(r) for r in n] for n in nodes] if per_node > 1 else [[w] for w in self._workers_ps]
+        self._make_node_sets(nodes, mine, per_node)
+        self._lay_out(per_node)
+        self._register_table(base, nodes_ps)
+
+    def _agree_setup(self, base: type, node_reduce: bool, where: str) -> None:
+        """Compare the setup every worker asks for (collective over the process set) and
+        raise on every rank naming what differs: the tables only line up when it is one."""
+        self._agree(
+            {
+                "mode": self.mode,
+                "staleness": self.staleness,
+                "partition_bytes": self.partition_bytes,
+                "node_reduce": bool(node_reduce),
+                "servers": where,
+                "optimizer": base.__name__,
+                "buckets": [[(tuple(p.shape), str(p.dtype)) for p in b.params] for b in self._buckets],
+            }
+        )
+
+    def _make_node_sets(self, nodes: list[list[int]], mine: list[int], per_node: int) -> None:
+        """With node reduction (``per_node > 1``), register every node's process set (every
+        worker registers all of them, in the same order), keep this worker's node set and
+        its place there, which is its shard of every bucket; without, no set and shard 0."""
+        rank = state.running().rank
         self._L = per_node
-        self._shard = mine.index(rt.rank) if per_node > 1 else 0
+        self._shard = mine.index(rank) if per_node > 1 else 0
         self._node_set: ProcessSet | None = None
-        if per_node > 1:  # every worker registers every node's set, in the same order
+        if per_node > 1:
             made = [add_process_set(n) for n in nodes]
-            self._node_set = next(ps for ps in made if rt.rank in ps.ranks)
+            self._node_set = next(ps for ps in made if rank in ps.ranks)
             self._made_sets = made
+
+    def _lay_out(self, per_node: int) -> None:
+        """Cut the buckets into shards and partitions over the servers
+        (:class:`hpcdl.ps.Layout`), make each bucket's buffers and start the counters."""
         itemsize = self._buckets[0].params[0].element_size()
         numels = [sum(p.numel() for p in b.params) for b in self._buckets]
-        self._layout = Layout(numels, itemsize, per_node, len(job.servers), partition_bytes)
-        self._holding = sorted({pc.server for pc in self._layout.pieces})  # servers with partitions
-        self._n = len(members)
+        lay = self._layout = Layout(numels, itemsize, per_node, len(self._job.servers), self.partition_bytes)
+        self._holding = sorted({pc.server for pc in lay.pieces})  # servers with partitions
+        self._n = len(self._process_set.ranks)
         self._clock = 0
         self.wait_seconds = 0.0
         """Seconds this worker has waited for the servers' replies (after pushing)."""
         self._hyper_sent = False
         self._hyper_reqs: list[Any] = []
-        lay = self._layout
+        self._buffers: list[_BucketBuffers] = []  # by bucket index
         for b in self._buckets:
             m = lay.shard_numels[b.index]
             lo = self._shard * m
-            b.zero = _Flat(b.params, lay.padded(b.index), lo, lo + m, per_node > 1)
+            self._buffers.append(_BucketBuffers(b.params, lay.padded(b.index), lo, lo + m, per_node > 1))
+
+    def _register_table(self, base: type, nodes_ps: list[list[int]]) -> None:
+        """Register this optimizer's table with every server (collective over the process
+        set): its :class:`hpcdl.ps.TableSpec`, for ``ssp`` and ``async`` with the optimizer,
+        its groups and, from the first worker, each server's starting partitions."""
+        lay, job = self._layout, self._job
         spec = TableSpec(
             name=self._prefix,
-            mode=mode,
+            mode=self.mode,
             staleness=self.staleness,
-            bucket_numels=numels,
-            itemsize=itemsize,
-            dtype=dtype,
-            node_ranks=per_node,
+            bucket_numels=lay.bucket_numels,
+            itemsize=lay.itemsize,
+            dtype=str(self._buckets[0].params[0].dtype).removeprefix("torch."),
+            node_ranks=self._L,
             nodes=nodes_ps,
-            partition_bytes=partition_bytes,
+            partition_bytes=self.partition_bytes,
             servers=job.servers,
             workers=self._workers_ps,
         )
-        if mode != "sync":
-            groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+        if self.mode != "sync":
+            groups = [hyperparameters(g) for g in self.param_groups]
             spec = dataclasses.replace(
                 spec,
                 optimizer=base,
@@ -297,7 +338,7 @@ class HybridReducer(Reducer):
                 bucket_group=[b.group for b in self._buckets],
             )
             self._hyper_keys = spec.hyper_keys
-        init = self._initial_pieces() if mode != "sync" and me == 0 else None
+        init = self._initial_pieces() if self.mode != "sync" and self._process_set.rank() == 0 else None
         specs = [  # each server gets the starting values of its own partitions only
             dataclasses.replace(
                 spec, init=None if init is None else {i: t for i, t in init.items() if lay.pieces[i].server == s}
@@ -311,7 +352,7 @@ class HybridReducer(Reducer):
     # -- what the servers start from (ssp, async) ------------------------------------------------
     def _flat_params(self, b: Bucket) -> torch.Tensor:
         f = torch.zeros(self._layout.padded(b.index), dtype=b.params[0].dtype)
-        for p, o in zip(b.params, b.zero.offsets, strict=True):
+        for p, o in zip(b.params, self._buffers[b.index].offsets, strict=True):
             f[o : o + p.numel()] = p.detach().reshape(-1).cpu()
         return f
 
@@ -338,7 +379,7 @@ class HybridReducer(Reducer):
         if self.mode != "sync" and not self._hyper_sent:
             self._send_hyper()
             self._hyper_sent = True
-        f: _Flat = b.zero
+        f = self._buffers[b.index]
         grads = []
         for p in b.params:
             g = p.grad
@@ -358,13 +399,15 @@ class HybridReducer(Reducer):
     def _poll_node_reductions(self) -> None:
         """Push the buckets whose reduce-scatter inside the node has finished."""
         for b in self._buckets:
-            if b.zero.rs is not None and poll(b.zero.rs):
+            rs = self._buffers[b.index].rs
+            if rs is not None and poll(rs):
                 self._push_reduced(b)
 
     def _push_reduced(self, b: Bucket) -> None:
         """Wait for bucket ``b``'s reduce-scatter inside the node, then push its shard."""
-        synchronize(b.zero.rs)
-        b.zero.rs = None
+        f = self._buffers[b.index]
+        synchronize(f.rs)
+        f.rs = None
         self._push(b)
 
     def _send_flags(self, missing: list[int]) -> int | None:
@@ -374,7 +417,7 @@ class HybridReducer(Reducer):
 
     def _push(self, b: Bucket) -> None:
         """Post the receives of the replies, then send this rank's partitions of ``b``."""
-        f: _Flat = b.zero
+        f = self._buffers[b.index]
         job = self._job
         reqs = []
         for pc in self._layout.of_bucket(b.index, self._shard):
@@ -399,7 +442,7 @@ class HybridReducer(Reducer):
             )
 
     def _unpack(self, b: Bucket, result: Any) -> None:
-        f: _Flat = b.zero
+        f = self._buffers[b.index]
         if f.rs is not None:
             self._push_reduced(b)
         t0 = time.perf_counter()
@@ -500,7 +543,7 @@ class HybridReducer(Reducer):
         with torch.no_grad():
             for b in self._buckets:
                 flat = torch.cat([got[pc.index] for pc in self._layout.of_bucket(b.index, 0)])
-                for p, v in zip(b.params, b.zero.pieces(b.params, flat), strict=True):
+                for p, v in zip(b.params, self._buffers[b.index].pieces(b.params, flat), strict=True):
                     p.copy_(v)
         barrier(process_set=self._process_set)  # no rank pushes its next step before every rank has these
 
@@ -537,26 +580,21 @@ class HybridReducer(Reducer):
         values: dict[int, torch.Tensor] = {}
         version = min(v for _, _, v in got.values())
         for b in self._buckets:
+            f = self._buffers[b.index]
             pcs = self._layout.of_bucket(b.index, 0)
             flat = torch.cat([got[pc.index][0] for pc in pcs])
             states = [got[pc.index][1] for pc in pcs]
-            whole = {  # per-element entries joined over the partitions; others (Adam's step) as they are
-                k: torch.cat([s[k] for s in states]) if elementwise_state(k, v, pcs[0].numel) else v
+            whole = {  # the bucket's state in flat form: per-element entries joined over the partitions
+                k: torch.cat([s[k] for s in states]) if is_per_element(k, v, (pcs[0].numel,)) else v
                 for k, v in states[0].items()
             }
-            cut = {k: elementwise_state(k, v, flat.numel()) for k, v in whole.items()}
-            for j, p in enumerate(b.params):
-                o = b.zero.offsets[j]
-                values[index[p]] = flat[o : o + p.numel()].view_as(p).clone()
-                if whole:
-                    st[index[p]] = {
-                        k: v[o : o + p.numel()].view_as(p).clone() if cut[k] else _copy(v) for k, v in whole.items()
-                    }
-        groups, start = [], 0
-        for g in self.param_groups:
-            hyper = {k: v for k, v in g.items() if k != "params"}
-            groups.append({**hyper, "params": list(range(start, start + len(g["params"])))})
-            start += len(g["params"])
+            for p, v in zip(b.params, f.pieces(b.params, flat), strict=True):
+                values[index[p]] = v.clone()
+            if whole:
+                per_param = unflatten_state(whole, b.params, f.offsets, flat.numel())
+                for p, pst in zip(b.params, per_param, strict=True):
+                    st[index[p]] = pst
+        groups = numbered_groups(self.param_groups)
         # no rank pushes its next step before every rank has its state of this one
         barrier(process_set=self._process_set)
         return {
@@ -579,7 +617,7 @@ class HybridReducer(Reducer):
         index = {p: i for i, p in enumerate(params)}
         ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         for g, s in zip(self.param_groups, state_dict["param_groups"], strict=True):
-            g.update({k: v for k, v in s.items() if k != "params"})
+            g.update(hyperparameters(s))
         values = state_dict.get("ps_params", {})
         version = int(state_dict.get("ps_version", 0))
         clock = int(state_dict.get("ps_clock", version))
@@ -607,21 +645,11 @@ class HybridReducer(Reducer):
         out: dict[int, dict[int, Any]] = {s: {} for s in range(len(self._job.servers))}
         for b in self._buckets:
             flat = self._flat_params(b)
-            sts = [saved.get(ids[index[p]], {}) for p in b.params]
-            flat_state: dict[str, Any] = {}
-            for k in dict.fromkeys(k for st in sts for k in st):  # every key any parameter has, in order
-                v0 = next(st[k] for st in sts if k in st)
-                if k != "step" and torch.is_tensor(v0) and v0.dim() > 0:
-                    t = torch.zeros(self._layout.padded(b.index), dtype=b.params[0].dtype)
-                    for p, o, st in zip(b.params, b.zero.offsets, sts, strict=True):
-                        if k in st:
-                            t[o : o + p.numel()] = st[k].reshape(-1)
-                    flat_state[k] = t
-                else:
-                    flat_state[k] = v0
+            sts = [saved.get(ids[index[p]]) for p in b.params]
+            flat_state = flatten_state(sts, b.params, self._buffers[b.index].offsets, flat.numel())
             for pc in self._layout.of_bucket(b.index, 0):
                 st = {
-                    k: v[pc.lo : pc.hi].clone() if elementwise_state(k, v, flat.numel()) else _copy(v)
+                    k: v[pc.lo : pc.hi].clone() if is_per_element(k, v, flat.shape) else copy_value(v)
                     for k, v in flat_state.items()
                 }
                 out[pc.server][pc.index] = (flat[pc.lo : pc.hi].clone(), st, version)
@@ -647,9 +675,3 @@ class HybridReducer(Reducer):
         for ps in getattr(self, "_made_sets", []):
             remove_process_set(ps)
         self._made_sets = []
-
-
-def _copy(value: Any) -> Any:
-    return value.clone() if torch.is_tensor(value) else value
-
-

@@ -31,7 +31,8 @@ or moved after the optimizer was built is refused.
 ``state_dict()`` (collective: call it on every rank of the process set) returns the state
 consolidated into the wrapped optimizer's own format, as if one unsharded optimizer had
 taken the steps; ``load_state_dict()`` accepts that format from any rank count, or from a
-plain optimizer.
+plain optimizer. The inner optimizer's state of a shard is this rank's slice of the bucket's
+state in the flat form of :mod:`hpcdl.optim_state`, which converts it to and from torch's.
 """
 
 from __future__ import annotations
@@ -56,13 +57,19 @@ from ..ops import (
     reducescatter_into_async,
     synchronize,
 )
+from ..optim_state import (
+    copy_value,
+    flatten_state,
+    hyperparameters,
+    in_parameter_order,
+    is_per_element,
+    numbered_groups,
+    unflatten_state,
+)
 from ..process_sets import ProcessSet, global_process_set
-from .buckets import Bucket, Reducer, elementwise_state, is_elementwise
+from .buckets import Bucket, Reducer, is_elementwise
 
 __all__ = ["ZeroOptimizer"]
-
-# per-parameter entries of an optimizer's state that are not per element (Adam's step count)
-_SCALAR_KEYS = ("step",)
 
 
 class _Layout:
@@ -141,11 +148,6 @@ class _Layout:
                     out[a - self.lo : b - self.lo] = t.reshape(-1)[a - o : b - o]
         return out
 
-    def take(self, params: list[torch.nn.Parameter], tensors: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's shard of the concatenation of ``tensors`` (shaped like ``params``), as
-        a new tensor, zero where it covers padding."""
-        return self.take_into(torch.zeros_like(self.shard), params, tensors)
-
     def grad_source(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
         """The bucket's gradients as one flat tensor of ``n`` shards (zeros for the missing
         ones and the padding): a lone parameter's gradient itself when it needs no padding,
@@ -163,10 +165,6 @@ class _Layout:
             else:
                 seg.copy_(p.grad.reshape(-1))
         return self.staging
-
-    def pieces(self, params: list[torch.nn.Parameter], full: torch.Tensor) -> list[torch.Tensor]:
-        """Views of the full flat buffer ``full`` shaped like each parameter."""
-        return [full[o : o + p.numel()].view_as(p) for p, o in zip(params, self.offsets, strict=True)]
 
 
 class ZeroOptimizer(Reducer, torch.optim.Optimizer):
@@ -238,7 +236,7 @@ class ZeroOptimizer(Reducer, torch.optim.Optimizer):
             shards = [b.zero.shard for b in self._buckets if b.group == gi]
             if shards:
                 self._inner_group[gi] = len(groups)
-                groups.append({**self._hyper(g), "params": shards})
+                groups.append({**hyperparameters(g), "params": shards})
         if not groups:
             raise HpcdlArgumentError("ZeroOptimizer: no parameter requires a gradient")
         self.optim = type(optimizer)(groups)
@@ -271,7 +269,7 @@ class ZeroOptimizer(Reducer, torch.optim.Optimizer):
         self._synchronized = False
         for gi, g in enumerate(self.param_groups):  # hyperparameters a scheduler may have changed
             if gi in self._inner_group:
-                self.optim.param_groups[self._inner_group[gi]].update(self._hyper(g))
+                self.optim.param_groups[self._inner_group[gi]].update(hyperparameters(g))
         with torch.no_grad():
             for b in self._buckets:
                 lay = b.zero
@@ -348,10 +346,6 @@ class ZeroOptimizer(Reducer, torch.optim.Optimizer):
         b.zero.shard.grad = self._compression.decompress(result, b.sent[0][1]).to(b.zero.shard.dtype)
 
     # -- consolidated state ------------------------------------------------------------------
-    @staticmethod
-    def _hyper(group: dict) -> dict:
-        return {k: v for k, v in group.items() if k != "params"}
-
     def _all_params(self) -> list[torch.nn.Parameter]:
         return [p for g in self.param_groups for p in g["params"]]
 
@@ -363,11 +357,12 @@ class ZeroOptimizer(Reducer, torch.optim.Optimizer):
         index = {p: i for i, p in enumerate(self._all_params())}
         state: dict[int, dict[str, Any]] = {}
         for b in self._buckets:
-            st = inner.get(b.zero.shard, {})
-            elementwise = [k for k, v in st.items() if elementwise_state(k, v, b.zero.shard.numel())]
+            lay = b.zero
+            st = inner.get(lay.shard, {})
             if not st:
                 continue
-            pieces: dict[str, list[torch.Tensor]] = {}
+            elementwise = [k for k, v in st.items() if is_per_element(k, v, lay.shard.shape)]
+            fulls: list[torch.Tensor] = []
             if elementwise:
                 fulls = synchronize(
                     grouped_allgather_async(
@@ -376,18 +371,10 @@ class ZeroOptimizer(Reducer, torch.optim.Optimizer):
                         process_set=self._process_set,
                     )
                 )
-                pieces = {k: b.zero.pieces(b.params, full) for k, full in zip(elementwise, fulls, strict=True)}
-            for j, p in enumerate(b.params):
-                state[index[p]] = {
-                    k: pieces[k][j].clone() if k in pieces else (v.clone() if torch.is_tensor(v) else v)
-                    for k, v in st.items()
-                }
-        groups = []
-        start = 0
-        for g in self.param_groups:
-            groups.append({**self._hyper(g), "params": list(range(start, start + len(g["params"])))})
-            start += len(g["params"])
-        return {"state": state, "param_groups": groups}
+            flat = {**st, **dict(zip(elementwise, fulls, strict=True))}  # the bucket's state, in flat form
+            for p, pst in zip(b.params, unflatten_state(flat, b.params, lay.offsets, lay.flat.numel()), strict=True):
+                state[index[p]] = pst
+        return {"state": state, "param_groups": numbered_groups(self.param_groups)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a consolidated state (from :meth:`state_dict` on any rank count, or from the
@@ -403,45 +390,49 @@ class ZeroOptimizer(Reducer, torch.optim.Optimizer):
                 f"this optimizer's have {ours}"
             )
         index = {p: i for i, p in enumerate(self._all_params())}
-        ids = [i for g in saved for i in g["params"]]  # saved ids, in our parameter order
+        saved_states = in_parameter_order(state_dict["state"], saved)
         names = {p: self._names.get(p, f"parameter {index[p]}") for p in index}
         for g, s in zip(self.param_groups, saved, strict=True):
-            g.update(self._hyper(s))
+            g.update(hyperparameters(s))
         inner_sd = self.optim.state_dict()
         inner_state: dict[int, dict[str, Any]] = {}
         for j, b in enumerate(self._buckets_in_inner_order()):
-            sts = [state_dict["state"].get(ids[index[p]]) for p in b.params]
+            sts = [saved_states[index[p]] for p in b.params]
             if all(s is None for s in sts):
                 continue
-            if any(s is None for s in sts) or any(set(s) != set(sts[0]) for s in sts):
-                raise HpcdlArgumentError(
-                    f"ZeroOptimizer.load_state_dict: parameters {[names[p] for p in b.params]} share a shard "
-                    "but the saved state has different entries for them (some have no state?)"
-                )
-            st: dict[str, Any] = {}
-            for k, v0 in sts[0].items():
-                if all(
-                    torch.is_tensor(s[k]) and s[k].shape == p.shape for s, p in zip(sts, b.params, strict=True)
-                ) and (k not in _SCALAR_KEYS):
-                    st[k] = b.zero.take(b.params, [s[k].to(p.dtype) for s, p in zip(sts, b.params, strict=True)])
-                    continue
-                same = all(
-                    (torch.is_tensor(s[k]) and torch.is_tensor(v0) and torch.equal(s[k], v0))
-                    or s[k] is v0
-                    or s[k] == v0
-                    for s in sts
-                )
-                if not same:
-                    raise HpcdlArgumentError(
-                        f"ZeroOptimizer.load_state_dict: {k!r} differs between {[names[p] for p in b.params]}, "
-                        "which share a shard"
-                    )
-                st[k] = v0.clone() if torch.is_tensor(v0) else v0
-            inner_state[j] = st
+            self._check_shared_shard(b, sts, [names[p] for p in b.params])
+            lay = b.zero
+            flat = flatten_state(sts, b.params, lay.offsets, lay.flat.numel(), lay.flat.device)
+            hi = lay.lo + lay.shard_numel
+            inner_state[j] = {  # this rank's shard of the per-element entries; the others whole
+                k: v[lay.lo : hi].clone() if is_per_element(k, v, lay.flat.shape) else copy_value(v)
+                for k, v in flat.items()
+            }
         for gi, g in enumerate(self.param_groups):
             if gi in self._inner_group:
-                inner_sd["param_groups"][self._inner_group[gi]].update(self._hyper(g))
+                inner_sd["param_groups"][self._inner_group[gi]].update(hyperparameters(g))
         self.optim.load_state_dict({"state": inner_state, "param_groups": inner_sd["param_groups"]})
+
+    @staticmethod
+    def _check_shared_shard(b: Bucket, sts: list[dict[str, Any] | None], names: list[str]) -> None:
+        """Raise unless the saved states of bucket ``b``'s parameters, which share a shard,
+        have the same entries, each per element for every parameter or equal for all."""
+        if any(s is None for s in sts) or any(set(s) != set(sts[0]) for s in sts):
+            raise HpcdlArgumentError(
+                f"ZeroOptimizer.load_state_dict: parameters {names} share a shard "
+                "but the saved state has different entries for them (some have no state?)"
+            )
+        for k, v0 in sts[0].items():
+            if all(is_per_element(k, s[k], p.shape) for s, p in zip(sts, b.params, strict=True)):
+                continue
+            same = all(
+                (torch.is_tensor(s[k]) and torch.is_tensor(v0) and torch.equal(s[k], v0)) or s[k] is v0 or s[k] == v0
+                for s in sts
+            )
+            if not same:
+                raise HpcdlArgumentError(
+                    f"ZeroOptimizer.load_state_dict: {k!r} differs between {names}, which share a shard"
+                )
 
     def _buckets_in_inner_order(self) -> list[Bucket]:
         """The buckets in the order of the inner optimizer's parameters (its state ids)."""

@@ -20,6 +20,7 @@ from torch import nn
 
 from .. import state
 from ..errors import HpcdlArgumentError
+from ..optim_state import copy_value, in_parameter_order, is_per_element, numbered_groups
 from .grid import Grid
 from .tensor import ColumnParallelLinear, ParallelMLP, ParallelSelfAttention, RowParallelLinear, VocabParallelEmbedding
 
@@ -202,9 +203,9 @@ def gather_dense_optimizer(
     named = list(model.named_parameters())
     mine: list[tuple[Slice, str, Any, bool]] = []
     if _holds_replica(grid):
-        for pid, (name, p) in zip(groups[0]["params"], named, strict=True):
-            for key, value in optimizer_state["state"].get(pid, {}).items():
-                shaped = torch.is_tensor(value) and value.shape == p.shape
+        for saved, (name, p) in zip(in_parameter_order(optimizer_state["state"], groups), named, strict=True):
+            for key, value in (saved or {}).items():
+                shaped = is_per_element(key, value, p.shape)
                 mine.append((slices[name], key, value.detach().cpu() if torch.is_tensor(value) else value, shaped))
     every = state.running().comm.gather(mine, root=root)
     if every is None:
@@ -219,8 +220,10 @@ def gather_dense_optimizer(
         if key not in entry:
             entry[key] = torch.zeros(tuple(shapes[sl.name]), dtype=value.dtype)
         sl.put(entry[key], value)
-    hyper = {k: v for k, v in groups[0].items() if k != "params"}
-    return {"state": dict(sorted(out.items())), "param_groups": [{**hyper, "params": list(range(len(shapes)))}]}
+    return {
+        "state": dict(sorted(out.items())),
+        "param_groups": numbered_groups([{**groups[0], "params": list(shapes)}]),
+    }
 
 
 def local_optimizer_state(model: nn.Module, dense_state: Mapping[str, Any], names: Sequence[str]) -> dict[str, Any]:
@@ -230,12 +233,12 @@ def local_optimizer_state(model: nn.Module, dense_state: Mapping[str, Any], name
     groups = dense_state["param_groups"]
     if len(groups) != 1:
         raise HpcdlArgumentError(f"the dense optimizer state has {len(groups)} parameter groups, not one")
-    ids = dict(zip(names, groups[0]["params"], strict=True))
+    by_name = dict(zip(names, in_parameter_order(dense_state["state"], groups), strict=True))
     slices = model_slices(model)
     local: dict[int, dict[str, Any]] = {}
     for k, (name, p) in enumerate(model.named_parameters()):
         sl = slices[name]
-        saved = dense_state["state"].get(ids[sl.name])
+        saved = by_name[sl.name]
         if saved is None:
             continue
         local[k] = {}
@@ -246,8 +249,7 @@ def local_optimizer_state(model: nn.Module, dense_state: Mapping[str, Any], name
                     raise HpcdlArgumentError(
                         f"optimizer state {key!r} of {sl.name!r} does not fit this rank's {name!r}"
                     )
-            elif torch.is_tensor(value):
-                value = value.clone()
+            else:
+                value = copy_value(value)
             local[k][key] = value
-    hyper = {k: v for k, v in groups[0].items() if k != "params"}
-    return {"state": local, "param_groups": [{**hyper, "params": list(range(len(list(model.parameters()))))}]}
+    return {"state": local, "param_groups": numbered_groups([{**groups[0], "params": list(model.parameters())}])}
