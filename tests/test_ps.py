@@ -18,7 +18,7 @@ from conftest import mpiexec_job, mpiexec_start
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hpcdl.ps import Layout
+from hpcdl.ps import PartitionPlan
 from hpcdl.train.config import ConfigError, parse_config
 
 JOB = ["tests/ps_job.py"]
@@ -36,7 +36,7 @@ JOB = ["tests/ps_job.py"]
 def test_partitions_cover_every_element_once_within_the_cap_and_balance_the_servers(
     numels, node_ranks, servers, partition_bytes, itemsize
 ):
-    lay = Layout(numels, itemsize, node_ranks, servers, partition_bytes)
+    lay = PartitionPlan(numels, itemsize, node_ranks, servers, partition_bytes)
     per = max(1, partition_bytes // itemsize)
     for b, n in enumerate(numels):
         m = lay.shard_numels[b]
@@ -53,8 +53,8 @@ def test_partitions_cover_every_element_once_within_the_cap_and_balance_the_serv
 
 
 def test_the_layout_is_the_same_whatever_computes_it():
-    a = Layout([1000, 17, 4096], 4, 2, 3, 1024)
-    b = Layout([1000, 17, 4096], 4, 2, 3, 1024)
+    a = PartitionPlan([1000, 17, 4096], 4, 2, 3, 1024)
+    b = PartitionPlan([1000, 17, 4096], 4, 2, 3, 1024)
     # shards of 500, 9 and 2048 elements, cut every 256: 2, 1 and 8 partitions per shard
     assert a.pieces == b.pieces and len(a.pieces) == 2 * (2 + 1 + 8)
 

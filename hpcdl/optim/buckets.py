@@ -34,7 +34,7 @@ from ..handles import request_name, synchronize
 from ..ops import Average, ReduceOp, Sum, allreduce_async, grouped_allreduce_async_, sparse_allreduce_async
 from ..process_sets import ProcessSet, registered_id
 
-__all__ = ["Bucket", "Reducer", "elementwise_state", "is_elementwise"]
+__all__ = ["Bucket", "Reducer", "is_elementwise"]
 
 _NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
 
@@ -44,13 +44,6 @@ def is_elementwise(optimizer_class: type) -> bool:
     may step pieces of the parameters (shards, partitions) and give the same result: not
     LBFGS, SparseAdam, Adafactor or Muon, whose update of an element depends on others."""
     return optimizer_class.__name__ not in _NOT_ELEMENTWISE
-
-
-def elementwise_state(key: str, value: Any, numel: int) -> bool:
-    """Whether optimizer state entry ``key`` holds one value per element of a flat tensor of
-    ``numel`` elements (momentum, Adam's moments) rather than per tensor (Adam's ``step``):
-    what the optimizers that cut parameters into pieces (shards, partitions) cut alike."""
-    return key != "step" and torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel
 
 
 class Bucket:
@@ -67,7 +60,7 @@ class Bucket:
         self.sent: list[tuple[torch.Tensor, Any, torch.nn.Parameter]] = []
         self.sparse: list[tuple[torch.nn.Parameter, Any]] = []  # sparse gradients' reductions
         self.starts: dict[torch.nn.Parameter, torch.Tensor] = {}  # Adasum: the values before the local step
-        self.zero: Any = None  # ZeroOptimizer's shard layout
+        self.zero: Any = None  # ZeroOptimizer's flat buffer and this rank's shard of it
 
 
 def _remove(hooks: list[Any]) -> None:

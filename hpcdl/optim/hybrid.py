@@ -19,7 +19,7 @@ are ready, so pushes overlap backward). Each bucket's way through the servers:
 - ``async``: no bound.
 
 Partitions of about ``partition_bytes`` are spread over the servers by bytes
-(:class:`hpcdl.ps.Layout`). The servers are the dedicated server ranks of
+(:class:`hpcdl.ps.PartitionPlan`). The servers are the dedicated server ranks of
 ``hpcdl.init(ps_servers=k)``, or else a server thread on every node leader (co-located).
 """
 
@@ -46,7 +46,7 @@ from ..functions import allgather_object, check_on_every_rank
 from ..ops import Average, ReduceOp, Sum, allgather_into_async, barrier, poll, reducescatter_into_async, synchronize
 from ..optim_state import copy_value, flatten_state, hyperparameters, is_per_element, numbered_groups, unflatten_state
 from ..process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from ..ps import Ask, Layout, Load, PSJob, Release, Server, Stats, TableSpec, Tags, as_bytes, wait_politely
+from ..ps import Ask, Load, PartitionPlan, PSJob, Release, Server, Stats, TableSpec, Tags, as_bytes, wait_politely
 from .buckets import Bucket, Reducer, is_elementwise
 
 __all__ = ["HybridOptimizer", "MODES"]
@@ -293,10 +293,10 @@ class HybridReducer(Reducer):
 
     def _lay_out(self, per_node: int) -> None:
         """Cut the buckets into shards and partitions over the servers
-        (:class:`hpcdl.ps.Layout`), make each bucket's buffers and start the counters."""
+        (:class:`hpcdl.ps.PartitionPlan`), make each bucket's buffers and start the counters."""
         itemsize = self._buckets[0].params[0].element_size()
         numels = [sum(p.numel() for p in b.params) for b in self._buckets]
-        lay = self._layout = Layout(numels, itemsize, per_node, len(self._job.servers), self.partition_bytes)
+        lay = self._plan = PartitionPlan(numels, itemsize, per_node, len(self._job.servers), self.partition_bytes)
         self._holding = sorted({pc.server for pc in lay.pieces})  # servers with partitions
         self._n = len(self._process_set.ranks)
         self._clock = 0
@@ -314,7 +314,7 @@ class HybridReducer(Reducer):
         """Register this optimizer's table with every server (collective over the process
         set): its :class:`hpcdl.ps.TableSpec`, for ``ssp`` and ``async`` with the optimizer,
         its groups and, from the first worker, each server's starting partitions."""
-        lay, job = self._layout, self._job
+        lay, job = self._plan, self._job
         spec = TableSpec(
             name=self._prefix,
             mode=self.mode,
@@ -351,7 +351,7 @@ class HybridReducer(Reducer):
 
     # -- what the servers start from (ssp, async) ------------------------------------------------
     def _flat_params(self, b: Bucket) -> torch.Tensor:
-        f = torch.zeros(self._layout.padded(b.index), dtype=b.params[0].dtype)
+        f = torch.zeros(self._plan.padded(b.index), dtype=b.params[0].dtype)
         for p, o in zip(b.params, self._buffers[b.index].offsets, strict=True):
             f[o : o + p.numel()] = p.detach().reshape(-1).cpu()
         return f
@@ -359,7 +359,7 @@ class HybridReducer(Reducer):
     def _initial_pieces(self) -> dict[int, torch.Tensor]:
         """Every partition's starting parameters (tensors travel in any dtype, bfloat16 too)."""
         flats = {b.index: self._flat_params(b) for b in self._buckets}
-        return {pc.index: flats[pc.bucket][pc.lo : pc.hi].clone() for pc in self._layout.pieces}
+        return {pc.index: flats[pc.bucket][pc.lo : pc.hi].clone() for pc in self._plan.pieces}
 
     # -- the step ------------------------------------------------------------------------------
     def _send_hyper(self) -> None:
@@ -420,11 +420,11 @@ class HybridReducer(Reducer):
         f = self._buffers[b.index]
         job = self._job
         reqs = []
-        for pc in self._layout.of_bucket(b.index, self._shard):
+        for pc in self._plan.of_bucket(b.index, self._shard):
             dest, tags = job.servers[pc.server], self._tags[pc.server]
             reqs.append(job.comm.Irecv(as_bytes(f.mine[pc.lo : pc.hi]), dest, tags.reply(pc.index)))
             reqs.append(job.comm.Isend(as_bytes(f.shard[pc.lo : pc.hi]), dest, tags.push(pc.index)))
-            nbytes = pc.numel * self._layout.itemsize
+            nbytes = pc.numel * self._plan.itemsize
             job.counter.sent += nbytes
             job.counter.received += nbytes
         f.reqs = reqs
@@ -502,9 +502,9 @@ class HybridReducer(Reducer):
         return self._node_set
 
     @property
-    def layout(self) -> Layout:
-        """The buckets' shards and partitions (:class:`hpcdl.ps.Layout`)."""
-        return self._layout
+    def partition_plan(self) -> PartitionPlan:
+        """The buckets' shards and partitions (:class:`hpcdl.ps.PartitionPlan`)."""
+        return self._plan
 
     @property
     def job(self) -> PSJob:
@@ -542,7 +542,7 @@ class HybridReducer(Reducer):
             got.update(self._job.ask(s, Ask("params", slot, need)))
         with torch.no_grad():
             for b in self._buckets:
-                flat = torch.cat([got[pc.index] for pc in self._layout.of_bucket(b.index, 0)])
+                flat = torch.cat([got[pc.index] for pc in self._plan.of_bucket(b.index, 0)])
                 for p, v in zip(b.params, self._buffers[b.index].pieces(b.params, flat), strict=True):
                     p.copy_(v)
         barrier(process_set=self._process_set)  # no rank pushes its next step before every rank has these
@@ -581,7 +581,7 @@ class HybridReducer(Reducer):
         version = min(v for _, _, v in got.values())
         for b in self._buckets:
             f = self._buffers[b.index]
-            pcs = self._layout.of_bucket(b.index, 0)
+            pcs = self._plan.of_bucket(b.index, 0)
             flat = torch.cat([got[pc.index][0] for pc in pcs])
             states = [got[pc.index][1] for pc in pcs]
             whole = {  # the bucket's state in flat form: per-element entries joined over the partitions
@@ -632,7 +632,9 @@ class HybridReducer(Reducer):
                 for srv, pieces in self._partitions_of(state_dict["state"], ids, index, version).items():
                     self._job.ask(srv, Load(self._slots[srv], pieces, clock))
             except (HpcdlError, KeyError, RuntimeError, TypeError, ValueError) as exc:
-                problem = f"{self._kind}.load_state_dict: the servers did not take the state: {type(exc).__name__}: {exc}"
+                problem = (
+                    f"{self._kind}.load_state_dict: the servers did not take the state: {type(exc).__name__}: {exc}"
+                )
         check_on_every_rank(problem, name=f"{self._prefix}.load", process_set=self._process_set)
         self._clock = clock
 
@@ -647,7 +649,7 @@ class HybridReducer(Reducer):
             flat = self._flat_params(b)
             sts = [saved.get(ids[index[p]]) for p in b.params]
             flat_state = flatten_state(sts, b.params, self._buffers[b.index].offsets, flat.numel())
-            for pc in self._layout.of_bucket(b.index, 0):
+            for pc in self._plan.of_bucket(b.index, 0):
                 st = {
                     k: v[pc.lo : pc.hi].clone() if is_per_element(k, v, flat.shape) else copy_value(v)
                     for k, v in flat_state.items()

@@ -72,7 +72,7 @@ from .buckets import Bucket, Reducer, is_elementwise
 __all__ = ["ZeroOptimizer"]
 
 
-class _Layout:
+class _FlatShard:
     """Where a bucket's parameters sit in its flat, padded buffer, and this rank's shard.
 
     The parameters live in ``flat``: each ``p.data`` is a view of it (like DeepSpeed's and
@@ -228,7 +228,7 @@ class ZeroOptimizer(Reducer, torch.optim.Optimizer):
         n, r = process_set.size(), process_set.rank()
         self._n = n
         for b in self._buckets:
-            b.zero = _Layout(b.params, n, r, process_set)
+            b.zero = _FlatShard(b.params, n, r, process_set)
         # the inner optimizer: one group per parameter group that has buckets, over the shards
         self._inner_group: dict[int, int] = {}
         groups = []

@@ -21,7 +21,7 @@ from typing import Any
 from mpi4py import MPI
 
 from ..errors import HpcdlError
-from .layout import Layout, Piece
+from .partitions import PartitionPlan, Piece
 from .server import Server, serve
 from .wire import (
     CTRL,
@@ -43,7 +43,7 @@ from .wire import (
 __all__ = [
     "PSJob",
     "split_roles",
-    "Layout",
+    "PartitionPlan",
     "Piece",
     "Server",
     "Tags",

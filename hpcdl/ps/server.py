@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .layout import Layout, Piece
+from .partitions import PartitionPlan, Piece
 from .wire import (
     CTRL,
     CTRL_REPLY,
@@ -74,11 +74,11 @@ class _Table:
         self.comm = comm
         self.counter = counter
         self.dtype = getattr(torch, spec.dtype)
-        self.layout = Layout(
+        self.plan = PartitionPlan(
             spec.bucket_numels, spec.itemsize, spec.node_ranks, len(spec.servers), spec.partition_bytes
         )
-        self.tags = Tags(slot, len(self.layout.pieces))
-        self.pieces = self.layout.of_server(index)
+        self.tags = Tags(slot, len(self.plan.pieces))
+        self.pieces = self.plan.of_server(index)
         nodes = spec.nodes
         # a piece of shard l is pushed by local rank l of every node
         self.contrib = {p.index: [node[p.shard] for node in nodes] for p in self.pieces}
@@ -203,9 +203,9 @@ class _Table:
             self.advance_all()
             return
         i, c = key
-        piece = self.layout.pieces[i]
+        piece = self.plan.pieces[i]
         self.reqs[i, c] = None
-        self.counter.received += piece.numel * self.layout.itemsize
+        self.counter.received += piece.numel * self.plan.itemsize
         if self.mode == "sync":
             self._sync_arrival(piece, c)
         else:

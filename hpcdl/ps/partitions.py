@@ -1,6 +1,6 @@
 """Where every gradient element goes in the parameter-server hybrid: shards and partitions.
 
-Every role computes the same :class:`Layout` from the same description (bucket sizes, the
+Every role computes the same :class:`PartitionPlan` from the same description (bucket sizes, the
 number of ranks a node reduces over, the servers and ``partition_bytes``), so workers and
 servers agree on every message without exchanging its shape.
 
@@ -19,7 +19,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-__all__ = ["Piece", "Layout"]
+__all__ = ["Piece", "PartitionPlan"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -39,7 +39,7 @@ class Piece:
         return self.hi - self.lo
 
 
-class Layout:
+class PartitionPlan:
     """The shards and partitions of a model's gradient buckets.
 
     Args:
@@ -54,7 +54,7 @@ class Layout:
         self, bucket_numels: Sequence[int], itemsize: int, node_ranks: int, servers: int, partition_bytes: int
     ) -> None:
         if node_ranks < 1 or servers < 1 or partition_bytes < 1 or itemsize < 1:
-            raise ValueError(f"bad layout: {node_ranks=} {servers=} {partition_bytes=} {itemsize=}")
+            raise ValueError(f"bad partition plan: {node_ranks=} {servers=} {partition_bytes=} {itemsize=}")
         self.bucket_numels = list(bucket_numels)
         self.node_ranks = node_ranks
         self.servers = servers
