@@ -29,6 +29,19 @@ def model(seed: int = 0, width: int = 7) -> torch.nn.Module:
     )
 
 
+class ScalarLast(torch.nn.Module):
+    """A vector parameter, then a scalar one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(4))
+        self.s = torch.nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.s * x * self.w).sum()
+
+
 def make_inner(kind: str, m: torch.nn.Module) -> torch.optim.Optimizer:
     if kind == "sgd":
         return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
@@ -178,6 +191,27 @@ def checkpoint(mode: str) -> None:
         train(opt4, m4, batches(2))
         same_on_every_worker(m4)
         opt4.close()
+        # a bucket led by a scalar parameter (buckets take the parameters last first): its
+        # momentum is one value, its neighbour's a vector, and both come back as they were
+        def sgd() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+            m = ScalarLast()
+            inner = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+            return m, hvd.HybridOptimizer(inner, m.named_parameters(), mode=mode, staleness=0)
+
+        m5, opt5 = sgd()
+        for k in range(3):
+            opt5.zero_grad()
+            m5(torch.full((4,), float(k + 1))).backward()
+            opt5.step()
+        saved = copy.deepcopy(opt5.state_dict())
+        opt5.close()
+        _, opt6 = sgd()
+        opt6.load_state_dict(saved)
+        got = opt6.state_dict()["state"]
+        for i, st in saved["state"].items():
+            for key, v in st.items():
+                assert torch.equal(torch.as_tensor(got[i][key]), torch.as_tensor(v)), (i, key, got[i][key], v)
+        opt6.close()
     print("OK checkpoint", flush=True)
 
 
