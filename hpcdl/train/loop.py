@@ -168,9 +168,10 @@ def _pick_checkpoint(ck_dir: str, cfg: TrainConfig) -> tuple[str | None, dict | 
 
 
 @dataclasses.dataclass
-class _Job:
-    """One call of :meth:`Trainer.run`: where it writes, what it holds open, and the figures
-    it started from (a resumed run's counters hold the earlier jobs' too)."""
+class _RunState:
+    """What one call of :meth:`Trainer.run` (this job) keeps while it trains: where it writes,
+    what it holds open, the figures it started from (a resumed run's counters hold the
+    earlier jobs' too), the last evaluation and the step of the last checkpoint."""
 
     run_dir: str
     resumed_from: str | None
@@ -195,8 +196,8 @@ class Trainer:
     """One training run. ``run()`` does it all; the pieces are methods so tests can use them."""
 
     def __init__(self, cfg: TrainConfig, on_step: Callable[[int], None] | None = None) -> None:
-        """Build the run on this rank from ``cfg``, as torchtitan does in steps: the device,
-        the data, the grid, the model (the same initial weights on every rank) cut over the
+        """Build the run on this rank from ``cfg``, one step after another: the device, the
+        data, the grid, the model (the same initial weights on every rank) cut over the
         grid, the distributed optimizer, and the position at step 0 (collective: the
         initial weights are broadcast, the grid and the optimizer make process sets).
         ``on_step(step)`` is called after each optimizer step."""
@@ -533,17 +534,18 @@ class Trainer:
         t_start = time.perf_counter()
         ck_dir = os.path.join(run_dir, "checkpoints")
         resumed_from = self._resume_newest(ck_dir) if self.cfg.checkpoint.resume else None
-        job = _Job(run_dir, resumed_from, t_start, self.step, self.samples, self.train_s, self.sync_s)
-        job.last_saved = self.step if resumed_from else -1  # a resumed run's checkpoint holds this step
-        self._open_outputs(job)
+        state = _RunState(run_dir, resumed_from, t_start, self.step, self.samples, self.train_s, self.sync_s)
+        if resumed_from:  # its checkpoint holds this step
+            state.last_saved = self.step
+        self._open_outputs(state)
         handlers = self._catch_signals()
         try:
-            self._train(job)
+            self._train(state)
         finally:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
-            self._close_outputs(job)
-        summary = self._summary(job)
+            self._close_outputs(state)
+        summary = self._summary(state)
         if self.rank == 0:
             write_json(os.path.join(run_dir, "summary.json"), summary)
             plot(
@@ -563,33 +565,35 @@ class Trainer:
         self.restore(path, st)
         return path
 
-    def _open_outputs(self, job: _Job) -> None:
+    def _open_outputs(self, state: _RunState) -> None:
         """Rank 0 writes ``config.json`` and ``ranks.json`` and opens the metrics; every rank
-        starts the timeline (with --timeline), rank 0 the progress bar."""
+        starts the timeline (with --timeline), rank 0 the progress bar (collective: the
+        ranks' layout is gathered)."""
         ranks = layout(hvd, self.device)
         if self.rank == 0:
-            ckpt.remove_partial(job.ck_dir)
-            write_json(os.path.join(job.run_dir, "config.json"), self.cfg.to_dict())
+            ckpt.remove_partial(state.ck_dir)
+            write_json(os.path.join(state.run_dir, "config.json"), self.cfg.to_dict())
             layout_doc = {"launcher": launcher(), "ranks": ranks, **servers(hvd)}
-            write_json(os.path.join(job.run_dir, "ranks.json"), layout_doc)
-            job.metrics = Metrics(os.path.join(job.run_dir, "metrics.jsonl"), self.step if job.resumed_from else None)
+            write_json(os.path.join(state.run_dir, "ranks.json"), layout_doc)
+            resume_step = self.step if state.resumed_from else None
+            state.metrics = Metrics(os.path.join(state.run_dir, "metrics.jsonl"), resume_step)
         if self.cfg.job.timeline:
             try:
                 hvd.start_timeline(self.cfg.job.timeline)
             except hvd.HpcdlArgumentError as exc:  # every rank alike: rank 0 cannot write there
                 raise RunError(f"--timeline: {exc}") from None
-        job.bar = self._progress(job.resumed_from)
+        state.bar = self._progress(state.resumed_from)
 
-    def _close_outputs(self, job: _Job) -> None:
+    def _close_outputs(self, state: _RunState) -> None:
         """Close the bar, stop the timeline and close the metrics (also when training failed)."""
-        if job.bar is not None:
-            job.bar.close()
+        if state.bar is not None:
+            state.bar.close()
         if self.cfg.job.timeline:
             hvd.stop_timeline()
-        if job.metrics:
-            job.metrics.close()
+        if state.metrics:
+            state.metrics.close()
 
-    def _train(self, job: _Job) -> None:
+    def _train(self, state: _RunState) -> None:
         """Train from the current position to ``total_steps``: evaluate after each epoch (and
         at the end, when it comes inside an epoch), checkpoint every --checkpoint-every steps
         and at the end."""
@@ -598,18 +602,18 @@ class Trainer:
             batches = self.order.batches(self.epoch)
             groups = [batches[i : i + accum] for i in range(0, len(batches), accum)]
             while self.step_in_epoch < len(groups) and self.step < self.total_steps:
-                self._take_step(job, groups[self.step_in_epoch])
-                self._checkpoint_or_stop(job)
+                self._take_step(state, groups[self.step_in_epoch])
+                self._checkpoint_or_stop(state)
             if self.step_in_epoch >= len(groups):  # the epoch is complete
-                self._end_epoch(job)
-        if not job.last_eval:  # stopped by max_steps inside an epoch
-            job.last_eval = self.evaluate()
-            if job.metrics:
-                job.metrics.write({"kind": "eval", "step": self.step, "epoch": self.epoch, **job.last_eval})
-        if job.last_saved != self.step:
-            self.save(job.ck_dir)
+                self._end_epoch(state)
+        if not state.last_eval:  # stopped by max_steps inside an epoch
+            state.last_eval = self.evaluate()
+            if state.metrics:
+                state.metrics.write({"kind": "eval", "step": self.step, "epoch": self.epoch, **state.last_eval})
+        if state.last_saved != self.step:
+            self.save(state.ck_dir)
 
-    def _take_step(self, job: _Job, group: list[torch.Tensor]) -> None:
+    def _take_step(self, state: _RunState, group: list[torch.Tensor]) -> None:
         """One optimizer step over ``group``, logged to the metrics and the bar; a loss that
         is not finite is a :class:`RunError` on every rank."""
         t0 = time.perf_counter()
@@ -624,8 +628,8 @@ class Trainer:
         self.step += 1
         self.step_in_epoch += 1
         samples_s = sum(len(b) for b in group) * self.world / dt
-        if job.metrics:
-            job.metrics.write(
+        if state.metrics:
+            state.metrics.write(
                 {
                     "kind": "train",
                     "step": self.step,
@@ -636,44 +640,44 @@ class Trainer:
                     "step_s": dt,
                 }
             )
-        if job.bar is not None:
-            job.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_s:.0f}", refresh=False)
-            job.bar.update(1)
+        if state.bar is not None:
+            state.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_s:.0f}", refresh=False)
+            state.bar.update(1)
         if self.on_step:
             self.on_step(self.step)
 
-    def _checkpoint_or_stop(self, job: _Job) -> None:
+    def _checkpoint_or_stop(self, state: _RunState) -> None:
         """After a step: the checkpoint --checkpoint-every asks for, and when the ranks agreed
         to stop, :class:`Interrupted` (after a checkpoint of this step, for SIGTERM)."""
         every = self.cfg.checkpoint.every
         if every and self.step % every == 0:
-            self.save(job.ck_dir)
-            job.last_saved = self.step
+            self.save(state.ck_dir)
+            state.last_saved = self.step
         if self.stop_asked is not None:
-            if self.stop_asked == signal.SIGTERM and not self.apart and job.last_saved != self.step:
-                self.save(job.ck_dir)  # preempted: keep this step's work
-                job.last_saved = self.step
-            raise Interrupted(self.stop_asked, self.step, ckpt.latest(job.ck_dir), self.apart)
+            if self.stop_asked == signal.SIGTERM and not self.apart and state.last_saved != self.step:
+                self.save(state.ck_dir)  # preempted: keep this step's work
+                state.last_saved = self.step
+            raise Interrupted(self.stop_asked, self.step, ckpt.latest(state.ck_dir), self.apart)
 
-    def _end_epoch(self, job: _Job) -> None:
+    def _end_epoch(self, state: _RunState) -> None:
         """Evaluate the complete epoch, log it (a line per epoch even without a bar), check
         that training makes progress, and move to the next epoch."""
-        job.last_eval = self.evaluate()
-        if job.metrics:
-            job.metrics.write({"kind": "eval", "step": self.step, "epoch": self.epoch, **job.last_eval})
-        self._check_not_at_chance(job.last_eval)
-        line = f"epoch {self.epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in job.last_eval.items())
-        if job.bar is not None:
-            job.bar.write(line)
+        state.last_eval = self.evaluate()
+        if state.metrics:
+            state.metrics.write({"kind": "eval", "step": self.step, "epoch": self.epoch, **state.last_eval})
+        self._check_not_at_chance(state.last_eval)
+        line = f"epoch {self.epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in state.last_eval.items())
+        if state.bar is not None:
+            state.bar.write(line)
         elif self.rank == 0:  # a log without a bar still gets one line per epoch
             print(line, flush=True)
         self.epoch += 1
         self.step_in_epoch = 0
 
-    def _summary(self, job: _Job) -> dict[str, Any]:
+    def _summary(self, state: _RunState) -> dict[str, Any]:
         """The run's result and this job's own figures (collective: the gpt's sample)."""
         cfg = self.cfg
-        train_s = self.train_s - job.start_train_s
+        train_s = self.train_s - state.start_train_s
         summary = {
             "model": cfg.model.name,
             "world_size": self.world,
@@ -681,15 +685,15 @@ class Trainer:
             "precision": cfg.training.precision,
             "steps": self.step,
             "epochs": self.epoch,
-            "final": job.last_eval,
-            "steps_this_job": self.step - job.start_step,
-            "wall_time_s": time.perf_counter() - job.t_start,
+            "final": state.last_eval,
+            "steps_this_job": self.step - state.start_step,
+            "wall_time_s": time.perf_counter() - state.t_start,
             "train_time_s": train_s,
-            "samples_per_s": (self.samples - job.start_samples) / train_s if train_s else 0.0,
-            "exposed_comm_share": (self.sync_s - job.start_sync_s) / train_s if train_s else 0.0,
-            "resumed_from": job.resumed_from,
-            "resumed_from_step": job.start_step if job.resumed_from else None,
-            "checkpoint": ckpt.latest(job.ck_dir) if self.rank == 0 else None,
+            "samples_per_s": (self.samples - state.start_samples) / train_s if train_s else 0.0,
+            "exposed_comm_share": (self.sync_s - state.start_sync_s) / train_s if train_s else 0.0,
+            "resumed_from": state.resumed_from,
+            "resumed_from_step": state.start_step if state.resumed_from else None,
+            "checkpoint": ckpt.latest(state.ck_dir) if self.rank == 0 else None,
             "parameters": sum(math.prod(s) for s in self.dense_shapes.values()),
             "grid": dict(zip(("dp", "tp", "pp"), self.shape, strict=True)),
             "dp": cfg.parallelism.dp if cfg.parallelism.dp == "allreduce" else f"ps {cfg.parallelism.ps_mode}",
