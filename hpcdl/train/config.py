@@ -17,7 +17,10 @@ variables, and a flag ``--<field-with-dashes>`` for each of its fields but ``tim
 (the job's ``--timeline`` records the training).
 
 Every value is checked before any rank starts work; a bad one raises :class:`ConfigError`
-naming the field (or flag, variable, file key) and the values it accepts.
+naming the field (or flag, variable, file key) and the values it accepts. The sections are
+plain records: :class:`TrainConfig` checks them all when it is made (:meth:`TrainConfig.validate`),
+one setting after another in ``--help``'s order, then the relations between them, so the first
+error named does not depend on which section holds a setting.
 """
 
 from __future__ import annotations
