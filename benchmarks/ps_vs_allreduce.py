@@ -320,12 +320,12 @@ def measure_accuracy() -> list[dict[str, Any]]:
             if hvd.rank() == 1 and len(seen) > 6:
                 time.sleep(statistics.median(b - a for a, b in zip(seen[1:6], seen[2:7], strict=True)))
 
-        cfg = TrainConfig(
+        cfg = TrainConfig.from_flat(
             dp="ps", ps_mode=mode, staleness=s, progress=False, run_dir=os.path.join(root, mode), checkpoint_every=0
         )
         summary = run(cfg, on_step=straggle)
         # this worker's own samples/s over its steps, wall clock (evaluations included alike)
-        rate = (len(seen) - 1) * cfg.batch_size / (seen[-1] - seen[0])
+        rate = (len(seen) - 1) * cfg.training.batch_size / (seen[-1] - seen[0])
         rates = hvd.allgather_object(rate)
         rows.append(
             {

@@ -387,13 +387,13 @@ def train_resume(mode: str) -> None:
     base = dict(
         model="mlp", dp="ps", ps_mode=mode, staleness=0, epochs=2, max_steps=14, checkpoint_every=4, progress=False
     )
-    whole = run(TrainConfig(run_dir=os.path.join(root, "whole"), **base))
+    whole = run(TrainConfig.from_flat(run_dir=os.path.join(root, "whole"), **base))
     parted = os.path.join(root, "parted")
     try:
-        run(TrainConfig(run_dir=parted, **base), on_step=stop)
+        run(TrainConfig.from_flat(run_dir=parted, **base), on_step=stop)
     except StopError:
         pass
-    resumed = run(TrainConfig(run_dir=parted, resume=True, **base))
+    resumed = run(TrainConfig.from_flat(run_dir=parted, resume=True, **base))
     if hvd.rank() == 0:
         assert ckpt.steps_in(os.path.join(parted, "checkpoints"))[-1] == 14
         assert resumed["resumed_from"].endswith("step-00000008.pt"), resumed["resumed_from"]
@@ -423,7 +423,7 @@ def seeds() -> None:
     for seed in range(8):
         acc = {}
         for mode in ("sync", "ssp"):
-            cfg = TrainConfig(
+            cfg = TrainConfig.from_flat(
                 model="mlp", dp="ps", ps_mode=mode, staleness=4, epochs=4, seed=seed, progress=False,
                 checkpoint_every=0, run_dir=os.path.join(root, f"{mode}-{seed}"),
             )

@@ -231,7 +231,7 @@ def test_fp16_loss_scaling_skips_the_same_step_on_every_rank(dev):
 
 
 def test_train_fp16_on_cuda_reaches_the_accuracy_bar(run_dir):
-    summary = run(TrainConfig(device="cuda", precision="fp16", run_dir=run_dir, progress=False))
+    summary = run(TrainConfig.from_flat(device="cuda", precision="fp16", run_dir=run_dir, progress=False))
     assert summary["device"].startswith("cuda") and summary["final"]["accuracy"] >= 0.97, summary
     if hvd.rank() == 0:
         saved = torch.load(summary["checkpoint"], weights_only=True)
@@ -241,7 +241,7 @@ def test_train_fp16_on_cuda_reaches_the_accuracy_bar(run_dir):
 def test_a_resumed_cuda_fp16_run_ends_where_an_uninterrupted_one_does(run_dir):
     base = dict(device="cuda", precision="fp16", model="cnn", batch_size=64, checkpoint_every=4, keep_checkpoints=1)
     base.update(max_steps=14, progress=False)
-    whole = run(TrainConfig(run_dir=os.path.join(run_dir, "whole"), **base))
+    whole = run(TrainConfig.from_flat(run_dir=os.path.join(run_dir, "whole"), **base))
 
     class StopError(Exception):
         pass
@@ -252,8 +252,8 @@ def test_a_resumed_cuda_fp16_run_ends_where_an_uninterrupted_one_does(run_dir):
 
     parted = os.path.join(run_dir, "parted")
     with pytest.raises(StopError):
-        run(TrainConfig(run_dir=parted, **base), on_step=stop)
-    resumed = run(TrainConfig(run_dir=parted, resume=True, **base))
+        run(TrainConfig.from_flat(run_dir=parted, **base), on_step=stop)
+    resumed = run(TrainConfig.from_flat(run_dir=parted, resume=True, **base))
     assert resumed["resumed_from"].endswith("step-00000008.pt")
     if hvd.rank() == 0:
         a = torch.load(whole["checkpoint"], weights_only=True)

@@ -41,7 +41,7 @@ def config(tp: int, pp: int, run_dir: str, **kw) -> TrainConfig:
         progress=False,
         run_dir=run_dir,
     )
-    return TrainConfig(**{**base, **kw})
+    return TrainConfig.from_flat(**{**base, **kw})
 
 
 def rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -106,10 +106,11 @@ def test_a_few_steps_on_every_grid_equal_one_process_on_the_replicas_batches(run
             trainer = Trainer(cfg)
             dp = trainer.replicas
             assert dp * tp * pp == n and trainer.grid is not None
-            batches = [ShardedOrder(len(train), dp, d, cfg.seed, cfg.batch_size).batches(0) for d in range(dp)]
+            seed, batch_size = cfg.training.seed, cfg.training.batch_size
+            batches = [ShardedOrder(len(train), dp, d, seed, batch_size).batches(0) for d in range(dp)]
             losses = [trainer.train_step([batches[trainer.replica][k]]) for k in range(steps)]
-            torch.manual_seed(cfg.seed)
-            ref = GPT(cfg.block_size, cfg.n_layer, cfg.n_head, cfg.d_model).double()
+            torch.manual_seed(seed)
+            ref = GPT(cfg.model.block_size, cfg.model.n_layer, cfg.model.n_head, cfg.model.d_model).double()
             opt = torch.optim.Adam(ref.parameters(), lr=trainer.base_lr)
             for k in range(steps):
                 for g in opt.param_groups:

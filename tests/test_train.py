@@ -4,6 +4,7 @@ checkpoints, the models, and how a job ends when a rank fails or is killed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pty
@@ -36,17 +37,58 @@ def test_precedence_defaults_file_environment_flags(tmp_path):
     toml = tmp_path / "c.toml"
     toml.write_text('model = "mlp"\nlr = 0.5\nepochs = 3\nzero = 1\nactivation-checkpointing = false\n')
     cfg = parse_config(["--config", str(toml)], environ={})
-    assert (cfg.model, cfg.lr, cfg.epochs, cfg.zero, cfg.batch_size) == ("mlp", 0.5, 3, 1, 32)
+    assert (cfg.model.name, cfg.optimizer.lr, cfg.training.epochs, cfg.optimizer.zero) == ("mlp", 0.5, 3, 1)
+    assert cfg.training.batch_size == 32
     env = {"HPCDL_TRAIN_LR": "0.25", "HPCDL_TRAIN_PROGRESS": "off", "HPCDL_TRAIN_ZERO": "2"}
     cfg = parse_config(["--config", str(toml)], environ=env)
-    assert (cfg.lr, cfg.progress, cfg.zero, cfg.epochs) == (0.25, False, 2, 3)
+    assert (cfg.optimizer.lr, cfg.job.progress, cfg.optimizer.zero, cfg.training.epochs) == (0.25, False, 2, 3)
     cfg = parse_config(["--config", str(toml), "--lr", "0.125", "--progress", "--zero", "0"], environ=env)
-    assert (cfg.lr, cfg.progress, cfg.zero, cfg.model) == (0.125, True, 0, "mlp")
+    assert (cfg.optimizer.lr, cfg.job.progress, cfg.optimizer.zero, cfg.model.name) == (0.125, True, 0, "mlp")
     yml = tmp_path / "c.yaml"
     yml.write_text("model: gpt\nn_layer: 3\nprecision: bf16\nlr: 1\n")
     cfg = parse_config(["--config", str(yml)], environ={})
-    assert (cfg.model, cfg.n_layer, cfg.precision, cfg.lr) == ("gpt", 3, "bf16", 1.0)
-    assert cfg == TrainConfig(model="gpt", n_layer=3, precision="bf16", lr=1.0)
+    assert (cfg.model.name, cfg.model.n_layer, cfg.training.precision, cfg.optimizer.lr) == ("gpt", 3, "bf16", 1.0)
+    assert cfg == TrainConfig.from_flat(model="gpt", n_layer=3, precision="bf16", lr=1.0)
+
+
+STORED_KEYS = (
+    "model epochs max_steps batch_size grad_accum optimizer lr lr_scaling warmup_steps lr_schedule momentum "
+    "weight_decay zero dp ps_mode staleness ps_partition_bytes tp pp pp_schedule chunks sequence_parallel runtime "
+    "device precision activation_checkpointing seed threads block_size n_layer n_head d_model dropout run_dir "
+    "checkpoint_every keep_checkpoints resume overwrite timeline progress dry_run"
+).split()
+"""The keys, in order, of the configuration a run directory's config.json and every checkpoint hold."""
+
+
+def test_the_sections_keep_the_flat_names_users_know():
+    """The sections regroup the settings; flags, file keys and the stored configuration keep
+    one flat name per setting, in the order --help lists them."""
+    from hpcdl.train import CheckpointConfig, ModelConfig, OptimizerConfig, TrainingConfig
+    from hpcdl.train.config import help_text
+
+    cfg = TrainConfig.from_flat(model="gpt", optimizer="sgd", checkpoint_every=7, keep_checkpoints=3, lr=1, epochs=4)
+    assert (cfg.model.name, cfg.optimizer.name, cfg.checkpoint.every, cfg.checkpoint.keep) == ("gpt", "sgd", 7, 3)
+    assert cfg.optimizer.lr == 1.0 and type(cfg.optimizer.lr) is float and cfg.training.epochs == 4
+    flat = cfg.to_dict()
+    assert list(flat) == STORED_KEYS and flat["runtime"] == dataclasses.asdict(hvd.Config())
+    assert (flat["model"], flat["optimizer"], flat["checkpoint_every"], flat["keep_checkpoints"]) == ("gpt", "sgd", 7, 3)
+    flags = re.findall(r"^  --([a-z-]+)", help_text().split("\nruntime:")[0], re.M)
+    assert [f.replace("-", "_") for f in flags] == ["config", *(k for k in STORED_KEYS if k != "runtime")]
+    runtime = hvd.Config(**flat.pop("runtime"))
+    assert TrainConfig.from_flat(**flat, runtime=runtime) == cfg
+    by_section = TrainConfig(
+        model=ModelConfig(name="gpt"),
+        training=TrainingConfig(epochs=4),
+        optimizer=OptimizerConfig(name="sgd", lr=1.0),
+        checkpoint=CheckpointConfig(every=7, keep=3),
+    )
+    assert by_section == cfg
+    with pytest.raises(ConfigError, match=r"^epochs=0 must be >= 1$"):
+        TrainConfig(training=TrainingConfig(epochs=0))
+    with pytest.raises(ConfigError, match=r"model='gpt' must be a ModelConfig \(TrainConfig.from_flat takes"):
+        TrainConfig(model="gpt")
+    with pytest.raises(TypeError, match=r"unexpected setting 'epochz'"):
+        TrainConfig.from_flat(epochz=3)
 
 
 def test_the_runtime_section_reads_file_environment_and_flags(tmp_path):
@@ -60,7 +102,7 @@ def test_the_runtime_section_reads_file_environment_and_flags(tmp_path):
     cfg = parse_config(["--config", str(toml)], environ=env)
     assert (cfg.runtime.fusion_threshold, cfg.runtime.bucket_bytes, cfg.runtime.shm_doorbell) == (1000, 4096, False)
     cfg = parse_config(["--config", str(toml), "--bucket-bytes", "512", "--shm-doorbell"], environ=env)
-    assert (cfg.runtime.bucket_bytes, cfg.runtime.shm_doorbell, cfg.epochs) == (512, True, 2)
+    assert (cfg.runtime.bucket_bytes, cfg.runtime.shm_doorbell, cfg.training.epochs) == (512, True, 2)
     assert parse_config([], environ={}).runtime == hvd.Config()
     assert cfg.to_dict()["runtime"]["bucket_bytes"] == 512  # config.json holds the section
     with pytest.raises(ConfigError, match=r"bucket_bytes=0 must be > 0"):
@@ -132,7 +174,7 @@ def test_bad_values_name_the_field_and_what_is_accepted(tmp_path, argv, environ,
 def test_device_cuda_without_a_gpu_is_refused_before_work():
     with pytest.raises(ConfigError, match="device='cuda' but torch sees no CUDA device here"):
         parse_config(["--device", "cuda"], environ={})
-    assert parse_config([], environ={"HPCDL_TRAIN_DEVICE": "auto"}).device == "auto"
+    assert parse_config([], environ={"HPCDL_TRAIN_DEVICE": "auto"}).training.device == "auto"
 
 
 def test_config_file_must_exist_and_be_toml_or_yaml(tmp_path):
@@ -154,7 +196,7 @@ def test_a_bad_value_stops_every_rank_before_work_with_one_message(tmp_path):
 
 
 def test_settings_flatten_every_layer_and_ranks_read_as_ranges():
-    flat = settings(TrainConfig(lr=0.5), environ={"HPCDL_SEGMENT_BYTES": "4096"})
+    flat = settings(TrainConfig.from_flat(lr=0.5), environ={"HPCDL_SEGMENT_BYTES": "4096"})
     assert flat["lr"] == 0.5 and flat["collectives.segment_bytes"] == 4096
     assert flat["runtime.fusion_threshold"] == hvd.Config().fusion_threshold and "runtime" not in flat
     assert rank_ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8" and rank_ranges([3]) == "3"
@@ -188,7 +230,7 @@ def test_dry_run_prints_the_configuration_and_the_rank_layout():
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     resolved = json.loads(out.split("# resolved configuration\n", 1)[1].split("# rank layout")[0])
-    assert resolved == TrainConfig(model="gpt", zero=1, dry_run=True).to_dict()
+    assert resolved == TrainConfig.from_flat(model="gpt", zero=1, dry_run=True).to_dict()
     assert "# rank layout: 2 ranks on 1 node(s), launcher mpiexec (MPICH hydra)" in out
     rows = [line.split() for line in out.splitlines()[-2:]]
     assert [r[:3] for r in rows] == [["0", "0/2", "0"], ["1", "1/2", "0"]]
@@ -400,10 +442,10 @@ def test_learning_rate_warm_up_then_cosine():
     from hpcdl.train.loop import Trainer
 
     t = Trainer.__new__(Trainer)
-    t.cfg, t.base_lr, t.total_steps = TrainConfig(warmup_steps=4), 0.8, 14
+    t.cfg, t.base_lr, t.total_steps = TrainConfig.from_flat(warmup_steps=4), 0.8, 14
     assert [t.lr_at(s) for s in range(4)] == pytest.approx([0.2, 0.4, 0.6, 0.8])
     assert t.lr_at(4) == pytest.approx(0.8) and t.lr_at(9) == pytest.approx(0.4) and t.lr_at(14) == pytest.approx(0.0)
-    t.cfg = TrainConfig(warmup_steps=0, lr_schedule="constant")
+    t.cfg = TrainConfig.from_flat(warmup_steps=0, lr_schedule="constant")
     assert t.lr_at(0) == t.lr_at(13) == 0.8
 
 
@@ -762,7 +804,7 @@ def test_a_run_stuck_at_chance_level_stops_naming_what_to_look_at():
     from hpcdl.train.config import RunError
     from hpcdl.train.loop import Trainer
 
-    cfg = TrainConfig(model="mlp", dp="ps", ps_mode="ssp", staleness=4, warmup_steps=20)
+    cfg = TrainConfig.from_flat(model="mlp", dp="ps", ps_mode="ssp", staleness=4, warmup_steps=20)
     at = SimpleNamespace(cfg=cfg, epoch=1, step=46)
     chance = {"loss": 2.3025, "accuracy": 0.1028}
     with pytest.raises(RunError, match=r"stuck at chance level: after epoch 1 \(step 46\) the held-out loss is 2.3025"):
@@ -779,7 +821,7 @@ def test_a_run_stuck_at_chance_level_stops_naming_what_to_look_at():
     with pytest.raises(RunError, match=r"has diverged: .* loss is nan, worse than a uniform guess over 10 classes"):
         Trainer._check_not_at_chance(at, {"loss": float("nan"), "accuracy": 0.1})
     Trainer._check_not_at_chance(at, {"loss": 3.1, "accuracy": 0.9})  # overconfident, yet right: not diverged
-    gpt = SimpleNamespace(cfg=TrainConfig(model="gpt"), epoch=2, step=500)
+    gpt = SimpleNamespace(cfg=TrainConfig.from_flat(model="gpt"), epoch=2, step=500)
     with pytest.raises(RunError, match=r"uniform guess over 256 classes \(ln 256 = 5.5452\); lower --lr;"):
         Trainer._check_not_at_chance(gpt, {"loss": 5.54, "perplexity": 254.7})
 
@@ -887,7 +929,7 @@ def test_a_checkpoint_of_an_older_configuration_resumes_with_a_warning(tmp_path,
     named in the warning, not a KeyError."""
     from hpcdl.train.loop import _pick_checkpoint
 
-    cfg = TrainConfig(run_dir=str(tmp_path))
+    cfg = TrainConfig.from_flat(run_dir=str(tmp_path))
     old = {**cfg.to_dict(), "fusion_threshold": -1}
     old.pop("overwrite")
     ckpt.save_atomic({"format": ckpt.FORMAT, "config": old, "step": 3}, ckpt.path_for(str(tmp_path), 3))

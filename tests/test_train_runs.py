@@ -30,7 +30,7 @@ def _weights(model: torch.nn.Module) -> list[torch.Tensor]:
 def test_training_equals_one_process_on_the_concatenated_batches(run_dir):
     """SGD with momentum, accumulation over 2 passes, an uneven split: the weights after 30
     steps equal one process stepping on every rank's batches at once."""
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flat(
         model="mlp",
         device="cpu",  # the reference runs on the CPU (tests/test_device_cuda.py covers CUDA)
         optimizer="sgd",
@@ -49,18 +49,19 @@ def test_training_equals_one_process_on_the_concatenated_batches(run_dir):
     trainer.run(run_dir)
     n = hvd.size()
     # the reference: one process, the same initial weights, every rank's batches concatenated
-    torch.manual_seed(cfg.seed)
+    training = cfg.training
+    torch.manual_seed(training.seed)
     ref = DigitsMLP()
-    opt = torch.optim.SGD(ref.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    opt = torch.optim.SGD(ref.parameters(), lr=cfg.optimizer.lr, momentum=cfg.optimizer.momentum)
     train, _ = digits(image=False)
-    orders = [ShardedOrder(len(train), n, r, cfg.seed, cfg.batch_size) for r in range(n)]
+    orders = [ShardedOrder(len(train), n, r, training.seed, training.batch_size) for r in range(n)]
     step, epoch = 0, 0
-    while step < cfg.max_steps:
+    while step < training.max_steps:
         per_rank = [o.batches(epoch) for o in orders]
-        for g in range(0, len(per_rank[0]), cfg.grad_accum):
-            if step == cfg.max_steps:
+        for g in range(0, len(per_rank[0]), training.grad_accum):
+            if step == training.max_steps:
                 break
-            idx = torch.cat([torch.cat(b[g : g + cfg.grad_accum]) for b in per_rank])
+            idx = torch.cat([torch.cat(b[g : g + training.grad_accum]) for b in per_rank])
             for group in opt.param_groups:
                 group["lr"] = trainer.lr_at(step)
             opt.zero_grad()
@@ -78,7 +79,7 @@ def test_training_equals_one_process_on_the_concatenated_batches(run_dir):
 
 def test_evaluation_covers_the_whole_split_whatever_the_rank_count(run_dir):
     hvd.init()
-    trainer = Trainer(TrainConfig(model="cnn", device="cpu", progress=False, run_dir=run_dir))
+    trainer = Trainer(TrainConfig.from_flat(model="cnn", device="cpu", progress=False, run_dir=run_dir))
     got = trainer.evaluate()
     _, test = digits(image=True)
     with torch.no_grad():
@@ -116,7 +117,7 @@ class _StopError(Exception):
 )
 def test_a_resumed_run_ends_where_an_uninterrupted_one_does(run_dir, kw):
     base = dict(checkpoint_every=4, keep_checkpoints=1, progress=False, **kw)
-    whole = run(TrainConfig(run_dir=os.path.join(run_dir, "whole"), **base))
+    whole = run(TrainConfig.from_flat(run_dir=os.path.join(run_dir, "whole"), **base))
     w_whole = torch.load(whole["checkpoint"], weights_only=True)["model"] if hvd.rank() == 0 else None
 
     def stop_after_a_checkpoint(step):
@@ -125,9 +126,9 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(run_dir, kw):
 
     parted = os.path.join(run_dir, "parted")
     with pytest.raises(_StopError):
-        run(TrainConfig(run_dir=parted, **base), on_step=stop_after_a_checkpoint)
+        run(TrainConfig.from_flat(run_dir=parted, **base), on_step=stop_after_a_checkpoint)
     assert ckpt.steps_in(os.path.join(parted, "checkpoints")) == [8]
-    resumed = run(TrainConfig(run_dir=parted, resume=True, **base))
+    resumed = run(TrainConfig.from_flat(run_dir=parted, resume=True, **base))
     assert resumed["resumed_from"].endswith("step-00000008.pt") and resumed["steps"] == whole["steps"]
     if hvd.rank() == 0:
         w_resumed = torch.load(resumed["checkpoint"], weights_only=True)["model"]
@@ -143,7 +144,9 @@ def test_a_resumed_run_ends_where_an_uninterrupted_one_does(run_dir, kw):
 
 def test_the_run_directory_holds_what_the_readme_says(run_dir):
     timeline = os.path.join(run_dir, "timeline.json")
-    cfg = TrainConfig(model="cnn", epochs=2, run_dir=run_dir, progress=False, timeline=timeline, checkpoint_every=10)
+    cfg = TrainConfig.from_flat(
+        model="cnn", epochs=2, run_dir=run_dir, progress=False, timeline=timeline, checkpoint_every=10
+    )
     summary = run(cfg)
     n = hvd.size()
     if hvd.rank() == 0:
@@ -162,7 +165,7 @@ def test_the_run_directory_holds_what_the_readme_says(run_dir):
         assert 0.5 < saved["final"]["accuracy"] <= 1.0 and 0.0 <= saved["exposed_comm_share"] < 1.0
         with open(os.path.join(run_dir, "curves.png"), "rb") as fh:
             assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
-        assert len(ckpt.steps_in(os.path.join(run_dir, "checkpoints"))) == cfg.keep_checkpoints
+        assert len(ckpt.steps_in(os.path.join(run_dir, "checkpoints"))) == cfg.checkpoint.keep
         events = json.load(open(timeline))["traceEvents"]
         assert any(e.get("args", {}).get("tensor") == "train.loss" for e in events)
 
@@ -173,5 +176,6 @@ def test_mixed_precision_trains(run_dir, precision):
     # steps whatever the rank count (23 per epoch at 2 ranks, 8 at 6)
     per_epoch = math.ceil(len(digits(image=True)[0]) / (32 * MPI.COMM_WORLD.size))
     epochs = max(2, math.ceil(46 / per_epoch))
-    summary = run(TrainConfig(model="mlp", precision=precision, epochs=epochs, run_dir=run_dir, progress=False))
+    cfg = TrainConfig.from_flat(model="mlp", precision=precision, epochs=epochs, run_dir=run_dir, progress=False)
+    summary = run(cfg)
     assert summary["final"]["accuracy"] > 0.8, summary

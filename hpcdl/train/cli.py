@@ -24,7 +24,7 @@ def _dry_run(cfg) -> None:
     from .loop import build_grid, init_runtime
 
     init_runtime(cfg)
-    ranks = layout(hvd, pick_device(cfg.device, hvd.local_rank()))
+    ranks = layout(hvd, pick_device(cfg.training.device, hvd.local_rank()))
     grid = build_grid(cfg)  # a RunError, on every rank, when it does not fit the world
     coords = hvd.allgather_object((grid.dp_rank, grid.tp_rank, grid.pp_rank) if grid else (hvd.rank(), 0, 0))
     if hvd.rank() == 0:
@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:  # the same on every rank: each exits, none has started work
         _say_once(f"hpcdl.train: error: {exc} (see python -m hpcdl.train --help)")
         return 2
-    if cfg.dry_run:
+    if cfg.job.dry_run:
 
         def dry_run() -> int:
             import hpcdl as hvd

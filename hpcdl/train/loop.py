@@ -9,6 +9,7 @@ one grid resumes on another grid, or on one rank, and the other way round."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import math
 import os
@@ -55,7 +56,8 @@ def init_runtime(cfg: TrainConfig) -> None:
 
 def uses_grid(cfg: TrainConfig) -> bool:
     """Whether the run splits the GPT over a grid (tp or pp > 1, or micro-batches)."""
-    return cfg.model == "gpt" and (cfg.tp * cfg.pp > 1 or cfg.chunks > 1)
+    p = cfg.parallelism
+    return cfg.model.name == "gpt" and (p.tp * p.pp > 1 or p.chunks > 1)
 
 
 def build_grid(cfg: TrainConfig) -> Grid | None:
@@ -64,9 +66,10 @@ def build_grid(cfg: TrainConfig) -> Grid | None:
     if not uses_grid(cfg):
         return None
     try:
-        return Grid(dp=-1, tp=cfg.tp, pp=cfg.pp)
+        return Grid(dp=-1, tp=cfg.parallelism.tp, pp=cfg.parallelism.pp)
     except hvd.HpcdlArgumentError as exc:
-        raise RunError(f"--tp {cfg.tp} --pp {cfg.pp} on {hvd.size()} ranks: {exc}") from None
+        tp, pp = cfg.parallelism.tp, cfg.parallelism.pp
+        raise RunError(f"--tp {tp} --pp {pp} on {hvd.size()} ranks: {exc}") from None
 
 
 def _resolve_run_dir(cfg: TrainConfig) -> tuple[str, RunLock | None]:
@@ -78,11 +81,11 @@ def _resolve_run_dir(cfg: TrainConfig) -> tuple[str, RunLock | None]:
     answer: tuple[str | None, str | None] = (None, None)
     lock = None
     if hvd.rank() == 0:
-        path = cfg.run_dir or os.path.join("runs", f"{cfg.model}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+        path = cfg.job.run_dir or os.path.join("runs", f"{cfg.model.name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
         path = os.path.abspath(path)
         ck_dir = os.path.join(path, "checkpoints")
         problem = None
-        if cfg.resume and not os.path.isdir(path):
+        if cfg.checkpoint.resume and not os.path.isdir(path):
             problem = f"resume: run directory {path} does not exist"
         else:
             try:
@@ -96,14 +99,14 @@ def _resolve_run_dir(cfg: TrainConfig) -> tuple[str, RunLock | None]:
             except OSError as exc:
                 problem, lock = f"run directory {path} cannot be used: {exc.strerror or exc}", None
         earlier = ckpt.steps_in(ck_dir) if problem is None else []
-        if earlier and not cfg.resume and not cfg.overwrite:
+        if earlier and not cfg.checkpoint.resume and not cfg.checkpoint.overwrite:
             problem = (
                 f"run directory {path} holds checkpoints of an earlier run (newest "
                 f"{ckpt.path_for(ck_dir, earlier[-1])}); pass --resume to continue it or --overwrite to start afresh"
             )
         elif problem is None:
             try:
-                if cfg.overwrite:
+                if cfg.checkpoint.overwrite:
                     ckpt.remove_all(ck_dir)
                 os.makedirs(ck_dir, exist_ok=True)
             except OSError as exc:
@@ -165,83 +168,147 @@ def _pick_checkpoint(ck_dir: str, cfg: TrainConfig) -> tuple[str | None, dict | 
     return None, None, "resume: no intact checkpoint in " + ck_dir + "; skipped " + "; ".join(skipped)
 
 
+@dataclasses.dataclass
+class _RunState:
+    """What one call of :meth:`Trainer.run` (this job) keeps while it trains: where it writes,
+    what it holds open, the figures it started from (a resumed run's counters hold the
+    earlier jobs' too), the last evaluation and the step of the last checkpoint."""
+
+    run_dir: str
+    resumed_from: str | None
+    t_start: float
+    start_step: int
+    start_samples: int
+    start_train_s: float
+    start_sync_s: float
+    metrics: Metrics | None = None
+    bar: Any = None
+    """Rank 0's progress bar, where its output reaches a terminal."""
+    last_eval: dict[str, float] = dataclasses.field(default_factory=dict)
+    last_saved: int = -1
+    """The step of the newest checkpoint this job wrote or resumed from (-1: none)."""
+
+    @property
+    def ck_dir(self) -> str:
+        return os.path.join(self.run_dir, "checkpoints")
+
+
 class Trainer:
     """One training run. ``run()`` does it all; the pieces are methods so tests can use them."""
 
     def __init__(self, cfg: TrainConfig, on_step: Callable[[int], None] | None = None) -> None:
+        """Build the run on this rank from ``cfg``, one step after another: the device, the
+        data, the grid, the model (the same initial weights on every rank) cut over the
+        grid, the distributed optimizer, and the position at step 0 (collective: the
+        initial weights are broadcast, the grid and the optimizer make process sets).
+        ``on_step(step)`` is called after each optimizer step."""
         self.cfg, self.on_step = cfg, on_step
         self.rank, self.world = hvd.rank(), hvd.size()
-        torch.set_num_threads(cfg.threads)
-        self.device = pick_device(cfg.device, hvd.local_rank())
-        if self.device.type == "cuda":  # bitwise-reproducible runs (and --resume), as on the CPU
+        self.device = self._set_up_device()
+        self.train_set, self.test_set = self._load_data()
+        self._place_on_grid()
+        self.model: torch.nn.Module = self._build_model()
+        self._build_optimizer()
+        self._start_at_step_zero()
+        self.signal: int | None = None
+        """The first of SIGINT or SIGTERM this rank received during the run (None: none)."""
+        self.stop_asked: int | None = None
+        """The signal the ranks agreed, with the last step's loss, to stop for."""
+
+    def _set_up_device(self) -> torch.device:
+        """This rank's torch threads and training device (deterministic kernels on a GPU)."""
+        torch.set_num_threads(self.cfg.training.threads)
+        device = pick_device(self.cfg.training.device, hvd.local_rank())
+        if device.type == "cuda":  # bitwise-reproducible runs (and --resume), as on the CPU
             torch.backends.cudnn.deterministic = True
             torch.backends.cudnn.benchmark = False
-        # data, on the training device
-        if cfg.model == "gpt":
+        return device
+
+    def _load_data(self) -> tuple[Split, Split]:
+        """The training and held-out splits of the model's data set, on the training device
+        (a block size the corpus cannot fill is a :class:`RunError` on every rank)."""
+        model = self.cfg.model
+        if model.name == "gpt":
             try:
-                train_set, test_set = corpus(cfg.block_size)
+                train_set, test_set = corpus(model.block_size)
             except ValueError as exc:  # every rank alike: the corpus is the same everywhere
                 raise RunError(f"--block-size: {exc}") from None
         else:
-            train_set, test_set = digits(image=cfg.model == "cnn")
-        if cfg.precision == "fp64" and cfg.model != "gpt":  # the images in float64 as the weights
+            train_set, test_set = digits(image=model.name == "cnn")
+        if self.cfg.training.precision == "fp64" and model.name != "gpt":  # the images in float64 as the weights
             train_set, test_set = (Split(s.x.double(), s.y) for s in (train_set, test_set))
-        self.train_set, self.test_set = train_set.to(self.device), test_set.to(self.device)
-        # the grid: data-parallel replicas of a model cut over tp x pp ranks (a grid of
-        # world x 1 x 1 without one); the ranks of a replica read the same samples
-        self.grid = build_grid(cfg)
+        return train_set.to(self.device), test_set.to(self.device)
+
+    def _place_on_grid(self) -> None:
+        """The grid: data-parallel replicas of a model cut over tp x pp ranks (a grid of
+        world x 1 x 1 without one); the ranks of a replica read the same samples."""
+        self.grid = build_grid(self.cfg)
         self.shape = (self.grid.dp, self.grid.tp, self.grid.pp) if self.grid else (self.world, 1, 1)
         self.replicas = self.shape[0]
         self.replica = self.grid.dp_rank if self.grid else self.rank
-        self.order = ShardedOrder(len(self.train_set), self.replicas, self.replica, cfg.seed, cfg.batch_size)
-        # model: the same initial weights on every rank (seeded, then broadcast from rank 0)
-        torch.manual_seed(cfg.seed)
-        if cfg.model == "gpt":
+        training = self.cfg.training
+        self.order = ShardedOrder(len(self.train_set), self.replicas, self.replica, training.seed, training.batch_size)
+
+    def _build_model(self) -> torch.nn.Module:
+        """The model: the same initial weights on every rank (seeded, then broadcast from
+        rank 0), on a grid this rank's slices of its stage; then seed the dropout."""
+        m, seed = self.cfg.model, self.cfg.training.seed
+        torch.manual_seed(seed)
+        if m.name == "gpt":
             dense: torch.nn.Module = GPT(
-                cfg.block_size, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.dropout, cfg.activation_checkpointing
+                m.block_size, m.n_layer, m.n_head, m.d_model, m.dropout, m.activation_checkpointing
             )
         else:
-            dense = DigitsCNN() if cfg.model == "cnn" else DigitsMLP()
-        dense.to(self.device, torch.float64 if cfg.precision == "fp64" else None)
+            dense = DigitsCNN() if m.name == "cnn" else DigitsMLP()
+        dense.to(self.device, torch.float64 if self.cfg.training.precision == "fp64" else None)
         hvd.broadcast_parameters(dense.state_dict(), root_rank=0)
         self.dense_shapes = {n: tuple(p.shape) for n, p in dense.named_parameters()}
         """The dense model's parameter names (in its optimizer's order) and shapes."""
-        self.model: torch.nn.Module = dense
+        model = dense
         if self.grid:  # this rank's slices of this rank's stage
-            layers = parallel_gpt(dense, self.grid, cfg.sequence_parallel, cfg.activation_checkpointing)
-            self.model = Pipeline(layers, self.grid, chunks=cfg.chunks, schedule=cfg.pp_schedule)
+            p = self.cfg.parallelism
+            layers = parallel_gpt(dense, self.grid, p.sequence_parallel, m.activation_checkpointing)
+            model = Pipeline(layers, self.grid, chunks=p.chunks, schedule=p.pp_schedule)
             del dense, layers
         # each rank its own dropout stream but the ranks of a TP group one stream (their
         # replicated activations must drop alike); manual_seed seeds the CUDA generators too
-        torch.manual_seed(cfg.seed * 1_000_003 + 7919 * (self.rank // self.shape[1] + 1))
-        # optimizer
-        self.base_lr = cfg.lr * (self.replicas if cfg.lr_scaling == "linear" else 1)
-        kwargs: dict[str, Any] = {"lr": self.base_lr, "weight_decay": cfg.weight_decay}
-        if cfg.optimizer == "sgd":
-            kwargs["momentum"] = cfg.momentum
-        inner = _OPTIMIZERS[cfg.optimizer](self.model.parameters(), **kwargs)
-        self.passes = cfg.grad_accum * (cfg.chunks if self.grid else 1)
+        torch.manual_seed(seed * 1_000_003 + 7919 * (self.rank // self.shape[1] + 1))
+        return model
+
+    def _build_optimizer(self) -> None:
+        """The torch optimizer at the scaled learning rate, wrapped as --dp and --zero say,
+        and fp16's loss scaler."""
+        o, p = self.cfg.optimizer, self.cfg.parallelism
+        self.base_lr = o.lr * (self.replicas if o.lr_scaling == "linear" else 1)
+        kwargs: dict[str, Any] = {"lr": self.base_lr, "weight_decay": o.weight_decay}
+        if o.name == "sgd":
+            kwargs["momentum"] = o.momentum
+        inner = _OPTIMIZERS[o.name](self.model.parameters(), **kwargs)
+        self.passes = self.cfg.training.grad_accum * (p.chunks if self.grid else 1)
         """Backward passes per step through each parameter: one per micro-batch."""
         common = dict(named_parameters=self.model.named_parameters(), backward_passes_per_step=self.passes)
         if self.grid:
             common["process_set"] = self.grid.dp_group
         # ssp and async workers run apart: no collective may tie their steps together
-        self.apart = cfg.dp == "ps" and cfg.ps_mode != "sync"
-        if cfg.dp == "ps":
+        self.apart = p.dp == "ps" and p.ps_mode != "sync"
+        if p.dp == "ps":
             self.opt = hvd.HybridOptimizer(
-                inner, mode=cfg.ps_mode, staleness=cfg.staleness, partition_bytes=cfg.ps_partition_bytes, **common
+                inner, mode=p.ps_mode, staleness=p.staleness, partition_bytes=p.ps_partition_bytes, **common
             )
-        elif cfg.zero:
-            self.opt = hvd.ZeroOptimizer(inner, stage=cfg.zero, **common)
+        elif o.zero:
+            self.opt = hvd.ZeroOptimizer(inner, stage=o.zero, **common)
         else:
             self.opt = hvd.DistributedOptimizer(inner, **common)
         # fp16's dynamic loss scaling: the scaler unscales the reduced gradients, which are
         # the same on every rank, so every rank finds the same inf/nan and skips the same steps
-        self.scaler = torch.amp.GradScaler(self.device.type) if cfg.precision == "fp16" else None
-        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
-        # progress through the data
+        precision = self.cfg.training.precision
+        self.scaler = torch.amp.GradScaler(self.device.type) if precision == "fp16" else None
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+    def _start_at_step_zero(self) -> None:
+        """The position in the data and the counters of a fresh run (:meth:`restore` moves them)."""
         batches = self.order.batches_per_epoch()
-        self.steps_per_epoch = math.ceil(batches / cfg.grad_accum)
+        self.steps_per_epoch = math.ceil(batches / self.cfg.training.grad_accum)
         self.step = 0
         self.epoch = 0
         self.step_in_epoch = 0  # optimizer steps already taken in self.epoch
@@ -249,27 +316,24 @@ class Trainer:
         self.train_s = 0.0
         self.samples = 0
         self._plan_steps()
-        self.signal: int | None = None
-        """The first of SIGINT or SIGTERM this rank received during the run (None: none)."""
-        self.stop_asked: int | None = None
-        """The signal the ranks agreed, with the last step's loss, to stop for."""
 
     def _plan_steps(self) -> None:
         """``total_steps``: the step at which the run ends, --epochs passes over the data
         from the current position (whatever batch size earlier steps had), or --max-steps."""
-        left = (self.cfg.epochs - self.epoch) * self.steps_per_epoch - self.step_in_epoch
+        training = self.cfg.training
+        left = (training.epochs - self.epoch) * self.steps_per_epoch - self.step_in_epoch
         self.total_steps = self.step + max(0, left)
-        if self.cfg.max_steps:
-            self.total_steps = min(self.total_steps, self.cfg.max_steps)
+        if training.max_steps:
+            self.total_steps = min(self.total_steps, training.max_steps)
 
     # -- the pieces ---------------------------------------------------------------------------
     def lr_at(self, step: int) -> float:
         """Learning rate of optimizer step ``step`` (0-based): linear warm-up, then constant
         or a cosine decay that reaches 0 after the last step."""
-        w = self.cfg.warmup_steps
+        w = self.cfg.optimizer.warmup_steps
         if step < w:
             return self.base_lr * (step + 1) / w
-        if self.cfg.lr_schedule == "constant":
+        if self.cfg.optimizer.lr_schedule == "constant":
             return self.base_lr
         return self.base_lr * 0.5 * (1.0 + math.cos(math.pi * (step - w) / max(1, self.total_steps - w)))
 
@@ -285,7 +349,7 @@ class Trainer:
 
     def _chunks(self, batch: int) -> int:
         """Micro-batches of a batch of ``batch`` samples (fewer for a short last batch)."""
-        return min(self.cfg.chunks, batch)
+        return min(self.cfg.parallelism.chunks, batch)
 
     def train_step(self, group: list[torch.Tensor]) -> float:
         """One optimizer step over the batches in ``group`` (gradient accumulation: their
@@ -322,7 +386,7 @@ class Trainer:
             mean = hvd.allreduce_async(sent, op=hvd.Average, name="train.loss")
         t = time.perf_counter()
         self.opt.synchronize()
-        if self.cfg.sequence_parallel:  # the layer norms saw this rank's part of the sequence
+        if self.cfg.parallelism.sequence_parallel:  # the layer norms saw this rank's part of the sequence
             allreduce_sequence_parallel_grads(self.model, self.grid.tp_group)
         self.sync_s += time.perf_counter() - t
         with self.opt.skip_synchronize():
@@ -376,7 +440,7 @@ class Trainer:
         group = self.grid.dp_group if self.grid else hvd.global_process_set
         loss_sum, correct, n = hvd.allreduce(sums, op=hvd.Sum, name="train.eval", process_set=group).tolist()
         res = {"loss": loss_sum / n}
-        if self.cfg.model == "gpt":
+        if self.cfg.model.name == "gpt":
             res["perplexity"] = math.exp(res["loss"])
         else:
             res["accuracy"] = correct / n
@@ -426,7 +490,7 @@ class Trainer:
         path = ckpt.path_for(directory, self.step)
         if self.rank == 0:
             ckpt.save_atomic(state, path)
-            ckpt.prune(directory, self.cfg.keep_checkpoints)
+            ckpt.prune(directory, self.cfg.checkpoint.keep)
         return path
 
     def restore(self, path: str, st: dict[str, Any] | None = None) -> None:
@@ -463,136 +527,180 @@ class Trainer:
 
     # -- the run ------------------------------------------------------------------------------
     def run(self, run_dir: str) -> dict[str, Any]:
-        cfg = self.cfg
+        """Train to the end in ``run_dir`` (with --resume, first from its newest intact
+        checkpoint), in steps: open the outputs, train, close them, summarize. Returns the
+        summary, the same on every rank but for ``checkpoint`` (collective)."""
         t_start = time.perf_counter()
         ck_dir = os.path.join(run_dir, "checkpoints")
-        resumed_from = None
-        if cfg.resume:
-            path, st, problem = _pick_checkpoint(ck_dir, cfg) if self.rank == 0 else (None, None, None)
-            path, problem = hvd.broadcast_object((path, problem), 0, name="train.resume")
-            if problem is not None:
-                raise RunError(problem)
-            self.restore(path, st)
-            resumed_from = path
-        # this job's own figures start here (a resumed run's counters hold the earlier jobs' too)
-        start_step, start_samples, start_train_s, start_sync_s = self.step, self.samples, self.train_s, self.sync_s
-        ranks = layout(hvd, self.device)
-        metrics = None
-        if self.rank == 0:
-            ckpt.remove_partial(ck_dir)
-            write_json(os.path.join(run_dir, "config.json"), cfg.to_dict())
-            write_json(os.path.join(run_dir, "ranks.json"), {"launcher": launcher(), "ranks": ranks, **servers(hvd)})
-            metrics = Metrics(os.path.join(run_dir, "metrics.jsonl"), self.step if resumed_from else None)
-        if cfg.timeline:
-            try:
-                hvd.start_timeline(cfg.timeline)
-            except hvd.HpcdlArgumentError as exc:  # every rank alike: rank 0 cannot write there
-                raise RunError(f"--timeline: {exc}") from None
-        bar = self._progress(resumed_from)
-        last_eval: dict[str, float] = {}
-        last_saved = self.step if resumed_from else -1
+        resumed_from = self._resume_newest(ck_dir) if self.cfg.checkpoint.resume else None
+        state = _RunState(run_dir, resumed_from, t_start, self.step, self.samples, self.train_s, self.sync_s)
+        if resumed_from:  # its checkpoint holds this step
+            state.last_saved = self.step
+        self._open_outputs(state)
         handlers = self._catch_signals()
         try:
-            while self.step < self.total_steps:
-                batches = self.order.batches(self.epoch)
-                groups = [batches[i : i + cfg.grad_accum] for i in range(0, len(batches), cfg.grad_accum)]
-                while self.step_in_epoch < len(groups) and self.step < self.total_steps:
-                    t0 = time.perf_counter()
-                    loss = self.train_step(groups[self.step_in_epoch])
-                    if not math.isfinite(loss):  # averaged over the ranks: every rank stops here
-                        raise RunError(
-                            f"training diverged: the loss is {loss} at step {self.step + 1} "
-                            f"(learning rate {self.lr_at(self.step):g}); lower --lr"
-                        )
-                    dt = time.perf_counter() - t0
-                    self.train_s += dt
-                    self.step += 1
-                    self.step_in_epoch += 1
-                    samples_s = sum(len(b) for b in groups[self.step_in_epoch - 1]) * self.world / dt
-                    if metrics:
-                        metrics.write(
-                            {
-                                "kind": "train",
-                                "step": self.step,
-                                "epoch": self.epoch,
-                                "loss": loss,
-                                "lr": self.lr_at(self.step - 1),
-                                "samples_per_s": samples_s,
-                                "step_s": dt,
-                            }
-                        )
-                    if bar is not None:
-                        bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_s:.0f}", refresh=False)
-                        bar.update(1)
-                    if self.on_step:
-                        self.on_step(self.step)
-                    if cfg.checkpoint_every and self.step % cfg.checkpoint_every == 0:
-                        self.save(ck_dir)
-                        last_saved = self.step
-                    if self.stop_asked is not None:
-                        if self.stop_asked == signal.SIGTERM and not self.apart and last_saved != self.step:
-                            self.save(ck_dir)  # preempted: keep this step's work
-                            last_saved = self.step
-                        raise Interrupted(self.stop_asked, self.step, ckpt.latest(ck_dir), self.apart)
-                if self.step_in_epoch >= len(groups):  # the epoch is complete
-                    last_eval = self.evaluate()
-                    if metrics:
-                        metrics.write({"kind": "eval", "step": self.step, "epoch": self.epoch, **last_eval})
-                    self._check_not_at_chance(last_eval)
-                    line = f"epoch {self.epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in last_eval.items())
-                    if bar is not None:
-                        bar.write(line)
-                    elif self.rank == 0:  # a log without a bar still gets one line per epoch
-                        print(line, flush=True)
-                    self.epoch += 1
-                    self.step_in_epoch = 0
-            if not last_eval:  # stopped by max_steps inside an epoch
-                last_eval = self.evaluate()
-                if metrics:
-                    metrics.write({"kind": "eval", "step": self.step, "epoch": self.epoch, **last_eval})
-            if last_saved != self.step:
-                self.save(ck_dir)
+            self._train(state)
         finally:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
-            if bar is not None:
-                bar.close()
-            if cfg.timeline:
-                hvd.stop_timeline()
-            if metrics:
-                metrics.close()
-        train_s = self.train_s - start_train_s
-        summary = {
-            "model": cfg.model,
-            "world_size": self.world,
-            "device": str(self.device),
-            "precision": cfg.precision,
-            "steps": self.step,
-            "epochs": self.epoch,
-            "final": last_eval,
-            "steps_this_job": self.step - start_step,
-            "wall_time_s": time.perf_counter() - t_start,
-            "train_time_s": train_s,
-            "samples_per_s": (self.samples - start_samples) / train_s if train_s else 0.0,
-            "exposed_comm_share": (self.sync_s - start_sync_s) / train_s if train_s else 0.0,
-            "resumed_from": resumed_from,
-            "resumed_from_step": start_step if resumed_from else None,
-            "checkpoint": ckpt.latest(ck_dir) if self.rank == 0 else None,
-            "parameters": sum(math.prod(s) for s in self.dense_shapes.values()),
-            "grid": dict(zip(("dp", "tp", "pp"), self.shape, strict=True)),
-            "dp": cfg.dp if cfg.dp == "allreduce" else f"ps {cfg.ps_mode}",
-        }
-        if self.apart:
-            summary["staleness"] = self.opt.ps_stats_summary()
-        if cfg.model == "gpt":  # what the model learned to write
-            summary["sample"] = self._sample(b"The ", 120)
+            self._close_outputs(state)
+        summary = self._summary(state)
         if self.rank == 0:
             write_json(os.path.join(run_dir, "summary.json"), summary)
             plot(
                 os.path.join(run_dir, "metrics.jsonl"),
                 os.path.join(run_dir, "curves.png"),
-                f"hpcdl.train: {cfg.model}, {self.world} ranks",
+                f"hpcdl.train: {self.cfg.model.name}, {self.world} ranks",
             )
+        return summary
+
+    def _resume_newest(self, ck_dir: str) -> str:
+        """Restore the checkpoint rank 0 picks in ``ck_dir`` and return its path; none to
+        pick is a :class:`RunError` on every rank (collective)."""
+        path, st, problem = _pick_checkpoint(ck_dir, self.cfg) if self.rank == 0 else (None, None, None)
+        path, problem = hvd.broadcast_object((path, problem), 0, name="train.resume")
+        if problem is not None:
+            raise RunError(problem)
+        self.restore(path, st)
+        return path
+
+    def _open_outputs(self, state: _RunState) -> None:
+        """Rank 0 writes ``config.json`` and ``ranks.json`` and opens the metrics; every rank
+        starts the timeline (with --timeline), rank 0 the progress bar (collective: the
+        ranks' layout is gathered)."""
+        ranks = layout(hvd, self.device)
+        if self.rank == 0:
+            ckpt.remove_partial(state.ck_dir)
+            write_json(os.path.join(state.run_dir, "config.json"), self.cfg.to_dict())
+            layout_doc = {"launcher": launcher(), "ranks": ranks, **servers(hvd)}
+            write_json(os.path.join(state.run_dir, "ranks.json"), layout_doc)
+            resume_step = self.step if state.resumed_from else None
+            state.metrics = Metrics(os.path.join(state.run_dir, "metrics.jsonl"), resume_step)
+        if self.cfg.job.timeline:
+            try:
+                hvd.start_timeline(self.cfg.job.timeline)
+            except hvd.HpcdlArgumentError as exc:  # every rank alike: rank 0 cannot write there
+                raise RunError(f"--timeline: {exc}") from None
+        state.bar = self._progress(state.resumed_from)
+
+    def _close_outputs(self, state: _RunState) -> None:
+        """Close the bar, stop the timeline and close the metrics (also when training failed)."""
+        if state.bar is not None:
+            state.bar.close()
+        if self.cfg.job.timeline:
+            hvd.stop_timeline()
+        if state.metrics:
+            state.metrics.close()
+
+    def _train(self, state: _RunState) -> None:
+        """Train from the current position to ``total_steps``: evaluate after each epoch (and
+        at the end, when it comes inside an epoch), checkpoint every --checkpoint-every steps
+        and at the end."""
+        accum = self.cfg.training.grad_accum
+        while self.step < self.total_steps:
+            batches = self.order.batches(self.epoch)
+            groups = [batches[i : i + accum] for i in range(0, len(batches), accum)]
+            while self.step_in_epoch < len(groups) and self.step < self.total_steps:
+                self._take_step(state, groups[self.step_in_epoch])
+                self._checkpoint_or_stop(state)
+            if self.step_in_epoch >= len(groups):  # the epoch is complete
+                self._end_epoch(state)
+        if not state.last_eval:  # stopped by max_steps inside an epoch
+            state.last_eval = self.evaluate()
+            if state.metrics:
+                state.metrics.write({"kind": "eval", "step": self.step, "epoch": self.epoch, **state.last_eval})
+        if state.last_saved != self.step:
+            self.save(state.ck_dir)
+
+    def _take_step(self, state: _RunState, group: list[torch.Tensor]) -> None:
+        """One optimizer step over ``group``, logged to the metrics and the bar; a loss that
+        is not finite is a :class:`RunError` on every rank."""
+        t0 = time.perf_counter()
+        loss = self.train_step(group)
+        if not math.isfinite(loss):  # averaged over the ranks: every rank stops here
+            raise RunError(
+                f"training diverged: the loss is {loss} at step {self.step + 1} "
+                f"(learning rate {self.lr_at(self.step):g}); lower --lr"
+            )
+        dt = time.perf_counter() - t0
+        self.train_s += dt
+        self.step += 1
+        self.step_in_epoch += 1
+        samples_s = sum(len(b) for b in group) * self.world / dt
+        if state.metrics:
+            state.metrics.write(
+                {
+                    "kind": "train",
+                    "step": self.step,
+                    "epoch": self.epoch,
+                    "loss": loss,
+                    "lr": self.lr_at(self.step - 1),
+                    "samples_per_s": samples_s,
+                    "step_s": dt,
+                }
+            )
+        if state.bar is not None:
+            state.bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_s:.0f}", refresh=False)
+            state.bar.update(1)
+        if self.on_step:
+            self.on_step(self.step)
+
+    def _checkpoint_or_stop(self, state: _RunState) -> None:
+        """After a step: the checkpoint --checkpoint-every asks for, and when the ranks agreed
+        to stop, :class:`Interrupted` (after a checkpoint of this step, for SIGTERM)."""
+        every = self.cfg.checkpoint.every
+        if every and self.step % every == 0:
+            self.save(state.ck_dir)
+            state.last_saved = self.step
+        if self.stop_asked is not None:
+            if self.stop_asked == signal.SIGTERM and not self.apart and state.last_saved != self.step:
+                self.save(state.ck_dir)  # preempted: keep this step's work
+                state.last_saved = self.step
+            raise Interrupted(self.stop_asked, self.step, ckpt.latest(state.ck_dir), self.apart)
+
+    def _end_epoch(self, state: _RunState) -> None:
+        """Evaluate the complete epoch, log it (a line per epoch even without a bar), check
+        that training makes progress, and move to the next epoch."""
+        state.last_eval = self.evaluate()
+        if state.metrics:
+            state.metrics.write({"kind": "eval", "step": self.step, "epoch": self.epoch, **state.last_eval})
+        self._check_not_at_chance(state.last_eval)
+        line = f"epoch {self.epoch}: " + ", ".join(f"{k} {v:.4f}" for k, v in state.last_eval.items())
+        if state.bar is not None:
+            state.bar.write(line)
+        elif self.rank == 0:  # a log without a bar still gets one line per epoch
+            print(line, flush=True)
+        self.epoch += 1
+        self.step_in_epoch = 0
+
+    def _summary(self, state: _RunState) -> dict[str, Any]:
+        """The run's result and this job's own figures (collective: the gpt's sample)."""
+        cfg = self.cfg
+        train_s = self.train_s - state.start_train_s
+        summary = {
+            "model": cfg.model.name,
+            "world_size": self.world,
+            "device": str(self.device),
+            "precision": cfg.training.precision,
+            "steps": self.step,
+            "epochs": self.epoch,
+            "final": state.last_eval,
+            "steps_this_job": self.step - state.start_step,
+            "wall_time_s": time.perf_counter() - state.t_start,
+            "train_time_s": train_s,
+            "samples_per_s": (self.samples - state.start_samples) / train_s if train_s else 0.0,
+            "exposed_comm_share": (self.sync_s - state.start_sync_s) / train_s if train_s else 0.0,
+            "resumed_from": state.resumed_from,
+            "resumed_from_step": state.start_step if state.resumed_from else None,
+            "checkpoint": ckpt.latest(state.ck_dir) if self.rank == 0 else None,
+            "parameters": sum(math.prod(s) for s in self.dense_shapes.values()),
+            "grid": dict(zip(("dp", "tp", "pp"), self.shape, strict=True)),
+            "dp": cfg.parallelism.dp if cfg.parallelism.dp == "allreduce" else f"ps {cfg.parallelism.ps_mode}",
+        }
+        if self.apart:
+            summary["staleness"] = self.opt.ps_stats_summary()
+        if cfg.model.name == "gpt":  # what the model learned to write
+            summary["sample"] = self._sample(b"The ", 120)
         return summary
 
     def _catch_signals(self) -> dict[int, Any]:
@@ -617,9 +725,9 @@ class Trainer:
         loss is still that of a uniform guess (ln of the class count), or worse, or not a
         number, and the accuracy no better than a guess: training has made no progress, or
         lost what it made (a learning rate too high, staleness too large)."""
-        classes = 256 if self.cfg.model == "gpt" else 10
+        classes = 256 if self.cfg.model.name == "gpt" else 10
         chance = math.log(classes)
-        if self.epoch < 1 or self.step <= self.cfg.warmup_steps:
+        if self.epoch < 1 or self.step <= self.cfg.optimizer.warmup_steps:
             return
         loss = held_out["loss"]
         if held_out.get("accuracy", 0.0) > 2.0 / classes:  # right more often than a guess
@@ -627,8 +735,9 @@ class Trainer:
         if math.isfinite(loss) and loss < chance * 0.99:  # learning
             return
         hint = "lower --lr"
-        if self.cfg.dp == "ps" and self.cfg.ps_mode != "sync":
-            hint += f", or --staleness (now {self.cfg.staleness}), or use --ps-mode sync"
+        p = self.cfg.parallelism
+        if p.dp == "ps" and p.ps_mode != "sync":
+            hint += f", or --staleness (now {p.staleness}), or use --ps-mode sync"
         stuck = abs(loss - chance) <= 0.01 * chance  # else worse than chance, or nan
         what, than = ("is stuck at chance level", "that of") if stuck else ("has diverged", "worse than")
         raise RunError(
@@ -640,7 +749,7 @@ class Trainer:
     def close(self) -> None:
         """Free the pipeline's communicator and the grid's process sets, or the parameter
         servers' tables (collective)."""
-        if self.cfg.dp == "ps":
+        if self.cfg.parallelism.dp == "ps":
             self.opt.close()
         if self.grid:
             self.model.close()
@@ -654,8 +763,8 @@ class Trainer:
         weights = gather_dense(self.model, self.grid, self.dense_shapes)
         text = None
         if self.rank == 0:
-            cfg = self.cfg
-            gpt = GPT(cfg.block_size, cfg.n_layer, cfg.n_head, cfg.d_model).to(self.device)
+            m = self.cfg.model
+            gpt = GPT(m.block_size, m.n_layer, m.n_head, m.d_model).to(self.device)
             gpt.load_state_dict({k: v.float() for k, v in weights.items()})
             text = (prompt + gpt.eval().generate(prompt, n)).decode("utf-8", "replace")
         return hvd.broadcast_object(text, 0, name="train.sample")
@@ -663,7 +772,7 @@ class Trainer:
     def _progress(self, resumed_from: str | None) -> Any:
         """Rank 0's progress bar, where its output reaches a terminal and --progress is on (a
         bar in a log file or a Slurm ``.out`` is a flood of redrawn lines)."""
-        if self.rank != 0 or not self.cfg.progress or not output_is_terminal():
+        if self.rank != 0 or not self.cfg.job.progress or not output_is_terminal():
             return None
         from tqdm import tqdm
 
@@ -676,7 +785,7 @@ class Trainer:
             unit="step",
             mininterval=0.5,
             dynamic_ncols=True,
-            desc=f"{self.cfg.model} x{self.world}"
+            desc=f"{self.cfg.model.name} x{self.world}"
             + (" ({}x{}x{})".format(*self.shape) if self.grid else "")
             + (" (resumed)" if resumed_from else ""),
         )
