@@ -20,11 +20,11 @@ def _say_once(text: str) -> None:
 def _dry_run(cfg) -> None:
     import hpcdl as hvd
 
-    from .launch import launcher, layout, pick_device, servers
+    from .launch import launcher, pick_device, rank_placement, servers
     from .loop import build_grid, init_runtime
 
     init_runtime(cfg)
-    ranks = layout(hvd, pick_device(cfg.training.device, hvd.local_rank()))
+    ranks = rank_placement(hvd, pick_device(cfg.training.device, hvd.local_rank()))
     grid = build_grid(cfg)  # a RunError, on every rank, when it does not fit the world
     coords = hvd.allgather_object((grid.dp_rank, grid.tp_rank, grid.pp_rank) if grid else (hvd.rank(), 0, 0))
     if hvd.rank() == 0:

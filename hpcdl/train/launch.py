@@ -1,4 +1,4 @@
-"""Which launcher started this process, and the rank layout MPI reports.
+"""Which launcher started this process, and where MPI placed every rank.
 
 hpcdl takes rank, local rank and node from MPI itself (``MPI_COMM_TYPE_SHARED`` splits),
 so any launcher works. The launcher's own variables are read only to name it and to catch
@@ -13,7 +13,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["launcher", "launcher_size", "check_world", "layout", "pick_device", "servers", "output_is_terminal"]
+__all__ = ["launcher", "launcher_size", "check_world", "rank_placement", "pick_device", "servers", "output_is_terminal"]
 
 # (launcher, a variable only it sets, the variable holding the task count), looked at in
 # this order: hydra's and Open MPI's ranks inside a Slurm allocation still see SLURM_*, and
@@ -77,7 +77,7 @@ def pick_device(choice: str, local_rank: int) -> Any:
     return dev
 
 
-def layout(hvd: Any, device: Any = None) -> list[dict[str, Any]]:
+def rank_placement(hvd: Any, device: Any = None) -> list[dict[str, Any]]:
     """Every rank's rank, local rank, node index, host, pid and device (collective)."""
     me = {
         "rank": hvd.rank(),

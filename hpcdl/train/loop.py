@@ -33,7 +33,7 @@ from . import checkpoint as ckpt
 from .agreement import check_same_settings
 from .config import Interrupted, RunError, TrainConfig
 from .data import ShardedOrder, Split, corpus, digits, eval_indices
-from .launch import check_world, launcher, layout, output_is_terminal, pick_device, servers
+from .launch import check_world, launcher, output_is_terminal, pick_device, rank_placement, servers
 from .lock import LockHeld, RunLock
 from .models import GPT, DigitsCNN, DigitsMLP, parallel_gpt, parallel_gpt_loss, wide
 from .report import Metrics, plot, write_json
@@ -567,13 +567,13 @@ class Trainer:
     def _open_outputs(self, state: _RunState) -> None:
         """Rank 0 writes ``config.json`` and ``ranks.json`` and opens the metrics; every rank
         starts the timeline (with --timeline), rank 0 the progress bar (collective: the
-        ranks' layout is gathered)."""
-        ranks = layout(hvd, self.device)
+        ranks' placement is gathered)."""
+        ranks = rank_placement(hvd, self.device)
         if self.rank == 0:
             ckpt.remove_partial(state.ck_dir)
             write_json(os.path.join(state.run_dir, "config.json"), self.cfg.to_dict())
-            layout_doc = {"launcher": launcher(), "ranks": ranks, **servers(hvd)}
-            write_json(os.path.join(state.run_dir, "ranks.json"), layout_doc)
+            placement = {"launcher": launcher(), "ranks": ranks, **servers(hvd)}
+            write_json(os.path.join(state.run_dir, "ranks.json"), placement)
             resume_step = self.step if state.resumed_from else None
             state.metrics = Metrics(os.path.join(state.run_dir, "metrics.jsonl"), resume_step)
         if self.cfg.job.timeline:
