@@ -16,7 +16,6 @@ import numpy as np
 
 from . import gpu, node
 from .agreement import ROWS, Call, check_out, equal_counts
-from .arena import allocate
 from .context import Context, Pending, get_context
 from .device import is_device
 from .errors import InvalidArgumentError, OutputMismatchError
@@ -41,9 +40,6 @@ __all__ = [
     "reduce_scatter_agreed",
     "allgather_agreed",
     "broadcast_agreed",
-    "empty",
-    "is_shared",
-    "copied_bytes",
 ]
 
 _SLOW = node.SLOW
@@ -109,47 +105,6 @@ def _where(ctx: Context, call: Call, small: bool, x: np.ndarray | None, out: np.
     if arena is None or small or call.algorithm not in ("auto", "shm") or call.error is not None or x is None:
         return (0, 0)
     return (arena.where(x), arena.where(out))
-
-
-# -- window-resident buffers -------------------------------------------------------------
-def empty(shape: Any, dtype: Any = np.float32, *, comm: Any = None) -> np.ndarray:
-    """An uninitialised C-contiguous array in this rank's part of the node's shared window.
-
-    Collectives whose every rank passes such arrays (the input; for ``allreduce`` also
-    ``out``, which may be the input) read them where they lie: no rank stages a copy of its
-    input into the window, and results are copied straight from their owner's output
-    (algorithm ``shm``, or ``auto`` where it picks ``shm``). Other arrays work as always.
-
-    Allocation is local (not collective) and thread-safe; the memory returns to the window
-    when the last array viewing it is garbage collected. An array that outlives ``comm``
-    stays valid (its window is then kept until MPI is finalized).
-    Where ``comm``'s ranks are not all on one node, it has a single rank, or the window
-    (``HPCDL_SHM_ARENA_BYTES`` per rank) is full, the array is ordinary memory:
-    :func:`is_shared` tells.
-
-    Args:
-        shape: the array's shape (an int or a tuple).
-        dtype: its dtype.
-        comm: mpi4py communicator (default ``MPI.COMM_WORLD``) or a transport.
-    """
-    return allocate(get_context(comm).arena, shape, dtype)
-
-
-def is_shared(a: np.ndarray, *, comm: Any = None) -> bool:
-    """True when all of ``a`` lies in this rank's part of ``comm``'s node window (from
-    :func:`empty`) and is C-contiguous, so the ``shm`` algorithms can read it in place."""
-    arena = get_context(comm).arena
-    return arena is not None and isinstance(a, np.ndarray) and arena.where(a) > 0
-
-
-def copied_bytes(comm: Any = None) -> dict[str, int]:
-    """Bytes this rank has written in ``comm``'s single-node ``shm`` collectives so far, by
-    kind: ``staged`` (its input copied into the window), ``reduced`` (reduction results)
-    and ``copied_out`` (results copied into its output). Calls finished in one step through
-    the control slots are not counted."""
-    ch = get_context(comm).chan
-    staged, reduced, out = ch.copied if ch is not None else (0, 0, 0)
-    return {"staged": staged, "reduced": reduced, "copied_out": out}
 
 
 # -- allreduce ---------------------------------------------------------------------------
