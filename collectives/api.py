@@ -4,13 +4,19 @@ Every call first checks its arguments locally, then (with more than one rank) ag
 with the other ranks (:mod:`.agreement`), so that bad input on any rank, or ranks calling
 with different arguments, raises on every rank before any data moves, and the
 communicator stays usable. Small calls on one node finish in one step (:mod:`.onestep`).
+
+Every public call goes the same way (:func:`_dispatch`): a host array first tries the
+one-step path, a device array goes to :mod:`.gpu`, and anything else (or a call the one
+step does not cover) takes the collective's general path. A collective's :class:`_Paths`
+names these three; its nonblocking form is the same row without the one step. The
+window-resident buffers that the in-place paths read are allocated by :mod:`.buffers`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -93,7 +99,7 @@ def _fast_allgather(comm: Any, key: tuple, x: np.ndarray, out: np.ndarray | None
     uneven on the general path; ``_SLOW`` when the call takes the general path from the start."""
     res = onestep(comm, key, x, out)
     if res is node.UNEVEN:
-        return _allgather(x, key[4], out, comm, True, posted=True)
+        return _allgather(x, None, key[4], out, comm, True, None, posted=True)
     return res
 
 
@@ -107,6 +113,45 @@ def _where(ctx: Context, call: Call, small: bool, x: np.ndarray | None, out: np.
     return (arena.where(x), arena.where(out))
 
 
+# -- dispatch ----------------------------------------------------------------------------
+class _Paths(NamedTuple):
+    """The ways one collective runs, in the order :func:`_dispatch` tries them. Each takes the
+    call's arguments in one order: ``x``, ``arg`` (the op, the root, ``(op, root)`` for
+    reduce, the splits for alltoall, None for allgather), ``algorithm``, ``out``, ``comm``."""
+
+    name: str
+    """The collective, as its one-step key names it."""
+    one_step: Callable[..., Any] | None
+    """``one_step(comm, key, x, out)``: the result, or ``node.SLOW`` for the general path
+    (:func:`.onestep.onestep`); None where the call has no one-step form."""
+    device: Callable[..., Any]
+    """``device(x, arg, algorithm, out, comm)``: the call on a device array (:mod:`.gpu`)."""
+    general: Callable[..., Any]
+    """``general(x, arg, algorithm, out, comm, blocking, agreed)``: everything else."""
+    blocking: bool
+    """False for the nonblocking form, which returns a :class:`Request`."""
+
+
+def _dispatch(paths: _Paths, x: Any, arg: Any, algorithm: str, out: Any, comm: Any, agreed: Any) -> Any:
+    """Run one call along ``paths``: a host array in one step where it can finish so, a device
+    array on its device, anything else on the general path (which checks and agrees it).
+
+    ``agreed`` is None, or what the caller agreed across ranks already (True; every rank's
+    rows for allgather): the general path then skips the signature exchange.
+    """
+    name, one_step, device, general, blocking = paths
+    if type(x) is np.ndarray:
+        if one_step is not None:
+            # the common small case on one node: the same posts as the general path, less Python
+            res = one_step(comm, (name, x.dtype, x.shape, arg, algorithm), x, out)
+            if res is not _SLOW:
+                return res
+    elif is_device(x):
+        res = device(x, arg, algorithm, out, comm)
+        return res if blocking else _done(res, False, get_context(comm))
+    return general(x, arg, algorithm, out, comm, blocking, agreed)
+
+
 # -- allreduce ---------------------------------------------------------------------------
 def _aliases(a: np.ndarray, b: np.ndarray) -> bool:
     """True when ``a`` and ``b`` are the same elements (equal views of one buffer)."""
@@ -118,7 +163,7 @@ def _aliases(a: np.ndarray, b: np.ndarray) -> bool:
     )
 
 
-def _allreduce(x, op, algorithm, out, comm, blocking, agreed=False):
+def _allreduce(x, op, algorithm, out, comm, blocking, agreed):
     ctx = get_context(comm)
     call = Call(ctx, "allreduce", x, algorithm, op, agreed=equal_counts(ctx, x) if agreed else None)
     x = call.x
@@ -167,6 +212,14 @@ def _allreduce(x, op, algorithm, out, comm, blocking, agreed=False):
     return _launch(ctx, gen, blocking, out, on_done)
 
 
+def _gpu_allreduce(x, op, algorithm, out, comm):
+    return gpu.allreduce(x, op, algorithm, out, comm, allreduce)
+
+
+_ALLREDUCE = _Paths("allreduce", onestep, _gpu_allreduce, _allreduce, True)
+_IALLREDUCE = _ALLREDUCE._replace(one_step=None, blocking=False)
+
+
 def allreduce(
     x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None
 ) -> np.ndarray:
@@ -182,27 +235,18 @@ def allreduce(
     Returns:
         The reduced array, of x's shape and dtype (``out`` when given).
     """
-    if type(x) is np.ndarray:
-        # the common small case on one node: the same posts as the general path, less Python
-        res = onestep(comm, ("allreduce", x.dtype, x.shape, op, algorithm), x, out)
-        if res is not _SLOW:
-            return res
-    elif is_device(x):
-        return gpu.allreduce(x, op, algorithm, out, comm, allreduce)
-    return _allreduce(x, op, algorithm, out, comm, True)
+    return _dispatch(_ALLREDUCE, x, op, algorithm, out, comm, None)
 
 
 def iallreduce(
     x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None
 ) -> Request:
     """Start :func:`allreduce`; ``wait()`` on the returned request gives the result."""
-    if type(x) is not np.ndarray and is_device(x):
-        return _done(gpu.allreduce(x, op, algorithm, out, comm, allreduce), False, get_context(comm))
-    return _allreduce(x, op, algorithm, out, comm, False)
+    return _dispatch(_IALLREDUCE, x, op, algorithm, out, comm, None)
 
 
 # -- reduce_scatter ----------------------------------------------------------------------
-def _reduce_scatter(x, op, algorithm, out, comm, blocking, agreed=False):
+def _reduce_scatter(x, op, algorithm, out, comm, blocking, agreed):
     ctx = get_context(comm)
     call = Call(ctx, "reduce_scatter", x, algorithm, op, agreed=equal_counts(ctx, x) if agreed else None)
     x = call.x
@@ -242,6 +286,14 @@ def _reduce_scatter(x, op, algorithm, out, comm, blocking, agreed=False):
     return _launch(ctx, gen, blocking, result, on_done)
 
 
+def _gpu_reduce_scatter(x, op, algorithm, out, comm):
+    return gpu.reduce_scatter(x, op, algorithm, out, comm, reduce_scatter)
+
+
+_REDUCE_SCATTER = _Paths("reduce_scatter", onestep, _gpu_reduce_scatter, _reduce_scatter, True)
+_IREDUCE_SCATTER = _REDUCE_SCATTER._replace(one_step=None, blocking=False)
+
+
 def reduce_scatter(
     x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None
 ) -> np.ndarray:
@@ -260,28 +312,21 @@ def reduce_scatter(
     Returns:
         A 1-D array: this rank's block (``out`` when given).
     """
-    if type(x) is np.ndarray:
-        res = onestep(comm, ("reduce_scatter", x.dtype, x.shape, op, algorithm), x, out)
-        if res is not _SLOW:
-            return res
-    elif is_device(x):
-        return gpu.reduce_scatter(x, op, algorithm, out, comm, reduce_scatter)
-    return _reduce_scatter(x, op, algorithm, out, comm, True)
+    return _dispatch(_REDUCE_SCATTER, x, op, algorithm, out, comm, None)
 
 
 def ireduce_scatter(
     x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None
 ) -> Request:
     """Start :func:`reduce_scatter`; ``wait()`` on the returned request gives the block."""
-    if type(x) is not np.ndarray and is_device(x):
-        return _done(gpu.reduce_scatter(x, op, algorithm, out, comm, reduce_scatter), False, get_context(comm))
-    return _reduce_scatter(x, op, algorithm, out, comm, False)
+    return _dispatch(_IREDUCE_SCATTER, x, op, algorithm, out, comm, None)
 
 
 # -- allgather ---------------------------------------------------------------------------
-
-
-def _allgather(x, algorithm, out, comm, blocking, posted=False, rows=None):
+def _allgather(x, arg, algorithm, out, comm, blocking, rows, posted=False):
+    """The general allgather (``arg`` is None: an allgather has neither op nor root); ``rows``:
+    every rank's rows when the caller agreed them, ``posted``: a one-step attempt posted and
+    agreed this call already."""
     ctx = get_context(comm)
     call = Call(ctx, "allgather", x, algorithm, agreed=None if rows is None else [int(r) for r in rows])
     x = call.x
@@ -352,6 +397,14 @@ def _allgather(x, algorithm, out, comm, blocking, posted=False, rows=None):
     return _launch(ctx, gen, blocking, out)
 
 
+def _gpu_allgather(x, arg, algorithm, out, comm):
+    return gpu.allgather(x, algorithm, out, comm, allgather)
+
+
+_ALLGATHER = _Paths("allgather", _fast_allgather, _gpu_allgather, _allgather, True)
+_IALLGATHER = _ALLGATHER._replace(one_step=None, blocking=False)
+
+
 def allgather(x: np.ndarray, *, algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None) -> np.ndarray:
     """Concatenate every rank's ``x`` along axis 0, in rank order; every rank gets it.
 
@@ -367,24 +420,16 @@ def allgather(x: np.ndarray, *, algorithm: str = "auto", out: np.ndarray | None 
     Returns:
         The concatenation (``out`` when given).
     """
-    if type(x) is np.ndarray:
-        res = _fast_allgather(comm, ("allgather", x.dtype, x.shape, None, algorithm), x, out)
-        if res is not _SLOW:
-            return res
-    elif is_device(x):
-        return gpu.allgather(x, algorithm, out, comm, allgather)
-    return _allgather(x, algorithm, out, comm, True)
+    return _dispatch(_ALLGATHER, x, None, algorithm, out, comm, None)
 
 
 def iallgather(x: np.ndarray, *, algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None) -> Request:
     """Start :func:`allgather`; ``wait()`` on the returned request gives the result."""
-    if type(x) is not np.ndarray and is_device(x):
-        return _done(gpu.allgather(x, algorithm, out, comm, allgather), False, get_context(comm))
-    return _allgather(x, algorithm, out, comm, False)
+    return _dispatch(_IALLGATHER, x, None, algorithm, out, comm, None)
 
 
 # -- broadcast ---------------------------------------------------------------------------
-def _broadcast(x, root, algorithm, out, comm, blocking, agreed=False):
+def _broadcast(x, root, algorithm, out, comm, blocking, agreed):
     ctx = get_context(comm)
     call = Call(ctx, "broadcast", x, algorithm, root=root, agreed=equal_counts(ctx, x) if agreed else None)
     x = call.x
@@ -417,6 +462,14 @@ def _broadcast(x, root, algorithm, out, comm, blocking, agreed=False):
     return _launch(ctx, gen, blocking, out)
 
 
+def _gpu_broadcast(x, root, algorithm, out, comm):
+    return gpu.broadcast(x, root, algorithm, out, comm, broadcast)
+
+
+_BROADCAST = _Paths("broadcast", onestep, _gpu_broadcast, _broadcast, True)
+_IBROADCAST = _BROADCAST._replace(one_step=None, blocking=False)
+
+
 def broadcast(
     x: np.ndarray, root: int = 0, *, algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None
 ) -> np.ndarray:
@@ -432,35 +485,22 @@ def broadcast(
     Returns:
         The root's data (``out`` when given).
     """
-    if type(x) is np.ndarray:
-        res = onestep(comm, ("broadcast", x.dtype, x.shape, root, algorithm), x, out)
-        if res is not _SLOW:
-            return res
-    elif is_device(x):
-        return gpu.broadcast(x, root, algorithm, out, comm, broadcast)
-    return _broadcast(x, root, algorithm, out, comm, True)
+    return _dispatch(_BROADCAST, x, root, algorithm, out, comm, None)
 
 
 def ibroadcast(
     x: np.ndarray, root: int = 0, *, algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None
 ) -> Request:
     """Start :func:`broadcast`; ``wait()`` on the returned request gives the result."""
-    if type(x) is not np.ndarray and is_device(x):
-        return _done(gpu.broadcast(x, root, algorithm, out, comm, broadcast), False, get_context(comm))
-    return _broadcast(x, root, algorithm, out, comm, False)
+    return _dispatch(_IBROADCAST, x, root, algorithm, out, comm, None)
 
 
 # -- calls whose arguments the caller agreed already (collectives.agreed) ---------------
 def allreduce_agreed(x: np.ndarray, *, op: str = "sum", out: np.ndarray | None = None, comm: Any = None) -> np.ndarray:
     """:func:`collectives.allreduce` with ``algorithm="auto"``, without the signature exchange
-    (see :mod:`collectives.agreed`)."""
-    if type(x) is np.ndarray:
-        res = onestep(comm, ("allreduce", x.dtype, x.shape, op, "auto"), x, out)
-        if res is not _SLOW:
-            return res
-    elif is_device(x):  # device arrays are agreed again: a rank may have passed a host one
-        return gpu.allreduce(x, op, "auto", out, comm, allreduce)
-    return _allreduce(x, op, "auto", out, comm, True, agreed=True)
+    (see :mod:`collectives.agreed`). Device arrays are agreed again: a rank may have passed
+    a host one."""
+    return _dispatch(_ALLREDUCE, x, op, "auto", out, comm, True)
 
 
 def reduce_scatter_agreed(
@@ -468,25 +508,13 @@ def reduce_scatter_agreed(
 ) -> np.ndarray:
     """:func:`collectives.reduce_scatter` with ``algorithm="auto"``, without the signature exchange
     (see :mod:`collectives.agreed`)."""
-    if type(x) is np.ndarray:
-        res = onestep(comm, ("reduce_scatter", x.dtype, x.shape, op, "auto"), x, out)
-        if res is not _SLOW:
-            return res
-    elif is_device(x):
-        return gpu.reduce_scatter(x, op, "auto", out, comm, reduce_scatter)
-    return _reduce_scatter(x, op, "auto", out, comm, True, agreed=True)
+    return _dispatch(_REDUCE_SCATTER, x, op, "auto", out, comm, True)
 
 
 def broadcast_agreed(x: np.ndarray, root: int = 0, *, out: np.ndarray | None = None, comm: Any = None) -> np.ndarray:
     """:func:`collectives.broadcast` with ``algorithm="auto"``, without the signature exchange
     (see :mod:`collectives.agreed`)."""
-    if type(x) is np.ndarray:
-        res = onestep(comm, ("broadcast", x.dtype, x.shape, root, "auto"), x, out)
-        if res is not _SLOW:
-            return res
-    elif is_device(x):
-        return gpu.broadcast(x, root, "auto", out, comm, broadcast)
-    return _broadcast(x, root, "auto", out, comm, True, agreed=True)
+    return _dispatch(_BROADCAST, x, root, "auto", out, comm, True)
 
 
 def allgather_agreed(
@@ -494,38 +522,16 @@ def allgather_agreed(
 ) -> np.ndarray:
     """:func:`collectives.allgather` with ``algorithm="auto"``, given every rank's rows
     (``rows[r]``: the first dimension of rank r's ``x``), without the signature exchange
-    (see :mod:`collectives.agreed`)."""
-    if type(x) is np.ndarray:
-        res = _fast_allgather(comm, ("allgather", x.dtype, x.shape, None, "auto"), x, out)
-        if res is not _SLOW:
-            return res
-    elif is_device(x):  # rows are agreed again, with the memory kind
-        return gpu.allgather(x, "auto", out, comm, allgather)
-    return _allgather(x, "auto", out, comm, True, rows=rows)
+    (see :mod:`collectives.agreed`). On device arrays the rows are agreed again, with the
+    memory kind."""
+    return _dispatch(_ALLGATHER, x, None, "auto", out, comm, rows)
 
 
 # -- reduce ------------------------------------------------------------------------------
-def reduce(
-    x: np.ndarray, root: int = 0, *, op: str = "sum", algorithm: str = "auto", comm: Any = None
-) -> np.ndarray | None:
-    """Reduce ``x`` over all ranks onto ``root``.
-
-    Args:
-        x: this rank's array.
-        root: the rank that receives the result.
-        op: reduction op name.
-        algorithm: a name from ``algorithms("reduce")`` or ``"auto"``.
-        comm: mpi4py communicator (default ``MPI.COMM_WORLD``) or a transport.
-
-    Returns:
-        The reduced array of x's shape on ``root``; None on every other rank.
-    """
-    if type(x) is np.ndarray:
-        res = onestep(comm, ("reduce", x.dtype, x.shape, (op, root), algorithm), x)
-        if res is not _SLOW:
-            return res
-    elif is_device(x):
-        return gpu.reduce(x, root, op, algorithm, comm, reduce)
+def _reduce(x, arg, algorithm, out, comm, blocking, agreed):
+    """The general reduce of ``arg`` = ``(op, root)``; a reduce is blocking, has no ``out``
+    and no agreed form, so it leaves ``out``, ``blocking`` and ``agreed`` aside."""
+    op, root = arg
     ctx = get_context(comm)
     call = Call(ctx, "reduce", x, algorithm, op, root=root)
     x = call.x
@@ -561,38 +567,48 @@ def reduce(
     return out
 
 
-# -- alltoall ----------------------------------------------------------------------------
-def alltoall(x: np.ndarray, splits: Any = None, *, algorithm: str = "auto", comm: Any = None) -> np.ndarray:
-    """Send rows of ``x`` to every rank and return the rows received, in rank order.
+def _gpu_reduce(x, arg, algorithm, out, comm):
+    op, root = arg
+    return gpu.reduce(x, root, op, algorithm, comm, reduce)
+
+
+_REDUCE = _Paths("reduce", onestep, _gpu_reduce, _reduce, True)
+
+
+def reduce(
+    x: np.ndarray, root: int = 0, *, op: str = "sum", algorithm: str = "auto", comm: Any = None
+) -> np.ndarray | None:
+    """Reduce ``x`` over all ranks onto ``root``.
 
     Args:
-        x: this rank's array, at least 1-D.
-        splits: rows of ``x`` for each rank, in order (sum = ``x.shape[0]``); by default
-            ``x.shape[0]`` must divide evenly by the number of ranks.
-        algorithm: ``"pairwise"``, ``"native"`` or ``"auto"``.
+        x: this rank's array.
+        root: the rank that receives the result.
+        op: reduction op name.
+        algorithm: a name from ``algorithms("reduce")`` or ``"auto"``.
         comm: mpi4py communicator (default ``MPI.COMM_WORLD``) or a transport.
 
     Returns:
-        The rows received from rank 0, then rank 1, ..., concatenated along axis 0.
+        The reduced array of x's shape on ``root``; None on every other rank.
     """
-    if type(x) is not np.ndarray and is_device(x):
-        return gpu.alltoall(x, splits, algorithm, comm, alltoall)
-    ctx = get_context(comm)
-    t = ctx.transport
-    call = Call(ctx, "alltoall", x, algorithm)
-    x = call.x
+    return _dispatch(_REDUCE, x, (op, root), algorithm, None, comm, None)
+
+
+# -- alltoall ----------------------------------------------------------------------------
+def _send_rows(call: Call, x: np.ndarray, splits: Any, size: int) -> np.ndarray:
+    """The rows of ``x`` for each of ``size`` ranks, as ``splits`` gives them (all zero, and
+    ``call`` failed, when ``x`` or ``splits`` will not do)."""
     rows = x.shape[0] if x.ndim else 0
-    send_rows = np.zeros(t.size, np.int64)
+    send_rows = np.zeros(size, np.int64)
     if call.error is None:
         if x.ndim == 0:
             call.fail(InvalidArgumentError("alltoall: x must have at least one dimension"))
         elif splits is None:
-            if rows % t.size:
+            if rows % size:
                 call.fail(
-                    InvalidArgumentError(f"alltoall: {rows} rows do not split evenly over {t.size} ranks; pass splits")
+                    InvalidArgumentError(f"alltoall: {rows} rows do not split evenly over {size} ranks; pass splits")
                 )
             else:
-                send_rows[:] = rows // t.size
+                send_rows[:] = rows // size
         else:
             try:
                 sp = np.asarray(splits).reshape(-1)
@@ -602,15 +618,27 @@ def alltoall(x: np.ndarray, splits: Any = None, *, algorithm: str = "auto", comm
             except (TypeError, ValueError):
                 call.fail(InvalidArgumentError(f"alltoall: splits={splits!r} must be a sequence of row counts"))
             else:
-                if sp.size != t.size or (sp < 0).any() or sp.sum() != rows:
+                if sp.size != size or (sp < 0).any() or sp.sum() != rows:
                     call.fail(
                         InvalidArgumentError(
-                            f"alltoall: splits={[int(v) for v in sp]} must be {t.size} non-negative row counts "
+                            f"alltoall: splits={[int(v) for v in sp]} must be {size} non-negative row counts "
                             f"summing to {rows}"
                         )
                     )
                 else:
                     send_rows[:] = sp
+    return send_rows
+
+
+def _alltoall(x, splits, algorithm, out, comm, blocking, agreed):
+    """The general alltoall; an alltoall is blocking, has no ``out`` and no agreed form, so it
+    leaves ``out``, ``blocking`` and ``agreed`` aside."""
+    ctx = get_context(comm)
+    t = ctx.transport
+    call = Call(ctx, "alltoall", x, algorithm)
+    x = call.x
+    rows = x.shape[0] if x.ndim else 0
+    send_rows = _send_rows(call, x, splits, t.size)
     item = x.shape[1:]
     call.resolve(x.nbytes)
     call.agree(rows, item)
@@ -639,3 +667,26 @@ def alltoall(x: np.ndarray, splits: Any = None, *, algorithm: str = "auto", comm
         )
     )
     return out
+
+
+def _gpu_alltoall(x, splits, algorithm, out, comm):
+    return gpu.alltoall(x, splits, algorithm, comm, alltoall)
+
+
+_ALLTOALL = _Paths("alltoall", None, _gpu_alltoall, _alltoall, True)
+
+
+def alltoall(x: np.ndarray, splits: Any = None, *, algorithm: str = "auto", comm: Any = None) -> np.ndarray:
+    """Send rows of ``x`` to every rank and return the rows received, in rank order.
+
+    Args:
+        x: this rank's array, at least 1-D.
+        splits: rows of ``x`` for each rank, in order (sum = ``x.shape[0]``); by default
+            ``x.shape[0]`` must divide evenly by the number of ranks.
+        algorithm: ``"pairwise"``, ``"native"`` or ``"auto"``.
+        comm: mpi4py communicator (default ``MPI.COMM_WORLD``) or a transport.
+
+    Returns:
+        The rows received from rank 0, then rank 1, ..., concatenated along axis 0.
+    """
+    return _dispatch(_ALLTOALL, x, splits, algorithm, None, comm, None)
