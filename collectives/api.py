@@ -7,8 +7,9 @@ communicator stays usable. Small calls on one node finish in one step (:mod:`.on
 
 Every public call goes the same way (:func:`_dispatch`): a host array first tries the
 one-step path, a device array goes to :mod:`.gpu`, and anything else (or a call the one
-step does not cover) takes the collective's general path. A collective's :class:`_Paths`
-names these three; its nonblocking form is the same row without the one step. The
+step does not cover) takes the collective's general path. A collective's row
+(:func:`_paths`) names these three; its nonblocking form is the same row without the one
+step (:func:`_nonblocking`). The
 window-resident buffers that the in-place paths read are allocated by :mod:`.buffers`.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -49,6 +50,9 @@ __all__ = [
 ]
 
 _SLOW = node.SLOW
+_ndarray = np.ndarray
+"""``np.ndarray`` for the dispatch: numpy's module defines ``__getattr__``, so the interpreter
+does not cache its attributes, and a global name is the cheaper lookup on every call."""
 
 
 class Request:
@@ -114,25 +118,35 @@ def _where(ctx: Context, call: Call, small: bool, x: np.ndarray | None, out: np.
 
 
 # -- dispatch ----------------------------------------------------------------------------
-class _Paths(NamedTuple):
-    """The ways one collective runs, in the order :func:`_dispatch` tries them. Each takes the
-    call's arguments in one order: ``x``, ``arg`` (the op, the root, ``(op, root)`` for
-    reduce, the splits for alltoall, None for allgather), ``algorithm``, ``out``, ``comm``."""
+def _paths(
+    name: str, one_step: Callable[..., Any] | None, device: Callable[..., Any], general: Callable[..., Any]
+) -> tuple:
+    """A collective's row for :func:`_dispatch`: the ways its blocking form runs, in the order
+    they are tried, as the plain tuple ``(name, one_step, device, general, blocking)`` (which
+    unpacks faster than a named one: every call unpacks it).
 
-    name: str
-    """The collective, as its one-step key names it."""
-    one_step: Callable[..., Any] | None
-    """``one_step(comm, key, x, out)``: the result, or ``node.SLOW`` for the general path
-    (:func:`.onestep.onestep`); None where the call has no one-step form."""
-    device: Callable[..., Any]
-    """``device(x, arg, algorithm, out, comm)``: the call on a device array (:mod:`.gpu`)."""
-    general: Callable[..., Any]
-    """``general(x, arg, algorithm, out, comm, blocking, agreed)``: everything else."""
-    blocking: bool
-    """False for the nonblocking form, which returns a :class:`Request`."""
+    Each path takes the call's arguments in one order: ``x``, ``arg`` (the op, the root,
+    ``(op, root)`` for reduce, the splits for alltoall, None for allgather), ``algorithm``,
+    ``out``, ``comm``.
+
+    Args:
+        name: the collective, as its one-step key names it.
+        one_step: ``one_step(comm, key, x, out)``, the result or ``node.SLOW`` for the general
+            path (:func:`.onestep.onestep`); None where the call has no one-step form.
+        device: ``device(x, arg, algorithm, out, comm)``, the call on a device array (:mod:`.gpu`).
+        general: ``general(x, arg, algorithm, out, comm, blocking, agreed)``, everything else.
+    """
+    return (name, one_step, device, general, True)
 
 
-def _dispatch(paths: _Paths, x: Any, arg: Any, algorithm: str, out: Any, comm: Any, agreed: Any) -> Any:
+def _nonblocking(paths: tuple) -> tuple:
+    """The row of ``paths``' nonblocking form, which returns a :class:`Request`: the same paths
+    without the one step."""
+    name, _, device, general, _ = paths
+    return (name, None, device, general, False)
+
+
+def _dispatch(paths: tuple, x: Any, arg: Any, algorithm: str, out: Any, comm: Any, agreed: Any) -> Any:
     """Run one call along ``paths``: a host array in one step where it can finish so, a device
     array on its device, anything else on the general path (which checks and agrees it).
 
@@ -140,7 +154,7 @@ def _dispatch(paths: _Paths, x: Any, arg: Any, algorithm: str, out: Any, comm: A
     rows for allgather): the general path then skips the signature exchange.
     """
     name, one_step, device, general, blocking = paths
-    if type(x) is np.ndarray:
+    if type(x) is _ndarray:
         if one_step is not None:
             # the common small case on one node: the same posts as the general path, less Python
             res = one_step(comm, (name, x.dtype, x.shape, arg, algorithm), x, out)
@@ -216,8 +230,8 @@ def _gpu_allreduce(x, op, algorithm, out, comm):
     return gpu.allreduce(x, op, algorithm, out, comm, allreduce)
 
 
-_ALLREDUCE = _Paths("allreduce", onestep, _gpu_allreduce, _allreduce, True)
-_IALLREDUCE = _ALLREDUCE._replace(one_step=None, blocking=False)
+_ALLREDUCE = _paths("allreduce", onestep, _gpu_allreduce, _allreduce)
+_IALLREDUCE = _nonblocking(_ALLREDUCE)
 
 
 def allreduce(
@@ -290,8 +304,8 @@ def _gpu_reduce_scatter(x, op, algorithm, out, comm):
     return gpu.reduce_scatter(x, op, algorithm, out, comm, reduce_scatter)
 
 
-_REDUCE_SCATTER = _Paths("reduce_scatter", onestep, _gpu_reduce_scatter, _reduce_scatter, True)
-_IREDUCE_SCATTER = _REDUCE_SCATTER._replace(one_step=None, blocking=False)
+_REDUCE_SCATTER = _paths("reduce_scatter", onestep, _gpu_reduce_scatter, _reduce_scatter)
+_IREDUCE_SCATTER = _nonblocking(_REDUCE_SCATTER)
 
 
 def reduce_scatter(
@@ -401,8 +415,8 @@ def _gpu_allgather(x, arg, algorithm, out, comm):
     return gpu.allgather(x, algorithm, out, comm, allgather)
 
 
-_ALLGATHER = _Paths("allgather", _fast_allgather, _gpu_allgather, _allgather, True)
-_IALLGATHER = _ALLGATHER._replace(one_step=None, blocking=False)
+_ALLGATHER = _paths("allgather", _fast_allgather, _gpu_allgather, _allgather)
+_IALLGATHER = _nonblocking(_ALLGATHER)
 
 
 def allgather(x: np.ndarray, *, algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None) -> np.ndarray:
@@ -466,8 +480,8 @@ def _gpu_broadcast(x, root, algorithm, out, comm):
     return gpu.broadcast(x, root, algorithm, out, comm, broadcast)
 
 
-_BROADCAST = _Paths("broadcast", onestep, _gpu_broadcast, _broadcast, True)
-_IBROADCAST = _BROADCAST._replace(one_step=None, blocking=False)
+_BROADCAST = _paths("broadcast", onestep, _gpu_broadcast, _broadcast)
+_IBROADCAST = _nonblocking(_BROADCAST)
 
 
 def broadcast(
@@ -572,7 +586,7 @@ def _gpu_reduce(x, arg, algorithm, out, comm):
     return gpu.reduce(x, root, op, algorithm, comm, reduce)
 
 
-_REDUCE = _Paths("reduce", onestep, _gpu_reduce, _reduce, True)
+_REDUCE = _paths("reduce", onestep, _gpu_reduce, _reduce)
 
 
 def reduce(
@@ -673,7 +687,7 @@ def _gpu_alltoall(x, splits, algorithm, out, comm):
     return gpu.alltoall(x, splits, algorithm, comm, alltoall)
 
 
-_ALLTOALL = _Paths("alltoall", None, _gpu_alltoall, _alltoall, True)
+_ALLTOALL = _paths("alltoall", None, _gpu_alltoall, _alltoall)
 
 
 def alltoall(x: np.ndarray, splits: Any = None, *, algorithm: str = "auto", comm: Any = None) -> np.ndarray:
