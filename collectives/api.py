@@ -9,8 +9,8 @@ Every public call goes the same way (:func:`_dispatch`): a host array first trie
 one-step path, a device array goes to :mod:`.gpu`, and anything else (or a call the one
 step does not cover) takes the collective's general path. A collective's row
 (:func:`_paths`) names these three; its nonblocking form is the same row without the one
-step (:func:`_nonblocking`). The
-window-resident buffers that the in-place paths read are allocated by :mod:`.buffers`.
+step (:func:`_nonblocking`). The window-resident buffers that the in-place paths read are
+allocated by :mod:`.buffers`.
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ __all__ = [
 
 _SLOW = node.SLOW
 _ndarray = np.ndarray
-"""``np.ndarray`` for the dispatch: numpy's module defines ``__getattr__``, so the interpreter
-does not cache its attributes, and a global name is the cheaper lookup on every call."""
+"""``np.ndarray`` for the dispatch: CPython does not specialize attribute reads on a module
+that defines ``__getattr__``, as numpy's does, so a global name is the cheaper lookup on
+every call."""
 
 
 class Request:
