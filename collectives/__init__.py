@@ -14,16 +14,14 @@ from .api import (
     allreduce,
     alltoall,
     broadcast,
-    copied_bytes,
-    empty,
     iallgather,
     iallreduce,
     ibroadcast,
     ireduce_scatter,
-    is_shared,
     reduce,
     reduce_scatter,
 )
+from .buffers import copied_bytes, empty, is_shared
 from .errors import (
     CollectiveError,
     CollectiveMismatchError,

@@ -5,7 +5,7 @@ then exchanges a small signature (collective, algorithm, op, dtype, count, root,
 shape, error flag) with the other ranks, so that bad input on any rank, or ranks calling
 with different arguments, raises on every rank, naming the field and the ranks, and the
 communicator stays usable. On a single-node communicator the signature travels through
-the node channel (:mod:`.node`), folded into three int64 words (:func:`pack`); elsewhere
+the node channel (:mod:`.node.channel`), folded into three int64 words (:func:`pack`); elsewhere
 through a nonblocking all-gather.
 """
 
@@ -71,7 +71,7 @@ class Call:
         self.ctx = ctx
         self.agreed = agreed
         """Every rank's ``count``, when the caller agreed the arguments already (see
-        :mod:`.agreed`): then only a call finished in one step through the node channel
+        :mod:`.unchecked`): then only a call finished in one step through the node channel
         posts its signature, since its data travels with it."""
         self.t = ctx.transport
         self.collective = collective

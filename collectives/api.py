@@ -1,15 +1,22 @@
-"""The public collectives on numpy arrays (and device arrays, which :mod:`.gpu` takes).
+"""The public collectives on numpy arrays (and device arrays, which :mod:`.device.api` takes).
 
 Every call first checks its arguments locally, then (with more than one rank) agrees them
 with the other ranks (:mod:`.agreement`), so that bad input on any rank, or ranks calling
 with different arguments, raises on every rank before any data moves, and the
-communicator stays usable. Small calls on one node finish in one step (:mod:`.onestep`).
+communicator stays usable. Small calls on one node finish in one step (:mod:`.node.onestep`).
+
+Every public call goes the same way: a blocking call on a host array first tries the one
+step (:func:`_one_step`); then :func:`_dispatch` sends a device array to :mod:`.device.api`
+and anything else (or a call the one step does not cover) along the collective's general
+path. A collective's row (:func:`_paths`) names those two; its nonblocking form is the same
+row returning a :class:`Request` (:func:`_nonblocking`). The window-resident buffers that
+the in-place paths read are allocated by :mod:`.buffers`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,8 +28,7 @@ from .device import api as gpu
 from .device.arrays import is_device
 from .errors import InvalidArgumentError, OutputMismatchError
 from .node import inplace, slots, staged
-from .node.arena import allocate
-from .node.onestep import onestep
+from .node.onestep import raise_mismatch, remember
 from .ops import finalize
 from .select import REGISTRY
 
@@ -42,12 +48,13 @@ __all__ = [
     "reduce_scatter_agreed",
     "allgather_agreed",
     "broadcast_agreed",
-    "empty",
-    "is_shared",
-    "copied_bytes",
 ]
 
-_SLOW = slots.SLOW
+_SLOW, _MISMATCH, _UNEVEN = slots.SLOW, slots.MISMATCH, slots.UNEVEN
+_ndarray = np.ndarray
+"""``np.ndarray`` for the dispatch: CPython does not specialize attribute reads on a module
+that defines ``__getattr__``, as numpy's does, so a global name is the cheaper lookup on
+every call."""
 
 
 class Request:
@@ -93,15 +100,6 @@ def _done(result: Any, blocking: bool, ctx: Context):
     return Request(ctx, p, result)
 
 
-def _fast_allgather(comm: Any, key: tuple, x: np.ndarray, out: np.ndarray | None = None) -> Any:
-    """:func:`.onestep.onestep` for an allgather, finishing one whose ranks' rows turned out
-    uneven on the general path; ``_SLOW`` when the call takes the general path from the start."""
-    res = onestep(comm, key, x, out)
-    if res is slots.UNEVEN:
-        return _allgather(x, key[4], out, comm, True, posted=True)
-    return res
-
-
 def _where(ctx: Context, call: Call, small: bool, x: np.ndarray | None, out: np.ndarray | None) -> tuple[int, int]:
     """The arena words a call posts: where ``x`` and ``out`` lie in the node's arena (0: not
     there, or not a call that could read them in place). ``auto`` reads buffers in place
@@ -112,45 +110,65 @@ def _where(ctx: Context, call: Call, small: bool, x: np.ndarray | None, out: np.
     return (arena.where(x), arena.where(out))
 
 
-# -- window-resident buffers -------------------------------------------------------------
-def empty(shape: Any, dtype: Any = np.float32, *, comm: Any = None) -> np.ndarray:
-    """An uninitialised C-contiguous array in this rank's part of the node's shared window.
+# -- dispatch ----------------------------------------------------------------------------
+def _paths(device: Callable[..., Any], general: Callable[..., Any]) -> tuple:
+    """A collective's row for :func:`_dispatch`, the plain tuple ``(device, general,
+    blocking)`` (which unpacks faster than a named one: every call unpacks it).
 
-    Collectives whose every rank passes such arrays (the input; for ``allreduce`` also
-    ``out``, which may be the input) read them where they lie: no rank stages a copy of its
-    input into the window, and results are copied straight from their owner's output
-    (algorithm ``shm``, or ``auto`` where it picks ``shm``). Other arrays work as always.
-
-    Allocation is local (not collective) and thread-safe; the memory returns to the window
-    when the last array viewing it is garbage collected. An array that outlives ``comm``
-    stays valid (its window is then kept until MPI is finalized).
-    Where ``comm``'s ranks are not all on one node, it has a single rank, or the window
-    (``HPCDL_SHM_ARENA_BYTES`` per rank) is full, the array is ordinary memory:
-    :func:`is_shared` tells.
+    Each path takes the call's arguments in one order: ``x``, ``arg`` (the op, the root,
+    ``(op, root)`` for reduce, the splits for alltoall, None for allgather), ``algorithm``,
+    ``out``, ``comm``.
 
     Args:
-        shape: the array's shape (an int or a tuple).
-        dtype: its dtype.
-        comm: mpi4py communicator (default ``MPI.COMM_WORLD``) or a transport.
+        device: ``device(x, arg, algorithm, out, comm)``, the call on a device array (:mod:`.device.api`).
+        general: ``general(x, arg, algorithm, out, comm, blocking, agreed)``, everything else.
     """
-    return allocate(get_context(comm).arena, shape, dtype)
+    return (device, general, True)
 
 
-def is_shared(a: np.ndarray, *, comm: Any = None) -> bool:
-    """True when all of ``a`` lies in this rank's part of ``comm``'s node window (from
-    :func:`empty`) and is C-contiguous, so the ``shm`` algorithms can read it in place."""
-    arena = get_context(comm).arena
-    return arena is not None and isinstance(a, np.ndarray) and arena.where(a) > 0
+def _nonblocking(paths: tuple) -> tuple:
+    """The row of ``paths``' nonblocking form, which returns a :class:`Request`."""
+    device, general, _ = paths
+    return (device, general, False)
 
 
-def copied_bytes(comm: Any = None) -> dict[str, int]:
-    """Bytes this rank has written in ``comm``'s single-node ``shm`` collectives so far, by
-    kind: ``staged`` (its input copied into the window), ``reduced`` (reduction results)
-    and ``copied_out`` (results copied into its output). Calls finished in one step through
-    the control slots are not counted."""
-    ch = get_context(comm).chan
-    staged, reduced, out = ch.copied if ch is not None else (0, 0, 0)
-    return {"staged": staged, "reduced": reduced, "copied_out": out}
+def _one_step(name: str, x: np.ndarray, arg: Any, algorithm: str, out: Any, comm: Any) -> Any:
+    """The common small case on one node, with less Python: the call ``name`` on the host
+    array ``x`` finished in one step through the node channel's slots, or ``_SLOW`` when it
+    takes the general path. Its function comes from the context's cache
+    (:mod:`.node.onestep`) and posts the same words as the general path; ranks whose
+    signatures differ raise the agreement error, and an allgather whose ranks' rows differ,
+    posted and agreed already, is finished on the general path."""
+    ctx = get_context(comm)
+    key = (name, x.dtype, x.shape, arg, algorithm)
+    try:
+        fn = ctx.fast[key]
+    except KeyError:
+        fn = remember(ctx, key)
+    except TypeError:  # an unhashable argument: the general path says what is wrong with it
+        return _SLOW
+    if not fn:
+        return _SLOW
+    res = fn(x) if out is None else fn(x, out)
+    if res is _MISMATCH or res is _UNEVEN:
+        if res is _MISMATCH:
+            raise_mismatch(ctx, key, x)
+        return _allgather(x, None, algorithm, out, comm, True, None, posted=True)
+    return res
+
+
+def _dispatch(paths: tuple, x: Any, arg: Any, algorithm: str, out: Any, comm: Any, agreed: Any) -> Any:
+    """Run one call along ``paths`` (after the one step, where it applies): a device array
+    on its device, anything else on the general path (which checks and agrees it).
+
+    ``agreed`` is None, or what the caller agreed across ranks already (True; every rank's
+    rows for allgather): the general path then skips the signature exchange.
+    """
+    device, general, blocking = paths
+    if type(x) is not _ndarray and is_device(x):
+        res = device(x, arg, algorithm, out, comm)
+        return res if blocking else _done(res, False, get_context(comm))
+    return general(x, arg, algorithm, out, comm, blocking, agreed)
 
 
 # -- allreduce ---------------------------------------------------------------------------
@@ -164,7 +182,7 @@ def _aliases(a: np.ndarray, b: np.ndarray) -> bool:
     )
 
 
-def _allreduce(x, op, algorithm, out, comm, blocking, agreed=False):
+def _allreduce(x, op, algorithm, out, comm, blocking, agreed):
     ctx = get_context(comm)
     call = Call(ctx, "allreduce", x, algorithm, op, agreed=equal_counts(ctx, x) if agreed else None)
     x = call.x
@@ -213,6 +231,14 @@ def _allreduce(x, op, algorithm, out, comm, blocking, agreed=False):
     return _launch(ctx, gen, blocking, out, on_done)
 
 
+def _gpu_allreduce(x, op, algorithm, out, comm):
+    return gpu.allreduce(x, op, algorithm, out, comm, allreduce)
+
+
+_ALLREDUCE = _paths(_gpu_allreduce, _allreduce)
+_IALLREDUCE = _nonblocking(_ALLREDUCE)
+
+
 def allreduce(
     x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None
 ) -> np.ndarray:
@@ -228,27 +254,20 @@ def allreduce(
     Returns:
         The reduced array, of x's shape and dtype (``out`` when given).
     """
-    if type(x) is np.ndarray:
-        # the common small case on one node: the same posts as the general path, less Python
-        res = onestep(comm, ("allreduce", x.dtype, x.shape, op, algorithm), x, out)
-        if res is not _SLOW:
-            return res
-    elif is_device(x):
-        return gpu.allreduce(x, op, algorithm, out, comm, allreduce)
-    return _allreduce(x, op, algorithm, out, comm, True)
+    if type(x) is _ndarray and (res := _one_step("allreduce", x, op, algorithm, out, comm)) is not _SLOW:
+        return res
+    return _dispatch(_ALLREDUCE, x, op, algorithm, out, comm, None)
 
 
 def iallreduce(
     x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None
 ) -> Request:
     """Start :func:`allreduce`; ``wait()`` on the returned request gives the result."""
-    if type(x) is not np.ndarray and is_device(x):
-        return _done(gpu.allreduce(x, op, algorithm, out, comm, allreduce), False, get_context(comm))
-    return _allreduce(x, op, algorithm, out, comm, False)
+    return _dispatch(_IALLREDUCE, x, op, algorithm, out, comm, None)
 
 
 # -- reduce_scatter ----------------------------------------------------------------------
-def _reduce_scatter(x, op, algorithm, out, comm, blocking, agreed=False):
+def _reduce_scatter(x, op, algorithm, out, comm, blocking, agreed):
     ctx = get_context(comm)
     call = Call(ctx, "reduce_scatter", x, algorithm, op, agreed=equal_counts(ctx, x) if agreed else None)
     x = call.x
@@ -288,6 +307,14 @@ def _reduce_scatter(x, op, algorithm, out, comm, blocking, agreed=False):
     return _launch(ctx, gen, blocking, result, on_done)
 
 
+def _gpu_reduce_scatter(x, op, algorithm, out, comm):
+    return gpu.reduce_scatter(x, op, algorithm, out, comm, reduce_scatter)
+
+
+_REDUCE_SCATTER = _paths(_gpu_reduce_scatter, _reduce_scatter)
+_IREDUCE_SCATTER = _nonblocking(_REDUCE_SCATTER)
+
+
 def reduce_scatter(
     x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None
 ) -> np.ndarray:
@@ -306,28 +333,23 @@ def reduce_scatter(
     Returns:
         A 1-D array: this rank's block (``out`` when given).
     """
-    if type(x) is np.ndarray:
-        res = onestep(comm, ("reduce_scatter", x.dtype, x.shape, op, algorithm), x, out)
-        if res is not _SLOW:
-            return res
-    elif is_device(x):
-        return gpu.reduce_scatter(x, op, algorithm, out, comm, reduce_scatter)
-    return _reduce_scatter(x, op, algorithm, out, comm, True)
+    if type(x) is _ndarray and (res := _one_step("reduce_scatter", x, op, algorithm, out, comm)) is not _SLOW:
+        return res
+    return _dispatch(_REDUCE_SCATTER, x, op, algorithm, out, comm, None)
 
 
 def ireduce_scatter(
     x: np.ndarray, *, op: str = "sum", algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None
 ) -> Request:
     """Start :func:`reduce_scatter`; ``wait()`` on the returned request gives the block."""
-    if type(x) is not np.ndarray and is_device(x):
-        return _done(gpu.reduce_scatter(x, op, algorithm, out, comm, reduce_scatter), False, get_context(comm))
-    return _reduce_scatter(x, op, algorithm, out, comm, False)
+    return _dispatch(_IREDUCE_SCATTER, x, op, algorithm, out, comm, None)
 
 
 # -- allgather ---------------------------------------------------------------------------
-
-
-def _allgather(x, algorithm, out, comm, blocking, posted=False, rows=None):
+def _allgather(x, arg, algorithm, out, comm, blocking, rows, posted=False):
+    """The general allgather (``arg`` is None: an allgather has neither op nor root); ``rows``:
+    every rank's rows when the caller agreed them, ``posted``: a one-step attempt posted and
+    agreed this call already."""
     ctx = get_context(comm)
     call = Call(ctx, "allgather", x, algorithm, agreed=None if rows is None else [int(r) for r in rows])
     x = call.x
@@ -398,6 +420,14 @@ def _allgather(x, algorithm, out, comm, blocking, posted=False, rows=None):
     return _launch(ctx, gen, blocking, out)
 
 
+def _gpu_allgather(x, arg, algorithm, out, comm):
+    return gpu.allgather(x, algorithm, out, comm, allgather)
+
+
+_ALLGATHER = _paths(_gpu_allgather, _allgather)
+_IALLGATHER = _nonblocking(_ALLGATHER)
+
+
 def allgather(x: np.ndarray, *, algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None) -> np.ndarray:
     """Concatenate every rank's ``x`` along axis 0, in rank order; every rank gets it.
 
@@ -413,24 +443,18 @@ def allgather(x: np.ndarray, *, algorithm: str = "auto", out: np.ndarray | None 
     Returns:
         The concatenation (``out`` when given).
     """
-    if type(x) is np.ndarray:
-        res = _fast_allgather(comm, ("allgather", x.dtype, x.shape, None, algorithm), x, out)
-        if res is not _SLOW:
-            return res
-    elif is_device(x):
-        return gpu.allgather(x, algorithm, out, comm, allgather)
-    return _allgather(x, algorithm, out, comm, True)
+    if type(x) is _ndarray and (res := _one_step("allgather", x, None, algorithm, out, comm)) is not _SLOW:
+        return res
+    return _dispatch(_ALLGATHER, x, None, algorithm, out, comm, None)
 
 
 def iallgather(x: np.ndarray, *, algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None) -> Request:
     """Start :func:`allgather`; ``wait()`` on the returned request gives the result."""
-    if type(x) is not np.ndarray and is_device(x):
-        return _done(gpu.allgather(x, algorithm, out, comm, allgather), False, get_context(comm))
-    return _allgather(x, algorithm, out, comm, False)
+    return _dispatch(_IALLGATHER, x, None, algorithm, out, comm, None)
 
 
 # -- broadcast ---------------------------------------------------------------------------
-def _broadcast(x, root, algorithm, out, comm, blocking, agreed=False):
+def _broadcast(x, root, algorithm, out, comm, blocking, agreed):
     ctx = get_context(comm)
     call = Call(ctx, "broadcast", x, algorithm, root=root, agreed=equal_counts(ctx, x) if agreed else None)
     x = call.x
@@ -467,6 +491,14 @@ def _broadcast(x, root, algorithm, out, comm, blocking, agreed=False):
     return _launch(ctx, gen, blocking, out)
 
 
+def _gpu_broadcast(x, root, algorithm, out, comm):
+    return gpu.broadcast(x, root, algorithm, out, comm, broadcast)
+
+
+_BROADCAST = _paths(_gpu_broadcast, _broadcast)
+_IBROADCAST = _nonblocking(_BROADCAST)
+
+
 def broadcast(
     x: np.ndarray, root: int = 0, *, algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None
 ) -> np.ndarray:
@@ -482,35 +514,26 @@ def broadcast(
     Returns:
         The root's data (``out`` when given).
     """
-    if type(x) is np.ndarray:
-        res = onestep(comm, ("broadcast", x.dtype, x.shape, root, algorithm), x, out)
-        if res is not _SLOW:
-            return res
-    elif is_device(x):
-        return gpu.broadcast(x, root, algorithm, out, comm, broadcast)
-    return _broadcast(x, root, algorithm, out, comm, True)
+    if type(x) is _ndarray and (res := _one_step("broadcast", x, root, algorithm, out, comm)) is not _SLOW:
+        return res
+    return _dispatch(_BROADCAST, x, root, algorithm, out, comm, None)
 
 
 def ibroadcast(
     x: np.ndarray, root: int = 0, *, algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None
 ) -> Request:
     """Start :func:`broadcast`; ``wait()`` on the returned request gives the result."""
-    if type(x) is not np.ndarray and is_device(x):
-        return _done(gpu.broadcast(x, root, algorithm, out, comm, broadcast), False, get_context(comm))
-    return _broadcast(x, root, algorithm, out, comm, False)
+    return _dispatch(_IBROADCAST, x, root, algorithm, out, comm, None)
 
 
 # -- calls whose arguments the caller agreed already (collectives.unchecked) ---------------
 def allreduce_agreed(x: np.ndarray, *, op: str = "sum", out: np.ndarray | None = None, comm: Any = None) -> np.ndarray:
     """:func:`collectives.allreduce` with ``algorithm="auto"``, without the signature exchange
-    (see :mod:`collectives.unchecked`)."""
-    if type(x) is np.ndarray:
-        res = onestep(comm, ("allreduce", x.dtype, x.shape, op, "auto"), x, out)
-        if res is not _SLOW:
-            return res
-    elif is_device(x):  # device arrays are agreed again: a rank may have passed a host one
-        return gpu.allreduce(x, op, "auto", out, comm, allreduce)
-    return _allreduce(x, op, "auto", out, comm, True, agreed=True)
+    (see :mod:`collectives.unchecked`). Device arrays are agreed again: a rank may have passed
+    a host one."""
+    if type(x) is _ndarray and (res := _one_step("allreduce", x, op, "auto", out, comm)) is not _SLOW:
+        return res
+    return _dispatch(_ALLREDUCE, x, op, "auto", out, comm, True)
 
 
 def reduce_scatter_agreed(
@@ -518,25 +541,17 @@ def reduce_scatter_agreed(
 ) -> np.ndarray:
     """:func:`collectives.reduce_scatter` with ``algorithm="auto"``, without the signature exchange
     (see :mod:`collectives.unchecked`)."""
-    if type(x) is np.ndarray:
-        res = onestep(comm, ("reduce_scatter", x.dtype, x.shape, op, "auto"), x, out)
-        if res is not _SLOW:
-            return res
-    elif is_device(x):
-        return gpu.reduce_scatter(x, op, "auto", out, comm, reduce_scatter)
-    return _reduce_scatter(x, op, "auto", out, comm, True, agreed=True)
+    if type(x) is _ndarray and (res := _one_step("reduce_scatter", x, op, "auto", out, comm)) is not _SLOW:
+        return res
+    return _dispatch(_REDUCE_SCATTER, x, op, "auto", out, comm, True)
 
 
 def broadcast_agreed(x: np.ndarray, root: int = 0, *, out: np.ndarray | None = None, comm: Any = None) -> np.ndarray:
     """:func:`collectives.broadcast` with ``algorithm="auto"``, without the signature exchange
     (see :mod:`collectives.unchecked`)."""
-    if type(x) is np.ndarray:
-        res = onestep(comm, ("broadcast", x.dtype, x.shape, root, "auto"), x, out)
-        if res is not _SLOW:
-            return res
-    elif is_device(x):
-        return gpu.broadcast(x, root, "auto", out, comm, broadcast)
-    return _broadcast(x, root, "auto", out, comm, True, agreed=True)
+    if type(x) is _ndarray and (res := _one_step("broadcast", x, root, "auto", out, comm)) is not _SLOW:
+        return res
+    return _dispatch(_BROADCAST, x, root, "auto", out, comm, True)
 
 
 def allgather_agreed(
@@ -544,38 +559,18 @@ def allgather_agreed(
 ) -> np.ndarray:
     """:func:`collectives.allgather` with ``algorithm="auto"``, given every rank's rows
     (``rows[r]``: the first dimension of rank r's ``x``), without the signature exchange
-    (see :mod:`collectives.unchecked`)."""
-    if type(x) is np.ndarray:
-        res = _fast_allgather(comm, ("allgather", x.dtype, x.shape, None, "auto"), x, out)
-        if res is not _SLOW:
-            return res
-    elif is_device(x):  # rows are agreed again, with the memory kind
-        return gpu.allgather(x, "auto", out, comm, allgather)
-    return _allgather(x, "auto", out, comm, True, rows=rows)
+    (see :mod:`collectives.unchecked`). On device arrays the rows are agreed again, with the
+    memory kind."""
+    if type(x) is _ndarray and (res := _one_step("allgather", x, None, "auto", out, comm)) is not _SLOW:
+        return res
+    return _dispatch(_ALLGATHER, x, None, "auto", out, comm, rows)
 
 
 # -- reduce ------------------------------------------------------------------------------
-def reduce(
-    x: np.ndarray, root: int = 0, *, op: str = "sum", algorithm: str = "auto", comm: Any = None
-) -> np.ndarray | None:
-    """Reduce ``x`` over all ranks onto ``root``.
-
-    Args:
-        x: this rank's array.
-        root: the rank that receives the result.
-        op: reduction op name.
-        algorithm: a name from ``algorithms("reduce")`` or ``"auto"``.
-        comm: mpi4py communicator (default ``MPI.COMM_WORLD``) or a transport.
-
-    Returns:
-        The reduced array of x's shape on ``root``; None on every other rank.
-    """
-    if type(x) is np.ndarray:
-        res = onestep(comm, ("reduce", x.dtype, x.shape, (op, root), algorithm), x)
-        if res is not _SLOW:
-            return res
-    elif is_device(x):
-        return gpu.reduce(x, root, op, algorithm, comm, reduce)
+def _reduce(x, arg, algorithm, out, comm, blocking, agreed):
+    """The general reduce of ``arg`` = ``(op, root)``; a reduce is blocking, has no ``out``
+    and no agreed form, so it leaves ``out``, ``blocking`` and ``agreed`` aside."""
+    op, root = arg
     ctx = get_context(comm)
     call = Call(ctx, "reduce", x, algorithm, op, root=root)
     x = call.x
@@ -611,38 +606,50 @@ def reduce(
     return out
 
 
-# -- alltoall ----------------------------------------------------------------------------
-def alltoall(x: np.ndarray, splits: Any = None, *, algorithm: str = "auto", comm: Any = None) -> np.ndarray:
-    """Send rows of ``x`` to every rank and return the rows received, in rank order.
+def _gpu_reduce(x, arg, algorithm, out, comm):
+    op, root = arg
+    return gpu.reduce(x, root, op, algorithm, comm, reduce)
+
+
+_REDUCE = _paths(_gpu_reduce, _reduce)
+
+
+def reduce(
+    x: np.ndarray, root: int = 0, *, op: str = "sum", algorithm: str = "auto", comm: Any = None
+) -> np.ndarray | None:
+    """Reduce ``x`` over all ranks onto ``root``.
 
     Args:
-        x: this rank's array, at least 1-D.
-        splits: rows of ``x`` for each rank, in order (sum = ``x.shape[0]``); by default
-            ``x.shape[0]`` must divide evenly by the number of ranks.
-        algorithm: ``"pairwise"``, ``"native"`` or ``"auto"``.
+        x: this rank's array.
+        root: the rank that receives the result.
+        op: reduction op name.
+        algorithm: a name from ``algorithms("reduce")`` or ``"auto"``.
         comm: mpi4py communicator (default ``MPI.COMM_WORLD``) or a transport.
 
     Returns:
-        The rows received from rank 0, then rank 1, ..., concatenated along axis 0.
+        The reduced array of x's shape on ``root``; None on every other rank.
     """
-    if type(x) is not np.ndarray and is_device(x):
-        return gpu.alltoall(x, splits, algorithm, comm, alltoall)
-    ctx = get_context(comm)
-    t = ctx.transport
-    call = Call(ctx, "alltoall", x, algorithm)
-    x = call.x
+    if type(x) is _ndarray and (res := _one_step("reduce", x, (op, root), algorithm, None, comm)) is not _SLOW:
+        return res
+    return _dispatch(_REDUCE, x, (op, root), algorithm, None, comm, None)
+
+
+# -- alltoall ----------------------------------------------------------------------------
+def _send_rows(call: Call, x: np.ndarray, splits: Any, size: int) -> np.ndarray:
+    """The rows of ``x`` for each of ``size`` ranks, as ``splits`` gives them (all zero, and
+    ``call`` failed, when ``x`` or ``splits`` will not do)."""
     rows = x.shape[0] if x.ndim else 0
-    send_rows = np.zeros(t.size, np.int64)
+    send_rows = np.zeros(size, np.int64)
     if call.error is None:
         if x.ndim == 0:
             call.fail(InvalidArgumentError("alltoall: x must have at least one dimension"))
         elif splits is None:
-            if rows % t.size:
+            if rows % size:
                 call.fail(
-                    InvalidArgumentError(f"alltoall: {rows} rows do not split evenly over {t.size} ranks; pass splits")
+                    InvalidArgumentError(f"alltoall: {rows} rows do not split evenly over {size} ranks; pass splits")
                 )
             else:
-                send_rows[:] = rows // t.size
+                send_rows[:] = rows // size
         else:
             try:
                 sp = np.asarray(splits).reshape(-1)
@@ -652,15 +659,27 @@ def alltoall(x: np.ndarray, splits: Any = None, *, algorithm: str = "auto", comm
             except (TypeError, ValueError):
                 call.fail(InvalidArgumentError(f"alltoall: splits={splits!r} must be a sequence of row counts"))
             else:
-                if sp.size != t.size or (sp < 0).any() or sp.sum() != rows:
+                if sp.size != size or (sp < 0).any() or sp.sum() != rows:
                     call.fail(
                         InvalidArgumentError(
-                            f"alltoall: splits={[int(v) for v in sp]} must be {t.size} non-negative row counts "
+                            f"alltoall: splits={[int(v) for v in sp]} must be {size} non-negative row counts "
                             f"summing to {rows}"
                         )
                     )
                 else:
                     send_rows[:] = sp
+    return send_rows
+
+
+def _alltoall(x, splits, algorithm, out, comm, blocking, agreed):
+    """The general alltoall; an alltoall is blocking, has no ``out`` and no agreed form, so it
+    leaves ``out``, ``blocking`` and ``agreed`` aside."""
+    ctx = get_context(comm)
+    t = ctx.transport
+    call = Call(ctx, "alltoall", x, algorithm)
+    x = call.x
+    rows = x.shape[0] if x.ndim else 0
+    send_rows = _send_rows(call, x, splits, t.size)
     item = x.shape[1:]
     call.resolve(x.nbytes)
     call.agree(rows, item)
@@ -689,3 +708,26 @@ def alltoall(x: np.ndarray, splits: Any = None, *, algorithm: str = "auto", comm
         )
     )
     return out
+
+
+def _gpu_alltoall(x, splits, algorithm, out, comm):
+    return gpu.alltoall(x, splits, algorithm, comm, alltoall)
+
+
+_ALLTOALL = _paths(_gpu_alltoall, _alltoall)
+
+
+def alltoall(x: np.ndarray, splits: Any = None, *, algorithm: str = "auto", comm: Any = None) -> np.ndarray:
+    """Send rows of ``x`` to every rank and return the rows received, in rank order.
+
+    Args:
+        x: this rank's array, at least 1-D.
+        splits: rows of ``x`` for each rank, in order (sum = ``x.shape[0]``); by default
+            ``x.shape[0]`` must divide evenly by the number of ranks.
+        algorithm: ``"pairwise"``, ``"native"`` or ``"auto"``.
+        comm: mpi4py communicator (default ``MPI.COMM_WORLD``) or a transport.
+
+    Returns:
+        The rows received from rank 0, then rank 1, ..., concatenated along axis 0.
+    """
+    return _dispatch(_ALLTOALL, x, splits, algorithm, None, comm, None)

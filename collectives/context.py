@@ -122,7 +122,7 @@ class Context:
         self.picks: dict[str, list[tuple[int | None, str]]] = {}
         """``auto``'s rules per collective as :func:`.select.choose` applies them here."""
         self.device: dict[str, Any] = {}
-        """Device-array state (:mod:`.gpu`): IPC windows, the NCCL communicator, plans;
+        """Device-array state (:mod:`.device.api`): IPC windows, the NCCL communicator, plans;
         values with a ``free()`` are freed with the context."""
         self.broken = ""
         """Why this communicator's collectives stopped (a stall seen outside the node
@@ -154,7 +154,7 @@ class Context:
         self.chan: Channel | None = None
         """The node channel, when every rank is on one node: it carries argument agreement."""
         self.arena: Arena | None = None
-        """Window-resident buffers (:mod:`.arena`), when every rank is on one node."""
+        """Window-resident buffers (:mod:`.node.arena`), when every rank is on one node."""
         if comm is not None and transport.size > 1 and lay.nodes == 1:
             self.chan = self.channel()
             if self.config.shm_arena_bytes:

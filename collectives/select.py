@@ -64,7 +64,7 @@ DEVICE: dict[str, tuple[str, ...]] = {
 }
 """The algorithms for device arrays (besides ``native`` and ``auto``), by collective:
 ``ipc`` (ranks of one node through CUDA IPC), ``nccl``, ``staged`` (through host memory).
-Their code is in :mod:`.gpu`."""
+Their code is in :mod:`.device.api`."""
 
 #: Used when no tuning table covers a case, and on transports without an MPI library.
 DEFAULT_RULES: dict[str, list[list[Any]]] = {

@@ -126,7 +126,7 @@ COLLECTIVES_LAYERS = (
     ("collectives.context", "collectives.select"),
     ("collectives.agreement",),
     ("collectives.node.onestep", "collectives.device"),
-    ("collectives.api", "collectives.unchecked", "collectives.tune"),
+    ("collectives.api", "collectives.buffers", "collectives.unchecked", "collectives.tune"),
 )
 
 

@@ -12,7 +12,7 @@ segment (first fit, 64-byte aligned) and the block returns to the free list when
 array viewing it is garbage collected. No rank needs to know what its peers allocated:
 a collective posts, beside its signature, where its input and output lie in its segment
 (:meth:`Arena.where`), and a peer that finds every rank's buffers there reads them in
-place (:mod:`.node`).
+place (:mod:`.staged`, :mod:`.inplace`).
 
 Freeing the communicator frees the window too, unless some rank still holds arrays in
 it: then the window is kept, and its arrays stay valid, until MPI is finalized.

@@ -1,5 +1,5 @@
 """The node channel: one MPI-3 shared-memory window per node-local communicator, with
-the counters, slots and buffers the ``shm`` algorithms (:mod:`.node`) move data through.
+the counters, slots and buffers the ``shm`` algorithms (:mod:`.slots`, :mod:`.staged`) move data through.
 
 Every rank owns one segment of the window (``MPI_Win_allocate_shared``, or plain arrays
 for the thread transport), laid out as::

@@ -16,19 +16,16 @@ from typing import Any
 import numpy as np
 
 from ..agreement import OP_CODES, ROWS, Call, word
-from ..context import Context, get_context
+from ..context import Context
 from ..ops import dtype_code
 from ..select import choose
 from . import slots
 
-__all__ = ["onestep", "onestep_fn"]
-
-_SLOW, _MISMATCH = slots.SLOW, slots.MISMATCH
-
+__all__ = ["onestep_fn", "remember", "raise_mismatch"]
 
 def onestep_fn(ctx: Context, key: tuple) -> Any:
     """The one-step function for ``key`` = (collective, dtype, shape, op or root, algorithm),
-    or False when such calls take the general path (:func:`onestep` caches it in ``ctx.fast``).
+    or False when such calls take the general path (:func:`remember` keeps it in ``ctx.fast``).
 
     It exists exactly when the general path would finish the call in one step through the
     node channel's slots, and it posts the same signature words, so ranks on either path
@@ -70,28 +67,19 @@ def onestep_fn(ctx: Context, key: tuple) -> Any:
     return fn
 
 
-def onestep(comm: Any, key: tuple, x: np.ndarray, out: np.ndarray | None = None) -> Any:
-    """Run ``key``'s one-step function on ``x``, or return ``slots.SLOW`` when there is none (the
-    caller then takes the general path). Raises the agreement error on a mismatch."""
-    ctx = get_context(comm)
-    try:
-        fn = ctx.fast[key]
-    except KeyError:
-        if len(ctx.fast) > 256:
-            ctx.fast.clear()
-        fn = ctx.fast[key] = onestep_fn(ctx, key)
-    except TypeError:  # an unhashable argument: the general path says what is wrong with it
-        return _SLOW
-    if not fn:
-        return _SLOW
-    res = fn(x) if out is None else fn(x, out)
-    if res is _MISMATCH:
-        _mismatch(ctx, key, x)
-    return res
+def remember(ctx: Context, key: tuple) -> Any:
+    """``key``'s one-step function (or False), built and kept in ``ctx.fast``: the caller
+    looks ``ctx.fast[key]`` up itself first, and calls this on a miss. An unhashable ``key``
+    raises TypeError (the general path then says what is wrong with the argument)."""
+    if len(ctx.fast) > 256:
+        ctx.fast.clear()
+    fn = ctx.fast[key] = onestep_fn(ctx, key)
+    return fn
 
 
-def _mismatch(ctx: Context, key: tuple, x: np.ndarray) -> None:
-    """Raise the agreement error of the one-step call ``key`` whose signatures differed."""
+def raise_mismatch(ctx: Context, key: tuple, x: np.ndarray) -> None:
+    """Raise the agreement error of the one-step call ``key`` whose signatures differed (its
+    function returned :data:`.slots.MISMATCH`)."""
     coll, _, _, arg, algorithm = key
     if coll in ("allreduce", "reduce_scatter"):
         call = Call(ctx, coll, x, algorithm, op=arg)
