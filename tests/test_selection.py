@@ -43,6 +43,31 @@ def test_shipped_table_names_only_registered_algorithms():
             assert name in REGISTRY[entry["collective"]], entry
 
 
+def test_the_shipped_table_has_measured_rows_for_every_rank_count_it_was_run_at():
+    """One node at 2, 3, 4, 8 and 16 ranks: each of the five collectives has its own row, so
+    ``auto`` at those counts follows what was measured there, not the rows of another count;
+    each row says on which machine it was measured."""
+    import json
+
+    from collectives.select import load_table
+
+    table = load_table()
+    have = {(e["collective"], e["size"]) for e in table["tables"] if e["nodes"] == 1}
+    colls = ("allreduce", "reduce_scatter", "allgather", "broadcast", "reduce")
+    missing = [(c, n) for c in colls for n in (2, 3, 4, 8, 16) if (c, n) not in have]
+    assert not missing, missing
+    assert all(e.get("machine") for e in table["tables"])
+    for n in (8, 16):  # the rows measured at one rank per core of a 16-core node
+        got = {c: rules(table, c, n, 1) for c in colls}
+        want = {e["collective"]: e["rules"] for e in table["tables"] if e["size"] == n and e["nodes"] == 1}
+        assert got == want
+        assert json.dumps(got) != json.dumps({c: rules(table, c, 4, 1) for c in colls})
+    # a count between two measured ones takes the nearer row (the larger on a tie)
+    assert rules(table, "allreduce", 12, 1) == rules(table, "allreduce", 16, 1)
+    assert rules(table, "reduce", 6, 1) == rules(table, "reduce", 8, 1)
+    assert rules(table, "reduce", 5, 1) == rules(table, "reduce", 4, 1)
+
+
 def test_auto_never_picks_native_without_mpi():
     class Fake:
         comm = None
