@@ -1,0 +1,398 @@
+"""Characterise the node this runs on, in one command, and say what the figures mean.
+
+Run it on the node itself, not under ``mpiexec``: it launches each measurement with the
+``mpiexec`` beside this Python (the wheel's MPICH, or the one on ``PATH``)::
+
+    python -m benchmarks.node_report --out report/ [--budget 480] [--max-ranks N]
+
+or ``jobs/node_report.sh [DIR]``. Each step runs at 2, 4, 8, ... ranks up to one rank per
+core (or ``--max-ranks``):
+
+1. ``collectives``: every collective against the MPI library, ``benchmarks.bars`` (auto /
+   MPI per size; the bar is 1.10);
+2. ``tuner``: ``collectives.tune`` at the same counts: the algorithm that wins each size
+   here, to set against the packaged table's rows;
+3. ``training``: a training step with each optimizer against the same step without
+   communication (``benchmarks.train_throughput``, 2 ranks and the largest count up to 8);
+4. ``pipeline``: the measured bubble of a 2-stage pipeline against ``(p-1)/(m+p-1)``
+   (``benchmarks.parallel_gpt``);
+5. ``gpu`` (when torch sees a GPU): the device path against staging through host memory by
+   size (``benchmarks.osu_allreduce -d cuda``), and NCCL at one rank.
+
+Every step has a share of ``--budget`` seconds (default 480) and ends at it; what a step
+did not finish is said in the summary, and the steps after it still run. The directory
+holds ``report.json`` (every figure), ``summary.md`` (the verdicts, read first),
+``ratios.png`` (auto / MPI against size) when matplotlib is installed, and ``raw/`` (each
+step's output and JSON): well under 5 MB, small enough to copy off a machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from collectives.select import load_table, rules
+
+__all__ = ["main", "rank_counts", "summarize", "worst_ratios"]
+
+BAR = 1.10
+"""auto / MPI at or below which a size meets the bar."""
+
+SMALL = 64 << 10
+"""Sizes up to this many bytes count as small calls in the summary."""
+
+SHARES = {"collectives": 0.40, "tuner": 0.25, "training": 0.20, "pipeline": 0.10, "gpu": 0.15}
+"""Each step's share of the budget (the GPU's only where there is one; the shares of steps
+that end early pass on to the later ones)."""
+
+
+def rank_counts(cores: int, cap: int | None = None) -> list[int]:
+    """2, 4, 8, ... up to ``cores`` (or ``cap``), and ``cores`` itself when it is not a power
+    of two; at least ``[2]``."""
+    top = max(2, min(cores, cap) if cap else cores)
+    out = [2]
+    while out[-1] * 2 <= top:
+        out.append(out[-1] * 2)
+    if out[-1] != top:
+        out.append(top)
+    return out
+
+
+def machine() -> dict[str, Any]:
+    """What the node is: cores this process may use, CPU model, sockets, memory, GPU,
+    and the versions that matter."""
+    info: dict[str, Any] = {
+        "host": platform.node(),
+        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "python": platform.python_version(),
+    }
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        models = [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")]
+        sockets = {line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("physical id")}
+        info["cpu"] = models[0] if models else platform.processor()
+        info["sockets"] = max(1, len(sockets))
+    except OSError:
+        info["cpu"] = platform.processor()
+    try:
+        mem = Path("/proc/meminfo").read_text().split()[1]
+        info["memory_gib"] = round(int(mem) / (1 << 20), 1)
+    except (OSError, IndexError, ValueError):
+        pass
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["gpus"] = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if info["gpus"]:
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        info["gpus"] = 0
+    try:
+        from mpi4py import MPI
+
+        info["mpi"] = " ".join(MPI.Get_library_version().split()[:3])
+    except ImportError:
+        pass
+    return info
+
+
+class Runner:
+    """Runs the steps' commands under one deadline, writing each one's output under ``raw``."""
+
+    def __init__(self, out: Path, budget: float) -> None:
+        self.raw = out / "raw"
+        self.raw.mkdir(parents=True, exist_ok=True)
+        self.deadline = time.monotonic() + budget
+        self.runs: list[dict[str, Any]] = []
+        exe = Path(sys.executable).parent / "mpiexec"
+        self.mpiexec = str(exe) if exe.exists() else (shutil.which("mpiexec") or "mpiexec")
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def run(self, name: str, ranks: int, args: list[str], limit: float) -> bool:
+        """``mpiexec -n ranks python -m args`` with its output in ``raw/name.txt``, for at most
+        ``limit`` seconds (and never past the deadline); True when it ended well."""
+        limit = min(limit, self.left())
+        entry: dict[str, Any] = {
+            "name": name,
+            "ranks": ranks,
+            "command": f"mpiexec -n {ranks} python -m " + " ".join(args),
+        }
+        self.runs.append(entry)
+        if limit < 5:
+            entry["status"] = "skipped: the budget was spent"
+            return False
+        cmd = [self.mpiexec, "-n", str(ranks), sys.executable, "-m", *args]
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        t0 = time.monotonic()
+        with open(self.raw / f"{name}.txt", "w", encoding="utf-8") as log:
+            try:
+                proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=limit, check=False)
+                entry["status"] = "ok" if proc.returncode == 0 else f"failed with status {proc.returncode}"
+            except subprocess.TimeoutExpired:
+                entry["status"] = f"cut off after {limit:.0f} s"
+        entry["seconds"] = round(time.monotonic() - t0, 1)
+        return entry["status"] == "ok"
+
+    def load(self, name: str) -> Any:
+        """A step's JSON output, or None when it wrote none."""
+        path = self.raw / f"{name}.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+
+
+def worst_ratios(bars: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per collective of a ``benchmarks.bars`` result: the worst auto / MPI among small sizes
+    and among the others, with their sizes, and the sizes over :data:`BAR`."""
+    out = {}
+    for coll, rows in bars.get("bars", {}).items():
+        ratios = [
+            (r["size"], r["results"]["auto"]["avg"] / r["results"]["mpi"]["avg"])
+            for r in rows
+            if "auto" in r["results"] and "mpi" in r["results"] and r["results"]["mpi"]["avg"] > 0
+        ]
+        small = [x for x in ratios if x[0] <= SMALL]
+        large = [x for x in ratios if x[0] > SMALL]
+        out[coll] = {
+            "ratios": {str(s): round(q, 3) for s, q in ratios},
+            "worst_small": max(small, key=lambda x: x[1]) if small else None,
+            "worst_large": max(large, key=lambda x: x[1]) if large else None,
+            "over_bar": [s for s, q in ratios if q > BAR],
+        }
+    return out
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def _rules(rows: list[list[Any]]) -> str:
+    return ", ".join(f"{name} to {_size(lim)}" if lim else f"{name} beyond" for lim, name in rows)
+
+
+def _cell(worst: Any) -> str:
+    if worst is None:
+        return "–"
+    size, q = worst
+    return f"{q:.2f} ({_size(size)}){'' if q <= BAR else ' **over**'}"
+
+
+def summarize(report: dict[str, Any]) -> str:
+    """``summary.md``: the machine, then each step's verdicts, then what did not run."""
+    m = report["machine"]
+    lines = [
+        f"# Node report: {m.get('host', '?')}",
+        "",
+        f"{m.get('cores')} cores ({m.get('cpu', '?')}, {m.get('sockets', '?')} socket(s)), "
+        f"{m.get('memory_gib', '?')} GiB, {m.get('gpus', 0)} GPU(s){' (' + m['gpu'] + ')' if m.get('gpu') else ''}; "
+        f"Python {m.get('python')}, torch {m.get('torch', '?')}, {m.get('mpi', 'MPI ?')}. "
+        f"{report['date']}, {report['seconds']:.0f} s of a {report['budget']:.0f} s budget.",
+        "",
+        f"## Collectives against MPI (auto / MPI time per call; the bar is {BAR:.2f})",
+        "",
+        "Worst ratio among calls up to 64 KiB and above it, with its size.",
+        "",
+        "| ranks | collective | worst small | worst large | sizes over the bar |",
+        "|---|---|---|---|---|",
+    ]
+    for n, per in sorted(report["collectives"].items(), key=lambda kv: int(kv[0])):
+        for coll, w in per.items():
+            over = ", ".join(_size(s) for s in w["over_bar"]) or "none"
+            lines.append(f"| {n} | {coll} | {_cell(w['worst_small'])} | {_cell(w['worst_large'])} | {over} |")
+    lines += [
+        "",
+        "## What the tuner picks here, against the packaged table",
+        "",
+        "Where they differ, `HPCDL_TUNING_FILE=raw/tuner_npN.json` makes `auto` follow this node.",
+        "",
+    ]
+    packaged = load_table()
+    for n, table in sorted(report["tuner"].items(), key=lambda kv: int(kv[0])):
+        for e in table:
+            ours = rules(packaged, e["collective"], int(n), 1)
+            same = "the same" if ours == e["rules"] else f"packaged: {_rules(ours)}"
+            lines.append(f"- {n} ranks, {e['collective']}: {_rules(e['rules'])} ({same})")
+    lines += ["", "## Training step against the same step without communication", ""]
+    for n, models in sorted(report["training"].items(), key=lambda kv: int(kv[0])):
+        for model in models:
+            base = model["rows"].get("no communication", {}).get("step_ms")
+            for row, fig in model["rows"].items():
+                if base and row != "no communication":
+                    lines.append(f"- {n} ranks, {model['model']}: {row} {fig['step_ms'] / base:.2f} x")
+    lines += ["", "## Pipeline bubble", ""]
+    for row in report["pipeline"]:
+        if row.get("bubble_formula"):
+            lines.append(
+                f"- {row['grid']}, {row['chunks']} micro-batches: measured {row['bubble']:.3f}, "
+                f"(p-1)/(m+p-1) = {row['bubble_formula']:.3f} ({row['bubble'] / row['bubble_formula']:.2f} x)"
+            )
+    if report.get("gpu") is not None:
+        lines += ["", "## GPU: device path against staged (and gloo)", "", "See `raw/gpu_*.txt`."]
+    problems = [r for r in report["runs"] if r.get("status") != "ok"]
+    if problems:
+        lines += ["", "## What did not finish", ""]
+        lines += [f"- `{r['command']}`: {r['status']}" for r in problems]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], path: Path) -> bool:
+    """auto / MPI against size, a panel per collective and a line per rank count."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    colls = sorted({c for per in report["collectives"].values() for c in per})
+    if not colls:
+        return False
+    fig, axes = plt.subplots(1, len(colls), figsize=(3.2 * len(colls), 3), squeeze=False)
+    for ax, coll in zip(axes[0], colls, strict=True):
+        for n, per in sorted(report["collectives"].items(), key=lambda kv: int(kv[0])):
+            got = per.get(coll, {}).get("ratios", {})
+            if got:
+                ax.plot([int(s) for s in got], list(got.values()), marker=".", label=f"{n} ranks")
+        ax.axhline(BAR, color="grey", linestyle="--", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(coll)
+        ax.set_xlabel("bytes")
+    axes[0][0].set_ylabel("auto / MPI")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return True
+
+
+def _steps(r: Runner, counts: list[int], args: argparse.Namespace, gpus: int) -> dict[str, Any]:
+    """Run every step under the budget; their figures by step and rank count."""
+    got: dict[str, Any] = {"collectives": {}, "tuner": {}, "training": {}, "pipeline": [], "gpu": None}
+    total = r.left()
+    shares = dict(SHARES) if gpus else {k: v for k, v in SHARES.items() if k != "gpu"}
+    scale = 1 / sum(shares.values())
+    quick = ["--min", "4", "--max", "4K", "--rounds", "1"] if args.quick else []
+    end = time.monotonic()
+    for step in ("collectives", "tuner"):
+        end += total * shares[step] * scale
+        for n in counts:
+            name = f"{step}_np{n}"
+            each = (end - time.monotonic()) / (len(counts) - counts.index(n))
+            if step == "collectives":
+                sizes = quick or ["--rounds", "3", "--max", "16M" if n <= 4 else "4M"]
+                cmd = ["benchmarks.bars", "--no-gloo", *sizes, "--json", str(r.raw / f"{name}.json")]
+            else:
+                sizes = quick or ["--rounds", "3", "--max", "4M"]
+                cmd = ["collectives.tune", *sizes, "--out", str(r.raw / f"{name}.json")]
+            r.run(name, n, cmd, each)
+            data = r.load(name)
+            if data and step == "collectives":
+                got["collectives"][str(n)] = worst_ratios(data)
+            elif data:
+                got["tuner"][str(n)] = data.get("tables", [])
+    end += total * shares["training"] * scale
+    train = [2] + [n for n in counts if n > 2 and n <= 8][-1:]
+    for n in train:
+        name = f"training_np{n}"
+        steps = ["--rounds", "1", "--steps", "2", "--timeline-steps", "1"] if args.quick else ["--rounds", "2"]
+        r.run(
+            name,
+            n,
+            ["benchmarks.train_throughput", "--models", "mlp", *steps, "--json", str(r.raw / f"{name}.json")],
+            (end - time.monotonic()) / (len(train) - train.index(n)),
+        )
+        got["training"][str(n)] = r.load(name) or []
+    end += total * shares["pipeline"] * scale
+    steps = ["--steps", "2", "--chunks", "4"] if args.quick else ["--steps", "4"]
+    r.run(
+        "pipeline_np2",
+        2,
+        [
+            "benchmarks.parallel_gpt",
+            "--grids",
+            "1x1x2",
+            "--no-equal",
+            *steps,
+            "--json",
+            str(r.raw / "pipeline_np2.json"),
+        ],
+        end - time.monotonic(),
+    )
+    got["pipeline"] = r.load("pipeline_np2") or []
+    if gpus:
+        got["gpu"] = {}
+        each = r.left() / 2
+        r.run(
+            "gpu_np2",
+            2,
+            [
+                "benchmarks.osu_allreduce",
+                "-d",
+                "cuda",
+                "-m",
+                "4:64M",
+                "--compare",
+                "auto,ipc,staged,gloo",
+                "--rounds",
+                "3",
+                "--json",
+                str(r.raw / "gpu_np2.json"),
+            ],
+            each,
+        )
+        r.run(
+            "gpu_nccl_np1", 1, ["benchmarks.osu_allreduce", "-d", "cuda", "-a", "nccl", "-c", "-m", "4:64M"], r.left()
+        )
+        got["gpu"] = {"np2": r.load("gpu_np2")}
+    return got
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="node_report", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, help="directory to write (created)")
+    p.add_argument("--budget", type=float, default=480.0, help="seconds for every step together")
+    p.add_argument("--max-ranks", type=int, default=None, help="the largest rank count (default: one per core)")
+    p.add_argument("--quick", action="store_true", help="a few small sizes and one round each: a smoke run")
+    args = p.parse_args(argv)
+    if args.budget < 10 or (args.max_ranks is not None and args.max_ranks < 2):
+        p.error("--budget must be at least 10 seconds and --max-ranks at least 2")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    info = machine()
+    counts = rank_counts(info["cores"] or 2, args.max_ranks)
+    r = Runner(out, args.budget)
+    got = _steps(r, counts, args, info.get("gpus", 0))
+    report = {
+        "machine": info,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "budget": args.budget,
+        "seconds": time.monotonic() - t0,
+        "rank_counts": counts,
+        **got,
+        "runs": r.runs,
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / "summary.md").write_text(summarize(report))
+    plot(report, out / "ratios.png")
+    print(f"node report in {out}/ (summary.md first), {report['seconds']:.0f} s")
+    return 0 if all(x["status"] == "ok" for x in r.runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

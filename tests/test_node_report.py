@@ -1,0 +1,84 @@
+"""The node report (benchmarks.node_report): one command that runs every step under a
+budget and writes a small directory whose summary agrees with the raw figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks.node_report import BAR, rank_counts, summarize, worst_ratios
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_rank_counts_double_up_to_one_rank_per_core():
+    assert rank_counts(1) == [2]
+    assert rank_counts(2) == [2]
+    assert rank_counts(16) == [2, 4, 8, 16]
+    assert rank_counts(12) == [2, 4, 8, 12]
+    assert rank_counts(64, cap=8) == [2, 4, 8]
+
+
+def test_worst_ratios_take_the_largest_auto_over_mpi_on_each_side_of_64_kib():
+    def row(size, auto, mpi):
+        return {"size": size, "results": {"auto": {"avg": auto}, "mpi": {"avg": mpi}}}
+
+    bars = {"bars": {"allreduce": [row(4, 2.0, 4.0), row(65536, 12.0, 10.0), row(1 << 20, 300.0, 200.0)]}}
+    got = worst_ratios(bars)["allreduce"]
+    assert got["worst_small"] == (65536, 1.2)
+    assert got["worst_large"] == (1 << 20, 1.5)
+    assert got["over_bar"] == [65536, 1 << 20] and BAR == 1.10
+
+
+def run_report(tmp_path, *args):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks.node_report", "--out", str(tmp_path), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.mark.timeout(300)
+def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_figures(tmp_path):
+    proc = run_report(tmp_path, "--quick", "--max-ranks", "2", "--budget", "200")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {"report.json", "summary.md", "raw"} <= names
+    total = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
+    assert total < 5 << 20, total
+    report = json.loads((tmp_path / "report.json").read_text())
+    summary = (tmp_path / "summary.md").read_text()
+    assert report["rank_counts"] == [2] and all(r["status"] == "ok" for r in report["runs"])
+    # every collective's worst small ratio, recomputed from the benchmark's own JSON
+    raw = json.loads((tmp_path / "raw" / "collectives_np2.json").read_text())
+    for coll, rows in raw["bars"].items():
+        ratios = [(r["size"], r["results"]["auto"]["avg"] / r["results"]["mpi"]["avg"]) for r in rows]
+        size, worst = max(ratios, key=lambda x: x[1])
+        assert f"| 2 | {coll} | {worst:.2f} (" in summary, (coll, worst, summary)
+    assert "ranks, allreduce:" in summary.split("## What the tuner")[1]
+    assert "hpcdl DistributedOptimizer" in summary and "Pipeline bubble" in summary
+    assert "measured" in summary.split("## Pipeline bubble")[1]
+
+
+def test_a_budget_too_small_for_a_step_skips_it_and_says_so(tmp_path):
+    proc = run_report(tmp_path, "--quick", "--max-ranks", "2", "--budget", "10")
+    assert proc.returncode == 1
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## What did not finish" in summary and "skipped: the budget was spent" in summary
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert summarize(report) == summary
+
+
+def test_bad_options_are_refused(tmp_path):
+    for args in (["--budget", "1"], ["--max-ranks", "1"]):
+        proc = run_report(tmp_path, *args)
+        assert proc.returncode == 2 and "must be" in proc.stderr
