@@ -10,13 +10,15 @@ core (or ``--max-ranks``):
 
 1. ``collectives``: every collective against the MPI library, ``benchmarks.bars`` (auto /
    MPI per size; the bar is 1.10);
-2. ``tuner``: ``collectives.tune`` at the same counts: the algorithm that wins each size
+2. ``small_calls``: where a small call's time goes (``benchmarks.small_calls``): Python's
+   part, the one step (posting, waiting for the peers, copying), MPI's barrier and call;
+3. ``tuner``: ``collectives.tune`` at the same counts: the algorithm that wins each size
    here, to set against the packaged table's rows;
-3. ``training``: a training step with each optimizer against the same step without
+4. ``training``: a training step with each optimizer against the same step without
    communication (``benchmarks.train_throughput``, 2 ranks and the largest count up to 8);
-4. ``pipeline``: the measured bubble of a 2-stage pipeline against ``(p-1)/(m+p-1)``
+5. ``pipeline``: the measured bubble of a 2-stage pipeline against ``(p-1)/(m+p-1)``
    (``benchmarks.parallel_gpt``);
-5. ``gpu`` (when torch sees a GPU): the device path against staging through host memory by
+6. ``gpu`` (when torch sees a GPU): the device path against staging through host memory by
    size (``benchmarks.osu_allreduce -d cuda``), and NCCL at one rank.
 
 Every step has a share of ``--budget`` seconds (default 480) and ends at it; what a step
@@ -49,7 +51,7 @@ BAR = 1.10
 SMALL = 64 << 10
 """Sizes up to this many bytes count as small calls in the summary."""
 
-SHARES = {"collectives": 0.40, "tuner": 0.25, "training": 0.20, "pipeline": 0.10, "gpu": 0.15}
+SHARES = {"collectives": 0.35, "small_calls": 0.10, "tuner": 0.20, "training": 0.20, "pipeline": 0.10, "gpu": 0.15}
 """Each step's share of the budget (the GPU's only where there is one; the shares of steps
 that end early pass on to the later ones)."""
 
@@ -216,6 +218,23 @@ def summarize(report: dict[str, Any]) -> str:
             lines.append(f"| {n} | {coll} | {_cell(w['worst_small'])} | {_cell(w['worst_large'])} | {over} |")
     lines += [
         "",
+        "## Where a small call's time goes (µs per call)",
+        "",
+        "python: argument checks, dispatch and cache lookup; step: post, wait for the peers, copy;",
+        "wait: step less the copy at this rank's cache copy rate. A wait well above MPI's barrier",
+        "is time lost between the ranks: spinning, sleeping or waking.",
+        "",
+        "| ranks | collective | bytes | total | python | step | wait | MPI barrier | MPI call |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for n, rows in sorted(report.get("small_calls", {}).items(), key=lambda kv: int(kv[0])):
+        for w in rows:
+            lines.append(
+                f"| {n} | {w['collective']} | {w['size']} | {w['total']:.2f} | {w['python']:.2f} | {w['step']:.2f} "
+                f"| {w['wait']:.2f} | {w['barrier']:.2f} | {w['mpi']:.2f} |"
+            )
+    lines += [
+        "",
         "## What the tuner picks here, against the packaged table",
         "",
         "Where they differ, `HPCDL_TUNING_FILE=raw/tuner_npN.json` makes `auto` follow this node.",
@@ -280,29 +299,41 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def _each(end: float, counts: list[int], n: int) -> float:
+    """The seconds left to the step's end, shared among its runs from rank count ``n`` on."""
+    return (end - time.monotonic()) / (len(counts) - counts.index(n))
+
+
+def _command(step: str, n: int, json_path: Path, quick: bool) -> list[str]:
+    """The module and arguments of one run of a per-rank-count step."""
+    few = ["--min", "4", "--max", "4K", "--rounds", "1"] if quick else None
+    if step == "collectives":
+        sizes = few or ["--rounds", "3", "--max", "16M" if n <= 4 else "4M"]
+        return ["benchmarks.bars", "--no-gloo", *sizes, "--json", str(json_path)]
+    if step == "small_calls":
+        sizes = ["--sizes", "4", "--calls", "100", "--rounds", "1"] if quick else ["--calls", "500", "--rounds", "3"]
+        return ["benchmarks.small_calls", *sizes, "--json", str(json_path)]
+    return ["collectives.tune", *(few or ["--rounds", "3", "--max", "4M"]), "--out", str(json_path)]
+
+
 def _steps(r: Runner, counts: list[int], args: argparse.Namespace, gpus: int) -> dict[str, Any]:
     """Run every step under the budget; their figures by step and rank count."""
-    got: dict[str, Any] = {"collectives": {}, "tuner": {}, "training": {}, "pipeline": [], "gpu": None}
+    got: dict[str, Any] = {step: {} for step in ("collectives", "small_calls", "tuner", "training")}
+    got.update(pipeline=[], gpu=None)
     total = r.left()
     shares = dict(SHARES) if gpus else {k: v for k, v in SHARES.items() if k != "gpu"}
     scale = 1 / sum(shares.values())
-    quick = ["--min", "4", "--max", "4K", "--rounds", "1"] if args.quick else []
     end = time.monotonic()
-    for step in ("collectives", "tuner"):
+    for step in ("collectives", "small_calls", "tuner"):
         end += total * shares[step] * scale
         for n in counts:
             name = f"{step}_np{n}"
-            each = (end - time.monotonic()) / (len(counts) - counts.index(n))
-            if step == "collectives":
-                sizes = quick or ["--rounds", "3", "--max", "16M" if n <= 4 else "4M"]
-                cmd = ["benchmarks.bars", "--no-gloo", *sizes, "--json", str(r.raw / f"{name}.json")]
-            else:
-                sizes = quick or ["--rounds", "3", "--max", "4M"]
-                cmd = ["collectives.tune", *sizes, "--out", str(r.raw / f"{name}.json")]
-            r.run(name, n, cmd, each)
+            r.run(name, n, _command(step, n, r.raw / f"{name}.json", args.quick), _each(end, counts, n))
             data = r.load(name)
             if data and step == "collectives":
                 got["collectives"][str(n)] = worst_ratios(data)
+            elif data and step == "small_calls":
+                got["small_calls"][str(n)] = data
             elif data:
                 got["tuner"][str(n)] = data.get("tables", [])
     end += total * shares["training"] * scale

@@ -65,6 +65,12 @@ def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_f
         size, worst = max(ratios, key=lambda x: x[1])
         assert f"| 2 | {coll} | {worst:.2f} (" in summary, (coll, worst, summary)
     assert "ranks, allreduce:" in summary.split("## What the tuner")[1]
+    small = json.loads((tmp_path / "raw" / "small_calls_np2.json").read_text())
+    for row in small:  # each part of a small call in the table; the one step is what the call takes
+        assert {"total", "python", "step", "wait", "barrier", "mpi"} <= set(row), row
+        assert row["one_step"] and row["wait"] >= 0 and row["wait"] == max(0.0, row["step"] - row["copy"])
+        cells = f"| 2 | {row['collective']} | {row['size']} | {row['total']:.2f} | {row['python']:.2f} |"
+        assert cells in summary, (cells, summary)
     assert "hpcdl DistributedOptimizer" in summary and "Pipeline bubble" in summary
     assert "measured" in summary.split("## Pipeline bubble")[1]
 
