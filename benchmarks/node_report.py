@@ -345,7 +345,7 @@ def _steps(r: Runner, counts: list[int], args: argparse.Namespace, gpus: int) ->
             name,
             n,
             ["benchmarks.train_throughput", "--models", "mlp", *steps, "--json", str(r.raw / f"{name}.json")],
-            (end - time.monotonic()) / (len(train) - train.index(n)),
+            _each(end, train, n),
         )
         got["training"][str(n)] = r.load(name) or []
     end += total * shares["pipeline"] * scale
@@ -366,7 +366,6 @@ def _steps(r: Runner, counts: list[int], args: argparse.Namespace, gpus: int) ->
     )
     got["pipeline"] = r.load("pipeline_np2") or []
     if gpus:
-        got["gpu"] = {}
         each = r.left() / 2
         r.run(
             "gpu_np2",

@@ -38,7 +38,8 @@ PARTS = ("total", "python", "step", "copy", "wait", "barrier", "mpi")
 
 
 def _contenders(comm: MPI.Comm, coll: str, size: int) -> tuple[dict[str, Callable[[], Any]], Any, tuple]:
-    """Each part's call for ``coll`` of ``size`` bytes, the channel, and the one-step key."""
+    """Each part's call for ``coll`` of ``size`` bytes, the communicator's context, and the
+    call's one-step key."""
     n = comm.size
     x = np.ones(max(1, size // 4), np.float32)
     ctx = get_context(comm)
