@@ -188,6 +188,8 @@ def test_options_the_tuner_refuses_are_refused(argv, text, capsys):
         ("ps_vs_allreduce", ["--section", "steps", "--steps", "0"], "--steps 0: must be at least 1"),
         ("ps_vs_allreduce", ["--section", "bytes", "--mib", "0"], "--mib 0: must be at least 1"),
         ("profile", ["--calls", "0"], "--calls 0: must be at least 1"),
+        ("small_calls", ["--rounds", "0"], "--rounds 0: must be at least 1"),
+        ("small_calls", ["--collectives", "allreduce,scan"], "--collectives takes allreduce, broadcast and allgather"),
     ],
 )
 def test_the_other_benchmarks_refuse_counts_below_one(module, argv, text, capsys):
