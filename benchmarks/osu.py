@@ -23,8 +23,10 @@ the first),
 ``--busbw`` (nccl-tests algbw/busbw), ``--json FILE`` and ``--plot FILE.png``.
 ``-d cuda`` (OSU's flag) puts the buffers on the GPU: the contenders are then the device
 algorithms (``algorithms(..., device=True)``), ``mpi`` (only over a CUDA-aware MPI) and
-``gloo`` on CUDA tensors; with ``--busbw`` a footer gives the GPU's device-to-device copy
-rate and each contender's busbw at the largest size as a share of it.
+``gloo`` on CUDA tensors; each call is timed until the GPU has finished it (hpcdl's calls
+are ordered on the stream and return before that); with ``--busbw`` a footer gives the
+GPU's device-to-device copy rate and each contender's busbw at the largest size as a
+share of it.
 """
 
 from __future__ import annotations
@@ -300,7 +302,12 @@ def _device_contender(bench, name, comm, x_host, out_host, want) -> Contender:
 
         call = _gloo_call(bench, comm, torch.from_dlpack(x), torch.from_dlpack(out), torch.cuda.synchronize)
     else:
-        call = _hpcdl_call(bench, name, comm, x, out, res)
+        queue = _hpcdl_call(bench, name, comm, x, out, res)
+        stream = cp.cuda.get_current_stream()
+
+        def call() -> None:  # a call is ordered on the stream: timed until the GPU has done it, as MPI's
+            queue()
+            stream.synchronize()
 
     def verify() -> bool:
         return (bench == "reduce" and r != 0) or bool(np.array_equal(cp.asnumpy(res["out"]), want))

@@ -72,6 +72,14 @@ class Config:
     """Device buffer per rank that the ``ipc`` algorithms on device arrays stage through
     (exported once per communicator with CUDA IPC); larger messages go through it in chunks."""
 
+    device_staged_bytes: int = -1
+    """Where ranks share a GPU and NCCL cannot run, ``auto`` sends device calls of up to
+    this many bytes (per rank) through host memory (``staged``), and larger ones through
+    ``ipc`` (0: always ``ipc``); -1 takes the crossover measured on an H100 shared by 2
+    ranks: 1 MiB without MPS, 128 KiB under MPS (:func:`.device.arrays.mps_client`).
+    Without MPS the GPU switches between the ranks' contexts at each of ``ipc``'s steps,
+    about 900 µs a call at any size; ``benchmarks.node_report`` measures a node's crossover."""
+
     cuda_aware_mpi: str = "auto"
     """Whether the MPI library takes CUDA device pointers: ``auto`` asks it
     (``MPIX_Query_cuda_support``), ``1`` or ``0`` say so outright (for an MPI that cannot be
@@ -104,6 +112,10 @@ class Config:
             raise ConfigError(f"shm_arena_bytes={self.shm_arena_bytes} must be >= 0 (0 turns it off)")
         if self.device_window_bytes < 4096:
             raise ConfigError(f"device_window_bytes={self.device_window_bytes} must be at least 4096")
+        if self.device_staged_bytes < -1:
+            raise ConfigError(
+                f"device_staged_bytes={self.device_staged_bytes} must be >= 0 (0: always ipc), or -1 (measured defaults)"
+            )
         if self.cuda_aware_mpi not in ("auto", "0", "1"):
             raise ConfigError(f"cuda_aware_mpi={self.cuda_aware_mpi!r} must be 'auto', '1' or '0'")
         if self.shm_spin < -1:

@@ -2,7 +2,8 @@
 
 Its arrays are numpy arrays that say they are CUDA memory (``__cuda_array_interface__``),
 with CuPy's ``data.ptr``, ``device.id``, ``set`` and ``get``; its streams finish work as
-it is queued; NCCL is absent. Where real CuPy differs from numpy in a way that has hidden
+it is queued, and count each time the host waits for them (:data:`WAITS`); NCCL is absent;
+each rank has a GPU of its own unless :data:`GPU_PER_RANK` is False. Where real CuPy differs from numpy in a way that has hidden
 bugs, it does as CuPy does: ``asarray`` of another library's device array (a CUDA tensor:
 :class:`CudaTensor` here) types the view by the interface's typestr, so bfloat16 arrives as
 the untyped ``V2``, and arithmetic refuses such dtypes as CuPy's kernels do. Installed in ``sys.modules`` as ``cupy`` for a test, it
@@ -26,10 +27,24 @@ class _Ptr:
         self.ptr = ptr
 
 
+GPU_PER_RANK = True
+"""Each rank's stand-in GPU has a PCI bus id of its own (False: every rank of the machine
+shares one GPU, as several ranks on one H100 do)."""
+
+WAITS = {"synchronize": 0, "to_host": 0}
+"""How often the host has waited for the device: stream synchronizations, and copies to
+the host (``asnumpy``, ``get``), which wait for the stream as CuPy's do."""
+
+
 class _Device:
     def __init__(self, i: int = 0) -> None:
         self.id = i
-        self.pci_bus_id = "0000:00:00.0"
+
+    @property
+    def pci_bus_id(self) -> str:
+        from mpi4py import MPI
+
+        return f"0000:{MPI.COMM_WORLD.rank % 256:02x}:00.0" if GPU_PER_RANK else "0000:00:00.0"
 
     def use(self) -> None:
         pass
@@ -83,6 +98,7 @@ class ndarray(np.ndarray):  # noqa: N801 - CuPy's name
         np.copyto(np.asarray(self), np.asarray(a).reshape(self.shape))
 
     def get(self) -> np.ndarray:
+        WAITS["to_host"] += 1
         return np.array(np.asarray(self))
 
 
@@ -187,6 +203,7 @@ def ascontiguousarray(a: Any) -> ndarray:
 
 
 def asnumpy(a: Any, out: np.ndarray | None = None) -> np.ndarray:
+    WAITS["to_host"] += 1
     if out is None:
         return np.array(np.asarray(a))
     np.copyto(out, np.asarray(a))
@@ -221,7 +238,7 @@ class _Stream:
     ptr = 0
 
     def synchronize(self) -> None:
-        pass
+        WAITS["synchronize"] += 1
 
 
 def _current_stream() -> _Stream:

@@ -114,6 +114,9 @@ def test_cuda_aware_mpi_setting_and_query():
         Config(cuda_aware_mpi="yes")
     with pytest.raises(ConfigError, match="device_window_bytes"):
         Config(device_window_bytes=100)
+    assert load_config({"HPCDL_DEVICE_STAGED_BYTES": "65536"}).device_staged_bytes == 65536
+    with pytest.raises(ConfigError, match="device_staged_bytes=-2 must be >= 0"):
+        Config(device_staged_bytes=-2)
 
 
 # -- argument checks at any size ----------------------------------------------------------------
@@ -506,3 +509,99 @@ def test_a_cuda_tensor_that_requires_grad_is_a_device_array(fake):
     assert is_device(x) and describe(x) == ((5,), np.dtype(np.float64), True)
     got = C.allreduce(x, comm=comm)
     assert cp.asnumpy(got).tolist() == [N * (N + 1) / 2] * 5
+
+
+def _waits(cp, run, times=5):
+    """(stream synchronizations, copies to the host) per call of ``run()``, on this rank."""
+    before = dict(cp.WAITS)
+    for _ in range(times):
+        run()
+    return tuple((cp.WAITS[k] - before[k]) / times for k in ("synchronize", "to_host"))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_host_waits_for_the_device_only_where_host_memory_needs_it(fake):
+    """Calls on CuPy arrays are ordered on the stream, as NCCL's are: ``ipc`` never makes
+    the host wait for the device (on a GPU its kernels of one call then overlap the host
+    side of the next); ``staged`` waits once, for its copy to the host; ``native`` over a
+    CUDA-aware MPI once, before MPI reads the device memory; a CUDA tensor of another
+    library once more, at the end, since hpcdl does not know that library's streams."""
+    torch = pytest.importorskip("torch")
+    import fakecupy
+
+    cp, plain, direct = fake
+    x = cp.asarray(np.arange(3000, dtype=np.float32) + ME)
+    t = fakecupy.CudaTensor(torch.arange(3000, dtype=torch.float32) + ME)
+    calls = {
+        "allreduce": lambda a, alg, c: C.allreduce(a, algorithm=alg, comm=c),
+        "reduce_scatter": lambda a, alg, c: C.reduce_scatter(a, algorithm=alg, comm=c),
+        "allgather": lambda a, alg, c: C.allgather(a, algorithm=alg, comm=c),
+        "broadcast": lambda a, alg, c: C.broadcast(a, 0, algorithm=alg, comm=c),
+        "reduce": lambda a, alg, c: C.reduce(a, 0, algorithm=alg, comm=c),
+    }
+    want = {"ipc": (0, 0), "staged": (0, 1), "native-direct": (1, 0)}
+    for name, call in calls.items():
+        for alg, per_call in want.items():
+            algorithm, comm = _run(fake, alg)
+            assert _waits(cp, lambda: call(x, algorithm, comm)) == per_call, f"{name} {alg}"
+        assert _waits(cp, lambda: call(t, "ipc", plain)) == (1, 0), f"{name} of a CUDA tensor"
+    got = C.allreduce(x, algorithm="ipc", comm=plain)
+    assert cp.asnumpy(got).tobytes() == sum(np.arange(3000, dtype=np.float32) + r for r in range(N)).tobytes()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("per_rank", [True, False], ids=["gpu-per-rank", "shared-gpu"])
+def test_auto_stages_small_calls_where_ranks_share_a_gpu(fake, monkeypatch, per_rank):
+    """``auto`` without NCCL on one node: ``ipc`` where each rank has its own GPU; where
+    ranks share one, ``staged`` up to ``device_staged_bytes`` per rank and ``ipc`` above
+    (seen by the copies to the host: one per staged call). Every rank decides alike, also
+    for an allgather whose ranks pass different sizes on each side of the crossover."""
+    import fakecupy
+
+    cp = fake[0]
+    monkeypatch.setattr(fakecupy, "GPU_PER_RANK", per_rank)
+    comm = WORLD.Dup()
+    ctx = get_context(comm, config=Config(device_staged_bytes=4096))
+    ctx.device["ipc"] = ipc.HostPeers(ctx.topology().node, WINDOW)
+    try:
+        for count in (1, 1024, 1025, 5000):
+            x = cp.asarray(np.full(count, ME + 1, np.float32))
+            staged = not per_rank and count * 4 <= 4096
+            got = []
+            assert _waits(cp, lambda: got.append(C.allreduce(x, comm=comm)), 1) == (0, int(staged)), count
+            assert cp.asnumpy(got[0]).tolist() == [N * (N + 1) / 2] * count
+        rows = 1000 + 50 * ME  # 4000 + 200 r bytes per rank: some ranks below 4096, some above
+        got = C.allgather(cp.asarray(np.full((rows, 1), ME, np.float32)), comm=comm)
+        want = np.concatenate([np.full((1000 + 50 * q, 1), q, np.float32) for q in range(N)])
+        assert cp.asnumpy(got).tobytes() == want.tobytes()
+    finally:
+        comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("mps", [False, True], ids=["without-mps", "under-mps"])
+def test_auto_takes_the_measured_crossover_with_or_without_mps(fake, monkeypatch, tmp_path, mps):
+    """By default the crossover is the one measured on an H100 shared by 2 ranks: 1 MiB
+    without MPS, 128 KiB when every rank finds the MPS daemon's control pipe."""
+    import fakecupy
+
+    from collectives.device.api import STAGED_BYTES
+
+    cp = fake[0]
+    monkeypatch.setattr(fakecupy, "GPU_PER_RANK", False)
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    if mps:
+        (tmp_path / "control").write_text("")
+        monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path))
+    comm = WORLD.Dup()
+    ctx = get_context(comm)
+    ctx.device["ipc"] = ipc.HostPeers(ctx.topology().node, WINDOW)
+    try:
+        cut = STAGED_BYTES[mps]
+        assert cut == (128 << 10 if mps else 1 << 20)
+        for count in (cut // 4, cut // 4 + 1):
+            x = cp.asarray(np.ones(count, np.float32))
+            staged = count * 4 <= cut
+            assert _waits(cp, lambda: C.allreduce(x, comm=comm), 1) == (0, int(staged)), count
+    finally:
+        comm.Free()

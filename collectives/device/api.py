@@ -14,13 +14,21 @@ Algorithms (``algorithms(collective, device=True)``):
   (:func:`.device.cuda_aware_mpi`), else on host copies: a device pointer is never handed
   to an MPI that is not;
 - ``staged``: copied to host memory, reduced by the host algorithms (``auto``), copied back;
-- ``auto``: ``nccl`` where it can run (every rank its own GPU) and has the dtype, else
-  ``ipc`` on one node, else ``native`` over a CUDA-aware MPI, else ``staged``.
+- ``auto``: ``nccl`` where it can run (every rank its own GPU) and has the dtype; else on
+  one node ``ipc``, or ``staged`` for calls up to ``device_staged_bytes`` where ranks share
+  a GPU (:data:`STAGED_BYTES` by default, with or without MPS); else ``native`` over a CUDA-aware MPI, else ``staged``.
 
-Streams: a call queues its device work on the current CuPy stream, so it runs after the
-work queued there before the call; the result is ready when the call returns (the
-stream is synchronized before it does). The nonblocking forms run the call to completion
-before returning their request.
+Streams: as NCCL's, a call is ordered on the current CuPy stream. Its device work runs
+after the work queued there before the call, and the host does not wait for it: work
+queued on that stream afterwards sees the result, and so does a copy to the host
+(``cupy.asnumpy``, a torch tensor's ``.cpu()`` on the same stream), which waits for it.
+Only the paths through host memory wait for the stream, before they read the input
+(``staged``; ``native``, since MPI does not know streams). ``ipc`` orders the ranks' work
+with CUDA IPC events: one call's kernels on the GPU may overlap the next call's host side.
+Another library's array (a CUDA torch tensor) is the exception: the call returns once the
+stream has finished it, since that library's later work may be queued on streams hpcdl
+does not know (the ``hpcdl`` runtime orders its own: one wait per fused group). The
+nonblocking forms queue the call before returning their request.
 """
 
 from __future__ import annotations
@@ -41,10 +49,9 @@ from ..errors import CollectiveError, InvalidArgumentError, OutputMismatchError,
 from ..ops import finalize
 from . import ipc
 from .arrays import BFLOAT16_CUPY, as_cupy, bfloat16_ok, cuda_aware_mpi, cupy_module, describe, is_device, stand_in
-from .nccl import Nccl
-from .nccl import plan as nccl_plan
+from .nccl import Nccl, survey
 
-__all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "NCCL_DTYPES"]
+__all__ = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall", "NCCL_DTYPES", "STAGED_BYTES"]
 
 NCCL_DTYPES = ("int8", "uint8", "int32", "int64", "float16", "bfloat16", "float32", "float64")
 """The dtypes NCCL reduces and moves."""
@@ -130,21 +137,31 @@ def _check_out(call: Call, out: Any, shape: tuple[int, ...], xa: Any) -> Any:
     return o
 
 
-def _resolve(ctx: Context, call: Call) -> str:
-    """The algorithm a device call runs (collective the first time: NCCL's plan)."""
+def _resolve(ctx: Context, call: Call, nbytes: int) -> str:
+    """The algorithm a device call of ``nbytes`` per rank (agreed: the same on every rank)
+    runs; the first time, collectively, where the ranks' GPUs are."""
     if call.algorithm != "auto":
         return call.algorithm
-    if call.x.dtype.name in NCCL_DTYPES and call.collective != "alltoall":
-        st = ctx.device
-        if "nccl_plan" not in st:
-            st["nccl_plan"] = nccl_plan(ctx.transport)
-        if st["nccl_plan"] is None:
-            return "nccl"
+    st = ctx.device
+    if "survey" not in st:
+        st["survey"] = survey(ctx.transport)
+    where = st["survey"]
+    if where.nccl is None and call.x.dtype.name in NCCL_DTYPES and call.collective != "alltoall":
+        return "nccl"
     if ctx.topology().nodes == 1 and call.collective != "alltoall":
-        return "ipc"
+        return "staged" if where.shared and nbytes <= _staged_bytes(ctx.config, where.mps) else "ipc"
     if _mpi_direct(ctx, call.x.dtype):
         return "native"
     return "staged"
+
+
+STAGED_BYTES = {False: 1 << 20, True: 128 << 10}
+"""The staged/ipc crossover of 2 ranks sharing an H100, without MPS and under it (the
+default of ``device_staged_bytes``)."""
+
+
+def _staged_bytes(config: Any, mps: bool) -> int:
+    return STAGED_BYTES[mps] if config.device_staged_bytes < 0 else config.device_staged_bytes
 
 
 def _mpi_direct(ctx: Context, dtype: np.dtype) -> bool:
@@ -152,10 +169,10 @@ def _mpi_direct(ctx: Context, dtype: np.dtype) -> bool:
     return cuda_aware_mpi(ctx.config.cuda_aware_mpi) and dtype.name in _MPI_DTYPES
 
 
-def _finish(cp: Any, result: Any, out: Any = None) -> Any:
+def _finish(result: Any, out: Any = None) -> Any:
     """``out`` when the caller gave one (its own object: a CUDA tensor stays a tensor), else
-    ``result``, once the current stream has finished the call's work."""
-    cp.cuda.get_current_stream().synchronize()
+    ``result``. The call's device work stays queued on the current stream: the host does
+    not wait for it."""
     return result if out is None else out
 
 
@@ -176,16 +193,23 @@ def _host(a: Any) -> np.ndarray:
 # -- the collectives -----------------------------------------------------------------------
 def _on_its_device(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Run ``fn(x, ...)`` with ``x``'s GPU current (any thread may call; CuPy launches on the
-    current device). Without CuPy, ``fn`` runs as it is and reports that on every rank."""
+    current device). Without CuPy, ``fn`` runs as it is and reports that on every rank.
+    Another library's array (a CUDA torch tensor) is returned once the current stream has
+    finished the call: hpcdl does not know that library's streams, so its later work could
+    not be ordered after the call's."""
 
     @functools.wraps(fn)
     def run(x: Any, *args: Any) -> Any:
         try:
+            cp = cupy_module()
             dev = as_cupy(x).device.id
         except Exception:  # noqa: BLE001 - CuPy missing or x not viewable: fn reports it
             return fn(x, *args)
-        with cupy_module().cuda.Device(dev):
-            return fn(x, *args)
+        with cp.cuda.Device(dev):
+            res = fn(x, *args)
+            if not isinstance(x, cp.ndarray):
+                cp.cuda.get_current_stream().synchronize()
+            return res
 
     return run
 
@@ -206,8 +230,8 @@ def allreduce(x: Any, op: str, algorithm: str, out: Any, comm: Any, host: Host) 
     if (n == 1 and algorithm != "nccl") or xa.size == 0:
         if flat.data.ptr != src.data.ptr:
             flat[...] = src
-        return _finish(cp, o, out)
-    alg = _resolve(ctx, call)
+        return _finish(o, out)
+    alg = _resolve(ctx, call, xa.nbytes)
     if alg == "ipc":
         if flat.data.ptr != src.data.ptr and _overlaps(flat, src):
             src = src.copy()
@@ -221,7 +245,7 @@ def allreduce(x: Any, op: str, algorithm: str, out: Any, comm: Any, host: Host) 
     else:
         h = _host(src)
         flat.set(host(h, op=op, algorithm="native" if alg == "native" else "auto", out=h, comm=comm))
-    return _finish(cp, o, out)
+    return _finish(o, out)
 
 
 @_on_its_device
@@ -239,8 +263,8 @@ def reduce_scatter(x: Any, op: str, algorithm: str, out: Any, comm: Any, host: H
     src = cp.ascontiguousarray(xa).reshape(-1)
     if (n == 1 and algorithm != "nccl") or xa.size == 0:
         o[...] = src[: counts[r]]
-        return _finish(cp, o, out)
-    alg = _resolve(ctx, call)
+        return _finish(o, out)
+    alg = _resolve(ctx, call, xa.nbytes)
     if alg == "ipc":
         ctx.run(ipc.reduce_scatter(ctx.channel(), _peers(ctx), src, counts, o, op))
     elif alg == "nccl":
@@ -252,7 +276,7 @@ def reduce_scatter(x: Any, op: str, algorithm: str, out: Any, comm: Any, host: H
     else:
         res = _pinned(o.shape, o.dtype)
         o.set(host(_host(src), op=op, algorithm="native" if alg == "native" else "auto", out=res, comm=comm))
-    return _finish(cp, o, out)
+    return _finish(o, out)
 
 
 @_on_its_device
@@ -296,8 +320,8 @@ def allgather(x: Any, algorithm: str, out: Any, comm: Any, host: Host) -> Any:
     n = ctx.transport.size
     if (n == 1 and algorithm != "nccl") or flat.size == 0:
         flat[...] = src
-        return _finish(cp, o, out)
-    alg = _resolve(ctx, call)
+        return _finish(o, out)
+    alg = _resolve(ctx, call, flat.nbytes // n)
     if _overlaps(flat, src):  # x inside out (ZeroOptimizer's shard): no algorithm reads and writes one buffer
         src = src.copy()
     if alg == "ipc":
@@ -311,7 +335,7 @@ def allgather(x: Any, algorithm: str, out: Any, comm: Any, host: Host) -> Any:
         res = _pinned(o.shape, o.dtype)
         how = "native" if alg == "native" else "auto"
         o.set(host(_host(src).reshape(xa.shape), algorithm=how, out=res, comm=comm))
-    return _finish(cp, o, out)
+    return _finish(o, out)
 
 
 @_on_its_device
@@ -329,8 +353,8 @@ def broadcast(x: Any, root: int, algorithm: str, out: Any, comm: Any, host: Host
     if is_root and flat.data.ptr != xa.data.ptr:
         flat[...] = cp.ascontiguousarray(xa).reshape(-1)
     if (ctx.transport.size == 1 and algorithm != "nccl") or xa.size == 0:
-        return _finish(cp, o, out)
-    alg = _resolve(ctx, call)
+        return _finish(o, out)
+    alg = _resolve(ctx, call, xa.nbytes)
     if alg == "ipc":
         ctx.run(ipc.broadcast(ctx.channel(), _peers(ctx), flat, root))
     elif alg == "nccl":
@@ -343,7 +367,7 @@ def broadcast(x: Any, root: int, algorithm: str, out: Any, comm: Any, host: Host
         res = host(h, root, algorithm="native" if alg == "native" else "auto", out=h, comm=comm)
         if not is_root:
             flat.set(res)
-    return _finish(cp, o, out)
+    return _finish(o, out)
 
 
 @_on_its_device
@@ -361,8 +385,8 @@ def reduce(x: Any, root: int, op: str, algorithm: str, comm: Any, host: Host) ->
     if (t.size == 1 and algorithm != "nccl") or xa.size == 0:
         if is_root:
             flat[...] = src
-        return _finish(cp, o)
-    alg = _resolve(ctx, call)
+        return _finish(o)
+    alg = _resolve(ctx, call, xa.nbytes)
     if alg == "ipc":
         ctx.run(ipc.reduce(ctx.channel(), _peers(ctx), src, flat, root, op))
     elif alg == "nccl":
@@ -376,7 +400,7 @@ def reduce(x: Any, root: int, op: str, algorithm: str, comm: Any, host: Host) ->
         res = host(_host(src), root, op=op, algorithm="native" if alg == "native" else "auto", comm=comm)
         if is_root:
             flat.set(res.reshape(-1))
-    return _finish(cp, o)
+    return _finish(o)
 
 
 @_on_its_device
@@ -388,7 +412,7 @@ def alltoall(x: Any, splits: Any, algorithm: str, comm: Any, host: Host) -> Any:
     call.agree(shape[0] if shape else 0, tuple(shape[1:]))
     cp = cupy_module()
     res = host(_host(xa), splits, algorithm="auto", comm=comm)
-    return _finish(cp, cp.asarray(res))
+    return _finish(cp.asarray(res))
 
 
 # -- helpers -------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ __all__ = [
     "as_cupy",
     "stand_in",
     "cuda_aware_mpi",
+    "mps_client",
     "bfloat16_ok",
     "CUDA_DLPACK_DEVICES",
     "BFLOAT16_CUPY",
@@ -146,6 +147,18 @@ def stand_in(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """A host array of ``shape`` and ``dtype`` that takes no memory (every element is the
     same one), for argument agreement of a device array."""
     return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape, (0,) * len(shape), writeable=False)
+
+
+MPS_DEFAULT_PIPE = "/tmp/nvidia-mps"
+"""Where NVIDIA's MPS control daemon listens when ``CUDA_MPS_PIPE_DIRECTORY`` is not set."""
+
+
+def mps_client() -> bool:
+    """True when this process's CUDA work goes through an MPS daemon: the daemon's control
+    pipe exists where CUDA looks for it (``CUDA_MPS_PIPE_DIRECTORY``, else
+    :data:`MPS_DEFAULT_PIPE`). Read without CUDA, from the file system alone."""
+    pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_DEFAULT_PIPE
+    return os.path.exists(os.path.join(pipe, "control"))
 
 
 def cuda_aware_mpi(setting: str = "auto") -> bool:

@@ -13,7 +13,7 @@ handles, CuPy kernels on the current stream) and :class:`HostPeers` (numpy over 
 shared window: the same schedules on host memory, which is how they are tested on
 machines without a GPU). Between ranks, a stage barrier on the node channel says "every
 rank has *queued* this step"; the events then make each rank's device work wait for its
-peers' queued work, so the host never waits for the GPU inside a call.
+peers' queued work, so the host never waits for the GPU, inside a call or at its end.
 """
 
 from __future__ import annotations
@@ -155,8 +155,11 @@ class CudaPeers:
         self.events[k].record(self._cp.cuda.get_current_stream())
 
     def wait(self, k: int) -> None:
+        """Also after this rank's own event ``k``: a call on another stream than the last
+        one's must not overwrite the window while the last call's work still reads it."""
         rt = self._cp.cuda.runtime
         stream = self._cp.cuda.get_current_stream().ptr
+        rt.streamWaitEvent(stream, self.events[k].ptr, 0)
         for evs in self._peer_events:
             rt.streamWaitEvent(stream, evs[k], 0)
 
@@ -171,7 +174,7 @@ class CudaPeers:
 
     def free(self) -> None:
         """Close the peers' windows, wait until every peer has closed this rank's, free it."""
-        self._cp.cuda.get_current_stream().synchronize()
+        self._cp.cuda.runtime.deviceSynchronize()  # calls on any stream may still read the windows
         self._close()
         self._node.allgather_obj(None)  # an owner frees its window only once nobody maps it
         self._free_own()

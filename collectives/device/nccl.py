@@ -14,15 +14,15 @@ and broadcasts, since NCCL's own calls need equal blocks.
 from __future__ import annotations
 
 import socket
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..errors import DeviceUnavailableError, UnsupportedDtypeError
 from ..ops import finalize
-from .arrays import cupy_module
+from .arrays import cupy_module, mps_client
 
-__all__ = ["Nccl", "plan", "dtype_code", "available"]
+__all__ = ["Nccl", "plan", "survey", "Survey", "dtype_code", "available"]
 
 _DTYPES = {
     "int8": "NCCL_INT8",
@@ -67,39 +67,59 @@ def dtype_code(dtype: np.dtype) -> int:
 
 
 def _local() -> tuple[str | None, str, str]:
-    """(why NCCL cannot run on this rank, or None; host name; GPU's PCI bus id)."""
+    """(why NCCL cannot run on this rank, or None; host name; GPU's PCI bus id, or "" where
+    CuPy cannot say)."""
+    host = socket.gethostname()
     try:
-        cp = cupy_module()
-        nccl = _module()
-        if not getattr(nccl, "available", False):
-            return (
-                "NCCL cannot be loaded (install the nvidia-nccl-cu* wheel matching CuPy's CUDA)",
-                socket.gethostname(),
-                "",
-            )
-        return None, socket.gethostname(), cp.cuda.Device().pci_bus_id
+        bus = cupy_module().cuda.Device().pci_bus_id
     except Exception as exc:  # noqa: BLE001 - reported collectively
-        return f"{type(exc).__name__}: {exc}", socket.gethostname(), ""
+        return f"{type(exc).__name__}: {exc}", host, ""
+    try:
+        if not getattr(_module(), "available", False):
+            return "NCCL cannot be loaded (install the nvidia-nccl-cu* wheel matching CuPy's CUDA)", host, bus
+    except Exception as exc:  # noqa: BLE001 - reported collectively
+        return f"{type(exc).__name__}: {exc}", host, bus
+    return None, host, bus
+
+
+class Survey(NamedTuple):
+    """Where the ranks' GPUs are, as every rank sees it (:func:`survey`)."""
+
+    nccl: str | None
+    """Why NCCL cannot run on these ranks (the same text on every rank), or None."""
+    shared: bool
+    """Some ranks use one GPU (the same PCI bus id on one host)."""
+    mps: bool
+    """Every rank's work goes through an MPS daemon (:func:`.arrays.mps_client`)."""
+
+
+def survey(transport: Any) -> Survey:
+    """Whether NCCL can run on ``transport``'s ranks, whether some of them share a GPU, and
+    whether they run under MPS (collective: one exchange of each rank's host, GPU and MPS)."""
+    everyone = transport.allgather_obj((*_local(), mps_client()))
+    seen: dict[tuple[str, str], list[int]] = {}
+    for q, (_, host, bus, _) in enumerate(everyone):
+        if bus:
+            seen.setdefault((host, bus), []).append(q)
+    shared = [(key, qs) for key, qs in seen.items() if len(qs) > 1]
+    missing = [(q, why) for q, (why, _, _, _) in enumerate(everyone) if why is not None]
+    if missing:
+        why = "; ".join(f"rank {q}: {why}" for q, why in missing)
+    elif shared:
+        (host, bus), qs = shared[0]
+        why = (
+            f"ranks {qs} share the GPU at {bus} on {host}, and NCCL refuses a communicator with a device "
+            "twice; give each rank its own GPU, or use algorithm 'ipc' (ranks of one node) or 'staged'"
+        )
+    else:
+        why = None
+    return Survey(why, bool(shared), all(m for *_, m in everyone))
 
 
 def plan(transport: Any) -> str | None:
     """Why NCCL cannot run on ``transport``'s ranks, the same text on every rank, or None
     (collective)."""
-    everyone = transport.allgather_obj(_local())
-    missing = [(q, why) for q, (why, _, _) in enumerate(everyone) if why is not None]
-    if missing:
-        return "; ".join(f"rank {q}: {why}" for q, why in missing)
-    seen: dict[tuple[str, str], list[int]] = {}
-    for q, (_, host, bus) in enumerate(everyone):
-        seen.setdefault((host, bus), []).append(q)
-    shared = [(key, qs) for key, qs in seen.items() if len(qs) > 1]
-    if shared:
-        (host, bus), qs = shared[0]
-        return (
-            f"ranks {qs} share the GPU at {bus} on {host}, and NCCL refuses a communicator with a device "
-            "twice; give each rank its own GPU, or use algorithm 'ipc' (ranks of one node) or 'staged'"
-        )
-    return None
+    return survey(transport).nccl
 
 
 class Nccl:
