@@ -18,8 +18,12 @@ core (or ``--max-ranks``):
    communication (``benchmarks.train_throughput``, 2 ranks and the largest count up to 8);
 5. ``pipeline``: the measured bubble of a 2-stage pipeline against ``(p-1)/(m+p-1)``
    (``benchmarks.parallel_gpt``);
-6. ``gpu`` (when torch sees a GPU): the device path against staging through host memory by
-   size (``benchmarks.osu_allreduce -d cuda``), and NCCL at one rank.
+6. ``gpu`` (when torch sees a GPU): the device path against staging through host memory and
+   gloo by size at 2 ranks (``benchmarks.osu_allreduce -d cuda``), without NVIDIA's MPS and
+   with it where ``nvidia-cuda-mps-control`` is found (the daemon started and stopped for
+   the run), the crossover ``auto`` should use; NCCL at one rank.
+
+``--steps`` runs some of the steps only (the budget then goes to them).
 
 Every step has a share of ``--budget`` seconds (default 480) and ends at it; what a step
 did not finish is said in the summary, and the steps after it still run. The directory
@@ -31,19 +35,21 @@ step's output and JSON): well under 5 MB, small enough to copy off a machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from collectives.select import load_table, rules
 
-__all__ = ["main", "rank_counts", "summarize", "worst_ratios"]
+__all__ = ["main", "rank_counts", "summarize", "worst_ratios", "crossover"]
 
 BAR = 1.10
 """auto / MPI at or below which a size meets the bar."""
@@ -121,9 +127,10 @@ class Runner:
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
-    def run(self, name: str, ranks: int, args: list[str], limit: float) -> bool:
+    def run(self, name: str, ranks: int, args: list[str], limit: float, env: dict[str, str] | None = None) -> bool:
         """``mpiexec -n ranks python -m args`` with its output in ``raw/name.txt``, for at most
-        ``limit`` seconds (and never past the deadline); True when it ended well."""
+        ``limit`` seconds (and never past the deadline), with ``env`` added to the
+        environment; True when it ended well."""
         limit = min(limit, self.left())
         entry: dict[str, Any] = {
             "name": name,
@@ -135,7 +142,7 @@ class Runner:
             entry["status"] = "skipped: the budget was spent"
             return False
         cmd = [self.mpiexec, "-n", str(ranks), sys.executable, "-m", *args]
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
         t0 = time.monotonic()
         with open(self.raw / f"{name}.txt", "w", encoding="utf-8") as log:
             try:
@@ -195,7 +202,8 @@ def _cell(worst: Any) -> str:
 
 
 def summarize(report: dict[str, Any]) -> str:
-    """``summary.md``: the machine, then each step's verdicts, then what did not run."""
+    """``summary.md``: the machine, then the verdicts of each step that ran, then what did
+    not finish."""
     m = report["machine"]
     lines = [
         f"# Node report: {m.get('host', '?')}",
@@ -204,7 +212,28 @@ def summarize(report: dict[str, Any]) -> str:
         f"{m.get('memory_gib', '?')} GiB, {m.get('gpus', 0)} GPU(s){' (' + m['gpu'] + ')' if m.get('gpu') else ''}; "
         f"Python {m.get('python')}, torch {m.get('torch', '?')}, {m.get('mpi', 'MPI ?')}. "
         f"{report['date']}, {report['seconds']:.0f} s of a {report['budget']:.0f} s budget.",
-        "",
+    ]
+    sections = {
+        "collectives": _collective_lines,
+        "small_calls": _small_call_lines,
+        "tuner": _tuner_lines,
+        "training": _training_lines,
+        "pipeline": _pipeline_lines,
+    }
+    for step, section in sections.items():
+        if step in report.get("steps", SHARES):
+            lines += ["", *section(report)]
+    if report.get("gpu") is not None:
+        lines += _gpu_lines(report["gpu"])
+    problems = [r for r in report["runs"] if r.get("status") != "ok"]
+    if problems:
+        lines += ["", "## What did not finish", ""]
+        lines += [f"- `{r['command']}`: {r['status']}" for r in problems]
+    return "\n".join(lines) + "\n"
+
+
+def _collective_lines(report: dict[str, Any]) -> list[str]:
+    lines = [
         f"## Collectives against MPI (auto / MPI time per call; the bar is {BAR:.2f})",
         "",
         "Worst ratio among calls up to 64 KiB and above it, with its size.",
@@ -216,8 +245,11 @@ def summarize(report: dict[str, Any]) -> str:
         for coll, w in per.items():
             over = ", ".join(_size(s) for s in w["over_bar"]) or "none"
             lines.append(f"| {n} | {coll} | {_cell(w['worst_small'])} | {_cell(w['worst_large'])} | {over} |")
-    lines += [
-        "",
+    return lines
+
+
+def _small_call_lines(report: dict[str, Any]) -> list[str]:
+    lines = [
         "## Where a small call's time goes (µs per call)",
         "",
         "python: argument checks, dispatch and cache lookup; step: post, wait for the peers, copy;",
@@ -233,8 +265,11 @@ def summarize(report: dict[str, Any]) -> str:
                 f"| {n} | {w['collective']} | {w['size']} | {w['total']:.2f} | {w['python']:.2f} | {w['step']:.2f} "
                 f"| {w['wait']:.2f} | {w['barrier']:.2f} | {w['mpi']:.2f} |"
             )
-    lines += [
-        "",
+    return lines
+
+
+def _tuner_lines(report: dict[str, Any]) -> list[str]:
+    lines = [
         "## What the tuner picks here, against the packaged table",
         "",
         "Where they differ, `HPCDL_TUNING_FILE=raw/tuner_npN.json` makes `auto` follow this node.",
@@ -246,27 +281,73 @@ def summarize(report: dict[str, Any]) -> str:
             ours = rules(packaged, e["collective"], int(n), 1)
             same = "the same" if ours == e["rules"] else f"packaged: {_rules(ours)}"
             lines.append(f"- {n} ranks, {e['collective']}: {_rules(e['rules'])} ({same})")
-    lines += ["", "## Training step against the same step without communication", ""]
+    return lines
+
+
+def _training_lines(report: dict[str, Any]) -> list[str]:
+    lines = ["## Training step against the same step without communication", ""]
     for n, models in sorted(report["training"].items(), key=lambda kv: int(kv[0])):
         for model in models:
             base = model["rows"].get("no communication", {}).get("step_ms")
             for row, fig in model["rows"].items():
                 if base and row != "no communication":
                     lines.append(f"- {n} ranks, {model['model']}: {row} {fig['step_ms'] / base:.2f} x")
-    lines += ["", "## Pipeline bubble", ""]
+    return lines
+
+
+def _pipeline_lines(report: dict[str, Any]) -> list[str]:
+    lines = ["## Pipeline bubble", ""]
     for row in report["pipeline"]:
         if row.get("bubble_formula"):
             lines.append(
                 f"- {row['grid']}, {row['chunks']} micro-batches: measured {row['bubble']:.3f}, "
                 f"(p-1)/(m+p-1) = {row['bubble_formula']:.3f} ({row['bubble'] / row['bubble_formula']:.2f} x)"
             )
-    if report.get("gpu") is not None:
-        lines += ["", "## GPU: device path against staged (and gloo)", "", "See `raw/gpu_*.txt`."]
-    problems = [r for r in report["runs"] if r.get("status") != "ok"]
-    if problems:
-        lines += ["", "## What did not finish", ""]
-        lines += [f"- `{r['command']}`: {r['status']}" for r in problems]
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def crossover(rows: list[dict[str, Any]], below: str = "staged", above: str = "ipc") -> int | None:
+    """The largest size up to which ``below`` is faster than ``above`` at every measured
+    size (0: not even at the smallest; None: neither measured)."""
+    best = None
+    for row in sorted(rows, key=lambda r: r["size"]):
+        res = row.get("results", {})
+        if below not in res or above not in res:
+            continue
+        if res[below]["avg"] >= res[above]["avg"]:
+            return best or 0
+        best = row["size"]
+    return best
+
+
+def _gpu_lines(gpu: dict[str, Any]) -> list[str]:
+    """The GPU section of the summary: by size, each contender's time per call at 2 ranks on
+    one GPU without MPS and with it, and the staged/ipc crossover ``auto`` should use."""
+    lines = ["", "## GPU: device path against staged (and gloo), 2 ranks", ""]
+    runs = [(k, gpu.get(k)) for k in ("np2", "np2_mps") if gpu.get(k)]
+    if not runs:
+        return [*lines, "No figures (see `raw/gpu_*.txt`)."]
+    lines += [
+        "µs per call, timed until the GPU has finished it. The staged/ipc crossover is the",
+        "`HPCDL_DEVICE_STAGED_BYTES` for ranks sharing a GPU in that mode.",
+        "",
+    ]
+    for key, data in runs:
+        rows = data.get("rows", [])
+        names = list(rows[0]["results"]) if rows else []
+        cut = crossover(rows)
+        mode = "under MPS" if key.endswith("mps") else "without MPS"
+        lines += [
+            f"{mode}: staged faster than ipc up to {_size(cut) if cut else 'no size'}",
+            "",
+            "| size | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
+        for row in rows:
+            cells = [f"{row['results'][n]['avg']:.1f}" if n in row["results"] else "" for n in names]
+            lines.append(f"| {_size(row['size'])} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
 
 
 def plot(report: dict[str, Any], path: Path) -> bool:
@@ -321,10 +402,13 @@ def _steps(r: Runner, counts: list[int], args: argparse.Namespace, gpus: int) ->
     got: dict[str, Any] = {step: {} for step in ("collectives", "small_calls", "tuner", "training")}
     got.update(pipeline=[], gpu=None)
     total = r.left()
-    shares = dict(SHARES) if gpus else {k: v for k, v in SHARES.items() if k != "gpu"}
-    scale = 1 / sum(shares.values())
+    chosen = [k for k in SHARES if k in args.steps and (gpus or k != "gpu")]
+    shares = {k: (SHARES[k] if k in chosen else 0.0) for k in SHARES}
+    scale = 1 / max(sum(shares.values()), 1e-9)
     end = time.monotonic()
     for step in ("collectives", "small_calls", "tuner"):
+        if step not in chosen:
+            continue
         end += total * shares[step] * scale
         for n in counts:
             name = f"{step}_np{n}"
@@ -336,8 +420,14 @@ def _steps(r: Runner, counts: list[int], args: argparse.Namespace, gpus: int) ->
                 got["small_calls"][str(n)] = data
             elif data:
                 got["tuner"][str(n)] = data.get("tables", [])
+    _later_steps(r, counts, args, chosen, got, end, total, shares, scale)
+    return got
+
+
+def _later_steps(r, counts, args, chosen, got, end, total, shares, scale) -> None:
+    """The training, pipeline and GPU steps of :func:`_steps` (those in ``chosen``), into ``got``."""
     end += total * shares["training"] * scale
-    train = [2] + [n for n in counts if n > 2 and n <= 8][-1:]
+    train = [2] + [n for n in counts if n > 2 and n <= 8][-1:] if "training" in chosen else []
     for n in train:
         name = f"training_np{n}"
         steps = ["--rounds", "1", "--steps", "2", "--timeline-steps", "1"] if args.quick else ["--rounds", "2"]
@@ -349,6 +439,13 @@ def _steps(r: Runner, counts: list[int], args: argparse.Namespace, gpus: int) ->
         )
         got["training"][str(n)] = r.load(name) or []
     end += total * shares["pipeline"] * scale
+    if "pipeline" in chosen:
+        _pipeline(r, args, got, end)
+    if "gpu" in chosen:
+        got["gpu"] = _gpu(r, args)
+
+
+def _pipeline(r: Runner, args: argparse.Namespace, got: dict[str, Any], end: float) -> None:
     steps = ["--steps", "2", "--chunks", "4"] if args.quick else ["--steps", "4"]
     r.run(
         "pipeline_np2",
@@ -365,31 +462,47 @@ def _steps(r: Runner, counts: list[int], args: argparse.Namespace, gpus: int) ->
         end - time.monotonic(),
     )
     got["pipeline"] = r.load("pipeline_np2") or []
-    if gpus:
-        each = r.left() / 2
-        r.run(
-            "gpu_np2",
-            2,
-            [
-                "benchmarks.osu_allreduce",
-                "-d",
-                "cuda",
-                "-m",
-                "4:64M",
-                "--compare",
-                "auto,ipc,staged,gloo",
-                "--rounds",
-                "3",
-                "--json",
-                str(r.raw / "gpu_np2.json"),
-            ],
-            each,
-        )
-        r.run(
-            "gpu_nccl_np1", 1, ["benchmarks.osu_allreduce", "-d", "cuda", "-a", "nccl", "-c", "-m", "4:64M"], r.left()
-        )
-        got["gpu"] = {"np2": r.load("gpu_np2")}
+
+
+def _gpu(r: Runner, args: argparse.Namespace) -> dict[str, Any]:
+    """The device path against staged and gloo at 2 ranks on this node's GPUs, without MPS
+    and (where ``nvidia-cuda-mps-control`` is found and no MPS daemon is named already) with
+    it; NCCL at one rank."""
+    sizes = "4:64K" if args.quick else "4:16M"
+    osu = ["benchmarks.osu_allreduce", "-d", "cuda", "-m", sizes, "--compare", "auto,ipc,staged,gloo"]
+    osu += ["--rounds", "1" if args.quick else "2", "-i", "100", "-x", "10"]  # a call takes up to ms on a shared GPU
+    ctl = shutil.which("nvidia-cuda-mps-control")
+    mps = ctl is not None and "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
+    parts = 3 if mps else 2
+    r.run("gpu_np2", 2, [*osu, "--json", str(r.raw / "gpu_np2.json")], r.left() / parts)
+    got: dict[str, Any] = {"np2": r.load("gpu_np2")}
+    if mps:
+        with _mps_daemon(ctl, r.raw) as env:
+            r.run("gpu_np2_mps", 2, [*osu, "--json", str(r.raw / "gpu_np2_mps.json")], r.left() / 2, env)
+        got["np2_mps"] = r.load("gpu_np2_mps")
+    r.run("gpu_nccl_np1", 1, ["benchmarks.osu_allreduce", "-d", "cuda", "-a", "nccl", "-c", "-m", sizes], r.left())
     return got
+
+
+@contextlib.contextmanager
+def _mps_daemon(ctl: str, raw: Path):
+    """NVIDIA's MPS control daemon started for the block, with its pipe and log directories
+    under a fresh temporary directory; gives the variables its clients need. The daemon's
+    log goes to ``raw/mps.log``."""
+    tmp = Path(tempfile.mkdtemp(prefix="hpcdl-mps-"))
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(tmp / "log")}
+    for d in env.values():
+        Path(d).mkdir()
+    full = {**os.environ, **env}
+    with open(raw / "mps.log", "w", encoding="utf-8") as log:
+        subprocess.run([ctl, "-d"], env=full, stdout=log, stderr=subprocess.STDOUT, check=False, timeout=30)
+    try:
+        yield env
+    finally:
+        subprocess.run([ctl], input="quit\n", text=True, env=full, capture_output=True, check=False, timeout=30)
+        with contextlib.suppress(OSError):
+            (raw / "mps.log").write_text((raw / "mps.log").read_text() + (tmp / "log" / "control.log").read_text())
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -398,9 +511,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=480.0, help="seconds for every step together")
     p.add_argument("--max-ranks", type=int, default=None, help="the largest rank count (default: one per core)")
     p.add_argument("--quick", action="store_true", help="a few small sizes and one round each: a smoke run")
+    p.add_argument(
+        "--steps",
+        type=lambda v: v.split(","),
+        default=list(SHARES),
+        help="comma-separated steps to run, of "
+        + ",".join(SHARES)
+        + " (default: all; the budget is shared among them)",
+    )
     args = p.parse_args(argv)
     if args.budget < 10 or (args.max_ranks is not None and args.max_ranks < 2):
         p.error("--budget must be at least 10 seconds and --max-ranks at least 2")
+    unknown = [x for x in args.steps if x not in SHARES]
+    if unknown:
+        p.error(f"--steps: unknown {', '.join(unknown)}; the steps are {', '.join(SHARES)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -414,6 +538,7 @@ def main(argv: list[str] | None = None) -> int:
         "budget": args.budget,
         "seconds": time.monotonic() - t0,
         "rank_counts": counts,
+        "steps": args.steps,
         **got,
         "runs": r.runs,
     }

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from benchmarks.node_report import BAR, rank_counts, summarize, worst_ratios
+from benchmarks.node_report import BAR, crossover, rank_counts, summarize, worst_ratios
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,6 +85,41 @@ def test_a_budget_too_small_for_a_step_skips_it_and_says_so(tmp_path):
 
 
 def test_bad_options_are_refused(tmp_path):
-    for args in (["--budget", "1"], ["--max-ranks", "1"]):
+    for args, says in (
+        (["--budget", "1"], "must be"),
+        (["--max-ranks", "1"], "must be"),
+        (["--steps", "tuner,gpus"], "unknown gpus"),
+    ):
         proc = run_report(tmp_path, *args)
-        assert proc.returncode == 2 and "must be" in proc.stderr
+        assert proc.returncode == 2 and says in proc.stderr
+
+
+def _gpu_rows(times):
+    return [{"size": s, "results": {k: {"avg": v} for k, v in t.items()}} for s, t in times.items()]
+
+
+def test_the_gpu_section_gives_the_staged_ipc_crossover_with_and_without_mps():
+    no_mps = _gpu_rows(
+        {4: {"ipc": 700, "staged": 300}, 65536: {"ipc": 710, "staged": 400}, 1 << 20: {"ipc": 720, "staged": 900}}
+    )
+    mps = _gpu_rows({4: {"ipc": 200, "staged": 300}, 65536: {"ipc": 210, "staged": 180}})
+    assert crossover(no_mps) == 65536  # staged faster at 4 B and 64 KiB, not at 1 MiB
+    assert crossover(mps) == 0  # ipc faster from the smallest size on
+    assert crossover(no_mps[:2]) == 65536 and crossover([]) is None
+    report = {
+        "machine": {"host": "h", "cores": 16},
+        "date": "2026-11-25 12:00",
+        "seconds": 1.0,
+        "budget": 10.0,
+        "collectives": {},
+        "small_calls": {},
+        "tuner": {},
+        "training": {},
+        "pipeline": [],
+        "gpu": {"np2": {"rows": no_mps}, "np2_mps": {"rows": mps}},
+        "runs": [],
+    }
+    text = summarize(report)
+    assert "without MPS: staged faster than ipc up to 64 KiB" in text
+    assert "under MPS: staged faster than ipc up to no size" in text
+    assert "| 1 MiB | 720.0 | 900.0 |" in text
