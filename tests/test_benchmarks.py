@@ -190,6 +190,13 @@ def test_options_the_tuner_refuses_are_refused(argv, text, capsys):
         ("profile", ["--calls", "0"], "--calls 0: must be at least 1"),
         ("small_calls", ["--rounds", "0"], "--rounds 0: must be at least 1"),
         ("small_calls", ["--collectives", "allreduce,scan"], "--collectives takes allreduce, broadcast and allgather"),
+        ("device_sync", ["--rounds", "0"], "--rounds 0: must be at least 1"),
+        pytest.param(
+            "device_sync",
+            ["--sizes", "4"],
+            "no usable CUDA device here",
+            marks=pytest.mark.skipif(osu.use_gpu() is None, reason="a GPU is here"),
+        ),
     ],
 )
 def test_the_other_benchmarks_refuse_counts_below_one(module, argv, text, capsys):
