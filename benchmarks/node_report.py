@@ -16,7 +16,9 @@ core (or ``--max-ranks``):
    here, to set against the packaged table's rows;
 4. ``training``: a training step with each optimizer against the same step without
    communication (``benchmarks.train_throughput``, 2 ranks and the largest count up to 8);
-5. ``pipeline``: the measured bubble of a 2-stage pipeline against ``(p-1)/(m+p-1)``
+5. ``pipeline``: the measured bubble of a 2-stage pipeline (the GPT, and equal stages)
+   against ``(p-1)/(m+p-1)``, and the TP grid's traffic per step (calls, bytes, the time
+   spent in them) against what α-β models fitted on its group predict
    (``benchmarks.parallel_gpt``);
 6. ``gpu`` (when torch sees a GPU): the device path against staging through host memory and
    gloo by size at 2 ranks (``benchmarks.osu_allreduce -d cuda``), without NVIDIA's MPS and
@@ -296,12 +298,20 @@ def _training_lines(report: dict[str, Any]) -> list[str]:
 
 
 def _pipeline_lines(report: dict[str, Any]) -> list[str]:
-    lines = ["## Pipeline bubble", ""]
+    lines = ["## Pipeline bubble and tensor-parallel traffic", ""]
     for row in report["pipeline"]:
         if row.get("bubble_formula"):
             lines.append(
                 f"- {row['grid']}, {row['chunks']} micro-batches: measured {row['bubble']:.3f}, "
-                f"(p-1)/(m+p-1) = {row['bubble_formula']:.3f} ({row['bubble'] / row['bubble_formula']:.2f} x)"
+                f"(p-1)/(m+p-1) = {row['bubble_formula']:.3f} ({row['bubble'] / row['bubble_formula']:.2f} x; "
+                f"the bar, for equal stages, is {BAR:.2f} x)"
+            )
+        if "tp_calls" in row:
+            lines.append(
+                f"- {row['grid']} step {row['step_s'] * 1e3:.1f} ms: {row['tp_calls']:.0f} tensor-parallel calls "
+                f"of {row['tp_bytes'] / (1 << 20):.2f} MiB in all, {row['tp_seconds'] * 1e3:.1f} ms waiting in them; "
+                f"the alpha-beta models measured on its group predict {row['tp_predicted_seconds'] * 1e3:.1f} ms "
+                "(" + ", ".join(f"{k} {m['alpha_s'] * 1e6:.0f} us" for k, m in row["tp_models"].items()) + " a call)"
             )
     return lines
 
@@ -446,15 +456,14 @@ def _later_steps(r, counts, args, chosen, got, end, total, shares, scale) -> Non
 
 
 def _pipeline(r: Runner, args: argparse.Namespace, got: dict[str, Any], end: float) -> None:
-    steps = ["--steps", "2", "--chunks", "4"] if args.quick else ["--steps", "4"]
+    steps = ["--steps", "2", "--chunks", "4", "--no-equal"] if args.quick else ["--steps", "4"]
     r.run(
         "pipeline_np2",
         2,
         [
             "benchmarks.parallel_gpt",
             "--grids",
-            "1x1x2",
-            "--no-equal",
+            "1x1x2,1x2x1",
             *steps,
             "--json",
             str(r.raw / "pipeline_np2.json"),

@@ -22,6 +22,12 @@ Per grid (dp x tp x pp), the GPT (``--n-layer`` blocks of width ``--d-model``, c
   on any stage, and a stage's bubble is the share of that time it does not compute;
   mean over stages and steps. Beside it the schedule's own ``(p - 1) / (m + p - 1)``.
 
+For each grid with tp > 1, a line explains the step by its tensor-parallel traffic: the
+calls and bytes per step of the TP functions (:data:`hpcdl.parallel.tp_comm.traffic`), the
+time the slowest rank waited in them, and the time predicted by α-β models
+(:mod:`collectives.cost`) of each kind of call, fitted to calls of 1 KiB to 1 MiB made on the
+grid's TP group just before (:func:`alpha_beta`).
+
 The last line is a pipeline of ``p`` equal stages (each a stack of Linear layers, tp = 1,
 dp = 1 over the job's ranks), where the measured bubble should be within 10% of the
 formula: its communication is small beside its compute.
@@ -48,7 +54,9 @@ from torch import nn
 
 import hpcdl as hvd
 from collectives.cli import ArgumentParser, dump_json, run_main
-from hpcdl.parallel import Grid, Pipeline
+from collectives.cost import AlphaBeta, fit
+from hpcdl.parallel import Grid, Pipeline, gather_from_tp, reduce_scatter_seq_to_tp
+from hpcdl.parallel.tp_comm import tp_sum, traffic
 from hpcdl.train.data import corpus
 from hpcdl.train.models import GPT, parallel_gpt, parallel_gpt_loss
 
@@ -120,6 +128,54 @@ def _bubble(trace: dict[str, Any], first_step: int) -> float | None:
     return statistics.mean(shares) if shares else None
 
 
+CALIBRATION_BYTES = (1 << 10, 16 << 10, 256 << 10, 1 << 20)
+"""The sizes at which :func:`alpha_beta` times each tensor-parallel collective."""
+
+
+def alpha_beta(group: Any, repeats: int = 8) -> dict[str, AlphaBeta]:
+    """Each kind of tensor-parallel collective's α-β model on ``group`` (collective over its
+    ranks): fitted to the median time of ``repeats`` calls at each of
+    :data:`CALIBRATION_BYTES`, made through the TP functions themselves and timed by their
+    :data:`~hpcdl.parallel.tp_comm.traffic` counts, as the step's calls are."""
+    k = group.size()
+    make = {
+        "allreduce": lambda n: tp_sum(torch.ones(n), group),
+        "allgather": lambda n: gather_from_tp(torch.ones(n), group),
+        "reducescatter": lambda n: reduce_scatter_seq_to_tp(torch.ones(1, k, max(1, n // k)), group),
+    }
+    models = {}
+    for kind, call in make.items():
+        points = []
+        for nbytes in CALIBRATION_BYTES:
+            call(nbytes // 4)  # warm-up
+            times = []
+            for _ in range(repeats):
+                traffic.reset()
+                call(nbytes // 4)
+                c = traffic.counts[kind]
+                times.append(c["seconds"])
+            points.append((c["bytes"], statistics.median(times)))
+        models[kind] = fit(points)
+    traffic.reset()
+    return models
+
+
+def _tp_columns(grid: Grid, counts: dict[str, dict[str, float]], steps: int, models: dict[str, AlphaBeta]):
+    """The step's tensor-parallel traffic (calls, bytes, seconds measured and predicted, each
+    per step; the slowest rank's seconds) and the α-β models behind the prediction."""
+    calls = sum(c["calls"] for c in counts.values()) / steps
+    nbytes = sum(c["bytes"] for c in counts.values()) / steps
+    measured = sum(c["seconds"] for c in counts.values()) / steps
+    predicted = sum(models[k].time(c["bytes"], c["calls"]) for k, c in counts.items() if c["calls"]) / steps
+    return {
+        "tp_calls": calls,
+        "tp_bytes": nbytes,
+        "tp_seconds": _max_over_ranks(measured),
+        "tp_predicted_seconds": _max_over_ranks(predicted),
+        "tp_models": {k: {"alpha_s": m.alpha, "beta_Bps": m.beta} for k, m in models.items()},
+    }
+
+
 def _timeline_path() -> tuple[str, str | None]:
     scratch = tempfile.mkdtemp(prefix="hpcdl-pgpt-") if hvd.rank() == 0 else None
     return hvd.broadcast_object(None if scratch is None else os.path.join(scratch, "timeline.json"), 0), scratch
@@ -150,12 +206,15 @@ def measure(
 
     for k in range(2):  # warm-up
         step(k)
+    models = alpha_beta(grid.tp_group) if grid.tp > 1 else {}
     times = []
+    traffic.reset()
     for k in range(steps):
         hvd.barrier()
         t0 = time.perf_counter()
         step(2 + k)
         times.append(_max_over_ranks(time.perf_counter() - t0))
+    counts = traffic.snapshot()
     meter = ActivationMeter()
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         step(0)
@@ -184,6 +243,8 @@ def measure(
         "bubble": hvd.broadcast_object(bubble, 0),
         "bubble_formula": (grid.pp - 1) / (chunks + grid.pp - 1),
     }
+    if models:
+        row.update(_tp_columns(grid, counts, steps, models))
     pipe.close()
     return row
 
@@ -252,6 +313,7 @@ def report(rows: list[dict[str, Any]], command: str, a: Any) -> str:
             f"{r['param_bytes'] / mib:>15.3f} {r['param_bytes'] / r['dense_param_bytes']:>8.2f} {bub:>7} "
             f"{r['bubble_formula']:>14.3f}"
         )
+    lines += _tp_lines(rows)
     eq = [r for r in rows if r["grid"].endswith("equal")]
     if eq and eq[0]["bubble"] is not None:
         r = eq[0]
@@ -261,6 +323,24 @@ def report(rows: list[dict[str, Any]], command: str, a: Any) -> str:
             f"({off:+.1%}; the bar is within 10%)"
         )
     return "\n".join(lines)
+
+
+def _tp_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Per grid with tp > 1: its tensor-parallel traffic per step, the time its ranks waited
+    in it, and the time the α-β models measured on its TP group predict."""
+    lines = []
+    for r in rows:
+        if "tp_calls" not in r:
+            continue
+        models = "; ".join(
+            f"{k} {m['alpha_s'] * 1e6:.0f} us + {m['beta_Bps'] / 1e9:.2f} GB/s" for k, m in r["tp_models"].items()
+        )
+        lines.append(
+            f"{r['grid']} tensor parallelism per step: {r['tp_calls']:.0f} calls, {r['tp_bytes'] / (1 << 20):.2f} MiB; "
+            f"{r['tp_seconds'] * 1e3:.1f} ms waiting in them of a {r['step_s'] * 1e3:.1f} ms step, "
+            f"alpha-beta predicts {r['tp_predicted_seconds'] * 1e3:.1f} ms ({models})"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:

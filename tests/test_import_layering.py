@@ -111,6 +111,7 @@ COLLECTIVES_LAYERS = (
         "collectives.blocks",
         "collectives.transport",
         "collectives.fake",
+        "collectives.cost",
         "collectives.cli",
     ),
     (

@@ -73,6 +73,9 @@ def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_f
         assert cells in summary, (cells, summary)
     assert "hpcdl DistributedOptimizer" in summary and "Pipeline bubble" in summary
     assert "measured" in summary.split("## Pipeline bubble")[1]
+    tp = [r for r in json.loads((tmp_path / "raw" / "pipeline_np2.json").read_text()) if r["grid"] == "1x2x1"][0]
+    assert tp["tp_calls"] > 0 and tp["tp_bytes"] > 0 and 0 < tp["tp_seconds"] < tp["step_s"]
+    assert f"{tp['tp_calls']:.0f} tensor-parallel calls of {tp['tp_bytes'] / (1 << 20):.2f} MiB" in summary
 
 
 def test_a_budget_too_small_for_a_step_skips_it_and_says_so(tmp_path):

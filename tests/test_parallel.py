@@ -28,6 +28,8 @@ from hpcdl.parallel import (
     vocab_parallel_cross_entropy,
 )
 
+from hpcdl.parallel.tp_comm import traffic
+
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120), pytest.mark.usefixtures("runtime")]
 
 D = torch.float64
@@ -266,11 +268,18 @@ def test_sequence_comm_functions_equal_torch_references():
     # chunks' gradients concatenated
     partial = [inputs(2, t, 3, seed=70 + i) for i in range(n)]
     x = partial[r].clone().requires_grad_()
+    traffic.reset()
     y = reduce_scatter_seq_to_tp(x, group)
     close(y, chunk(torch.stack(partial).sum(0), r))
     ups = [inputs(2, k, 3, seed=80 + i) for i in range(n)]
     y.backward(ups[r])
     assert torch.equal(x.grad, torch.cat(ups, dim=1))
+    # counted: the reduce-scatter of the whole float64 input forward, the allgather of this
+    # rank's chunk of the gradient (and its length word) backward
+    got = traffic.snapshot()
+    assert {k: c["calls"] for k, c in got.items()} == {"allreduce": 0, "allgather": 1, "reducescatter": 1}
+    assert got["reducescatter"]["bytes"] == 2 * t * 3 * 8 and got["allgather"]["bytes"] == 2 * k * 3 * 8 + 8
+    assert all(c["seconds"] > 0 for c in got.values() if c["calls"])
     g.close()
 
 

@@ -16,10 +16,17 @@ chunk (allgather forward, reduce-scatter backward), ``reduce_scatter_seq_to_tp``
 chunks get partial gradients: :func:`mark_sequence_parallel` marks them and
 :func:`allreduce_sequence_parallel_grads` sums their gradients over the group.
 
-Each function returns at once when the group has one rank.
+Each function returns at once when the group has one rank. Every collective they run is
+counted in :data:`traffic` (calls, bytes and the seconds this rank waited in them, by
+kind), so a step's tensor-parallel communication can be set against what a cost model of
+the node predicts (``benchmarks.parallel_gpt``).
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,22 +56,70 @@ __all__ = [
     "allreduce_sequence_parallel_grads",
     "tp_sum",
     "tp_max",
+    "Traffic",
+    "traffic",
 ]
+
+
+class Traffic:
+    """The tensor-parallel collectives run on this process since :meth:`reset`, by kind
+    (``allreduce``, ``allgather``, ``reducescatter``): calls, bytes (each call's input on
+    this rank, the size a cost model takes) and seconds (from starting the call to its
+    result, on this rank)."""
+
+    KINDS = ("allreduce", "allgather", "reducescatter")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Start counting afresh."""
+        self.counts = {k: {"calls": 0, "bytes": 0, "seconds": 0.0} for k in self.KINDS}
+
+    def add(self, kind: str, nbytes: int, seconds: float) -> None:
+        """Count one call of ``kind``."""
+        c = self.counts[kind]
+        c["calls"] += 1
+        c["bytes"] += nbytes
+        c["seconds"] += seconds
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """A copy of the counts, by kind."""
+        return {k: dict(v) for k, v in self.counts.items()}
+
+
+traffic = Traffic()
+"""What this process's tensor-parallel functions have sent through their groups."""
+
+
+def _counted(kind: str, nbytes: int, start: Callable[[], Any]) -> Any:
+    """``synchronize(start())``, counted in :data:`traffic`."""
+    t0 = time.perf_counter()
+    out = synchronize(start())
+    traffic.add(kind, nbytes, time.perf_counter() - t0)
+    return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def tp_sum(t: torch.Tensor, group: ProcessSet) -> torch.Tensor:
     """The sum of ``t`` over ``group`` (no autograd)."""
-    return synchronize(allreduce_async(t.contiguous(), op=Sum, process_set=group))
+    t = t.contiguous()
+    return _counted("allreduce", _nbytes(t), lambda: allreduce_async(t, op=Sum, process_set=group))
 
 
 def tp_max(t: torch.Tensor, group: ProcessSet) -> torch.Tensor:
     """The elementwise maximum of ``t`` over ``group`` (no autograd)."""
-    return synchronize(allreduce_async(t.contiguous(), op=Max, process_set=group))
+    t = t.contiguous()
+    return _counted("allreduce", _nbytes(t), lambda: allreduce_async(t, op=Max, process_set=group))
 
 
 def _gather_last(t: torch.Tensor, group: ProcessSet) -> torch.Tensor:
     """Every rank's ``t`` concatenated along the last dimension, in the group's rank order."""
-    front = synchronize(allgather_async(t.movedim(-1, 0).contiguous(), process_set=group))
+    t = t.movedim(-1, 0).contiguous()
+    front = _counted("allgather", _nbytes(t), lambda: allgather_async(t, process_set=group))
     return front.movedim(0, -1).contiguous()
 
 
@@ -161,7 +216,10 @@ def _gather_seq(t: torch.Tensor, group: ProcessSet) -> torch.Tensor:
     """Every rank's ``t`` concatenated along dimension 1, in the group's rank order; the
     ranks' lengths travel with it, so unequal chunks raise on every rank."""
     length = torch.tensor([t.shape[1]], dtype=torch.int64)
-    front, lengths = synchronize(grouped_allgather_async([t.movedim(1, 0).contiguous(), length], process_set=group))
+    x = t.movedim(1, 0).contiguous()
+    front, lengths = _counted(
+        "allgather", _nbytes(x) + 8, lambda: grouped_allgather_async([x, length], process_set=group)
+    )
     if any(int(k) != t.shape[1] for k in lengths):
         raise HpcdlArgumentError(
             "gather_seq_from_tp: every rank's sequence chunk must have the same length, not "
@@ -172,7 +230,8 @@ def _gather_seq(t: torch.Tensor, group: ProcessSet) -> torch.Tensor:
 
 def _reduce_scatter_seq(t: torch.Tensor, group: ProcessSet) -> torch.Tensor:
     """The sum of every rank's ``t`` over ``group``, this rank's chunk of dimension 1."""
-    front = synchronize(reducescatter_async(t.movedim(1, 0).contiguous(), op=Sum, process_set=group))
+    t = t.movedim(1, 0).contiguous()
+    front = _counted("reducescatter", _nbytes(t), lambda: reducescatter_async(t, op=Sum, process_set=group))
     return front.movedim(0, 1).contiguous()
 
 
@@ -288,4 +347,5 @@ def allreduce_sequence_parallel_grads(module: nn.Module, group: ProcessSet) -> N
         return
     grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if grads:
-        synchronize(grouped_allreduce_async_(grads, op=Sum, process_set=group))
+        nbytes = sum(_nbytes(g) for g in grads)
+        _counted("allreduce", nbytes, lambda: grouped_allreduce_async_(grads, op=Sum, process_set=group))

@@ -1,0 +1,41 @@
+"""collectives.cost: the alpha-beta model fitted to measured times, against models known
+in advance."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from collectives.cost import AlphaBeta, fit
+
+
+def test_fit_recovers_the_model_that_made_the_points():
+    true = AlphaBeta(5e-6, 4e9)
+    points = [(s, true.time(s)) for s in (4, 1 << 10, 1 << 16, 1 << 20, 1 << 24)]
+    got = fit(points)
+    assert got.alpha == pytest.approx(true.alpha, rel=1e-9) and got.beta == pytest.approx(true.beta, rel=1e-9)
+    assert got.time(1 << 20, calls=3) == pytest.approx(3 * 5e-6 + (1 << 20) / 4e9)
+
+
+def test_fit_weighs_every_size_by_its_own_time():
+    """A 10% error at the largest size must not swamp the latency of the small ones (an
+    unweighted fit would put alpha far off)."""
+    true = AlphaBeta(2e-6, 1e10)
+    points = [(s, true.time(s)) for s in (8, 64, 512, 4096)] + [(1 << 26, true.time(1 << 26) * 1.1)]
+    got = fit(points)
+    assert got.alpha == pytest.approx(2e-6, rel=0.15)
+    assert all(abs(got.time(s) / t - 1) < 0.1 for s, t in points)
+
+
+def test_fit_clamps_what_has_no_meaning():
+    flat = fit([(4, 1e-3), (1 << 20, 1e-3), (1 << 22, 1e-3)])  # the same time at every size: latency alone
+    assert flat.alpha == pytest.approx(1e-3) and math.isinf(flat.beta)
+    steep = fit([(1 << 10, 1e-7), (1 << 20, 1.1e-3)])  # would need a negative latency: bandwidth alone
+    assert steep.alpha == 0 and steep.beta > 0
+
+
+@pytest.mark.parametrize("points", [[(4, 1e-6)], [(4, 1e-6), (4, 2e-6)], [(4, 0.0), (8, 1e-6)]])
+def test_fit_refuses_too_few_sizes_or_a_time_that_is_not_positive(points):
+    with pytest.raises(ValueError, match="fit: "):
+        fit(points)
