@@ -27,7 +27,7 @@ from hpcdl.parallel import (
     scatter_seq_to_tp,
     vocab_parallel_cross_entropy,
 )
-
+from hpcdl.parallel import tp_comm
 from hpcdl.parallel.tp_comm import traffic
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120), pytest.mark.usefixtures("runtime")]
@@ -276,10 +276,13 @@ def test_sequence_comm_functions_equal_torch_references():
     assert torch.equal(x.grad, torch.cat(ups, dim=1))
     # counted: the reduce-scatter of the whole float64 input forward, the allgather of this
     # rank's chunk of the gradient (and its length word) backward
+    # (nothing with a TP group of one rank)
     got = traffic.snapshot()
-    assert {k: c["calls"] for k, c in got.items()} == {"allreduce": 0, "allgather": 1, "reducescatter": 1}
-    assert got["reducescatter"]["bytes"] == 2 * t * 3 * 8 and got["allgather"]["bytes"] == 2 * k * 3 * 8 + 8
-    assert all(c["seconds"] > 0 for c in got.values() if c["calls"])
+    calls = {"allreduce": 0, "allgather": int(n > 1), "reducescatter": int(n > 1)}
+    assert {k: c["calls"] for k, c in got.items()} == calls
+    if n > 1:
+        assert got["reducescatter"]["bytes"] == 2 * t * 3 * 8 and got["allgather"]["bytes"] == 2 * k * 3 * 8 + 8
+        assert all(c["seconds"] > 0 for c in got.values() if c["calls"])
     g.close()
 
 
@@ -406,4 +409,45 @@ def test_sequence_parallel_block_equals_the_dense_block(kind, build):
         plo, phi = r * d // n, (r + 1) * d // n
         close(sp_body.proj.weight.grad, body.proj.weight.grad[:, plo:phi])
         close(sp_body.proj.bias.grad, body.proj.bias.grad)
+    g.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16], ids=str)
+def test_the_direct_path_gives_the_engines_results_without_its_requests(dtype, monkeypatch):
+    """A grid's TP functions on CPU tensors run through collectives on the group's own
+    communicator, not through the engine (no request is waited for); with the group detached
+    they go through the engine again, and every result, forward and backward, is the same."""
+    g = tp_grid()
+    group, n = g.tp_group, g.tp
+    if n == 1:
+        g.close()
+        pytest.skip("a TP group of one rank has no direct path to take")
+    waited = []
+    real = tp_comm.synchronize
+    monkeypatch.setattr(tp_comm, "synchronize", lambda h: waited.append(h) or real(h))
+
+    def run() -> list[torch.Tensor]:
+        torch.manual_seed(5 + g.tp_rank)
+        full = torch.randn(2, 2 * n, 3, dtype=dtype)
+        x = full.clone().requires_grad_()
+        y = reduce_scatter_seq_to_tp(x, group)
+        z = gather_seq_from_tp(y * 2, group)
+        (z * torch.arange(z.numel(), dtype=dtype).view_as(z)).sum().backward()
+        w = nn.Linear(3, 3).to(dtype)
+        mark_sequence_parallel(w)
+        w(y.detach()).sum().backward()
+        allreduce_sequence_parallel_grads(w, group)
+        return [y.detach(), z.detach(), x.grad, w.bias.grad, tp_comm.tp_sum(full, group), tp_comm.tp_max(full, group)]
+
+    direct = run()
+    assert not waited  # no engine request on the direct path
+    comm = tp_comm.detach(group)
+    assert comm is not None
+    try:
+        engine = run()
+        assert len(waited) == 7  # 2 forward, 2 backward, the marked gradients, the sum, the max
+    finally:
+        tp_comm.attach(group, comm)
+    for a, b in zip(direct, engine, strict=True):
+        assert a.dtype == dtype and torch.equal(a, b)
     g.close()

@@ -12,9 +12,11 @@ import dataclasses
 import math
 
 from .. import state
+from ..basics import mpi_threads_supported
 from ..errors import HpcdlArgumentError
 from ..functions import allgather_object
 from ..process_sets import ProcessSet, add_process_set, remove_process_set
+from . import tp_comm
 
 __all__ = ["Grid", "current_grid"]
 
@@ -44,7 +46,9 @@ class Grid:
         rt = state.running()
         world = rt.size
         # every rank's arguments and node size first, so that any problem is every rank's
-        said = allgather_object((self.dp, self.tp, self.pp, rt.local_size), name="parallel.grid")
+        said = allgather_object(
+            (self.dp, self.tp, self.pp, rt.local_size, mpi_threads_supported()), name="parallel.grid"
+        )
         if any(s[:3] != said[0][:3] for s in said):
             shown = "; ".join(f"rank {r}: dp={s[0]}, tp={s[1]}, pp={s[2]}" for r, s in enumerate(said))
             raise HpcdlArgumentError(f"Grid: ranks disagree on the sizes ({shown})")
@@ -84,6 +88,13 @@ class Grid:
         self.tp_group = self._groups("tp")
         self.dp_group = self._groups("dp")
         self.pp_group = self._groups("pp")
+        # the TP group's own communicator for the direct path (collective over the world);
+        # only where every rank's MPI lets a second thread call it beside the engine's
+        self._tp_comm = None
+        if self.tp > 1 and all(s[4] for s in said):
+            self._tp_comm = rt.comm.Split(self.pp_rank * self.dp + self.dp_rank, self.tp_rank)
+            tp_comm.attach(self.tp_group, self._tp_comm)
+            rt.at_shutdown.append(self._release_tp)
         stage = self.pp_rank
         self.prev_rank = self.rank_of(self.dp_rank, self.tp_rank, stage - 1) if stage > 0 else None
         self.next_rank = self.rank_of(self.dp_rank, self.tp_rank, stage + 1) if stage < self.pp - 1 else None
@@ -123,7 +134,9 @@ class Grid:
         return self.pp_rank == self.pp - 1
 
     def close(self) -> None:
-        """Unregister the grid's process sets (collective); ``shutdown`` does it too."""
+        """Unregister the grid's process sets and free the TP group's communicator
+        (collective); ``shutdown`` does it too."""
+        self._release_tp()
         for ps in self._sets:
             if ps.process_set_id is not None:
                 remove_process_set(ps)
@@ -131,6 +144,13 @@ class Grid:
         rt = state.peek()
         if rt is not None and getattr(rt, "grid", None) is self:
             rt.grid = None
+
+    def _release_tp(self) -> None:
+        """End the TP group's direct path and free its communicator (once)."""
+        if self._tp_comm is not None:
+            tp_comm.detach(self.tp_group)
+            self._tp_comm.Free()
+            self._tp_comm = None
 
     def __str__(self) -> str:
         return (

@@ -16,7 +16,13 @@ chunk (allgather forward, reduce-scatter backward), ``reduce_scatter_seq_to_tp``
 chunks get partial gradients: :func:`mark_sequence_parallel` marks them and
 :func:`allreduce_sequence_parallel_grads` sums their gradients over the group.
 
-Each function returns at once when the group has one rank. Every collective they run is
+Each function returns at once when the group has one rank. On CPU tensors of a group that
+a :class:`~hpcdl.parallel.Grid` built (with ``MPI_THREAD_MULTIPLE``), the collectives run
+directly through :mod:`collectives` on the group's own communicator, from the calling
+thread, as Megatron-LM calls ``torch.distributed``: a tensor-parallel call sits on the
+critical path of every layer, and a round trip through the engine's negotiation costs far
+more than the call itself (:func:`attach`). Other tensors (CUDA ones) go through the
+engine's requests. Every collective they run is
 counted in :data:`traffic` (calls, bytes and the seconds this rank waited in them, by
 kind), so a step's tensor-parallel communication can be set against what a cost model of
 the node predicts (``benchmarks.parallel_gpt``).
@@ -31,6 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+import collectives
+
 from ..errors import HpcdlArgumentError
 from ..ops import (
     Max,
@@ -43,6 +51,7 @@ from ..ops import (
     synchronize,
 )
 from ..process_sets import ProcessSet
+from ..staging import REDUCIBLE, to_numpy, to_torch
 
 __all__ = [
     "copy_to_tp",
@@ -58,6 +67,8 @@ __all__ = [
     "tp_max",
     "Traffic",
     "traffic",
+    "attach",
+    "detach",
 ]
 
 
@@ -92,12 +103,54 @@ traffic = Traffic()
 """What this process's tensor-parallel functions have sent through their groups."""
 
 
-def _counted(kind: str, nbytes: int, start: Callable[[], Any]) -> Any:
-    """``synchronize(start())``, counted in :data:`traffic`."""
+_direct: dict[int, tuple[ProcessSet, Any]] = {}
+"""id(process set) -> the process set (held, so its id stays its own) and the MPI
+communicator of its ranks, for the direct path."""
+
+
+def attach(group: ProcessSet, comm: Any) -> None:
+    """Run the tensor-parallel collectives of ``group`` on CPU tensors directly, through
+    :mod:`collectives` on ``comm`` (a communicator of the group's ranks in its order, used
+    for nothing else), from the calling thread. Every rank of the group must attach it, or
+    none: :class:`~hpcdl.parallel.Grid` does, after agreeing that MPI runs with
+    ``MPI_THREAD_MULTIPLE`` everywhere (the engine's thread keeps using its own
+    communicators meanwhile)."""
+    _direct[id(group)] = (group, comm)
+
+
+def detach(group: ProcessSet) -> Any:
+    """Stop the direct path of ``group`` (every rank of it); gives its communicator back
+    (None if it had none), for the caller to free."""
+    entry = _direct.pop(id(group), None)
+    return None if entry is None else entry[1]
+
+
+def _direct_comm(group: ProcessSet, tensors: list[torch.Tensor]) -> Any:
+    entry = _direct.get(id(group))
+    comm = None if entry is None else entry[1]
+    if comm is None or any(t.device.type != "cpu" or t.dtype not in REDUCIBLE for t in tensors):
+        return None
+    return comm
+
+
+def _counted(
+    kind: str, nbytes: int, start: Callable[[], Any], group: ProcessSet | None = None, direct: Any = None, *ts: Any
+) -> Any:
+    """``direct(comm)`` where ``group`` has the direct path and takes ``ts``, else
+    ``synchronize(start())`` through the engine; counted in :data:`traffic`."""
+    comm = None if direct is None else _direct_comm(group, list(ts))
     t0 = time.perf_counter()
-    out = synchronize(start())
+    out = synchronize(start()) if comm is None else direct(comm)
     traffic.add(kind, nbytes, time.perf_counter() - t0)
     return out
+
+
+def _allreduce(t: torch.Tensor, op: str, comm: Any) -> torch.Tensor:
+    return to_torch(collectives.allreduce(to_numpy(t), op=op, comm=comm), t.dtype)
+
+
+def _allgather(t: torch.Tensor, comm: Any) -> torch.Tensor:
+    return to_torch(collectives.allgather(to_numpy(t), comm=comm), t.dtype)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -107,19 +160,22 @@ def _nbytes(t: torch.Tensor) -> int:
 def tp_sum(t: torch.Tensor, group: ProcessSet) -> torch.Tensor:
     """The sum of ``t`` over ``group`` (no autograd)."""
     t = t.contiguous()
-    return _counted("allreduce", _nbytes(t), lambda: allreduce_async(t, op=Sum, process_set=group))
+    start = lambda: allreduce_async(t, op=Sum, process_set=group)  # noqa: E731
+    return _counted("allreduce", _nbytes(t), start, group, lambda c: _allreduce(t, "sum", c), t)
 
 
 def tp_max(t: torch.Tensor, group: ProcessSet) -> torch.Tensor:
     """The elementwise maximum of ``t`` over ``group`` (no autograd)."""
     t = t.contiguous()
-    return _counted("allreduce", _nbytes(t), lambda: allreduce_async(t, op=Max, process_set=group))
+    start = lambda: allreduce_async(t, op=Max, process_set=group)  # noqa: E731
+    return _counted("allreduce", _nbytes(t), start, group, lambda c: _allreduce(t, "max", c), t)
 
 
 def _gather_last(t: torch.Tensor, group: ProcessSet) -> torch.Tensor:
     """Every rank's ``t`` concatenated along the last dimension, in the group's rank order."""
     t = t.movedim(-1, 0).contiguous()
-    front = _counted("allgather", _nbytes(t), lambda: allgather_async(t, process_set=group))
+    start = lambda: allgather_async(t, process_set=group)  # noqa: E731
+    front = _counted("allgather", _nbytes(t), start, group, lambda c: _allgather(t, c), t)
     return front.movedim(0, -1).contiguous()
 
 
@@ -217,9 +273,13 @@ def _gather_seq(t: torch.Tensor, group: ProcessSet) -> torch.Tensor:
     ranks' lengths travel with it, so unequal chunks raise on every rank."""
     length = torch.tensor([t.shape[1]], dtype=torch.int64)
     x = t.movedim(1, 0).contiguous()
-    front, lengths = _counted(
-        "allgather", _nbytes(x) + 8, lambda: grouped_allgather_async([x, length], process_set=group)
-    )
+    start = lambda: grouped_allgather_async([x, length], process_set=group)  # noqa: E731
+
+    def direct(c: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = _allgather(length, c)  # first, so that unequal chunks fail alike everywhere
+        return (_allgather(x, c) if bool((lengths == length).all()) else x), lengths
+
+    front, lengths = _counted("allgather", _nbytes(x) + 8, start, group, direct, x)
     if any(int(k) != t.shape[1] for k in lengths):
         raise HpcdlArgumentError(
             "gather_seq_from_tp: every rank's sequence chunk must have the same length, not "
@@ -231,7 +291,13 @@ def _gather_seq(t: torch.Tensor, group: ProcessSet) -> torch.Tensor:
 def _reduce_scatter_seq(t: torch.Tensor, group: ProcessSet) -> torch.Tensor:
     """The sum of every rank's ``t`` over ``group``, this rank's chunk of dimension 1."""
     t = t.movedim(1, 0).contiguous()
-    front = _counted("reducescatter", _nbytes(t), lambda: reducescatter_async(t, op=Sum, process_set=group))
+    start = lambda: reducescatter_async(t, op=Sum, process_set=group)  # noqa: E731
+
+    def direct(c: Any) -> torch.Tensor:  # the rows divide by the group's size: equal blocks of rows
+        mine = collectives.reduce_scatter(to_numpy(t).reshape(-1), op="sum", comm=c)
+        return to_torch(mine, t.dtype).view(t.shape[0] // group.size(), *t.shape[1:])
+
+    front = _counted("reducescatter", _nbytes(t), start, group, direct, t)
     return front.movedim(0, 1).contiguous()
 
 
@@ -348,4 +414,13 @@ def allreduce_sequence_parallel_grads(module: nn.Module, group: ProcessSet) -> N
     grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
     if grads:
         nbytes = sum(_nbytes(g) for g in grads)
-        _counted("allreduce", nbytes, lambda: grouped_allreduce_async_(grads, op=Sum, process_set=group))
+        start = lambda: grouped_allreduce_async_(grads, op=Sum, process_set=group)  # noqa: E731
+
+        def direct(c: Any) -> None:  # one call over the gradients laid end to end
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            total = _allreduce(flat, "sum", c)
+            for g, part in zip(grads, total.split([g.numel() for g in grads]), strict=True):
+                g.copy_(part.view_as(g))
+
+        one_dtype = len({g.dtype for g in grads}) == 1
+        _counted("allreduce", nbytes, start, group, direct if one_dtype else None, *grads)
