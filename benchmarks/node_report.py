@@ -305,6 +305,11 @@ def _pipeline_lines(report: dict[str, Any]) -> list[str]:
                 f"- {row['grid']}, {row['chunks']} micro-batches: measured {row['bubble']:.3f}, "
                 f"(p-1)/(m+p-1) = {row['bubble_formula']:.3f} ({row['bubble'] / row['bubble_formula']:.2f} x; "
                 f"the bar, for equal stages, is {BAR:.2f} x)"
+                + (
+                    f"; with hops that cost nothing these spans give {row['bubble_replayed']:.3f}"
+                    if row.get("bubble_replayed") is not None
+                    else ""
+                )
             )
         if "tp_calls" in row:
             lines.append(
