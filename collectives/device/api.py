@@ -16,7 +16,8 @@ Algorithms (``algorithms(collective, device=True)``):
 - ``staged``: copied to host memory, reduced by the host algorithms (``auto``), copied back;
 - ``auto``: ``nccl`` where it can run (every rank its own GPU) and has the dtype; else on
   one node ``ipc``, or ``staged`` for calls up to ``device_staged_bytes`` where ranks share
-  a GPU (:data:`STAGED_BYTES` by default, with or without MPS); else ``native`` over a CUDA-aware MPI, else ``staged``.
+  a GPU (:data:`STAGED_BYTES` by default, with or without MPS); else ``native`` over a
+  CUDA-aware MPI, else ``staged``.
 
 Streams: as NCCL's, a call is ordered on the current CuPy stream. Its device work runs
 after the work queued there before the call, and the host does not wait for it: work
