@@ -22,10 +22,10 @@ directly through :mod:`collectives` on the group's own communicator, from the ca
 thread, as Megatron-LM calls ``torch.distributed``: a tensor-parallel call sits on the
 critical path of every layer, and a round trip through the engine's negotiation costs far
 more than the call itself (:func:`attach`). Other tensors (CUDA ones) go through the
-engine's requests. Every collective they run is
-counted in :data:`traffic` (calls, bytes and the seconds this rank waited in them, by
-kind), so a step's tensor-parallel communication can be set against what a cost model of
-the node predicts (``benchmarks.parallel_gpt``).
+engine's requests. Every collective they run is counted in :data:`traffic` (calls, bytes
+and the seconds this rank waited in them, by kind), so a step's tensor-parallel
+communication can be set against what a cost model of the node predicts
+(``benchmarks.parallel_gpt``).
 """
 
 from __future__ import annotations
@@ -146,11 +146,11 @@ def _counted(
 
 
 def _allreduce(t: torch.Tensor, op: str, comm: Any) -> torch.Tensor:
-    return to_torch(collectives.allreduce(to_numpy(t), op=op, comm=comm), t.dtype)
+    return to_torch(collectives.allreduce(to_numpy(t.detach()), op=op, comm=comm), t.dtype)
 
 
 def _allgather(t: torch.Tensor, comm: Any) -> torch.Tensor:
-    return to_torch(collectives.allgather(to_numpy(t), comm=comm), t.dtype)
+    return to_torch(collectives.allgather(to_numpy(t.detach()), comm=comm), t.dtype)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -294,7 +294,7 @@ def _reduce_scatter_seq(t: torch.Tensor, group: ProcessSet) -> torch.Tensor:
     start = lambda: reducescatter_async(t, op=Sum, process_set=group)  # noqa: E731
 
     def direct(c: Any) -> torch.Tensor:  # the rows divide by the group's size: equal blocks of rows
-        mine = collectives.reduce_scatter(to_numpy(t).reshape(-1), op="sum", comm=c)
+        mine = collectives.reduce_scatter(to_numpy(t.detach()).reshape(-1), op="sum", comm=c)
         return to_torch(mine, t.dtype).view(t.shape[0] // group.size(), *t.shape[1:])
 
     front = _counted("reducescatter", _nbytes(t), start, group, direct, t)
