@@ -111,23 +111,38 @@ def _max_over_ranks(x: float) -> float:
     return float(hvd.allreduce(torch.tensor([float(x)], dtype=torch.float64), op=hvd.Max, name="bench.max"))
 
 
-def _bubble(trace: dict[str, Any], first_step: int) -> float | None:
-    """Mean idle share of the pipeline's stages over the traced steps (``first_step`` on)."""
-    by_step: dict[int, dict[int, list[tuple[float, float]]]] = {}
+Span = tuple[float, str, int, float]
+"""A traced compute span: start (µs), ``"F"`` or ``"B"``, micro-batch, duration (µs)."""
+
+
+def _traced_spans(trace: dict[str, Any], first_step: int) -> dict[int, dict[int, tuple[int, list[Span]]]]:
+    """The pipeline's forward and backward spans of the traced steps (``first_step`` on):
+    by step, by timeline row (rank), that row's stage and its spans in the order they ran."""
+    steps: dict[int, dict[int, tuple[int, list[Span]]]] = {}
     for ev in trace.get("traceEvents", trace if isinstance(trace, list) else []):
         args = ev.get("args", {})
         if ev.get("ph") != "X" or ev.get("name") not in ("PIPELINE_FORWARD", "PIPELINE_BACKWARD"):
             continue
         if args.get("step", -1) < first_step:
             continue
-        spans = by_step.setdefault(args["step"], {}).setdefault(ev["pid"], [])
-        spans.append((ev["ts"], ev["ts"] + ev["dur"]))
+        stage = int(str(args.get("tensor", "")).rsplit(" ", 1)[-1])
+        kind = "F" if ev["name"] == "PIPELINE_FORWARD" else "B"
+        row = steps.setdefault(args["step"], {}).setdefault(ev["pid"], (stage, []))
+        row[1].append((ev["ts"], kind, args["micro_batch"], ev["dur"]))
+    for rows in steps.values():
+        for _, spans in rows.values():
+            spans.sort()
+    return steps
+
+
+def _bubble(trace: dict[str, Any], first_step: int) -> float | None:
+    """Mean idle share of the pipeline's stages over the traced steps (``first_step`` on)."""
     shares = []
-    for stages in by_step.values():
-        start = min(a for s in stages.values() for a, _ in s)
-        end = max(b for s in stages.values() for _, b in s)
-        for spans in stages.values():
-            shares.append(1.0 - sum(b - a for a, b in spans) / (end - start))
+    for rows in _traced_spans(trace, first_step).values():
+        start = min(t for _, spans in rows.values() for t, *_ in spans)
+        end = max(t + d for _, spans in rows.values() for t, _, _, d in spans)
+        for _, spans in rows.values():
+            shares.append(1.0 - sum(d for *_, d in spans) / (end - start))
     return statistics.mean(shares) if shares else None
 
 
@@ -184,48 +199,50 @@ def replayed_bubble(trace: dict[str, Any], first_step: int) -> float | None:
     replayed in the order they ran, with their measured lengths, every span starting as soon
     as its stage is free and its input exists (a forward after the previous stage's forward
     of that micro-batch, a backward after the next stage's backward of it); mean idle share
-    as :func:`_bubble` measures it. What the measured bubble exceeds this by is the hops'
-    cost (sends, receives, the schedule's Python); what this exceeds ``(p-1)/(m+p-1)`` by is
-    the stages' unequal compute."""
-    steps: dict[int, dict[int, list[tuple[float, str, int, float]]]] = {}
-    for ev in trace.get("traceEvents", trace if isinstance(trace, list) else []):
-        args = ev.get("args", {})
-        if ev.get("ph") != "X" or ev.get("name") not in ("PIPELINE_FORWARD", "PIPELINE_BACKWARD"):
-            continue
-        if args.get("step", -1) < first_step:
-            continue
-        stage = int(str(args.get("tensor", "")).rsplit(" ", 1)[-1])
-        kind = "F" if ev["name"] == "PIPELINE_FORWARD" else "B"
-        steps.setdefault(args["step"], {}).setdefault(stage, []).append(
-            (ev["ts"], kind, args["micro_batch"], ev["dur"])
-        )
+    as :func:`_bubble` measures it. Each pipeline (the ranks of one dp and tp coordinate,
+    the n-th rank of each stage in rank order) is replayed on its own. What the measured
+    bubble exceeds this by is the hops' cost (sends, receives, the schedule's Python); what
+    this exceeds ``(p-1)/(m+p-1)`` by is the stages' unequal compute."""
     shares = []
-    for stages in steps.values():
-        p = len(stages)
-        order = {s: [(k, i, d) for _, k, i, d in sorted(spans)] for s, spans in stages.items()}
-        end: dict[tuple[int, str, int], float] = {}
-        free = dict.fromkeys(order, 0.0)
-        at = dict.fromkeys(order, 0)
-        busy = dict.fromkeys(order, 0.0)
-        while any(at[s] < len(order[s]) for s in order):
-            moved = False
-            for s in order:
-                if at[s] == len(order[s]):
-                    continue
-                k, i, d = order[s][at[s]]
-                dep = (s - 1, "F", i) if k == "F" and s > 0 else (s + 1, "B", i) if k == "B" and s < p - 1 else None
-                if dep is not None and dep not in end:
-                    continue
-                start = max(free[s], end[dep] if dep else 0.0)
-                end[(s, k, i)] = free[s] = start + d
-                busy[s] += d
-                at[s] += 1
-                moved = True
-            if not moved:
+    for rows in _traced_spans(trace, first_step).values():
+        by_stage: dict[int, list[int]] = {}
+        for pid in sorted(rows):
+            by_stage.setdefault(rows[pid][0], []).append(pid)
+        if len({len(pids) for pids in by_stage.values()}) != 1:
+            return None  # stages with different numbers of ranks: not a grid's pipelines
+        for line in zip(*(by_stage[s] for s in sorted(by_stage)), strict=True):
+            replayed = _replay([[(k, i, d) for _, k, i, d in rows[pid][1]] for pid in line])
+            if replayed is None:
                 return None  # the spans do not form a schedule (a step cut short)
-        span = max(free.values())
-        shares += [1.0 - b / span for b in busy.values()]
+            busy, span = replayed
+            shares += [1.0 - b / span for b in busy]
     return statistics.mean(shares) if shares else None
+
+
+def _replay(order: list[list[tuple[str, int, float]]]) -> tuple[list[float], float] | None:
+    """Replay one pipeline's spans (``order[s]``: stage s's ``(kind, micro-batch,
+    duration)`` in the order they ran) with free hops: each stage's busy time and the
+    step's length, or None where no span can start."""
+    p = len(order)
+    end: dict[tuple[int, str, int], float] = {}
+    free, at, busy = [0.0] * p, [0] * p, [0.0] * p
+    while any(at[s] < len(order[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            if at[s] == len(order[s]):
+                continue
+            k, i, d = order[s][at[s]]
+            dep = (s - 1, "F", i) if k == "F" and s > 0 else (s + 1, "B", i) if k == "B" and s < p - 1 else None
+            if dep is not None and dep not in end:
+                continue
+            start = max(free[s], end[dep] if dep else 0.0)
+            end[(s, k, i)] = free[s] = start + d
+            busy[s] += d
+            at[s] += 1
+            moved = True
+        if not moved:
+            return None
+    return busy, max(free)
 
 
 def _timeline_path() -> tuple[str, str | None]:

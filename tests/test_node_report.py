@@ -128,11 +128,13 @@ def test_the_gpu_section_gives_the_staged_ipc_crossover_with_and_without_mps():
     assert "| 1 MiB | 720.0 | 900.0 |" in text
 
 
-def _one_f_one_b(p: int, m: int, fwd: list[float], bwd: list[float]) -> dict:
-    """A timeline of one 1F1B step of ``p`` stages whose spans last ``fwd[s]`` and
-    ``bwd[s]``, the spans of each stage in its schedule's order (times are only an order)."""
+def _one_f_one_b(p: int, m: int, fwd: list[float], bwd: list[float], lines: int = 1) -> dict:
+    """A timeline of one 1F1B step of ``lines`` pipelines of ``p`` stages (rank
+    ``s * lines + j``: stage s of pipeline j, as a grid numbers them) whose spans last
+    ``fwd[s]`` and ``bwd[s]``, the spans of each stage in its schedule's order (times are
+    only an order)."""
     events = []
-    for s in range(p):
+    for s, j in ((s, j) for s in range(p) for j in range(lines)):
         warm = min(p - s - 1, m)
         order = [("F", i) for i in range(warm)]
         order += [x for k in range(m - warm) for x in (("F", warm + k), ("B", k))]
@@ -141,7 +143,7 @@ def _one_f_one_b(p: int, m: int, fwd: list[float], bwd: list[float]) -> dict:
             name = "PIPELINE_FORWARD" if kind == "F" else "PIPELINE_BACKWARD"
             dur = fwd[s] if kind == "F" else bwd[s]
             args = {"tensor": f"pipeline stage {s}", "step": 1, "micro_batch": i}
-            events.append({"name": name, "ph": "X", "ts": float(t), "dur": dur, "pid": s, "args": args})
+            events.append({"name": name, "ph": "X", "ts": float(t), "dur": dur, "pid": s * lines + j, "args": args})
     return {"traceEvents": events}
 
 
@@ -151,6 +153,8 @@ def test_the_replayed_bubble_of_equal_stages_is_the_formula_and_grows_with_unequ
 
     equal = replayed_bubble(_one_f_one_b(p, m, [1.0] * p, [2.0] * p), 1)
     assert equal == pytest.approx((p - 1) / (m + p - 1))
+    # two pipelines side by side (dp = 2): each replayed on its own, the same bubble
+    assert replayed_bubble(_one_f_one_b(p, m, [1.0] * p, [2.0] * p, lines=2), 1) == pytest.approx(equal)
     slow_last = replayed_bubble(_one_f_one_b(p, m, [1.0] * p, [2.0] * (p - 1) + [3.0]), 1)
     assert slow_last > equal + 0.01
     assert replayed_bubble({"traceEvents": []}, 1) is None
