@@ -32,7 +32,18 @@ from .errors import (
 from .ops import DTYPES, OPS, check_dtype, check_op, dtype_code
 from .select import DEVICE, REGISTRY, choose
 
-__all__ = ["Call", "pack", "unpack", "word", "check_out", "equal_counts", "within", "ROWS", "FIELDS"]
+__all__ = [
+    "Call",
+    "pack",
+    "unpack",
+    "word",
+    "check_out",
+    "check_out_layout",
+    "equal_counts",
+    "within",
+    "ROWS",
+    "FIELDS",
+]
 
 COLLECTIVES = tuple(REGISTRY)
 FIELDS = ("collective", "algorithm", "resolved", "op", "dtype", "count", "root", "item shape", "error", "memory")
@@ -360,15 +371,25 @@ def check_out(call: Call, out: np.ndarray | None, shape: tuple[int, ...]) -> Non
         return
     if not isinstance(out, np.ndarray):
         call.fail(OutputMismatchError(f"{call.collective}: out must be a numpy array, not {type(out).__name__}"))
-    elif out.shape != shape or out.dtype != call.x.dtype:
+    else:
+        check_out_layout(call, out, shape, call.x.dtype)
+
+
+def check_out_layout(call: Call, out: Any, shape: tuple[int, ...], dtype: np.dtype) -> bool:
+    """Fail ``call`` unless ``out`` (a host or device array) has ``shape`` and ``dtype`` and
+    is C-contiguous; True when it passes."""
+    if out.shape != shape or out.dtype != dtype:
         call.fail(
             OutputMismatchError(
                 f"{call.collective}: out has shape {out.shape} and dtype {out.dtype}; "
-                f"expected shape {shape} and dtype {call.x.dtype}"
+                f"expected shape {shape} and dtype {dtype}"
             )
         )
-    elif not out.flags.c_contiguous:
+        return False
+    if not out.flags.c_contiguous:
         call.fail(OutputMismatchError(f"{call.collective}: out must be C-contiguous"))
+        return False
+    return True
 
 
 def word(collective: str, algorithm: str, resolved: str, op: str | None, dtype: np.dtype, root: int | None) -> int:

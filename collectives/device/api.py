@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from ..agreement import ROWS, Call
+from ..agreement import ROWS, Call, check_out_layout
 from ..algorithms.native import mpi_op
 from ..blocks import block_counts, offsets
 from ..context import Context, get_context
@@ -124,16 +124,7 @@ def _check_out(call: Call, out: Any, shape: tuple[int, ...], xa: Any) -> Any:
     except Exception:  # noqa: BLE001 - anything that is not a device array
         call.fail(OutputMismatchError(f"{call.collective}: out must be a device array, like x"))
         return None
-    if o.shape != shape or o.dtype != xa.dtype:
-        call.fail(
-            OutputMismatchError(
-                f"{call.collective}: out has shape {o.shape} and dtype {o.dtype}; "
-                f"expected shape {shape} and dtype {xa.dtype}"
-            )
-        )
-    elif not o.flags.c_contiguous:
-        call.fail(OutputMismatchError(f"{call.collective}: out must be C-contiguous"))
-    elif o.device.id != xa.device.id:
+    if check_out_layout(call, o, shape, xa.dtype) and o.device.id != xa.device.id:
         call.fail(OutputMismatchError(f"{call.collective}: out is on GPU {o.device.id}, x on GPU {xa.device.id}"))
     return o
 
