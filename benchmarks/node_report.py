@@ -412,22 +412,29 @@ def _command(step: str, n: int, json_path: Path, quick: bool) -> list[str]:
     return ["collectives.tune", *(few or ["--rounds", "3", "--max", "4M"]), "--out", str(json_path)]
 
 
+def _ends(r: Runner, chosen: list[str]) -> dict[str, float]:
+    """When each chosen step must end: the budget left, shared among them by their
+    :data:`SHARES`, in order."""
+    total, scale = r.left(), 1 / sum(SHARES[k] for k in chosen)
+    ends, end = {}, time.monotonic()
+    for step in chosen:
+        end += total * SHARES[step] * scale
+        ends[step] = end
+    return ends
+
+
 def _steps(r: Runner, counts: list[int], args: argparse.Namespace, gpus: int) -> dict[str, Any]:
-    """Run every step under the budget; their figures by step and rank count."""
+    """Run every chosen step under the budget; their figures by step and rank count."""
     got: dict[str, Any] = {step: {} for step in ("collectives", "small_calls", "tuner", "training")}
     got.update(pipeline=[], gpu=None)
-    total = r.left()
     chosen = [k for k in SHARES if k in args.steps and (gpus or k != "gpu")]
-    shares = {k: (SHARES[k] if k in chosen else 0.0) for k in SHARES}
-    scale = 1 / max(sum(shares.values()), 1e-9)
-    end = time.monotonic()
+    ends = _ends(r, chosen) if chosen else {}
     for step in ("collectives", "small_calls", "tuner"):
-        if step not in chosen:
+        if step not in ends:
             continue
-        end += total * shares[step] * scale
         for n in counts:
             name = f"{step}_np{n}"
-            r.run(name, n, _command(step, n, r.raw / f"{name}.json", args.quick), _each(end, counts, n))
+            r.run(name, n, _command(step, n, r.raw / f"{name}.json", args.quick), _each(ends[step], counts, n))
             data = r.load(name)
             if data and step == "collectives":
                 got["collectives"][str(n)] = worst_ratios(data)
@@ -435,14 +442,17 @@ def _steps(r: Runner, counts: list[int], args: argparse.Namespace, gpus: int) ->
                 got["small_calls"][str(n)] = data
             elif data:
                 got["tuner"][str(n)] = data.get("tables", [])
-    _later_steps(r, counts, args, chosen, got, end, total, shares, scale)
+    if "training" in ends:
+        _training(r, counts, args, got, ends["training"])
+    if "pipeline" in ends:
+        _pipeline(r, args, got, ends["pipeline"])
+    if "gpu" in ends:
+        got["gpu"] = _gpu(r, args)
     return got
 
 
-def _later_steps(r, counts, args, chosen, got, end, total, shares, scale) -> None:
-    """The training, pipeline and GPU steps of :func:`_steps` (those in ``chosen``), into ``got``."""
-    end += total * shares["training"] * scale
-    train = [2] + [n for n in counts if n > 2 and n <= 8][-1:] if "training" in chosen else []
+def _training(r: Runner, counts: list[int], args: argparse.Namespace, got: dict[str, Any], end: float) -> None:
+    train = [2] + [n for n in counts if n > 2 and n <= 8][-1:]
     for n in train:
         name = f"training_np{n}"
         steps = ["--rounds", "1", "--steps", "2", "--timeline-steps", "1"] if args.quick else ["--rounds", "2"]
@@ -453,11 +463,6 @@ def _later_steps(r, counts, args, chosen, got, end, total, shares, scale) -> Non
             _each(end, train, n),
         )
         got["training"][str(n)] = r.load(name) or []
-    end += total * shares["pipeline"] * scale
-    if "pipeline" in chosen:
-        _pipeline(r, args, got, end)
-    if "gpu" in chosen:
-        got["gpu"] = _gpu(r, args)
 
 
 def _pipeline(r: Runner, args: argparse.Namespace, got: dict[str, Any], end: float) -> None:
