@@ -170,9 +170,8 @@ def alpha_beta(group: Any, repeats: int = 8) -> dict[str, AlphaBeta]:
             for _ in range(repeats):
                 traffic.reset()
                 call(nbytes // 4)
-                c = traffic.counts[kind]
-                times.append(c["seconds"])
-            points.append((c["bytes"], statistics.median(times)))
+                times.append(traffic.counts[kind]["seconds"])
+            points.append((traffic.counts[kind]["bytes"], statistics.median(times)))
         models[kind] = fit(points)
     traffic.reset()
     return models

@@ -134,10 +134,10 @@ def _direct_comm(group: ProcessSet, tensors: list[torch.Tensor]) -> Any:
 
 
 def _counted(
-    kind: str, nbytes: int, start: Callable[[], Any], group: ProcessSet | None = None, direct: Any = None, *ts: Any
+    kind: str, nbytes: int, start: Callable[[], Any], group: ProcessSet, direct: Callable[[Any], Any] | None, *ts: Any
 ) -> Any:
-    """``direct(comm)`` where ``group`` has the direct path and takes ``ts``, else
-    ``synchronize(start())`` through the engine; counted in :data:`traffic`."""
+    """``direct(comm)`` where ``group`` has the direct path and takes ``ts``, else (or with
+    ``direct`` None) ``synchronize(start())`` through the engine; counted in :data:`traffic`."""
     comm = None if direct is None else _direct_comm(group, list(ts))
     t0 = time.perf_counter()
     out = synchronize(start()) if comm is None else direct(comm)
