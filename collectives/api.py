@@ -586,7 +586,7 @@ def _reduce(x, arg, algorithm, out, comm, blocking, agreed):
         return out
     if small:
         if is_root:
-            slots.small_allreduce(ctx.chan, call.seq, out, op)
+            slots.small_reduce(ctx.chan, call.seq, out, op)
         return out
     ws = call.inplace(output=False)
     if ws is not None:  # every rank's input lies in the arena: read it there

@@ -56,6 +56,11 @@ class Config:
     the control slots too (each rank's data copied in and out once; reductions keep
     ``shm_small_bytes``, beyond which each rank reducing only its slice wins)."""
 
+    shm_split_bytes: int = 4 << 10
+    """From 3 ranks on a node, a one-step allreduce whose ``(ranks - 2) x bytes per rank``
+    reaches this finishes in two steps: each rank reduces only its block, then copies every
+    rank's (its memory traffic grows with 2, not with the ranks; 0: always one step)."""
+
     shm_chunk_bytes: int = 1 << 20
     """Pipeline chunk of the single-node ``shm`` algorithms (each rank holds two), in bytes."""
 
@@ -106,6 +111,8 @@ class Config:
             raise ConfigError(f"shm_small_bytes={self.shm_small_bytes} must be at least 64")
         if self.shm_copy_small_bytes < 64:
             raise ConfigError(f"shm_copy_small_bytes={self.shm_copy_small_bytes} must be at least 64")
+        if self.shm_split_bytes < 0:
+            raise ConfigError(f"shm_split_bytes={self.shm_split_bytes} must be >= 0 (0: always one step)")
         if self.shm_chunk_bytes < 4096:
             raise ConfigError(f"shm_chunk_bytes={self.shm_chunk_bytes} must be at least 4096")
         if self.shm_arena_bytes < 0:

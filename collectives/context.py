@@ -228,6 +228,7 @@ class Context:
                 cfg.compiled_channel,
                 cfg.shm_copy_small_bytes,
                 cfg.stall_timeout,
+                cfg.shm_split_bytes,
             )
             if cfg.shm_spin >= 0:
                 self._channel.spin = cfg.shm_spin

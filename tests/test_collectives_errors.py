@@ -218,3 +218,19 @@ def test_a_rank_that_skips_a_call_ends_in_a_stall_error_on_every_rank(where):
         assert np.array_equal(C.allreduce(np.full(3, k + r, np.int64), comm=comm), np.full(3, n * k + n * (n - 1) // 2))
     comm.Free()
     sync.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_given_different_channel_settings_fail_alike_instead_of_waiting():
+    # their windows and their choice of path would differ: every rank raises where the node
+    # channel is made, naming the setting and each rank's value
+    if get_context(WORLD).topology().nodes != 1:
+        pytest.skip("ranks span nodes")
+    comm = WORLD.Dup()
+    try:
+        with pytest.raises(C.ConfigError, match=r"shm_split_bytes differs .*rank 0: 0, rank 1: 1000"):
+            get_context(comm, Config(shm_split_bytes=1000 * comm.rank))
+        get_context(comm, Config())  # the same settings everywhere: it works
+        assert np.array_equal(C.allreduce(np.ones(4), comm=comm), np.full(4, comm.size))
+    finally:
+        comm.Free()

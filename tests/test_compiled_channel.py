@@ -126,6 +126,48 @@ def test_reductions_compiled_equal_python_and_numpy(comms, dtype, op):
     assert _kind_of(slow, key) == "function"
 
 
+@pytest.mark.mpi(min_size=3)
+@needs_core
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_allreduces_in_two_steps_give_the_one_step_bits(dtype):
+    # from 3 ranks a one-step allreduce may finish in two (Channel.split_at): each rank
+    # reduces its block into its slot, then copies every rank's; forced here at every size,
+    # on the compiled loop, on Python's, with ranks mixing the two, and on the general path
+    dt = np.dtype(dtype)
+    configs = {
+        "one step": Config(shm_split_bytes=0),
+        "compiled": Config(shm_split_bytes=1),
+        "python": Config(shm_split_bytes=1, compiled_channel=False),
+        "mixed": Config(shm_split_bytes=1, compiled_channel=ME % 2 == 0),
+    }
+    comms = {name: WORLD.Dup() for name in configs}
+    try:
+        ctxs = {name: get_context(comms[name], config=cfg) for name, cfg in configs.items()}
+        if ctxs["one step"].topology().nodes != 1:
+            pytest.skip("ranks span nodes: no node channel")
+        chans = {name: ctx.channel() for name, ctx in ctxs.items()}
+        assert chans["one step"].split_at(64 << 10) == 0 and chans["compiled"].split_at(100) == 128
+        for op in OPS:
+            for count in (*COUNTS, (64 << 10) // dt.itemsize):
+                xs = _inputs(count, dt, op, seed=count + 11)
+                x = xs[ME]
+                ref = C.allreduce(x, op=op, comm=comms["one step"])
+                want = expected(xs, op)
+                check_close(ref, want.astype(np.float64) if dt.kind == "f" else want, op, N, f"{dt} {op} x{count}")
+                for name in ("compiled", "python", "mixed"):
+                    comm = comms[name]
+                    what = f"{name} {dt} {op} x{count}"
+                    assert digest(C.allreduce(x, op=op, comm=comm)) == digest(ref), what
+                    out = np.empty_like(x)
+                    C.allreduce(x, op=op, out=out, comm=comm)
+                    assert digest(out) == digest(ref), what
+                    assert digest(C.iallreduce(x, op=op, comm=comm).wait()) == digest(ref), what + " (general path)"
+                _same_everywhere(ref)
+    finally:
+        for c in comms.values():
+            c.Free()
+
+
 @pytest.mark.mpi(min_size=2)
 @needs_core
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)

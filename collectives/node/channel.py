@@ -4,7 +4,7 @@ the counters, slots and buffers the ``shm`` algorithms (:mod:`.slots`, :mod:`.st
 Every rank owns one segment of the window (``MPI_Win_allocate_shared``, or plain arrays
 for the thread transport), laid out as::
 
-    [seq sleeping abort][stage] [slot 0: header | small data] [slot 1: ...] [buffer 0] [buffer 1]
+    [seq sleeping abort done][stage] [slot 0: header | small data] [slot 1: ...] [buffer 0] [buffer 1]
 
 ``seq`` counts the calls this rank has *posted*; a call posts its argument signature
 (three int64 words) and where its input and output lie in the node's arena (two more:
@@ -12,8 +12,10 @@ for the thread transport), laid out as::
 then publishes ``seq``. Two slots suffice: a rank can post call ``k + 2`` only after every peer
 posted ``k + 1``, which each does only after it finished reading call ``k``. ``stage`` is
 a second counter used as a barrier: a rank publishes it and waits until every peer has
-reached it. Loads and stores are ordered by the window's ``MPI_Win_sync`` around every
-publication.
+reached it. ``done`` counts the allreduces that finish in two steps through the slots
+(:meth:`Channel.split_at`): each rank reduces its block of the call into its slot, past the
+data, and publishes the call there; the peers copy the block once it is. Loads and stores
+are ordered by the window's ``MPI_Win_sync`` around every publication.
 
 A rank waiting for a peer's counter polls it a while (:data:`SPIN` polls when every rank
 has a core of its own, or fewer when the caller says its process has other work: see
@@ -44,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import StallError
+from ..errors import ConfigError, StallError
 from . import futex
 
 try:
@@ -91,6 +93,19 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def _agree_layout(t: Any, small: int, copy_small: int, chunk: int, split: int) -> None:
+    """Raise :class:`~.errors.ConfigError` on every rank when the node's ranks were given
+    different channel settings: their windows and their choices of path would differ, and
+    the ranks would wait for one another forever instead of failing."""
+    names = ("shm_small_bytes", "shm_copy_small_bytes", "shm_chunk_bytes", "shm_split_bytes")
+    everyone = t.allgather_obj((small, copy_small, chunk, split))
+    for k, name in enumerate(names):
+        values = [e[k] for e in everyone]
+        if len(set(values)) > 1:
+            said = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise ConfigError(f"{name} differs between the ranks of a node ({said}); give every rank the same")
+
+
 class Channel:
     """The shared window of one node-local communicator, and this rank's counters."""
 
@@ -103,15 +118,20 @@ class Channel:
         compiled: bool = True,
         copy_small_bytes: int = 0,
         stall_timeout: float = 0.0,
+        split_bytes: int = 0,
     ) -> None:
         n, me = t.size, t.rank
         self.n, self.me = n, me
+        _agree_layout(t, small_bytes, copy_small_bytes, chunk_bytes, split_bytes)
         self.small = _round_up(max(small_bytes, LINE), LINE)
         """Reductions up to this many bytes per rank finish in one step through the slots."""
         self.copy_small = _round_up(max(copy_small_bytes, LINE), LINE) if copy_small_bytes else self.small
         """Broadcasts and allgathers up to this many bytes per rank finish in one step."""
         self.slot_bytes = max(self.small, self.copy_small)
         """What one slot holds: the larger of the two."""
+        self.split_bytes = split_bytes
+        """From 3 ranks, a one-step allreduce finishes in two steps once ``(ranks - 2) x bytes``
+        reaches this (0: never): see :meth:`split_at`."""
         self.region = _round_up(max(chunk_bytes // n, LINE), LINE)
         self.chunk = self.region * n
         slot = LINE + self.slot_bytes
@@ -126,10 +146,13 @@ class Channel:
         self.sleeping = [memoryview(s[8:16]).cast("q") for s in segs]
         # written by its owner only, once: the call it gave up on after a stall (0: none)
         self.aborts = [memoryview(s[16:24]).cast("q") for s in segs]
+        # written by its owner only: the last call whose reduced block it published (split_at)
+        self.dones = [memoryview(s[24:32]).cast("q") for s in segs]
         self._peer_aborts = [self.aborts[j] for j in range(n) if j != me]
         self.stall_timeout = stall_timeout
         """Seconds a wait for one peer lasts before it ends in a :class:`~.errors.StallError` (0: never)."""
         self._seq_addr = [s[0:8].ctypes.data for s in segs]
+        self._done_addr = [s[24:32].ctypes.data for s in segs]
         self._stage_addr = [s[LINE : LINE + 8].ctypes.data for s in segs]
         self.heads = [
             [memoryview(s[self._slot0 + p * slot : self._slot0 + p * slot + 40]).cast("q") for p in (0, 1)]
@@ -140,6 +163,7 @@ class Channel:
         peers = [j for j in range(n) if j != me]
         self._my_seq = self.seqs[me]
         self._peer_seqs = [(self.seqs[j], self._seq_addr[j]) for j in peers]
+        self._peer_dones = [(self.dones[j], self._done_addr[j]) for j in peers]
         self._peer_stages = [(self.stages[j], self._stage_addr[j]) for j in peers]
         self._peer_sleeping = [self.sleeping[j] for j in peers]
         self._my_seq_addr, self._my_stage_addr = self._seq_addr[me], self._stage_addr[me]
@@ -180,6 +204,7 @@ class Channel:
             futex.OK,
             [s[16:24].ctypes.data for s in segs],
             self.stalled,
+            self._done_addr,
         )
         core.stall = stall_timeout
         self.post, self.exchange, self.wait_posted = core.post, core.exchange, core.wait_posted
@@ -287,26 +312,59 @@ class Channel:
 
     def wait_posted(self, seq: int) -> None:
         """Block until every peer has posted call ``seq`` (progressing other work meanwhile)."""
-        for i, (v, addr) in enumerate(self._peer_seqs):
-            if v[0] >= seq:
+        self._wait_peers(self._peer_seqs, seq, 0)
+
+    def _wait_peers(self, ctrs: list[tuple[memoryview, int]], want: int, kind: int) -> None:
+        """Block until every peer's counter in ``ctrs`` (with its address) reaches ``want``;
+        ``kind`` names the counters in a stall's error (:meth:`stalled`)."""
+        for i, (v, addr) in enumerate(ctrs):
+            if v[0] >= want:
                 continue
             spins, budget, start = 0, self.budget(), 0.0
-            while v[0] < seq:
+            while v[0] < want:
                 spins += 1
                 if spins % 64:
                     continue
                 self.progress()
                 if spins >= budget:
-                    self._doze(v, addr, seq)
+                    self._doze(v, addr, want)
                 elif spins & _STALL_POLLS:
                     continue
-                start = self._check_stall(i, seq, start, 0)
+                start = self._check_stall(i, want, start, kind)
         self.fence()
+
+    # -- allreduces in two steps -----------------------------------------------------------
+    def split_at(self, nbytes: int) -> int:
+        """Where in a slot a one-step allreduce of ``nbytes`` per rank puts its reduced
+        blocks when it finishes in two steps, or 0 when it finishes in one.
+
+        In one step every rank reduces every rank's whole message: ``n x nbytes`` read per
+        rank, which from a few ranks up costs more than a second wait. In two steps each
+        rank reduces only its block (MPICH's block sizes) into its own slot past the data,
+        publishes ``done`` (:meth:`publish_done`), and copies every rank's block once they
+        are published: ``2 x nbytes`` read. The results are the same bits (each element is
+        reduced in rank order either way). Two steps are taken from 3 ranks, once
+        ``(n - 2) x nbytes`` reaches :attr:`split_bytes`, where data and blocks fit a slot."""
+        if self.split_bytes <= 0 or self.n < 3 or (self.n - 2) * nbytes < self.split_bytes:
+            return 0
+        at = _round_up(nbytes, LINE)
+        return at if at + nbytes <= self.slot_bytes else 0
+
+    def publish_done(self, seq: int) -> None:
+        """Publish that this rank's reduced block of call ``seq`` is in its slot."""
+        self.fence()
+        self.dones[self.me][0] = seq
+        self._wake_sleepers(self._done_addr[self.me])
+
+    def wait_done(self, seq: int) -> None:
+        """Block until every peer has published its reduced block of call ``seq``."""
+        self._wait_peers(self._peer_dones, seq, 4)
 
     def _check_stall(self, i: int, want: int, start: float, kind: int) -> float:
         """Raise the stall's error if a peer gave up, or the wait for peer ``i`` (its index
         among the peers) has lasted the stall timeout since ``start`` (0: since now, the
-        first look); ``kind`` 0 waits on its counter, 3 on its stage. Returns the start."""
+        first look); ``kind`` 0 waits on its counter, 3 on its stage, 4 on its reduced block.
+        Returns the start."""
         self._check_peers(want)
         now = time.monotonic()
         if not start:
@@ -324,15 +382,16 @@ class Channel:
     def stalled(self, rank: int, want: int, kind: int) -> None:
         """Give up on this channel after a stall and raise :class:`~.errors.StallError`:
         kind 0, this rank waited the stall timeout for ``rank`` to post call ``want`` (3:
-        to reach barrier ``want``); 1, ``rank`` gave up; 2, this rank gave up before."""
+        to reach barrier ``want``; 4: to publish its reduced block of call ``want``); 1,
+        ``rank`` gave up; 2, this rank gave up before."""
         mine = self.aborts[self.me]
         if mine[0] == 0:
             mine[0] = max(want, 1)
             self.fence()
         how = "stopped on every rank of the node; call collectives.reset(comm) on every rank to use it again"
-        if kind in (0, 3):
-            what = "call" if kind == 0 else "barrier"
-            ctrs = self.seqs if kind == 0 else self.stages
+        if kind in (0, 3, 4):
+            what = {0: "call", 3: "barrier", 4: "the reduced blocks of call"}[kind]
+            ctrs = {0: self.seqs, 3: self.stages, 4: self.dones}[kind]
             late = [j for j in range(self.n) if j != self.me and ctrs[j][0] < want] or [rank]
             raise StallError(
                 f"collective stalled: waited {self.stall_timeout:g} s (HPCDL_STALL_TIMEOUT) for rank(s) {late} "

@@ -7,19 +7,22 @@
  * module does the same steps on the same memory with the same protocol (see channel.py's
  * docstring), so a rank using it and a rank using the pure-Python loop interoperate:
  *
- *   Core(me, seqs, sleeping, heads, slots, slot_bytes, spin, progress, contiguous, futex, aborts, stalled)
- *       seqs, sleeping, aborts: every rank's counter, sleeping-flag and abort-word address
- *       (int64 words);
+ *   Core(me, seqs, sleeping, heads, slots, slot_bytes, spin, progress, contiguous, futex, aborts, stalled, dones)
+ *       seqs, sleeping, aborts, dones: every rank's counter, sleeping-flag, abort-word and
+ *       reduced-slice counter address (int64 words);
  *       heads, slots: every rank's slot 0 and slot 1 header and data addresses, as
  *       [r0p0, r0p1, r1p0, ...]; progress(): called while waiting; contiguous(x): a
  *       C-contiguous copy of x (numpy.ascontiguousarray); stalled(rank, want, kind): raises
  *       the error of a stall (kind 0: this rank waited core.stall seconds for `rank` to post
- *       call `want`; 1: `rank` gave up after a stall; 2: this rank gave up before).
+ *       call `want`; 4: to publish its reduced slice of call `want`; 1: `rank` gave up after
+ *       a stall; 2: this rank gave up before).
  *   core.post(a, b, c, payload=None, win=0, wout=0) -> seq
  *   core.wait_posted(seq)
  *   core.exchange(a, b, c, payload=None, uneven=False, win=0, wout=0) -> seq or -seq
  *   core.step(kind, ...) -> Step: one collective's one-step call for one dtype and shape,
- *       step(x, out=None) posts x, waits and finishes the call from the slots (below)
+ *       step(x, out=None) posts x, waits and finishes the call from the slots (below); an
+ *       allreduce given `split_at` finishes in two steps (each rank reduces its block into
+ *       its slot at that byte offset, publishes `dones`, and copies every rank's block)
  *
  * Loads and stores of the counters are atomic, and full fences order them around every
  * publication, as MPI_Win_sync does on the Python side. Reductions combine every rank's
@@ -71,6 +74,7 @@ typedef struct {
     int64_t **seqs;     /* n */
     int64_t **sleeping; /* n */
     int64_t **aborts;   /* n: nonzero once the rank gave up after a stall */
+    int64_t **dones;    /* n: the last call whose reduced block the rank published (split allreduces) */
     int64_t stall_ns;   /* a wait for one peer ends in a stall error after this long (0: never) */
     PyObject *stalled;  /* raises the stall's error */
     int64_t **heads;    /* 2n: rank r, slot p at 2r + p */
@@ -167,8 +171,9 @@ static int gave_up(Core *c) {
 }
 
 /* Wait until every peer's counter in `ctrs` reaches `want`; 0, or -1 with an exception
- * (a stall: a peer gave up, or this rank waited c->stall_ns for one). */
-static int wait_all(Core *c, int64_t **ctrs, int64_t want) {
+ * (a stall: a peer gave up, or this rank waited c->stall_ns for one; `kind` names the
+ * counter to c->stalled: 0 the call counters, 4 the reduced-block ones). */
+static int wait_all(Core *c, int64_t **ctrs, int64_t want, int kind) {
     for (int r = 0; r < c->n; r++) {
         int64_t *v = ctrs[r];
         if (r == c->me || load(v) >= want)
@@ -196,7 +201,7 @@ static int wait_all(Core *c, int64_t **ctrs, int64_t want) {
             if (q >= 0)
                 return stall(c, q, want, 1);
             if (c->stall_ns > 0 && t - start >= c->stall_ns)
-                return stall(c, r, want, 0);
+                return stall(c, r, want, kind);
         }
     }
     fence();
@@ -262,7 +267,7 @@ static int64_t exchange(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payl
     int64_t seq = post(c, a, b, w, payload, win, wout);
     if (seq < 0)
         return 0;
-    if (wait_all(c, c->seqs, seq) < 0)
+    if (wait_all(c, c->seqs, seq, 0) < 0)
         return 0;
     int q = gave_up(c); /* every peer posted, but one gave up meanwhile: no rank uses the call */
     if (q >= 0) {
@@ -412,14 +417,14 @@ static int read_addrs(PyObject *seq, Py_ssize_t want, void ***out, const char *w
 }
 
 static int Core_init(Core *c, PyObject *args, PyObject *kw) {
-    static char *names[] = {"me",    "seqs",   "sleeping", "heads",  "slots",   "slot_bytes", "spin",
-                            "progress", "contiguous", "futex", "aborts", "stalled", NULL};
+    static char *names[] = {"me",         "seqs",  "sleeping", "heads",   "slots", "slot_bytes", "spin", "progress",
+                            "contiguous", "futex", "aborts",   "stalled", "dones", NULL};
     int me, futex;
-    PyObject *seqs, *sleeping, *heads, *slots, *progress, *contiguous, *aborts, *stalled;
+    PyObject *seqs, *sleeping, *heads, *slots, *progress, *contiguous, *aborts, *stalled, *dones;
     Py_ssize_t slot_bytes;
     long spin;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOOOnlOOpOO", names, &me, &seqs, &sleeping, &heads, &slots,
-                                     &slot_bytes, &spin, &progress, &contiguous, &futex, &aborts, &stalled))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOOOnlOOpOOO", names, &me, &seqs, &sleeping, &heads, &slots,
+                                     &slot_bytes, &spin, &progress, &contiguous, &futex, &aborts, &stalled, &dones))
         return -1;
     Py_ssize_t n = PySequence_Size(seqs);
     if (n < 1 || n > INT_MAX || me < 0 || me >= n) {
@@ -438,6 +443,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
     if (read_addrs(seqs, n, (void ***)&c->seqs, "seqs") < 0 ||
         read_addrs(sleeping, n, (void ***)&c->sleeping, "sleeping") < 0 ||
         read_addrs(aborts, n, (void ***)&c->aborts, "aborts") < 0 ||
+        read_addrs(dones, n, (void ***)&c->dones, "dones") < 0 ||
         read_addrs(heads, 2 * n, (void ***)&c->heads, "heads") < 0 ||
         read_addrs(slots, 2 * n, (void ***)&c->slots, "slots") < 0)
         return -1;
@@ -462,6 +468,7 @@ static void Core_dealloc(Core *c) {
     PyMem_Free(c->seqs);
     PyMem_Free(c->sleeping);
     PyMem_Free(c->aborts);
+    PyMem_Free(c->dones);
     PyMem_Free(c->heads);
     PyMem_Free(c->slots);
     Py_XDECREF(c->progress);
@@ -520,7 +527,7 @@ static PyObject *Core_wait_posted(Core *c, PyObject *arg) {
     int64_t seq = PyLong_AsLongLong(arg);
     if (seq == -1 && PyErr_Occurred())
         return NULL;
-    if (wait_all(c, c->seqs, seq) < 0)
+    if (wait_all(c, c->seqs, seq, 0) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -621,6 +628,7 @@ typedef struct {
     int64_t a, b, c, fits;
     kernel k;
     Py_ssize_t itemsize, lo, hi, nbytes, out_bytes;
+    Py_ssize_t split_at; /* an allreduce in two steps: where in a slot the reduced blocks go (0: one step) */
     Py_ssize_t shape[STEP_MAXDIM];
     char fmt[16];
     PyObject *ndarray, *shape_obj, *dtype, *empty, *slow, *mismatch, *uneven;
@@ -658,6 +666,37 @@ static PyObject *new_out(Step *s, Py_buffer *view) {
     return out;
 }
 
+/* Element r * q + min(r, rem) of count = q * n + rem: where block r starts (MPICH's blocks,
+ * collectives.blocks.block_counts). */
+static Py_ssize_t block_start(Py_ssize_t count, int n, int r) {
+    Py_ssize_t q = count / n, rem = count % n;
+    return (Py_ssize_t)r * q + (r < rem ? r : rem);
+}
+
+/* Finish a posted allreduce in two steps: this rank's block, reduced over every rank's slot
+ * in rank order, into its own slot at split_at (past the data the peers still read); its
+ * dones word published; then, once every peer's is, every block copied into out. Each
+ * rank reads count elements and one block from each slot, where one step reads n * count.
+ * 0, or -1 with an exception set. */
+static int split_reduce(Step *s, int64_t seq, char *out) {
+    Core *c = s->core;
+    int n = c->n, p = (int)(seq & 1);
+    Py_ssize_t count = s->hi, isz = s->itemsize;
+    Py_ssize_t lo = block_start(count, n, c->me), hi = block_start(count, n, c->me + 1);
+    if (reduce_slots(c, seq, s->k, s->op, isz, lo, hi, c->slots[2 * c->me + p] + s->split_at + lo * isz) < 0)
+        return -1;
+    fence(); /* the block before the word that publishes it */
+    store(c->dones[c->me], seq);
+    wake_sleepers(c, c->dones[c->me]);
+    if (wait_all(c, c->dones, seq, 4) < 0)
+        return -1;
+    for (int r = 0; r < n; r++) {
+        Py_ssize_t a = block_start(count, n, r), z = block_start(count, n, r + 1);
+        memcpy(out + a * isz, c->slots[2 * r + p] + s->split_at + a * isz, (size_t)((z - a) * isz));
+    }
+    return 0;
+}
+
 static PyObject *Step_call(Step *s, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (nargs < 1 || nargs > 2 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
@@ -693,7 +732,8 @@ static PyObject *Step_call(Step *s, PyObject *const *args, size_t nargsf, PyObje
     }
     int p = (int)(seq & 1);
     if (s->kind == STEP_REDUCE) {
-        if (mine && reduce_slots(c, seq, s->k, s->op, s->itemsize, s->lo, s->hi, (char *)view.buf) < 0)
+        if (s->split_at ? split_reduce(s, seq, (char *)view.buf) < 0
+                        : mine && reduce_slots(c, seq, s->k, s->op, s->itemsize, s->lo, s->hi, (char *)view.buf) < 0)
             goto done;
     } else if (s->kind == STEP_BROADCAST) {
         if (!is_root || out != x)
@@ -735,21 +775,24 @@ static void Step_dealloc(Step *s) {
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
-/* core.step(kind, a, b, c, fits, like, dtype, op, lo, hi, root, nbytes, empty, slow, mismatch, uneven) */
+/* core.step(kind, a, b, c, fits, like, dtype, op, lo, hi, root, nbytes, empty, slow, mismatch, uneven,
+ *           split_at=0) */
 static PyObject *Core_step(Core *c, PyObject *const *args, Py_ssize_t nargs) {
-    static const int at[] = {0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11};
-    int64_t v[11];
-    if (method_args(c, args, nargs, 16, 16,
-                    "step(kind, a, b, c, fits, like, dtype, op, lo, hi, root, nbytes, empty, slow, mismatch, uneven)",
-                    at, 11, v) < 0)
+    static const int at[] = {0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 16};
+    int64_t v[12];
+    if (method_args(c, args, nargs, 16, 17,
+                    "step(kind, a, b, c, fits, like, dtype, op, lo, hi, root, nbytes, empty, slow, mismatch, uneven, "
+                    "split_at=0)",
+                    at, 12, v) < 0)
         return NULL;
-    int64_t kind = v[0], lo = v[7], hi = v[8], root = v[9], nbytes = v[10];
+    int64_t kind = v[0], lo = v[7], hi = v[8], root = v[9], nbytes = v[10], split_at = v[11];
     PyObject *like = args[5];
     Py_buffer view;
     if (PyObject_GetBuffer(like, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
         return NULL; /* e.g. bfloat16, which has no buffer format: the caller keeps Python's loop */
     if (view.ndim > STEP_MAXDIM || view.format == NULL || strlen(view.format) >= 16 || kind < STEP_REDUCE ||
-        kind > STEP_ALLGATHER || nbytes < 0 || nbytes > c->slot_bytes || root >= c->n) {
+        kind > STEP_ALLGATHER || nbytes < 0 || nbytes > c->slot_bytes || root >= c->n || split_at < 0 ||
+        (split_at && kind != STEP_REDUCE)) {
         PyBuffer_Release(&view);
         PyErr_SetString(PyExc_ValueError, "step: an argument is out of range");
         return NULL;
@@ -769,6 +812,7 @@ static PyObject *Core_step(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     s->lo = (Py_ssize_t)lo;
     s->hi = (Py_ssize_t)hi;
     s->nbytes = (Py_ssize_t)nbytes;
+    s->split_at = (Py_ssize_t)split_at;
     s->ndim = view.ndim;
     s->itemsize = view.itemsize;
     s->out_bytes = view.len;
@@ -780,8 +824,10 @@ static PyObject *Core_step(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     if (kind == STEP_REDUCE) {
         int itemsize = 0;
         s->k = kernel_for((int)v[5], (int)v[6], &itemsize);
+        int bad_split = split_at && (root >= 0 || lo != 0 || c->n < 2 || split_at % itemsize ||
+                                     split_at < hi * itemsize || split_at + hi * itemsize > c->slot_bytes);
         if (s->k == NULL || itemsize != s->itemsize || lo < 0 || hi < lo || hi * itemsize > c->slot_bytes ||
-            (hi - lo) * itemsize != s->out_bytes) {
+            (hi - lo) * itemsize != s->out_bytes || bad_split) {
             s->core = NULL;
             s->ndarray = s->shape_obj = s->dtype = s->empty = s->slow = s->mismatch = s->uneven = NULL;
             Py_DECREF(s);
@@ -821,9 +867,10 @@ static PyMethodDef Core_methods[] = {
     {"exchange", (PyCFunction)(void (*)(void))Core_exchange, METH_FASTCALL,
      "exchange(a, b, c, payload=None, uneven=False, win=0, wout=0) -> seq, or -seq when signatures differ."},
     {"step", (PyCFunction)(void (*)(void))Core_step, METH_FASTCALL,
-     "step(kind, a, b, c, fits, like, dtype, op, lo, hi, root, nbytes, empty, slow, mismatch, uneven) -> Step: "
-     "one collective's one-step call (kind 0: reduce into lo..hi on root, or on every rank when root < 0; "
-     "1: broadcast from root; 2: allgather), like: an array shaped as its result."},
+     "step(kind, a, b, c, fits, like, dtype, op, lo, hi, root, nbytes, empty, slow, mismatch, uneven, split_at=0) "
+     "-> Step: one collective's one-step call (kind 0: reduce into lo..hi on root, or on every rank when root < 0; "
+     "1: broadcast from root; 2: allgather), like: an array shaped as its result; split_at: an allreduce's "
+     "reduced blocks go to this byte offset of each slot, in two steps (0: one step)."},
     {"has_kernel", (PyCFunction)(void (*)(void))Core_has_kernel, METH_FASTCALL,
      "has_kernel(dtype, op) -> bool: reduce takes this dtype code and op code."},
     {NULL, NULL, 0, NULL}};

@@ -27,6 +27,7 @@ __all__ = [
     "SLOW",
     "UNEVEN",
     "small_allreduce",
+    "small_reduce",
     "small_reduce_scatter",
     "small_allgather",
     "small_broadcast",
@@ -81,6 +82,7 @@ def _step(ch: Channel, kind: int, a: int, b: int, shape: tuple[int, ...], dtype:
             SLOW,
             MISMATCH,
             UNEVEN,
+            kw.get("split_at", 0),
         )
     except (BufferError, ValueError):  # no buffer format (bfloat16): the Python function below
         return None
@@ -95,7 +97,8 @@ def small_allreduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, .
     :data:`MISMATCH`, or :data:`SLOW` without posting when ``out`` is not C-contiguous
     with x's shape and dtype."""
     count = math.prod(shape)
-    step = _step(ch, STEP_REDUCE, a, count, shape, dtype, op=op)
+    split = ch.split_at(count * dtype.itemsize)
+    step = _step(ch, STEP_REDUCE, a, count, shape, dtype, op=op, split_at=split)
     if step is not None:
         return step
     views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
@@ -109,7 +112,10 @@ def small_allreduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, .
         seq = ch.exchange(a, count, 0, x)
         if seq < 0:
             return MISMATCH
-        red(views[seq & 1], out)
+        if split:
+            _split_allreduce(ch, seq, out.reshape(-1), op, split)
+        else:
+            red(views[seq & 1], out)
         return out
 
     return fn
@@ -239,8 +245,35 @@ def small_allgather_fn(ch: Channel, a: int, c: int, dtype: np.dtype, shape: tupl
 
 # -- one-step collectives from the slots (after a successful post/wait/check) ---------------
 def small_allreduce(ch: Channel, seq: int, out: np.ndarray, op: str) -> None:
-    """Finish a posted small allreduce into ``out`` (shaped as the input)."""
+    """Finish a posted small allreduce into ``out`` (shaped as the input, C-contiguous), in
+    one step or two as :meth:`.Channel.split_at` says."""
+    split = ch.split_at(out.nbytes)
+    if split:
+        _split_allreduce(ch, seq, out.reshape(-1), op, split)
+    else:
+        small_reduce(ch, seq, out, op)
+
+
+def small_reduce(ch: Channel, seq: int, out: np.ndarray, op: str) -> None:
+    """Finish a posted small reduce (or a one-step allreduce) on this rank into ``out``."""
     rank_order_reducer(op, ch.n)(ch.slot_views(seq & 1, out.dtype, out.shape), out)
+
+
+def _split_allreduce(ch: Channel, seq: int, out: np.ndarray, op: str, split: int) -> None:
+    """Finish a posted allreduce into the flat ``out`` in two steps (the compiled loop's
+    ``split_reduce``): this rank's block reduced into its slot at byte ``split``, published,
+    and every rank's block copied once published."""
+    n, me, dt = ch.n, ch.me, out.dtype
+    off = offsets(block_counts(out.size, n))
+    at = split // dt.itemsize
+    full = ch.slot_views(seq & 1, dt, (at + out.size,))
+    lo, hi = off[me], off[me + 1]
+    if hi > lo:
+        rank_order_reducer(op, n)([v[lo:hi] for v in full], full[me][at + lo : at + hi])
+    ch.publish_done(seq)
+    ch.wait_done(seq)
+    for r in range(n):
+        out[off[r] : off[r + 1]] = full[r][at + off[r] : at + off[r + 1]]
 
 
 def small_reduce_scatter(ch: Channel, seq: int, counts: tuple[int, ...], out: np.ndarray, op: str) -> None:
