@@ -18,6 +18,12 @@ if rank > 0:
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
 
+# a collective (or an engine request) left waiting by a rank whose test failed ends in an error
+# within a minute, so the run goes on to the next test instead of looking hung (jobs/test.sh
+# sets the same; a caller's own values win)
+os.environ.setdefault("HPCDL_STALL_TIMEOUT", "60")
+os.environ.setdefault("HPCDL_STALL_SHUTDOWN_TIME_SECONDS", "60")
+
 import pytest  # noqa: E402 - after the redirection on purpose
 
 # the torch runtime's HPCDL_* names (jobs/test.sh sets its stall shutdown) are valid in every

@@ -2,9 +2,10 @@
 (local rank % GPUs); skipped where CuPy or a GPU is missing.
 
 Every collective × dtype × algorithm on CuPy arrays against a host reference: the
-reductions bitwise equal to rank-order numpy for ``ipc`` and ``staged`` (``nccl`` and
-``native``, whose floating-point summation order is the library's own, within tolerance;
-integers, min and max exactly), and bitwise equal across ranks;
+reductions of ``ipc`` bitwise equal to rank-order numpy, those of ``staged`` bitwise equal
+to the host collective it goes through (whose algorithm, a tree say, may sum in another
+order from 3 ranks), those of ``nccl``, ``native`` and ``auto`` within tolerance (integers,
+min and max exactly), and all bitwise equal across ranks;
 CUDA torch tensors taken as they are; a host array on one rank and a device array on
 another an error on every rank; a result never read before the kernels that produce it
 (a long kernel queued before the call); IPC windows released when the communicator is
@@ -85,11 +86,15 @@ def comm():
     c.Free()
 
 
-def _check(got, want, op, dtype, alg, what):
-    if alg in ("nccl", "native") and np.dtype(dtype).kind not in "iu" and op not in ("min", "max"):
-        check_close(got, want, op, N, what)  # NCCL and MPI sum in their own order (from 3 ranks)
-    else:
+def _check(got, want, op, dtype, alg, what, host):
+    """``want``: the rank-order reduction; ``host``: the host collective's result on the same
+    inputs, which ``staged`` must give bit for bit."""
+    if alg == "staged":
+        assert got.tobytes() == host.tobytes(), what
+    elif alg == "ipc" or np.dtype(dtype).kind in "iu" or op in ("min", "max"):
         assert got.tobytes() == want.tobytes(), what
+    else:
+        check_close(got, want, op, N, what)  # NCCL, MPI and the host's trees sum in their own order
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
@@ -98,6 +103,7 @@ def _check(got, want, op, dtype, alg, what):
 def test_allreduce_on_device(comm, dtype, op, count):
     xs = everyone(count, dtype, op, 21)
     want = rank_order(xs, op)
+    host = C.allreduce(xs[ME], op=op, comm=comm)
     for alg in algorithms():
         if alg == "nccl" and np.dtype(dtype) == np.int16:
             with pytest.raises(UnsupportedDtypeError):
@@ -106,12 +112,12 @@ def test_allreduce_on_device(comm, dtype, op, count):
         x = cp.asarray(xs[ME])
         got = C.allreduce(x, op=op, algorithm=alg, comm=comm)
         assert isinstance(got, cp.ndarray) and got.device.id == x.device.id
-        host = cp.asnumpy(got)
-        _check(host, want, op, dtype, alg, f"allreduce {alg} {op} {np.dtype(dtype)} x{count}")
-        same_everywhere(host)
+        res = cp.asnumpy(got)
+        _check(res, want, op, dtype, alg, f"allreduce {alg} {op} {np.dtype(dtype)} x{count}", host)
+        same_everywhere(res)
         y = cp.asarray(xs[ME])
         C.allreduce(y, op=op, algorithm=alg, out=y, comm=comm)  # in place
-        assert cp.asnumpy(y).tobytes() == host.tobytes()
+        assert cp.asnumpy(y).tobytes() == res.tobytes()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
@@ -122,13 +128,15 @@ def test_reduce_scatter_and_reduce_on_device(comm, dtype, op, count):
     want = rank_order(xs, op)
     counts = block_counts(count, N)
     off = offsets(counts)
+    root = count % N
+    host_block = C.reduce_scatter(xs[ME], op=op, comm=comm)
+    host_reduced = C.reduce(xs[ME], root, op=op, comm=comm)
     for alg in algorithms(dtype):
         block = cp.asnumpy(C.reduce_scatter(cp.asarray(xs[ME]), op=op, algorithm=alg, comm=comm))
-        _check(block, want[off[ME] : off[ME + 1]], op, dtype, alg, f"reduce_scatter {alg}")
-        root = count % N
+        _check(block, want[off[ME] : off[ME + 1]], op, dtype, alg, f"reduce_scatter {alg}", host_block)
         got = C.reduce(cp.asarray(xs[ME]), root, op=op, algorithm=alg, comm=comm)
         if ME == root:
-            _check(cp.asnumpy(got), want, op, dtype, alg, f"reduce {alg}")
+            _check(cp.asnumpy(got), want, op, dtype, alg, f"reduce {alg}", host_reduced)
         else:
             assert got is None
 
