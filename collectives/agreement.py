@@ -54,8 +54,6 @@ ALG_CODES = {c: {a: i for i, a in enumerate([*names, "auto", *DEVICE[c]])} for c
 OP_CODES = {o: i for i, o in enumerate(OPS)}
 #: fields that may differ between ranks, per collective
 MAY_DIFFER = {"allgather": {"count"}, "alltoall": {"count"}}
-COPIES = ("broadcast", "allgather")
-"""The collectives that copy rather than reduce: one step up to the channel's ``copy_small``."""
 
 _REDUCING = ("allreduce", "reduce_scatter", "reduce")
 _ROOTED = ("broadcast", "reduce")
@@ -264,7 +262,7 @@ class Call:
         ch = self.ctx.chan
         if ch is None or self.resolved != "shm" or self.error is not None:
             return False
-        return nbytes <= (ch.copy_small if self.collective in COPIES else ch.small)
+        return ch.one_step(self.collective, nbytes)
 
     def _raise_input_errors(self, table: np.ndarray) -> None:
         # rare path: gather the messages so every rank can say what went wrong where

@@ -461,13 +461,16 @@ def _broadcast(x, root, algorithm, out, comm, blocking, agreed):
     check_out(call, out, x.shape)
     call.resolve(x.nbytes)
     small = call.small(x.nbytes)
-    # above the reductions' one-step size a root whose input lies in the arena posts where,
-    # and the others read it there (one copy), instead of its data (two)
-    either = small and x.nbytes > ctx.chan.small
+    ch = ctx.chan
+    # above the reductions' one-step size the root streams its data through its slot once
+    # the call is agreed, and the others copy each piece out as it comes (as the one-step
+    # function does); above the one-step size a root whose input lies in the arena posts
+    # where instead, and the others read it there
+    stream = call.resolved == "shm" and ch is not None and x.nbytes > ch.small and ch.streams_bytes(x.nbytes)
     is_root = ctx.transport.rank == root
     overlap = isinstance(out, np.ndarray) and out is not x and np.may_share_memory(out, x)
-    where = _where(ctx, call, small and not either, x if is_root and not overlap else None, None)
-    attach = small and is_root and not where[0]
+    where = _where(ctx, call, small, x if is_root and not overlap else None, None)
+    attach = small and is_root and not stream
     call.agree(x.size, payload=np.ascontiguousarray(x) if attach else None, one_step=small, where=where)
     if out is None:
         out = np.empty(x.shape, x.dtype)
@@ -475,13 +478,12 @@ def _broadcast(x, root, algorithm, out, comm, blocking, agreed):
         np.copyto(out, x)
     if ctx.transport.size == 1 or x.size == 0:
         return _done(out, blocking, ctx)
-    ws = (
-        call.inplace(output=False, only=root)
-        if (either or not small) and x.nbytes <= inplace.COPY_INPLACE_MAX
-        else None
-    )
+    ws = call.inplace(output=False, only=root) if not small and x.nbytes <= inplace.COPY_INPLACE_MAX else None
     if ws is not None:  # the root's input lies in the arena: read it there
         return _launch(ctx, inplace.inplace_broadcast(ctx, _flat(out), root, ws), blocking, out)
+    if stream:  # out holds the root's data on the root
+        ch.stream(call.seq, root, _flat(out))
+        return _done(out, blocking, ctx)
     if small:  # the root posted its data with the call
         slots.small_broadcast(ctx.chan, call.seq, root, _flat(out))
         return _done(out, blocking, ctx)

@@ -49,12 +49,15 @@ class Config:
     """Shared-memory window per rank of the ``shm`` allreduce across several nodes, in bytes."""
 
     shm_small_bytes: int = 64 << 10
-    """Messages up to this many bytes per rank finish in one step through the node's control slots."""
+    """Reductions up to this many bytes per rank finish in one step through the node's
+    control slots (and beyond it those that read little: a reduce-scatter, or an allreduce
+    of 2 ranks, up to a slot; an allreduce in two steps up to half of one: see
+    ``shm_split_bytes``)."""
 
     shm_copy_small_bytes: int = 256 << 10
     """Broadcasts and allgathers up to this many bytes per rank finish in one step through
-    the control slots too (each rank's data copied in and out once; reductions keep
-    ``shm_small_bytes``, beyond which each rank reducing only its slice wins)."""
+    the control slots too (each rank's data copied in and out once); a slot holds the
+    larger of this and ``shm_small_bytes``."""
 
     shm_split_bytes: int = 4 << 10
     """From 3 ranks on a node, a one-step allreduce whose ``(ranks - 2) x bytes per rank``

@@ -126,6 +126,73 @@ def test_reductions_compiled_equal_python_and_numpy(comms, dtype, op):
     assert _kind_of(slow, key) == "function"
 
 
+@pytest.mark.mpi(min_size=2)
+@needs_core
+def test_broadcasts_past_the_small_size_stream_through_the_roots_slot(comms):
+    # the root copies piece after piece into its slot while the others copy them out; past a
+    # slot the pieces wrap around it, the root waiting for the readers; on the compiled loop,
+    # on Python's and with ranks mixing the two, blocking and not, from a strided input
+    from collectives.node import channel, cslots
+
+    assert cslots.STREAM_SHIFT == channel.STREAM_SHIFT
+    fast, slow = comms
+    mixed = WORLD.Dup()
+    try:
+        get_context(mixed, config=Config(compiled_channel=ME % 2 == 0))
+        ch = get_context(fast).chan
+        for nbytes in (
+            ch.small + 8,
+            ch.slot_bytes,
+            ch.slot_bytes + 8,
+            3 * ch.slot_bytes + 5 * ch.piece + 24,
+        ):
+            count = nbytes // 8
+            for root in range(N):
+                want = np.arange(count, dtype=np.float64) * (root + 1) + 0.5
+                for comm in (fast, slow, mixed):
+                    x = np.repeat(want, 2)[::2].copy() if ME == root else np.zeros(count)
+                    what = f"{nbytes} B from {root}"
+                    assert digest(C.broadcast(x, root=root, comm=comm)) == digest(want), what
+                    c = get_context(comm).chan
+                    assert c.streams[root][0] >> channel.STREAM_SHIFT == c.seq, "not streamed"
+                    strided = np.repeat(x, 2)[::2]  # not contiguous: the root's copy in out streams
+                    assert digest(C.broadcast(strided, root=root, comm=comm)) == digest(want), what
+                    assert digest(C.ibroadcast(x, root=root, comm=comm).wait()) == digest(want), what
+                    C.broadcast(x, root=root, out=x, comm=comm)
+                    assert digest(x) == digest(want), what + " in place"
+    finally:
+        mixed.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@needs_core
+def test_reductions_that_read_little_go_through_the_slots_past_the_small_size(comms):
+    # a reduce-scatter reads one block of each slot: one step up to a whole slot; an
+    # allreduce in two steps (from 3 ranks) up to half of one, and of 2 ranks in one step up
+    # to a whole one (it reads both messages either way); just past those, the general path
+    fast, slow = comms
+    ch = get_context(fast).chan
+    dt = np.dtype(np.float32)
+    cases = [
+        ("reduce_scatter", ch.slot_bytes, True),
+        ("reduce_scatter", ch.slot_bytes + 4, False),
+        ("allreduce", ch.slot_bytes // 2, True),
+        ("allreduce", ch.slot_bytes // 2 + 64, N == 2),
+        ("allreduce", ch.slot_bytes + 4, False),
+    ]
+    assert ch.slot_bytes // 2 > ch.small  # past the small size, or this proves nothing
+    for coll, nbytes, through_slots in cases:
+        count = nbytes // dt.itemsize
+        xs = _inputs(count, dt, "sum", seed=count)
+        want = expected(xs, "sum").astype(np.float64)
+        off = offsets(block_counts(count, N))
+        assert ch.one_step(coll, nbytes) == through_slots, (coll, nbytes)
+        got = [getattr(C, coll)(xs[ME], algorithm="shm", comm=comm) for comm in (fast, slow)]
+        assert digest(got[0]) == digest(got[1]), f"{coll} of {nbytes} B: compiled and Python bits differ"
+        check_close(got[0], want if coll == "allreduce" else want[off[ME] : off[ME + 1]], "sum", N, coll)
+        assert _kind_of(fast, (coll, dt, (count,), "sum", "shm")) == ("Step" if through_slots else "bool")
+
+
 @pytest.mark.mpi(min_size=3)
 @needs_core
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)

@@ -74,7 +74,7 @@ def _inputs(count: int, dtype, op: str, seed: int = 0) -> list[np.ndarray]:
 
 
 DTYPES = [np.float32, np.float64, np.int32, ml_dtypes.bfloat16]
-COUNTS = [70_001, 300_000]  # above the one-step size, below and above one chunk per rank
+NBYTES = [280_004, 1_200_000]  # above a slot (the one-step sizes), below and above one chunk per rank
 
 
 def _needs_window():
@@ -84,9 +84,10 @@ def _needs_window():
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("count", COUNTS)
-def test_allreduce_reads_every_rank_in_place_and_copies_only_its_results(dtype, count):
+@pytest.mark.parametrize("nbytes", NBYTES)
+def test_allreduce_reads_every_rank_in_place_and_copies_only_its_results(dtype, nbytes):
     _needs_window()
+    count = nbytes // np.dtype(dtype).itemsize
     for op in ("sum", "avg", "max", "prod"):
         xs = _inputs(count, dtype, op)
         want = expected(xs, op)
@@ -155,28 +156,26 @@ def test_reduce_scatter_allgather_broadcast_and_reduce_read_window_buffers(dtype
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
-def test_a_mid_size_broadcast_reads_the_roots_window_buffer_or_takes_its_data_along(dtype):
-    # between the reductions' one-step size and the copies': the root's window buffer is
-    # read where it lies; an ordinary one travels in the root's slot with the call
+def test_a_mid_size_broadcast_streams_through_the_roots_slot_from_any_buffer(dtype):
+    # between the reductions' one-step size and the copies': the root copies its data, in
+    # the window or not, into its slot piece by piece while the others copy it out (nothing
+    # staged or read in place, so the byte counters stay as they were)
+    from collectives.node.channel import STREAM_SHIFT
+
     _needs_window()
     ch = get_context().chan
     count = (ch.small + ch.copy_small) // 2 // np.dtype(dtype).itemsize
     xs = _inputs(count, dtype, "sum", seed=5)
     for root in range(N):
         x = _window(xs[ME])
-        before = C.copied_bytes()
-        assert np.array_equal(C.broadcast(x, root), xs[root])
-        got = C.copied_bytes()["copied_out"] - before["copied_out"]
-        assert got == (0 if ME == root else x.nbytes)  # read in place, nothing staged
-        assert C.copied_bytes()["staged"] == before["staged"]
         plain = xs[ME].copy()
-        before = C.copied_bytes()
-        assert np.array_equal(C.broadcast(plain, root), xs[root])
-        assert C.copied_bytes() == before  # one step through the slots (not counted)
-        # the root's buffer in the window, the others' ordinary: the same, read in place
-        mixed = x if ME == root else plain
-        out = np.empty_like(plain)
-        assert C.broadcast(mixed, root, out=out) is out and np.array_equal(out, xs[root])
+        mixed = x if ME == root else plain  # the root's buffer in the window, the others' ordinary
+        for buf in (x, plain, mixed):
+            before = C.copied_bytes()
+            out = np.empty_like(plain)
+            assert C.broadcast(buf, root, out=out) is out and np.array_equal(out, xs[root])
+            assert C.copied_bytes() == before
+            assert ch.streams[root][0] >> STREAM_SHIFT == ch.seq  # this call's pieces went through root's slot
 
 
 @pytest.mark.mpi(min_size=2)

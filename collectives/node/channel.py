@@ -4,7 +4,7 @@ the counters, slots and buffers the ``shm`` algorithms (:mod:`.slots`, :mod:`.st
 Every rank owns one segment of the window (``MPI_Win_allocate_shared``, or plain arrays
 for the thread transport), laid out as::
 
-    [seq sleeping abort done][stage] [slot 0: header | small data] [slot 1: ...] [buffer 0] [buffer 1]
+    [seq sleeping abort done streamed][stage] [slot 0: header | small data] [slot 1: ...] [buffer 0] [buffer 1]
 
 ``seq`` counts the calls this rank has *posted*; a call posts its argument signature
 (three int64 words) and where its input and output lie in the node's arena (two more:
@@ -14,8 +14,9 @@ posted ``k + 1``, which each does only after it finished reading call ``k``. ``s
 a second counter used as a barrier: a rank publishes it and waits until every peer has
 reached it. ``done`` counts the allreduces that finish in two steps through the slots
 (:meth:`Channel.split_at`): each rank reduces its block of the call into its slot, past the
-data, and publishes the call there; the peers copy the block once it is. Loads and stores
-are ordered by the window's ``MPI_Win_sync`` around every publication.
+data, and publishes the call there; the peers copy the block once it is. ``streamed``
+counts the pieces of a broadcast streamed through the root's slot (:meth:`Channel.stream`).
+Loads and stores are ordered by the window's ``MPI_Win_sync`` around every publication.
 
 A rank waiting for a peer's counter polls it a while (:data:`SPIN` polls when every rank
 has a core of its own, or fewer when the caller says its process has other work: see
@@ -78,6 +79,14 @@ is a matter of seconds; a look every 64 polls cost 256 KiB allreduces at 2 ranks
 clock starts at a wait's first look, so a stall is declared up to one spin budget late."""
 
 
+STREAM_SHIFT = 24
+"""A ``streamed`` word holds ``call << STREAM_SHIFT | pieces`` (the compiled loop's constant)."""
+
+STREAM_PIECE = 16 << 10
+"""Bytes per piece of a broadcast streamed through the root's slot (:meth:`Channel.stream`;
+a slot smaller than this is one piece)."""
+
+
 def spin_budget(ranks: int) -> int:
     """:data:`SPIN`, or :data:`POLITE_SPIN` when the node's ranks outnumber the cores this
     process may run on: then the peer being waited for is likely not running, and spinning
@@ -129,6 +138,8 @@ class Channel:
         """Broadcasts and allgathers up to this many bytes per rank finish in one step."""
         self.slot_bytes = max(self.small, self.copy_small)
         """What one slot holds: the larger of the two."""
+        self.piece = min(STREAM_PIECE, self.slot_bytes)
+        """Bytes per piece of a broadcast streamed through a slot (:meth:`stream`)."""
         self.split_bytes = split_bytes
         """From 3 ranks, a one-step allreduce finishes in two steps once ``(ranks - 2) x bytes``
         reaches this (0: never): see :meth:`split_at`."""
@@ -140,20 +151,9 @@ class Channel:
         total = self._buf0 + 2 * self.chunk
         segs, self.fence = t.shared_window(total)
         self.segs = segs
-        self.seqs = [memoryview(s[0:8]).cast("q") for s in segs]
-        self.stages = [memoryview(s[LINE : LINE + 8]).cast("q") for s in segs]
-        # written by its owner only, like ``seq`` beside it: 1 while the owner may be asleep
-        self.sleeping = [memoryview(s[8:16]).cast("q") for s in segs]
-        # written by its owner only, once: the call it gave up on after a stall (0: none)
-        self.aborts = [memoryview(s[16:24]).cast("q") for s in segs]
-        # written by its owner only: the last call whose reduced block it published (split_at)
-        self.dones = [memoryview(s[24:32]).cast("q") for s in segs]
-        self._peer_aborts = [self.aborts[j] for j in range(n) if j != me]
+        self._map_counters(segs)
         self.stall_timeout = stall_timeout
         """Seconds a wait for one peer lasts before it ends in a :class:`~.errors.StallError` (0: never)."""
-        self._seq_addr = [s[0:8].ctypes.data for s in segs]
-        self._done_addr = [s[24:32].ctypes.data for s in segs]
-        self._stage_addr = [s[LINE : LINE + 8].ctypes.data for s in segs]
         self.heads = [
             [memoryview(s[self._slot0 + p * slot : self._slot0 + p * slot + 40]).cast("q") for p in (0, 1)]
             for s in segs
@@ -161,12 +161,6 @@ class Channel:
         self.slots = [[s[self._slot0 + p * slot + LINE : self._slot0 + (p + 1) * slot] for p in (0, 1)] for s in segs]
         self.bufs = [[s[self._buf0 + b * self.chunk : self._buf0 + (b + 1) * self.chunk] for b in (0, 1)] for s in segs]
         peers = [j for j in range(n) if j != me]
-        self._my_seq = self.seqs[me]
-        self._peer_seqs = [(self.seqs[j], self._seq_addr[j]) for j in peers]
-        self._peer_dones = [(self.dones[j], self._done_addr[j]) for j in peers]
-        self._peer_stages = [(self.stages[j], self._stage_addr[j]) for j in peers]
-        self._peer_sleeping = [self.sleeping[j] for j in peers]
-        self._my_seq_addr, self._my_stage_addr = self._seq_addr[me], self._stage_addr[me]
         self._my_heads = self.heads[me]
         self.peer_heads = [[self.heads[j][p] for j in peers] for p in (0, 1)]
         """Slot ``p``'s signature words of every peer, in rank order without this rank."""
@@ -188,6 +182,34 @@ class Channel:
         input into the window), reduced (reduction results) and copied out (results into
         its output). One-step calls are not counted."""
 
+    def _map_counters(self, segs: list[np.ndarray]) -> None:
+        """Every rank's counter words in the window (the first two lines of its segment),
+        their addresses, and the peers' as the waits walk them."""
+        me = self.me
+        self.seqs = [memoryview(s[0:8]).cast("q") for s in segs]
+        self.stages = [memoryview(s[LINE : LINE + 8]).cast("q") for s in segs]
+        # written by its owner only, like ``seq`` beside it: 1 while the owner may be asleep
+        self.sleeping = [memoryview(s[8:16]).cast("q") for s in segs]
+        # written by its owner only, once: the call it gave up on after a stall (0: none)
+        self.aborts = [memoryview(s[16:24]).cast("q") for s in segs]
+        # written by its owner only: the last call whose reduced block it published (split_at)
+        self.dones = [memoryview(s[24:32]).cast("q") for s in segs]
+        # written by its owner only: call << STREAM_SHIFT | the pieces it streamed (stream)
+        self.streams = [memoryview(s[32:40]).cast("q") for s in segs]
+        self._seq_addr = [s[0:8].ctypes.data for s in segs]
+        self._done_addr = [s[24:32].ctypes.data for s in segs]
+        self._stream_addr = [s[32:40].ctypes.data for s in segs]
+        self._stage_addr = [s[LINE : LINE + 8].ctypes.data for s in segs]
+        peers = [j for j in range(self.n) if j != me]
+        self._peer_aborts = [self.aborts[j] for j in peers]
+        self._my_seq = self.seqs[me]
+        self._peer_seqs = [(j, self.seqs[j], self._seq_addr[j]) for j in peers]
+        self._peer_dones = [(j, self.dones[j], self._done_addr[j]) for j in peers]
+        self._peer_streams = [(j, self.streams[j], self._stream_addr[j]) for j in peers]
+        self._peer_stages = [(self.stages[j], self._stage_addr[j]) for j in peers]
+        self._peer_sleeping = [self.sleeping[j] for j in peers]
+        self._my_seq_addr, self._my_stage_addr = self._seq_addr[me], self._stage_addr[me]
+
     def _attach_core(self, segs: list[np.ndarray], slot: int, stall_timeout: float) -> None:
         """Run one-step calls in the compiled loop: the same protocol on the same words,
         without the interpreter in the loop (``slot``: the bytes of one slot with its head)."""
@@ -205,6 +227,7 @@ class Channel:
             [s[16:24].ctypes.data for s in segs],
             self.stalled,
             self._done_addr,
+            self._stream_addr,
         )
         core.stall = stall_timeout
         self.post, self.exchange, self.wait_posted = core.post, core.exchange, core.wait_posted
@@ -314,10 +337,10 @@ class Channel:
         """Block until every peer has posted call ``seq`` (progressing other work meanwhile)."""
         self._wait_peers(self._peer_seqs, seq, 0)
 
-    def _wait_peers(self, ctrs: list[tuple[memoryview, int]], want: int, kind: int) -> None:
-        """Block until every peer's counter in ``ctrs`` (with its address) reaches ``want``;
-        ``kind`` names the counters in a stall's error (:meth:`stalled`)."""
-        for i, (v, addr) in enumerate(ctrs):
+    def _wait_peers(self, ctrs: list[tuple[int, memoryview, int]], want: int, kind: int) -> None:
+        """Block until every counter in ``ctrs`` (rank, counter, its address) reaches
+        ``want``; ``kind`` names the counters in a stall's error (:meth:`stalled`)."""
+        for rank, v, addr in ctrs:
             if v[0] >= want:
                 continue
             spins, budget, start = 0, self.budget(), 0.0
@@ -330,7 +353,7 @@ class Channel:
                     self._doze(v, addr, want)
                 elif spins & _STALL_POLLS:
                     continue
-                start = self._check_stall(i, want, start, kind)
+                start = self._check_stall(rank, want, start, kind)
         self.fence()
 
     # -- allreduces in two steps -----------------------------------------------------------
@@ -350,6 +373,22 @@ class Channel:
         at = _round_up(nbytes, LINE)
         return at if at + nbytes <= self.slot_bytes else 0
 
+    def one_step(self, collective: str, nbytes: int) -> bool:
+        """True when a call of ``collective`` with ``nbytes`` per rank finishes through the
+        slots (posted with its data): broadcasts and allgathers up to :attr:`copy_small`;
+        reductions up to :attr:`small`, and beyond it where a rank reads little more than
+        the message: a reduce-scatter up to a slot (each rank reduces only its block), an
+        allreduce that takes two steps (:meth:`split_at`), or of 2 ranks up to a slot (its
+        one step reads both messages, as two steps would). A reduce, whose root reads every
+        rank's message, keeps :attr:`small`."""
+        if collective in ("broadcast", "allgather"):
+            return nbytes <= self.copy_small
+        if nbytes <= self.small:
+            return True
+        if collective == "reduce_scatter" or (collective == "allreduce" and self.n == 2):
+            return nbytes <= self.slot_bytes
+        return collective == "allreduce" and self.split_at(nbytes) > 0
+
     def publish_done(self, seq: int) -> None:
         """Publish that this rank's reduced block of call ``seq`` is in its slot."""
         self.fence()
@@ -360,17 +399,57 @@ class Channel:
         """Block until every peer has published its reduced block of call ``seq``."""
         self._wait_peers(self._peer_dones, seq, 4)
 
-    def _check_stall(self, i: int, want: int, start: float, kind: int) -> float:
-        """Raise the stall's error if a peer gave up, or the wait for peer ``i`` (its index
-        among the peers) has lasted the stall timeout since ``start`` (0: since now, the
-        first look); ``kind`` 0 waits on its counter, 3 on its stage, 4 on its reduced block.
+    # -- broadcasts streamed through the root's slot -----------------------------------------
+    def streams_bytes(self, nbytes: int) -> bool:
+        """True when a broadcast of ``nbytes`` can go through :meth:`stream`."""
+        return -(-nbytes // self.piece) < 1 << STREAM_SHIFT
+
+    def stream(self, seq: int, root: int, buf: np.ndarray) -> None:
+        """Move the agreed broadcast ``seq`` from ``root``'s ``buf`` into every other rank's
+        (C-contiguous, as many bytes), through the root's slot of the call used as a ring of
+        :attr:`piece`-byte pieces: the root copies piece k in and publishes ``seq <<
+        STREAM_SHIFT | k + 1`` as its ``streamed`` word; a reader copies the piece out once it
+        sees that, so the copies in and out overlap. Where the message wraps the ring, a
+        reader also publishes each piece it has copied, and the root waits for every
+        reader's before it overwrites a place. The compiled loop's ``stream`` where it is
+        built; this method's loop, the same protocol, elsewhere."""
+        if self.core is not None:
+            self.core.stream(seq, root, buf, self.piece)
+            return
+        me, piece = self.me, self.piece
+        raw = buf.reshape(-1).view(np.uint8)
+        ring = self.slots[root][seq & 1]
+        places, count = self.slot_bytes // piece, -(-raw.size // piece)
+        base, wraps = seq << STREAM_SHIFT, count > places
+        mine, addr = self.streams[me], self._stream_addr[me]
+        source = [(root, self.streams[root], self._stream_addr[root])]
+        for k in range(count):
+            off, at = k * piece, (k % places) * piece
+            n = min(piece, raw.size - off)
+            if me == root:
+                if k >= places:
+                    self._wait_peers(self._peer_streams, base + k - places + 1, 5)
+                ring[at : at + n] = raw[off : off + n]
+            else:
+                self._wait_peers(source, base + k + 1, 5)
+                raw[off : off + n] = ring[at : at + n]
+                if not wraps:
+                    continue
+            self.fence()
+            mine[0] = base + k + 1
+            self._wake_sleepers(addr)
+
+    def _check_stall(self, rank: int, want: int, start: float, kind: int) -> float:
+        """Raise the stall's error if a peer gave up, or the wait for ``rank`` has lasted the
+        stall timeout since ``start`` (0: since now, the first look); ``kind`` 0 waits on
+        its counter, 3 on its stage, 4 on its reduced block, 5 on its streamed pieces.
         Returns the start."""
-        self._check_peers(want)
+        self._check_peers(want >> STREAM_SHIFT if kind == 5 else want)
         now = time.monotonic()
         if not start:
             return now
         if self.stall_timeout > 0 and now - start >= self.stall_timeout:
-            self.stalled(i + (i >= self.me), want, kind)
+            self.stalled(rank, want, kind)
         return start
 
     def _check_peers(self, want: int) -> None:
@@ -382,20 +461,23 @@ class Channel:
     def stalled(self, rank: int, want: int, kind: int) -> None:
         """Give up on this channel after a stall and raise :class:`~.errors.StallError`:
         kind 0, this rank waited the stall timeout for ``rank`` to post call ``want`` (3:
-        to reach barrier ``want``; 4: to publish its reduced block of call ``want``); 1,
+        to reach barrier ``want``; 4: to publish its reduced block of call ``want``; 5: to
+        stream piece ``want & (2**STREAM_SHIFT - 1)`` of call ``want >> STREAM_SHIFT``); 1,
         ``rank`` gave up; 2, this rank gave up before."""
+        call = want >> STREAM_SHIFT if kind == 5 else want
         mine = self.aborts[self.me]
         if mine[0] == 0:
-            mine[0] = max(want, 1)
+            mine[0] = max(call, 1)
             self.fence()
         how = "stopped on every rank of the node; call collectives.reset(comm) on every rank to use it again"
-        if kind in (0, 3, 4):
-            what = {0: "call", 3: "barrier", 4: "the reduced blocks of call"}[kind]
-            ctrs = {0: self.seqs, 3: self.stages, 4: self.dones}[kind]
-            late = [j for j in range(self.n) if j != self.me and ctrs[j][0] < want] or [rank]
+        if kind in (0, 3, 4, 5):
+            what = {0: "call", 3: "barrier", 4: "the reduced blocks of call", 5: "the broadcast pieces of call"}[kind]
+            ctrs = {0: self.seqs, 3: self.stages, 4: self.dones, 5: self.streams}[kind]
+            # (a broadcast's readers publish pieces only where the ring wraps: name the one waited for)
+            late = [j for j in range(self.n) if j != self.me and ctrs[j][0] < want and kind != 5] or [rank]
             raise StallError(
                 f"collective stalled: waited {self.stall_timeout:g} s (HPCDL_STALL_TIMEOUT) for rank(s) {late} "
-                f"to reach {what} {want} on this node; the ranks fell out of step (a rank raised, or skipped or "
+                f"to reach {what} {call} on this node; the ranks fell out of step (a rank raised, or skipped or "
                 f"reordered a collective). The communicator's collectives are {how}"
             )
         if kind == 1:
@@ -462,7 +544,7 @@ class Channel:
                     self._doze(v, addr, s)
                 elif spins & _STALL_POLLS:
                     continue
-                start = self._check_stall(i, s, start, 3)
+                start = self._check_stall(i + (i >= self.me), s, start, 3)
         self.fence()
 
     def barrier(self) -> Schedule:

@@ -7,22 +7,26 @@
  * module does the same steps on the same memory with the same protocol (see channel.py's
  * docstring), so a rank using it and a rank using the pure-Python loop interoperate:
  *
- *   Core(me, seqs, sleeping, heads, slots, slot_bytes, spin, progress, contiguous, futex, aborts, stalled, dones)
- *       seqs, sleeping, aborts, dones: every rank's counter, sleeping-flag, abort-word and
- *       reduced-slice counter address (int64 words);
+ *   Core(me, seqs, sleeping, heads, slots, slot_bytes, spin, progress, contiguous, futex, aborts, stalled, dones,
+ *        streams)
+ *       seqs, sleeping, aborts, dones, streams: every rank's counter, sleeping-flag,
+ *       abort-word, reduced-block counter and streamed-piece counter address (int64 words);
  *       heads, slots: every rank's slot 0 and slot 1 header and data addresses, as
  *       [r0p0, r0p1, r1p0, ...]; progress(): called while waiting; contiguous(x): a
  *       C-contiguous copy of x (numpy.ascontiguousarray); stalled(rank, want, kind): raises
  *       the error of a stall (kind 0: this rank waited core.stall seconds for `rank` to post
- *       call `want`; 4: to publish its reduced slice of call `want`; 1: `rank` gave up after
- *       a stall; 2: this rank gave up before).
+ *       call `want`; 4: to publish its reduced slice of call `want`; 5: to stream piece
+ *       `want & (2**24 - 1)` of call `want >> 24`; 1: `rank` gave up after a stall; 2: this
+ *       rank gave up before).
  *   core.post(a, b, c, payload=None, win=0, wout=0) -> seq
  *   core.wait_posted(seq)
  *   core.exchange(a, b, c, payload=None, uneven=False, win=0, wout=0) -> seq or -seq
  *   core.step(kind, ...) -> Step: one collective's one-step call for one dtype and shape,
  *       step(x, out=None) posts x, waits and finishes the call from the slots (below); an
- *       allreduce given `split_at` finishes in two steps (each rank reduces its block into
- *       its slot at that byte offset, publishes `dones`, and copies every rank's block)
+ *       allreduce given `second` (split_at) finishes in two steps (each rank reduces its
+ *       block into its slot at that byte offset, publishes `dones`, and copies every rank's
+ *       block); a broadcast given `second` (a piece) streams through the root's slot
+ *   core.stream(seq, root, buf, piece): an agreed broadcast through the root's slot (below)
  *
  * Loads and stores of the counters are atomic, and full fences order them around every
  * publication, as MPI_Win_sync does on the Python side. Reductions combine every rank's
@@ -63,6 +67,8 @@
 #define POLITE_SPIN 64
 /* the longest one sleep lasts before the waiter looks again (channel._DOZE) */
 #define DOZE_NS 1000000
+/* a streams word holds seq << STREAM_SHIFT | pieces (channel.STREAM_SHIFT) */
+#define STREAM_SHIFT 24
 
 /* the wire codes of collectives.ops.DTYPES */
 enum { F16 = 0, BF16 = 1, F32 = 2, F64 = 3, I8 = 4, I16 = 5, I32 = 6, I64 = 7, U8 = 8 };
@@ -75,6 +81,7 @@ typedef struct {
     int64_t **sleeping; /* n */
     int64_t **aborts;   /* n: nonzero once the rank gave up after a stall */
     int64_t **dones;    /* n: the last call whose reduced block the rank published (split allreduces) */
+    int64_t **streams;  /* n: seq << STREAM_SHIFT | pieces the rank has streamed in or out (broadcasts) */
     int64_t stall_ns;   /* a wait for one peer ends in a stall error after this long (0: never) */
     PyObject *stalled;  /* raises the stall's error */
     int64_t **heads;    /* 2n: rank r, slot p at 2r + p */
@@ -170,54 +177,58 @@ static int gave_up(Core *c) {
     return -1;
 }
 
+/* Wait until rank r's counter *v reaches `want` (no fence after); 0, or -1 with an
+ * exception, as wait_all. */
+static int wait_one(Core *c, int r, int64_t *v, int64_t want, int kind) {
+    if (load(v) >= want)
+        return 0;
+    long polls = budget(c);
+    if (polls < 0)
+        return -1;
+    int64_t start = now_ns(), last = start, limit = (int64_t)polls * POLL_NS;
+    unsigned spins = 0;
+    while (load(v) < want) {
+        CPU_RELAX();
+        if (++spins % 64)
+            continue;
+        int64_t t = now_ns();
+        if (t - last < PROGRESS_NS)
+            continue;
+        last = t;
+        PyObject *res = PyObject_CallNoArgs(c->progress);
+        if (res == NULL)
+            return -1;
+        Py_DECREF(res);
+        if (t - start >= limit)
+            doze(c, v, want);
+        int q = gave_up(c);
+        if (q >= 0)
+            return stall(c, q, kind == 5 ? want >> STREAM_SHIFT : want, 1);
+        if (c->stall_ns > 0 && t - start >= c->stall_ns)
+            return stall(c, r, want, kind);
+    }
+    return 0;
+}
+
 /* Wait until every peer's counter in `ctrs` reaches `want`; 0, or -1 with an exception
  * (a stall: a peer gave up, or this rank waited c->stall_ns for one; `kind` names the
  * counter to c->stalled: 0 the call counters, 4 the reduced-block ones). */
 static int wait_all(Core *c, int64_t **ctrs, int64_t want, int kind) {
-    for (int r = 0; r < c->n; r++) {
-        int64_t *v = ctrs[r];
-        if (r == c->me || load(v) >= want)
-            continue;
-        long polls = budget(c);
-        if (polls < 0)
+    for (int r = 0; r < c->n; r++)
+        if (r != c->me && wait_one(c, r, ctrs[r], want, kind) < 0)
             return -1;
-        int64_t start = now_ns(), last = start, limit = (int64_t)polls * POLL_NS;
-        unsigned spins = 0;
-        while (load(v) < want) {
-            CPU_RELAX();
-            if (++spins % 64)
-                continue;
-            int64_t t = now_ns();
-            if (t - last < PROGRESS_NS)
-                continue;
-            last = t;
-            PyObject *res = PyObject_CallNoArgs(c->progress);
-            if (res == NULL)
-                return -1;
-            Py_DECREF(res);
-            if (t - start >= limit)
-                doze(c, v, want);
-            int q = gave_up(c);
-            if (q >= 0)
-                return stall(c, q, want, 1);
-            if (c->stall_ns > 0 && t - start >= c->stall_ns)
-                return stall(c, r, want, kind);
-        }
-    }
     fence();
     return 0;
 }
 
-/* Copy `payload` (any object with a buffer; any layout through `contiguous`) into slot p;
- * 0, or -1 with an exception set (nothing posted). */
-static int put_payload(Core *c, int p, PyObject *payload) {
-    if (payload == Py_None)
-        return 0;
+/* Copy `obj` (any object with a buffer; any layout through `contiguous`) to dst, at most
+ * `limit` bytes; 0, or -1 with an exception set. */
+static int copy_object(Core *c, PyObject *obj, char *dst, Py_ssize_t limit) {
     Py_buffer view;
     PyObject *held = NULL;
-    if (PyObject_GetBuffer(payload, &view, PyBUF_C_CONTIGUOUS) < 0) {
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) < 0) {
         PyErr_Clear();
-        held = PyObject_CallOneArg(c->contiguous, payload);
+        held = PyObject_CallOneArg(c->contiguous, obj);
         if (held == NULL)
             return -1;
         if (PyObject_GetBuffer(held, &view, PyBUF_C_CONTIGUOUS) < 0) {
@@ -226,15 +237,20 @@ static int put_payload(Core *c, int p, PyObject *payload) {
         }
     }
     int rc = 0;
-    if (view.len > c->slot_bytes) {
-        PyErr_Format(PyExc_ValueError, "payload of %zd bytes exceeds the slot's %zd", view.len, c->slot_bytes);
+    if (view.len > limit) {
+        PyErr_Format(PyExc_ValueError, "payload of %zd bytes exceeds the %zd it goes to", view.len, limit);
         rc = -1;
-    } else if (view.len) {
-        memcpy(c->slots[2 * c->me + p], view.buf, (size_t)view.len);
+    } else if (view.len && view.buf != dst) {
+        memcpy(dst, view.buf, (size_t)view.len);
     }
     PyBuffer_Release(&view);
     Py_XDECREF(held);
     return rc;
+}
+
+/* Copy `payload` into this rank's slot p; 0, or -1 with an exception set (nothing posted). */
+static int put_payload(Core *c, int p, PyObject *payload) {
+    return payload == Py_None ? 0 : copy_object(c, payload, c->slots[2 * c->me + p], c->slot_bytes);
 }
 
 /* Post the next call; its seq, or -1 with an exception set (nothing posted). */
@@ -283,6 +299,41 @@ static int64_t exchange(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payl
             return -seq;
     }
     return seq;
+}
+
+/* -- broadcasts streamed through the root's slot ------------------------------------------
+ * An agreed broadcast moves through the root's slot of its call, used as a ring of `piece`
+ * bytes: the root copies piece k in and publishes seq << STREAM_SHIFT | (k + 1) in its
+ * streams word; a reader waits for that and copies the piece out, so the root's copies in
+ * and the readers' copies out overlap. Where the message wraps the ring, a reader also
+ * publishes each piece it has copied in its own word, and the root waits for every
+ * reader's before it overwrites a place. */
+static int stream(Core *c, int64_t seq, int root, char *buf, Py_ssize_t nbytes, Py_ssize_t piece) {
+    int me = c->me;
+    char *ring = c->slots[2 * root + (int)(seq & 1)];
+    Py_ssize_t places = c->slot_bytes / piece, count = (nbytes + piece - 1) / piece;
+    int64_t base = seq << STREAM_SHIFT;
+    int wraps = count > places;
+    for (Py_ssize_t k = 0; k < count; k++) {
+        Py_ssize_t off = k * piece, len = nbytes - off < piece ? nbytes - off : piece;
+        char *at = ring + (k % places) * piece;
+        if (me == root) {
+            if (k >= places && wait_all(c, c->streams, base + k - places + 1, 5) < 0)
+                return -1;
+            memcpy(at, buf + off, (size_t)len);
+        } else {
+            if (wait_one(c, root, c->streams[root], base + k + 1, 5) < 0)
+                return -1;
+            fence(); /* the piece after the word that published it */
+            memcpy(buf + off, at, (size_t)len);
+            if (!wraps)
+                continue;
+        }
+        fence(); /* the copy before the word that publishes it */
+        store(c->streams[me], base + k + 1);
+        wake_sleepers(c, c->streams[me]);
+    }
+    return 0;
 }
 
 /* -- reductions in rank order --------------------------------------------------------- */
@@ -417,14 +468,15 @@ static int read_addrs(PyObject *seq, Py_ssize_t want, void ***out, const char *w
 }
 
 static int Core_init(Core *c, PyObject *args, PyObject *kw) {
-    static char *names[] = {"me",         "seqs",  "sleeping", "heads",   "slots", "slot_bytes", "spin", "progress",
-                            "contiguous", "futex", "aborts",   "stalled", "dones", NULL};
+    static char *names[] = {"me",         "seqs",  "sleeping", "heads",   "slots", "slot_bytes", "spin",    "progress",
+                            "contiguous", "futex", "aborts",   "stalled", "dones", "streams",    NULL};
     int me, futex;
-    PyObject *seqs, *sleeping, *heads, *slots, *progress, *contiguous, *aborts, *stalled, *dones;
+    PyObject *seqs, *sleeping, *heads, *slots, *progress, *contiguous, *aborts, *stalled, *dones, *streams;
     Py_ssize_t slot_bytes;
     long spin;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOOOnlOOpOOO", names, &me, &seqs, &sleeping, &heads, &slots,
-                                     &slot_bytes, &spin, &progress, &contiguous, &futex, &aborts, &stalled, &dones))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOOOnlOOpOOOO", names, &me, &seqs, &sleeping, &heads, &slots,
+                                     &slot_bytes, &spin, &progress, &contiguous, &futex, &aborts, &stalled, &dones,
+                                     &streams))
         return -1;
     Py_ssize_t n = PySequence_Size(seqs);
     if (n < 1 || n > INT_MAX || me < 0 || me >= n) {
@@ -444,6 +496,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
         read_addrs(sleeping, n, (void ***)&c->sleeping, "sleeping") < 0 ||
         read_addrs(aborts, n, (void ***)&c->aborts, "aborts") < 0 ||
         read_addrs(dones, n, (void ***)&c->dones, "dones") < 0 ||
+        read_addrs(streams, n, (void ***)&c->streams, "streams") < 0 ||
         read_addrs(heads, 2 * n, (void ***)&c->heads, "heads") < 0 ||
         read_addrs(slots, 2 * n, (void ***)&c->slots, "slots") < 0)
         return -1;
@@ -469,6 +522,7 @@ static void Core_dealloc(Core *c) {
     PyMem_Free(c->sleeping);
     PyMem_Free(c->aborts);
     PyMem_Free(c->dones);
+    PyMem_Free(c->streams);
     PyMem_Free(c->heads);
     PyMem_Free(c->slots);
     Py_XDECREF(c->progress);
@@ -543,6 +597,30 @@ static PyObject *Core_exchange(Core *c, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     int64_t seq = exchange(c, v[0], v[1], v[2], nargs > 3 ? args[3] : Py_None, uneven, v[3], v[4]);
     return seq == 0 ? NULL : PyLong_FromLongLong(seq);
+}
+
+static PyObject *Core_stream(Core *c, PyObject *const *args, Py_ssize_t nargs) {
+    static const int at[] = {0, 1, 3};
+    int64_t v[3];
+    if (method_args(c, args, nargs, 4, 4, "stream(seq, root, buf, piece)", at, 3, v) < 0)
+        return NULL;
+    int64_t seq = v[0], root = v[1], piece = v[2];
+    if (seq < 1 || root < 0 || root >= c->n || piece < 1 || piece > c->slot_bytes) {
+        PyErr_SetString(PyExc_ValueError, "stream: an argument is out of range");
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[2], &view, PyBUF_C_CONTIGUOUS | (root == c->me ? 0 : PyBUF_WRITABLE)) < 0)
+        return NULL;
+    int rc = -1;
+    if ((view.len + piece - 1) / piece >= ((int64_t)1 << STREAM_SHIFT))
+        PyErr_SetString(PyExc_ValueError, "stream: too many pieces");
+    else
+        rc = stream(c, seq, (int)root, (char *)view.buf, view.len, (Py_ssize_t)piece);
+    PyBuffer_Release(&view);
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 static PyObject *Core_has_kernel(Core *c, PyObject *const *args, Py_ssize_t nargs) {
@@ -628,7 +706,7 @@ typedef struct {
     int64_t a, b, c, fits;
     kernel k;
     Py_ssize_t itemsize, lo, hi, nbytes, out_bytes;
-    Py_ssize_t split_at; /* an allreduce in two steps: where in a slot the reduced blocks go (0: one step) */
+    Py_ssize_t second; /* the second step: an allreduce's split_at, a broadcast's stream piece (0: one step) */
     Py_ssize_t shape[STEP_MAXDIM];
     char fmt[16];
     PyObject *ndarray, *shape_obj, *dtype, *empty, *slow, *mismatch, *uneven;
@@ -674,7 +752,7 @@ static Py_ssize_t block_start(Py_ssize_t count, int n, int r) {
 }
 
 /* Finish a posted allreduce in two steps: this rank's block, reduced over every rank's slot
- * in rank order, into its own slot at split_at (past the data the peers still read); its
+ * in rank order, into its own slot at s->second (past the data the peers still read); its
  * dones word published; then, once every peer's is, every block copied into out. Each
  * rank reads count elements and one block from each slot, where one step reads n * count.
  * 0, or -1 with an exception set. */
@@ -683,7 +761,7 @@ static int split_reduce(Step *s, int64_t seq, char *out) {
     int n = c->n, p = (int)(seq & 1);
     Py_ssize_t count = s->hi, isz = s->itemsize;
     Py_ssize_t lo = block_start(count, n, c->me), hi = block_start(count, n, c->me + 1);
-    if (reduce_slots(c, seq, s->k, s->op, isz, lo, hi, c->slots[2 * c->me + p] + s->split_at + lo * isz) < 0)
+    if (reduce_slots(c, seq, s->k, s->op, isz, lo, hi, c->slots[2 * c->me + p] + s->second + lo * isz) < 0)
         return -1;
     fence(); /* the block before the word that publishes it */
     store(c->dones[c->me], seq);
@@ -692,7 +770,7 @@ static int split_reduce(Step *s, int64_t seq, char *out) {
         return -1;
     for (int r = 0; r < n; r++) {
         Py_ssize_t a = block_start(count, n, r), z = block_start(count, n, r + 1);
-        memcpy(out + a * isz, c->slots[2 * r + p] + s->split_at + a * isz, (size_t)((z - a) * isz));
+        memcpy(out + a * isz, c->slots[2 * r + p] + s->second + a * isz, (size_t)((z - a) * isz));
     }
     return 0;
 }
@@ -722,7 +800,8 @@ static PyObject *Step_call(Step *s, PyObject *const *args, size_t nargsf, PyObje
         have = 1;
     }
     int is_root = s->kind == STEP_BROADCAST && s->root == c->me;
-    PyObject *payload = s->kind == STEP_BROADCAST && !is_root ? Py_None : x;
+    int streamed = s->kind == STEP_BROADCAST && s->second;
+    PyObject *payload = s->kind == STEP_BROADCAST && (!is_root || streamed) ? Py_None : x;
     int64_t seq = exchange(c, s->a, b, s->c, payload, s->kind == STEP_ALLGATHER, 0, 0);
     if (seq == 0)
         goto done;
@@ -732,8 +811,12 @@ static PyObject *Step_call(Step *s, PyObject *const *args, size_t nargsf, PyObje
     }
     int p = (int)(seq & 1);
     if (s->kind == STEP_REDUCE) {
-        if (s->split_at ? split_reduce(s, seq, (char *)view.buf) < 0
-                        : mine && reduce_slots(c, seq, s->k, s->op, s->itemsize, s->lo, s->hi, (char *)view.buf) < 0)
+        if (s->second ? split_reduce(s, seq, (char *)view.buf) < 0
+                      : mine && reduce_slots(c, seq, s->k, s->op, s->itemsize, s->lo, s->hi, (char *)view.buf) < 0)
+            goto done;
+    } else if (streamed) { /* the root's data into its out, then through its slot to the others' */
+        if ((is_root && copy_object(c, x, (char *)view.buf, s->nbytes) < 0) ||
+            stream(c, seq, s->root, (char *)view.buf, s->nbytes, s->second) < 0)
             goto done;
     } else if (s->kind == STEP_BROADCAST) {
         if (!is_root || out != x)
@@ -776,23 +859,23 @@ static void Step_dealloc(Step *s) {
 }
 
 /* core.step(kind, a, b, c, fits, like, dtype, op, lo, hi, root, nbytes, empty, slow, mismatch, uneven,
- *           split_at=0) */
+ *           second=0) */
 static PyObject *Core_step(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     static const int at[] = {0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 16};
     int64_t v[12];
     if (method_args(c, args, nargs, 16, 17,
                     "step(kind, a, b, c, fits, like, dtype, op, lo, hi, root, nbytes, empty, slow, mismatch, uneven, "
-                    "split_at=0)",
+                    "second=0)",
                     at, 12, v) < 0)
         return NULL;
-    int64_t kind = v[0], lo = v[7], hi = v[8], root = v[9], nbytes = v[10], split_at = v[11];
+    int64_t kind = v[0], lo = v[7], hi = v[8], root = v[9], nbytes = v[10], second = v[11];
     PyObject *like = args[5];
     Py_buffer view;
     if (PyObject_GetBuffer(like, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
         return NULL; /* e.g. bfloat16, which has no buffer format: the caller keeps Python's loop */
     if (view.ndim > STEP_MAXDIM || view.format == NULL || strlen(view.format) >= 16 || kind < STEP_REDUCE ||
-        kind > STEP_ALLGATHER || nbytes < 0 || nbytes > c->slot_bytes || root >= c->n || split_at < 0 ||
-        (split_at && kind != STEP_REDUCE)) {
+        kind > STEP_ALLGATHER || nbytes < 0 || nbytes > c->slot_bytes || root >= c->n || second < 0 ||
+        (second && kind == STEP_ALLGATHER) || (second && kind == STEP_BROADCAST && second > c->slot_bytes)) {
         PyBuffer_Release(&view);
         PyErr_SetString(PyExc_ValueError, "step: an argument is out of range");
         return NULL;
@@ -812,7 +895,7 @@ static PyObject *Core_step(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     s->lo = (Py_ssize_t)lo;
     s->hi = (Py_ssize_t)hi;
     s->nbytes = (Py_ssize_t)nbytes;
-    s->split_at = (Py_ssize_t)split_at;
+    s->second = (Py_ssize_t)second;
     s->ndim = view.ndim;
     s->itemsize = view.itemsize;
     s->out_bytes = view.len;
@@ -824,8 +907,8 @@ static PyObject *Core_step(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     if (kind == STEP_REDUCE) {
         int itemsize = 0;
         s->k = kernel_for((int)v[5], (int)v[6], &itemsize);
-        int bad_split = split_at && (root >= 0 || lo != 0 || c->n < 2 || split_at % itemsize ||
-                                     split_at < hi * itemsize || split_at + hi * itemsize > c->slot_bytes);
+        int bad_split = second && (root >= 0 || lo != 0 || c->n < 2 || second % itemsize ||
+                                   second < hi * itemsize || second + hi * itemsize > c->slot_bytes);
         if (s->k == NULL || itemsize != s->itemsize || lo < 0 || hi < lo || hi * itemsize > c->slot_bytes ||
             (hi - lo) * itemsize != s->out_bytes || bad_split) {
             s->core = NULL;
@@ -867,10 +950,14 @@ static PyMethodDef Core_methods[] = {
     {"exchange", (PyCFunction)(void (*)(void))Core_exchange, METH_FASTCALL,
      "exchange(a, b, c, payload=None, uneven=False, win=0, wout=0) -> seq, or -seq when signatures differ."},
     {"step", (PyCFunction)(void (*)(void))Core_step, METH_FASTCALL,
-     "step(kind, a, b, c, fits, like, dtype, op, lo, hi, root, nbytes, empty, slow, mismatch, uneven, split_at=0) "
+     "step(kind, a, b, c, fits, like, dtype, op, lo, hi, root, nbytes, empty, slow, mismatch, uneven, second=0) "
      "-> Step: one collective's one-step call (kind 0: reduce into lo..hi on root, or on every rank when root < 0; "
-     "1: broadcast from root; 2: allgather), like: an array shaped as its result; split_at: an allreduce's "
-     "reduced blocks go to this byte offset of each slot, in two steps (0: one step)."},
+     "1: broadcast from root; 2: allgather), like: an array shaped as its result; second: an allreduce's "
+     "reduced blocks go to this byte offset of each slot, in two steps; a broadcast streams through the root's "
+     "slot in pieces of this many bytes once agreed (0: one step)."},
+    {"stream", (PyCFunction)(void (*)(void))Core_stream, METH_FASTCALL,
+     "stream(seq, root, buf, piece): move the agreed broadcast `seq` from root's buf into every other rank's "
+     "through root's slot, `piece` bytes at a time."},
     {"has_kernel", (PyCFunction)(void (*)(void))Core_has_kernel, METH_FASTCALL,
      "has_kernel(dtype, op) -> bool: reduce takes this dtype code and op code."},
     {NULL, NULL, 0, NULL}};
@@ -915,7 +1002,7 @@ PyMODINIT_FUNC PyInit_cslots(void) {
         Py_DECREF(m);
         return NULL;
     }
-    if (PyModule_AddIntConstant(m, "FUTEX", HAVE_FUTEX) < 0 ||
+    if (PyModule_AddIntConstant(m, "FUTEX", HAVE_FUTEX) < 0 || PyModule_AddIntConstant(m, "STREAM_SHIFT", STREAM_SHIFT) < 0 ||
         PyModule_AddIntConstant(m, "STEP_REDUCE", STEP_REDUCE) < 0 ||
         PyModule_AddIntConstant(m, "STEP_BROADCAST", STEP_BROADCAST) < 0 ||
         PyModule_AddIntConstant(m, "STEP_ALLGATHER", STEP_ALLGATHER) < 0) {

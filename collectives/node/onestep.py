@@ -37,8 +37,8 @@ def onestep_fn(ctx: Context, key: tuple) -> Any:
     if ch is None or algorithm not in ("auto", "shm") or dtype_code(dtype) < 0:
         return fn
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes > (ch.copy_small if coll == "allgather" else ch.small):
-        return fn  # (a broadcast above ch.small may read the root's arena buffer: the general path)
+    if not ch.one_step(coll, nbytes):
+        return fn
     op, root = (arg, None) if coll in ("allreduce", "reduce_scatter") else (None, arg)
     if coll == "reduce":
         op, root = arg

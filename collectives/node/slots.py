@@ -82,7 +82,7 @@ def _step(ch: Channel, kind: int, a: int, b: int, shape: tuple[int, ...], dtype:
             SLOW,
             MISMATCH,
             UNEVEN,
-            kw.get("split_at", 0),
+            kw.get("second", 0),
         )
     except (BufferError, ValueError):  # no buffer format (bfloat16): the Python function below
         return None
@@ -98,7 +98,7 @@ def small_allreduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, .
     with x's shape and dtype."""
     count = math.prod(shape)
     split = ch.split_at(count * dtype.itemsize)
-    step = _step(ch, STEP_REDUCE, a, count, shape, dtype, op=op, split_at=split)
+    step = _step(ch, STEP_REDUCE, a, count, shape, dtype, op=op, second=split)
     if step is not None:
         return step
     views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
@@ -175,9 +175,12 @@ def small_reduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, ...]
 def small_broadcast_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, ...], root: int) -> Callable:
     """One-step broadcast: ``fn(x, out=None)`` returns ``root``'s data (in ``out`` when given),
     :data:`MISMATCH`, or :data:`SLOW` without posting when ``out`` is not C-contiguous with
-    x's shape and dtype; only the root posts data."""
+    x's shape and dtype; only the root posts data, with the call up to :attr:`.Channel.small`
+    bytes and streamed through its slot once the call is agreed above (:meth:`.Channel.stream`)."""
     count = math.prod(shape)
-    step = _step(ch, STEP_BROADCAST, a, count, shape, dtype, root=root, nbytes=count * dtype.itemsize)
+    nbytes = count * dtype.itemsize
+    piece = ch.piece if nbytes > ch.small else 0
+    step = _step(ch, STEP_BROADCAST, a, count, shape, dtype, root=root, nbytes=nbytes, second=piece)
     if step is not None:
         return step
     views = [ch.slot_views(p, dtype, shape)[root] for p in (0, 1)]
@@ -188,13 +191,15 @@ def small_broadcast_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, .
             out = np.empty(shape, dtype)
         elif type(out) is not np.ndarray or out.shape != shape or out.dtype != dtype or not out.flags.c_contiguous:
             return SLOW
-        seq = ch.exchange(a, count, 0, x if is_root else None)
+        seq = ch.exchange(a, count, 0, x if is_root and not piece else None)
         if seq < 0:
             return MISMATCH
-        if not is_root:
-            out[...] = views[seq & 1]
-        elif out is not x:
+        if is_root and out is not x:
             out[...] = x
+        if piece:
+            ch.stream(seq, root, out)
+        elif not is_root:
+            out[...] = views[seq & 1]
         return out
 
     return fn
