@@ -28,6 +28,7 @@ from .device import api as gpu
 from .device.arrays import is_device
 from .errors import InvalidArgumentError, OutputMismatchError
 from .node import inplace, slots, staged
+from .node.arena import address
 from .node.onestep import raise_mismatch, remember
 from .ops import finalize
 from .select import REGISTRY
@@ -175,7 +176,7 @@ def _dispatch(paths: tuple, x: Any, arg: Any, algorithm: str, out: Any, comm: An
 def _aliases(a: np.ndarray, b: np.ndarray) -> bool:
     """True when ``a`` and ``b`` are the same elements (equal views of one buffer)."""
     return (
-        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        address(a) == address(b)
         and a.shape == b.shape
         and a.strides == b.strides
         and a.dtype == b.dtype

@@ -29,7 +29,12 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Arena", "ALIGN", "allocate"]
+try:
+    from .cslots import address as _address
+except ImportError:  # not built: numpy's interface below
+    _address = None
+
+__all__ = ["Arena", "ALIGN", "allocate", "address"]
 
 ALIGN = 64
 """Alignment of every block, in bytes (a cache line)."""
@@ -40,6 +45,16 @@ def allocate(arena: Arena | None, shape: Any, dtype: Any) -> np.ndarray:
     ordinary memory (contents undefined either way)."""
     a = arena.empty(shape, dtype) if arena is not None else None
     return np.empty(shape, dtype) if a is None else a
+
+
+def address(a: np.ndarray) -> int:
+    """Where ``a``'s first element lies in memory: the compiled loop's ``address`` (about
+    0.2 µs) where it is built, numpy's ``__array_interface__`` (about 3 µs) elsewhere."""
+    if _address is not None:
+        at = _address(a)
+        if at is not None:
+            return at
+    return a.__array_interface__["data"][0]
 
 
 class Arena:
@@ -118,8 +133,7 @@ class Arena:
         and is C-contiguous, else 0 (the word a collective posts for a peer to find it)."""
         if a is None or not self.capacity:
             return 0
-        addr = a.__array_interface__["data"][0]
-        off = addr - self._base
+        off = address(a) - self._base
         if off < 0 or off + a.nbytes > self.capacity or not a.flags.c_contiguous:
             return 0
         return off + 1

@@ -983,11 +983,31 @@ static PyTypeObject CoreType = {
     .tp_getset = Core_getset,
 };
 
+/* address(obj) -> int or None: where obj's buffer starts (its first element, any layout),
+ * or None for an object without a buffer (a bfloat16 array: no buffer format) */
+static PyObject *address(PyObject *self, PyObject *obj) {
+    (void)self;
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_STRIDES) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    PyObject *res = PyLong_FromVoidPtr(view.buf);
+    PyBuffer_Release(&view);
+    return res;
+}
+
+static PyMethodDef module_methods[] = {
+    {"address", (PyCFunction)address, METH_O,
+     "address(obj) -> int or None: where obj's buffer starts; None when it has no buffer."},
+    {NULL, NULL, 0, NULL}};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "cslots",
     .m_doc = "The node channel's post/poll loop and one-step reductions, compiled.",
     .m_size = -1,
+    .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC PyInit_cslots(void) {
