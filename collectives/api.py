@@ -175,12 +175,7 @@ def _dispatch(paths: tuple, x: Any, arg: Any, algorithm: str, out: Any, comm: An
 # -- allreduce ---------------------------------------------------------------------------
 def _aliases(a: np.ndarray, b: np.ndarray) -> bool:
     """True when ``a`` and ``b`` are the same elements (equal views of one buffer)."""
-    return (
-        address(a) == address(b)
-        and a.shape == b.shape
-        and a.strides == b.strides
-        and a.dtype == b.dtype
-    )
+    return address(a) == address(b) and a.shape == b.shape and a.strides == b.strides and a.dtype == b.dtype
 
 
 def _allreduce(x, op, algorithm, out, comm, blocking, agreed):
@@ -401,7 +396,11 @@ def _allgather(x, arg, algorithm, out, comm, blocking, rows, posted=False):
     own = None if _aliases(mine, _flat(src)) else _flat(src)  # x may be its block of out already
     small = call.resolved == "shm" and ch is not None and max(counts) * x.itemsize <= ch.copy_small
     ws = call.inplace(output=True, inputs=False) if buf.nbytes <= inplace.COPY_INPLACE_MAX and not small else None
-    staged_as_read = blocking and call.resolved == "shm" and not small and ws is None and t.size > 1
+    # above the one-step size every rank streams its block through its slot while copying
+    # the others' out as they come (the general path's chunks wait for each other instead)
+    stream = call.resolved == "shm" and ch is not None and not small and ws is None and t.size > 1
+    stream = stream and ch.streams_bytes(max(counts) * x.itemsize)
+    staged_as_read = blocking and call.resolved == "shm" and not small and ws is None and t.size > 1 and not stream
     if own is not None and (not staged_as_read or np.may_share_memory(own, buf)):
         mine[...] = own
         own = None
@@ -412,6 +411,9 @@ def _allgather(x, arg, algorithm, out, comm, blocking, rows, posted=False):
         return _done(out, blocking, ctx)
     if ws is not None:  # every rank's out lies in the arena, its own block in place: read them there
         return _launch(ctx, inplace.inplace_allgather(ctx, buf, counts, ws), blocking, out)
+    if stream:
+        ch.gather(call.seq, buf, [o * x.itemsize for o in off])
+        return _done(out, blocking, ctx)
     if call.resolved == "shm":
         ctx.channel()  # collective allocation, in call order
         # blocking: x is copied into out piece by piece as it is staged (read once, from cache)

@@ -4,7 +4,7 @@ the counters, slots and buffers the ``shm`` algorithms (:mod:`.slots`, :mod:`.st
 Every rank owns one segment of the window (``MPI_Win_allocate_shared``, or plain arrays
 for the thread transport), laid out as::
 
-    [seq sleeping abort done streamed][stage] [slot 0: header | small data] [slot 1: ...] [buffer 0] [buffer 1]
+    [seq sleeping abort done streamed taken][stage] [slot 0: header | small data] [slot 1: ...] [buffer 0] [buffer 1]
 
 ``seq`` counts the calls this rank has *posted*; a call posts its argument signature
 (three int64 words) and where its input and output lie in the node's arena (two more:
@@ -15,7 +15,8 @@ a second counter used as a barrier: a rank publishes it and waits until every pe
 reached it. ``done`` counts the allreduces that finish in two steps through the slots
 (:meth:`Channel.split_at`): each rank reduces its block of the call into its slot, past the
 data, and publishes the call there; the peers copy the block once it is. ``streamed``
-counts the pieces of a broadcast streamed through the root's slot (:meth:`Channel.stream`).
+counts the pieces of a broadcast or allgather streamed through a slot (:meth:`Channel.stream`,
+:meth:`Channel.gather`), and ``taken`` the rounds of an allgather's pieces a rank has copied out.
 Loads and stores are ordered by the window's ``MPI_Win_sync`` around every publication.
 
 A rank waiting for a peer's counter polls it a while (:data:`SPIN` polls when every rank
@@ -194,11 +195,14 @@ class Channel:
         self.aborts = [memoryview(s[16:24]).cast("q") for s in segs]
         # written by its owner only: the last call whose reduced block it published (split_at)
         self.dones = [memoryview(s[24:32]).cast("q") for s in segs]
-        # written by its owner only: call << STREAM_SHIFT | the pieces it streamed (stream)
+        # written by its owner only: call << STREAM_SHIFT | the pieces it streamed (stream, gather)
         self.streams = [memoryview(s[32:40]).cast("q") for s in segs]
+        # written by its owner only: call << STREAM_SHIFT | the rounds of pieces it took (gather)
+        self.takes = [memoryview(s[40:48]).cast("q") for s in segs]
         self._seq_addr = [s[0:8].ctypes.data for s in segs]
         self._done_addr = [s[24:32].ctypes.data for s in segs]
         self._stream_addr = [s[32:40].ctypes.data for s in segs]
+        self._take_addr = [s[40:48].ctypes.data for s in segs]
         self._stage_addr = [s[LINE : LINE + 8].ctypes.data for s in segs]
         peers = [j for j in range(self.n) if j != me]
         self._peer_aborts = [self.aborts[j] for j in peers]
@@ -206,6 +210,7 @@ class Channel:
         self._peer_seqs = [(j, self.seqs[j], self._seq_addr[j]) for j in peers]
         self._peer_dones = [(j, self.dones[j], self._done_addr[j]) for j in peers]
         self._peer_streams = [(j, self.streams[j], self._stream_addr[j]) for j in peers]
+        self._peer_takes = [(j, self.takes[j], self._take_addr[j]) for j in peers]
         self._peer_stages = [(self.stages[j], self._stage_addr[j]) for j in peers]
         self._peer_sleeping = [self.sleeping[j] for j in peers]
         self._my_seq_addr, self._my_stage_addr = self._seq_addr[me], self._stage_addr[me]
@@ -228,6 +233,7 @@ class Channel:
             self.stalled,
             self._done_addr,
             self._stream_addr,
+            self._take_addr,
         )
         core.stall = stall_timeout
         self.post, self.exchange, self.wait_posted = core.post, core.exchange, core.wait_posted
@@ -439,12 +445,51 @@ class Channel:
             mine[0] = base + k + 1
             self._wake_sleepers(addr)
 
+    def gather(self, seq: int, buf: np.ndarray, offsets: list[int]) -> None:
+        """Fill bytes ``offsets[r]`` to ``offsets[r + 1]`` of this rank's ``buf`` (C-contiguous)
+        with rank ``r``'s, for the agreed allgather ``seq``: every rank's slot of the call is a
+        ring of :attr:`piece`-byte pieces, as :meth:`stream`'s is. In round k each rank
+        copies piece k of its own block in and publishes it in its ``streamed`` word, then
+        copies piece k of every peer's block out as each is published; where a block wraps
+        the ring, it publishes the round in its ``taken`` word, which each rank waits for
+        before it overwrites a place. The compiled loop's ``gather`` where it is built."""
+        if self.core is not None:
+            self.core.gather(seq, buf, offsets, self.piece)
+            return
+        me, piece, off = self.me, self.piece, offsets
+        raw = buf.reshape(-1).view(np.uint8)
+        places = self.slot_bytes // piece
+        rounds = max(-(-(off[r + 1] - off[r]) // piece) for r in range(self.n))
+        base, wraps, p = seq << STREAM_SHIFT, rounds > places, seq & 1
+        ring = self.slots[me][p]
+        for k in range(rounds):
+            at, start = (k % places) * piece, k * piece
+            if off[me] + start < off[me + 1]:
+                n = min(piece, off[me + 1] - off[me] - start)
+                if k >= places:
+                    self._wait_peers(self._peer_takes, base + k - places + 1, 6)
+                ring[at : at + n] = raw[off[me] + start : off[me] + start + n]
+                self.fence()
+                self.streams[me][0] = base + k + 1
+                self._wake_sleepers(self._stream_addr[me])
+            for rank, v, addr in self._peer_streams:
+                if off[rank] + start >= off[rank + 1]:
+                    continue
+                n = min(piece, off[rank + 1] - off[rank] - start)
+                self._wait_peers([(rank, v, addr)], base + k + 1, 5)
+                raw[off[rank] + start : off[rank] + start + n] = self.slots[rank][p][at : at + n]
+            if wraps:
+                self.fence()
+                self.takes[me][0] = base + k + 1
+                self._wake_sleepers(self._take_addr[me])
+
     def _check_stall(self, rank: int, want: int, start: float, kind: int) -> float:
         """Raise the stall's error if a peer gave up, or the wait for ``rank`` has lasted the
         stall timeout since ``start`` (0: since now, the first look); ``kind`` 0 waits on
-        its counter, 3 on its stage, 4 on its reduced block, 5 on its streamed pieces.
+        its counter, 3 on its stage, 4 on its reduced block, 5 on its streamed pieces, 6 on
+        the pieces it took.
         Returns the start."""
-        self._check_peers(want >> STREAM_SHIFT if kind == 5 else want)
+        self._check_peers(want >> STREAM_SHIFT if kind >= 5 else want)
         now = time.monotonic()
         if not start:
             return now
@@ -462,19 +507,19 @@ class Channel:
         """Give up on this channel after a stall and raise :class:`~.errors.StallError`:
         kind 0, this rank waited the stall timeout for ``rank`` to post call ``want`` (3:
         to reach barrier ``want``; 4: to publish its reduced block of call ``want``; 5: to
-        stream piece ``want & (2**STREAM_SHIFT - 1)`` of call ``want >> STREAM_SHIFT``); 1,
-        ``rank`` gave up; 2, this rank gave up before."""
-        call = want >> STREAM_SHIFT if kind == 5 else want
+        stream piece ``want & (2**STREAM_SHIFT - 1)`` of call ``want >> STREAM_SHIFT``; 6: to
+        take that piece of every peer); 1, ``rank`` gave up; 2, this rank gave up before."""
+        call = want >> STREAM_SHIFT if kind >= 5 else want
         mine = self.aborts[self.me]
         if mine[0] == 0:
             mine[0] = max(call, 1)
             self.fence()
         how = "stopped on every rank of the node; call collectives.reset(comm) on every rank to use it again"
-        if kind in (0, 3, 4, 5):
-            what = {0: "call", 3: "barrier", 4: "the reduced blocks of call", 5: "the broadcast pieces of call"}[kind]
-            ctrs = {0: self.seqs, 3: self.stages, 4: self.dones, 5: self.streams}[kind]
-            # (a broadcast's readers publish pieces only where the ring wraps: name the one waited for)
-            late = [j for j in range(self.n) if j != self.me and ctrs[j][0] < want and kind != 5] or [rank]
+        if kind in (0, 3, 4, 5, 6):
+            what = {0: "call", 3: "barrier", 4: "the reduced blocks of call"}.get(kind, "the streamed pieces of call")
+            ctrs = {0: self.seqs, 3: self.stages, 4: self.dones}.get(kind)
+            # (streamed pieces are published only where needed: name the rank waited for)
+            late = [j for j in range(self.n) if j != self.me and ctrs is not None and ctrs[j][0] < want] or [rank]
             raise StallError(
                 f"collective stalled: waited {self.stall_timeout:g} s (HPCDL_STALL_TIMEOUT) for rank(s) {late} "
                 f"to reach {what} {call} on this node; the ranks fell out of step (a rank raised, or skipped or "

@@ -8,16 +8,17 @@
  * docstring), so a rank using it and a rank using the pure-Python loop interoperate:
  *
  *   Core(me, seqs, sleeping, heads, slots, slot_bytes, spin, progress, contiguous, futex, aborts, stalled, dones,
- *        streams)
- *       seqs, sleeping, aborts, dones, streams: every rank's counter, sleeping-flag,
- *       abort-word, reduced-block counter and streamed-piece counter address (int64 words);
+ *        streams, takes)
+ *       seqs, sleeping, aborts, dones, streams, takes: every rank's counter, sleeping-flag,
+ *       abort-word, reduced-block counter, streamed-piece counter and taken-piece counter
+ *       address (int64 words);
  *       heads, slots: every rank's slot 0 and slot 1 header and data addresses, as
  *       [r0p0, r0p1, r1p0, ...]; progress(): called while waiting; contiguous(x): a
  *       C-contiguous copy of x (numpy.ascontiguousarray); stalled(rank, want, kind): raises
  *       the error of a stall (kind 0: this rank waited core.stall seconds for `rank` to post
  *       call `want`; 4: to publish its reduced slice of call `want`; 5: to stream piece
- *       `want & (2**24 - 1)` of call `want >> 24`; 1: `rank` gave up after a stall; 2: this
- *       rank gave up before).
+ *       `want & (2**24 - 1)` of call `want >> 24`; 6: to take that piece of every peer; 1:
+ *       `rank` gave up after a stall; 2: this rank gave up before).
  *   core.post(a, b, c, payload=None, win=0, wout=0) -> seq
  *   core.wait_posted(seq)
  *   core.exchange(a, b, c, payload=None, uneven=False, win=0, wout=0) -> seq or -seq
@@ -27,6 +28,7 @@
  *       block into its slot at that byte offset, publishes `dones`, and copies every rank's
  *       block); a broadcast given `second` (a piece) streams through the root's slot
  *   core.stream(seq, root, buf, piece): an agreed broadcast through the root's slot (below)
+ *   core.gather(seq, buf, offsets, piece): an agreed allgather through every rank's slot (below)
  *
  * Loads and stores of the counters are atomic, and full fences order them around every
  * publication, as MPI_Win_sync does on the Python side. Reductions combine every rank's
@@ -82,6 +84,7 @@ typedef struct {
     int64_t **aborts;   /* n: nonzero once the rank gave up after a stall */
     int64_t **dones;    /* n: the last call whose reduced block the rank published (split allreduces) */
     int64_t **streams;  /* n: seq << STREAM_SHIFT | pieces the rank has streamed in or out (broadcasts) */
+    int64_t **takes;    /* n: seq << STREAM_SHIFT | rounds of its peers' pieces the rank has copied out (allgathers) */
     int64_t stall_ns;   /* a wait for one peer ends in a stall error after this long (0: never) */
     PyObject *stalled;  /* raises the stall's error */
     int64_t **heads;    /* 2n: rank r, slot p at 2r + p */
@@ -203,7 +206,7 @@ static int wait_one(Core *c, int r, int64_t *v, int64_t want, int kind) {
             doze(c, v, want);
         int q = gave_up(c);
         if (q >= 0)
-            return stall(c, q, kind == 5 ? want >> STREAM_SHIFT : want, 1);
+            return stall(c, q, kind >= 5 ? want >> STREAM_SHIFT : want, 1);
         if (c->stall_ns > 0 && t - start >= c->stall_ns)
             return stall(c, r, want, kind);
     }
@@ -332,6 +335,50 @@ static int stream(Core *c, int64_t seq, int root, char *buf, Py_ssize_t nbytes, 
         fence(); /* the copy before the word that publishes it */
         store(c->streams[me], base + k + 1);
         wake_sleepers(c, c->streams[me]);
+    }
+    return 0;
+}
+
+/* An agreed allgather through every rank's slot of its call, each used as a ring of `piece`
+ * bytes as a broadcast's is: in round k every rank copies piece k of its block (buf from
+ * byte off[me] to off[me + 1]) into its ring and publishes it in its streams word, then
+ * copies piece k of every peer's block into buf as each is published; where a block wraps
+ * the ring, it then publishes the round in its takes word, which every rank waits for
+ * before it overwrites a place. */
+static int gather_stream(Core *c, int64_t seq, char *buf, const Py_ssize_t *off, Py_ssize_t piece) {
+    int me = c->me, n = c->n, p = (int)(seq & 1);
+    Py_ssize_t places = c->slot_bytes / piece, rounds = 0;
+    for (int r = 0; r < n; r++) {
+        Py_ssize_t k = (off[r + 1] - off[r] + piece - 1) / piece;
+        rounds = k > rounds ? k : rounds;
+    }
+    int64_t base = seq << STREAM_SHIFT;
+    int wraps = rounds > places;
+    for (Py_ssize_t k = 0; k < rounds; k++) {
+        Py_ssize_t at = (k % places) * piece, from = k * piece;
+        if (off[me] + from < off[me + 1]) {
+            Py_ssize_t len = off[me + 1] - off[me] - from < piece ? off[me + 1] - off[me] - from : piece;
+            if (k >= places && wait_all(c, c->takes, base + k - places + 1, 6) < 0)
+                return -1;
+            memcpy(c->slots[2 * me + p] + at, buf + off[me] + from, (size_t)len);
+            fence(); /* the piece before the word that publishes it */
+            store(c->streams[me], base + k + 1);
+            wake_sleepers(c, c->streams[me]);
+        }
+        for (int r = 0; r < n; r++) {
+            if (r == me || off[r] + from >= off[r + 1])
+                continue;
+            Py_ssize_t len = off[r + 1] - off[r] - from < piece ? off[r + 1] - off[r] - from : piece;
+            if (wait_one(c, r, c->streams[r], base + k + 1, 5) < 0)
+                return -1;
+            fence(); /* the piece after the word that published it */
+            memcpy(buf + off[r] + from, c->slots[2 * r + p] + at, (size_t)len);
+        }
+        if (wraps) {
+            fence(); /* the copies before the word that publishes them */
+            store(c->takes[me], base + k + 1);
+            wake_sleepers(c, c->takes[me]);
+        }
     }
     return 0;
 }
@@ -468,15 +515,15 @@ static int read_addrs(PyObject *seq, Py_ssize_t want, void ***out, const char *w
 }
 
 static int Core_init(Core *c, PyObject *args, PyObject *kw) {
-    static char *names[] = {"me",         "seqs",  "sleeping", "heads",   "slots", "slot_bytes", "spin",    "progress",
-                            "contiguous", "futex", "aborts",   "stalled", "dones", "streams",    NULL};
+    static char *names[] = {"me",         "seqs",  "sleeping", "heads",   "slots", "slot_bytes", "spin",  "progress",
+                            "contiguous", "futex", "aborts",   "stalled", "dones", "streams",    "takes", NULL};
     int me, futex;
-    PyObject *seqs, *sleeping, *heads, *slots, *progress, *contiguous, *aborts, *stalled, *dones, *streams;
+    PyObject *seqs, *sleeping, *heads, *slots, *progress, *contiguous, *aborts, *stalled, *dones, *streams, *takes;
     Py_ssize_t slot_bytes;
     long spin;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOOOnlOOpOOOO", names, &me, &seqs, &sleeping, &heads, &slots,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOOOnlOOpOOOOO", names, &me, &seqs, &sleeping, &heads, &slots,
                                      &slot_bytes, &spin, &progress, &contiguous, &futex, &aborts, &stalled, &dones,
-                                     &streams))
+                                     &streams, &takes))
         return -1;
     Py_ssize_t n = PySequence_Size(seqs);
     if (n < 1 || n > INT_MAX || me < 0 || me >= n) {
@@ -497,6 +544,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
         read_addrs(aborts, n, (void ***)&c->aborts, "aborts") < 0 ||
         read_addrs(dones, n, (void ***)&c->dones, "dones") < 0 ||
         read_addrs(streams, n, (void ***)&c->streams, "streams") < 0 ||
+        read_addrs(takes, n, (void ***)&c->takes, "takes") < 0 ||
         read_addrs(heads, 2 * n, (void ***)&c->heads, "heads") < 0 ||
         read_addrs(slots, 2 * n, (void ***)&c->slots, "slots") < 0)
         return -1;
@@ -523,6 +571,7 @@ static void Core_dealloc(Core *c) {
     PyMem_Free(c->aborts);
     PyMem_Free(c->dones);
     PyMem_Free(c->streams);
+    PyMem_Free(c->takes);
     PyMem_Free(c->heads);
     PyMem_Free(c->slots);
     Py_XDECREF(c->progress);
@@ -618,6 +667,56 @@ static PyObject *Core_stream(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     else
         rc = stream(c, seq, (int)root, (char *)view.buf, view.len, (Py_ssize_t)piece);
     PyBuffer_Release(&view);
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Core_gather(Core *c, PyObject *const *args, Py_ssize_t nargs) {
+    static const int at[] = {0, 3};
+    int64_t v[2];
+    if (method_args(c, args, nargs, 4, 4, "gather(seq, buf, offsets, piece)", at, 2, v) < 0)
+        return NULL;
+    int64_t seq = v[0], piece = v[1];
+    if (seq < 1 || piece < 1 || piece > c->slot_bytes) {
+        PyErr_SetString(PyExc_ValueError, "gather: an argument is out of range");
+        return NULL;
+    }
+    Py_ssize_t *off = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(c->n + 1));
+    if (off == NULL)
+        return PyErr_NoMemory();
+    PyObject *fast = PySequence_Fast(args[2], "gather: offsets must be a sequence");
+    int rc = -1;
+    Py_buffer view;
+    view.obj = NULL;
+    if (fast == NULL)
+        goto done;
+    if (PySequence_Fast_GET_SIZE(fast) != c->n + 1) {
+        PyErr_SetString(PyExc_ValueError, "gather: offsets must have ranks + 1 entries");
+        goto done;
+    }
+    for (int r = 0; r <= c->n; r++) {
+        off[r] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(fast, r));
+        if (off[r] == -1 && PyErr_Occurred())
+            goto done;
+    }
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        view.obj = NULL;
+        goto done;
+    }
+    int ok = off[0] >= 0 && off[c->n] <= view.len;
+    for (int r = 0; ok && r < c->n; r++) {
+        ok = off[r] <= off[r + 1] && (off[r + 1] - off[r] + piece - 1) / piece < ((int64_t)1 << STREAM_SHIFT);
+    }
+    if (!ok)
+        PyErr_SetString(PyExc_ValueError, "gather: offsets out of range");
+    else
+        rc = gather_stream(c, seq, (char *)view.buf, off, (Py_ssize_t)piece);
+done:
+    if (view.obj != NULL)
+        PyBuffer_Release(&view);
+    Py_XDECREF(fast);
+    PyMem_Free(off);
     if (rc < 0)
         return NULL;
     Py_RETURN_NONE;
@@ -955,6 +1054,9 @@ static PyMethodDef Core_methods[] = {
      "1: broadcast from root; 2: allgather), like: an array shaped as its result; second: an allreduce's "
      "reduced blocks go to this byte offset of each slot, in two steps; a broadcast streams through the root's "
      "slot in pieces of this many bytes once agreed (0: one step)."},
+    {"gather", (PyCFunction)(void (*)(void))Core_gather, METH_FASTCALL,
+     "gather(seq, buf, offsets, piece): fill every rank's bytes offsets[r]..offsets[r + 1] of buf from rank r's, "
+     "through the ranks' slots, `piece` bytes at a time (the agreed allgather `seq`)."},
     {"stream", (PyCFunction)(void (*)(void))Core_stream, METH_FASTCALL,
      "stream(seq, root, buf, piece): move the agreed broadcast `seq` from root's buf into every other rank's "
      "through root's slot, `piece` bytes at a time."},
