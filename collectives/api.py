@@ -396,11 +396,11 @@ def _allgather(x, arg, algorithm, out, comm, blocking, rows, posted=False):
     own = None if _aliases(mine, _flat(src)) else _flat(src)  # x may be its block of out already
     small = call.resolved == "shm" and ch is not None and max(counts) * x.itemsize <= ch.copy_small
     ws = call.inplace(output=True, inputs=False) if buf.nbytes <= inplace.COPY_INPLACE_MAX and not small else None
+    chunked = call.resolved == "shm" and not small and ws is None and t.size > 1
     # above the one-step size every rank streams its block through its slot while copying
-    # the others' out as they come (the general path's chunks wait for each other instead)
-    stream = call.resolved == "shm" and ch is not None and not small and ws is None and t.size > 1
-    stream = stream and ch.streams_bytes(max(counts) * x.itemsize)
-    staged_as_read = blocking and call.resolved == "shm" and not small and ws is None and t.size > 1 and not stream
+    # the others' out as they come (the chunked path's pieces wait for each other instead)
+    stream = chunked and ch is not None and ch.streams_bytes(max(counts) * x.itemsize)
+    staged_as_read = blocking and chunked and not stream
     if own is not None and (not staged_as_read or np.may_share_memory(own, buf)):
         mine[...] = own
         own = None

@@ -74,6 +74,15 @@ def comms():
     slow.Free()
 
 
+@pytest.fixture(scope="module")
+def mixed():
+    """A communicator whose even ranks run the compiled loop and odd ranks Python's."""
+    comm = WORLD.Dup()
+    get_context(comm, config=Config(compiled_channel=ME % 2 == 0))
+    yield comm
+    comm.Free()
+
+
 def _inputs(count, dtype, op, seed=0):
     return [make_input(r, count, dtype, op, seed) for r in range(N)]
 
@@ -128,7 +137,7 @@ def test_reductions_compiled_equal_python_and_numpy(comms, dtype, op):
 
 @pytest.mark.mpi(min_size=2)
 @needs_core
-def test_broadcasts_past_the_small_size_stream_through_the_roots_slot(comms):
+def test_broadcasts_past_the_small_size_stream_through_the_roots_slot(comms, mixed):
     # the root copies piece after piece into its slot while the others copy them out; past a
     # slot the pieces wrap around it, the root waiting for the readers; on the compiled loop,
     # on Python's and with ranks mixing the two, blocking and not, from a strided input
@@ -136,63 +145,53 @@ def test_broadcasts_past_the_small_size_stream_through_the_roots_slot(comms):
 
     assert cslots.STREAM_SHIFT == channel.STREAM_SHIFT
     fast, slow = comms
-    mixed = WORLD.Dup()
-    try:
-        get_context(mixed, config=Config(compiled_channel=ME % 2 == 0))
-        ch = get_context(fast).chan
-        for nbytes in (
-            ch.small + 8,
-            ch.slot_bytes,
-            ch.slot_bytes + 8,
-            3 * ch.slot_bytes + 5 * ch.piece + 24,
-        ):
-            count = nbytes // 8
-            for root in range(N):
-                want = np.arange(count, dtype=np.float64) * (root + 1) + 0.5
-                for comm in (fast, slow, mixed):
-                    x = np.repeat(want, 2)[::2].copy() if ME == root else np.zeros(count)
-                    what = f"{nbytes} B from {root}"
-                    assert digest(C.broadcast(x, root=root, comm=comm)) == digest(want), what
-                    c = get_context(comm).chan
-                    assert c.streams[root][0] >> channel.STREAM_SHIFT == c.seq, "not streamed"
-                    strided = np.repeat(x, 2)[::2]  # not contiguous: the root's copy in out streams
-                    assert digest(C.broadcast(strided, root=root, comm=comm)) == digest(want), what
-                    assert digest(C.ibroadcast(x, root=root, comm=comm).wait()) == digest(want), what
-                    C.broadcast(x, root=root, out=x, comm=comm)
-                    assert digest(x) == digest(want), what + " in place"
-    finally:
-        mixed.Free()
+    ch = get_context(fast).chan
+    for nbytes in (
+        ch.small + 8,
+        ch.slot_bytes,
+        ch.slot_bytes + 8,
+        3 * ch.slot_bytes + 5 * ch.piece + 24,
+    ):
+        count = nbytes // 8
+        for root in range(N):
+            want = np.arange(count, dtype=np.float64) * (root + 1) + 0.5
+            for comm in (fast, slow, mixed):
+                x = np.repeat(want, 2)[::2].copy() if ME == root else np.zeros(count)
+                what = f"{nbytes} B from {root}"
+                assert digest(C.broadcast(x, root=root, comm=comm)) == digest(want), what
+                c = get_context(comm).chan
+                assert c.streams[root][0] >> channel.STREAM_SHIFT == c.seq, "not streamed"
+                strided = np.repeat(x, 2)[::2]  # not contiguous: the root's copy in out streams
+                assert digest(C.broadcast(strided, root=root, comm=comm)) == digest(want), what
+                assert digest(C.ibroadcast(x, root=root, comm=comm).wait()) == digest(want), what
+                C.broadcast(x, root=root, out=x, comm=comm)
+                assert digest(x) == digest(want), what + " in place"
 
 
 @pytest.mark.mpi(min_size=2)
 @needs_core
-def test_allgathers_past_the_one_step_size_stream_through_every_ranks_slot(comms):
+def test_allgathers_past_the_one_step_size_stream_through_every_ranks_slot(comms, mixed):
     # each rank copies its block into its slot piece by piece while copying the others' out;
     # blocks past a slot wrap it; uneven and empty blocks; compiled, Python and mixed ranks
     # (shm named: the packaged table may give MPI some of these sizes at some rank counts)
     from collectives.node.channel import STREAM_SHIFT
 
     fast, slow = comms
-    mixed = WORLD.Dup()
-    try:
-        get_context(mixed, config=Config(compiled_channel=ME % 2 == 0))
-        ch = get_context(fast).chan
-        big = ch.copy_small // 8 + 1  # rows of two float32: past the one-step size
-        for rows_of in (lambda r: big, lambda r: big + 3001 * r, lambda r: 3 * big if r == N - 1 else r):
-            rows = [rows_of(r) for r in range(N)]
-            xs = [make_input(r, rows[r] * 2, np.float32, "sum", seed=9).reshape(rows[r], 2) for r in range(N)]
-            want = np.concatenate(xs)
-            for comm in (fast, slow, mixed):
-                got = C.allgather(xs[ME], algorithm="shm", comm=comm)
-                assert digest(got) == digest(want), f"rows {rows}"
-                c = get_context(comm).chan
-                streamed = [r for r in range(N) if rows[r] and c.streams[r][0] >> STREAM_SHIFT == c.seq]
-                assert streamed == [r for r in range(N) if rows[r]], "not streamed"
-                out = np.empty_like(want)
-                assert C.allgather(xs[ME], algorithm="shm", out=out, comm=comm) is out and digest(out) == digest(want)
-                assert digest(C.iallgather(xs[ME], algorithm="shm", comm=comm).wait()) == digest(want)
-    finally:
-        mixed.Free()
+    ch = get_context(fast).chan
+    big = ch.copy_small // 8 + 1  # rows of two float32: past the one-step size
+    for rows_of in (lambda r: big, lambda r: big + 3001 * r, lambda r: 3 * big if r == N - 1 else r):
+        rows = [rows_of(r) for r in range(N)]
+        xs = [make_input(r, rows[r] * 2, np.float32, "sum", seed=9).reshape(rows[r], 2) for r in range(N)]
+        want = np.concatenate(xs)
+        for comm in (fast, slow, mixed):
+            got = C.allgather(xs[ME], algorithm="shm", comm=comm)
+            assert digest(got) == digest(want), f"rows {rows}"
+            c = get_context(comm).chan
+            streamed = [r for r in range(N) if rows[r] and c.streams[r][0] >> STREAM_SHIFT == c.seq]
+            assert streamed == [r for r in range(N) if rows[r]], "not streamed"
+            out = np.empty_like(want)
+            assert C.allgather(xs[ME], algorithm="shm", out=out, comm=comm) is out and digest(out) == digest(want)
+            assert digest(C.iallgather(xs[ME], algorithm="shm", comm=comm).wait()) == digest(want)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -213,7 +213,7 @@ class Channel:
         self._peer_takes = [(j, self.takes[j], self._take_addr[j]) for j in peers]
         self._peer_stages = [(self.stages[j], self._stage_addr[j]) for j in peers]
         self._peer_sleeping = [self.sleeping[j] for j in peers]
-        self._my_seq_addr, self._my_stage_addr = self._seq_addr[me], self._stage_addr[me]
+        self._my_seq_addr = self._seq_addr[me]
 
     def _attach_core(self, segs: list[np.ndarray], slot: int, stall_timeout: float) -> None:
         """Run one-step calls in the compiled loop: the same protocol on the same words,
@@ -315,6 +315,14 @@ class Channel:
         self._wake_sleepers(self._my_seq_addr)
         return seq
 
+    def _publish(self, ctrs: list[memoryview], addrs: list[int], value: int) -> None:
+        """Publish ``value`` in this rank's counter of ``ctrs`` (at ``addrs``): after a fence,
+        so that what the counter announces is in memory first; then wake the peers that may
+        sleep on it."""
+        self.fence()
+        ctrs[self.me][0] = value
+        self._wake_sleepers(addrs[self.me])
+
     def _wake_sleepers(self, addr: int) -> None:
         """After publishing our counter at ``addr``: wake the peers that may sleep on it."""
         if futex.OK:
@@ -397,9 +405,7 @@ class Channel:
 
     def publish_done(self, seq: int) -> None:
         """Publish that this rank's reduced block of call ``seq`` is in its slot."""
-        self.fence()
-        self.dones[self.me][0] = seq
-        self._wake_sleepers(self._done_addr[self.me])
+        self._publish(self.dones, self._done_addr, seq)
 
     def wait_done(self, seq: int) -> None:
         """Block until every peer has published its reduced block of call ``seq``."""
@@ -427,7 +433,6 @@ class Channel:
         ring = self.slots[root][seq & 1]
         places, count = self.slot_bytes // piece, -(-raw.size // piece)
         base, wraps = seq << STREAM_SHIFT, count > places
-        mine, addr = self.streams[me], self._stream_addr[me]
         source = [(root, self.streams[root], self._stream_addr[root])]
         for k in range(count):
             off, at = k * piece, (k % places) * piece
@@ -441,9 +446,7 @@ class Channel:
                 raw[off : off + n] = ring[at : at + n]
                 if not wraps:
                     continue
-            self.fence()
-            mine[0] = base + k + 1
-            self._wake_sleepers(addr)
+            self._publish(self.streams, self._stream_addr, base + k + 1)
 
     def gather(self, seq: int, buf: np.ndarray, offsets: list[int]) -> None:
         """Fill bytes ``offsets[r]`` to ``offsets[r + 1]`` of this rank's ``buf`` (C-contiguous)
@@ -469,9 +472,7 @@ class Channel:
                 if k >= places:
                     self._wait_peers(self._peer_takes, base + k - places + 1, 6)
                 ring[at : at + n] = raw[off[me] + start : off[me] + start + n]
-                self.fence()
-                self.streams[me][0] = base + k + 1
-                self._wake_sleepers(self._stream_addr[me])
+                self._publish(self.streams, self._stream_addr, base + k + 1)
             for rank, v, addr in self._peer_streams:
                 if off[rank] + start >= off[rank + 1]:
                     continue
@@ -479,9 +480,7 @@ class Channel:
                 self._wait_peers([(rank, v, addr)], base + k + 1, 5)
                 raw[off[rank] + start : off[rank] + start + n] = self.slots[rank][p][at : at + n]
             if wraps:
-                self.fence()
-                self.takes[me][0] = base + k + 1
-                self._wake_sleepers(self._take_addr[me])
+                self._publish(self.takes, self._take_addr, base + k + 1)
 
     def _check_stall(self, rank: int, want: int, start: float, kind: int) -> float:
         """Raise the stall's error if a peer gave up, or the wait for ``rank`` has lasted the
@@ -571,9 +570,7 @@ class Channel:
     def arrive(self) -> None:
         """Publish that this rank has finished everything before the next barrier."""
         self.stage += 1
-        self.fence()
-        self.stages[self.me][0] = self.stage
-        self._wake_sleepers(self._my_stage_addr)
+        self._publish(self.stages, self._stage_addr, self.stage)
 
     def await_all(self) -> Schedule:
         """Wait (yielding ``[]`` to the driver) until every peer has arrived too."""

@@ -124,6 +124,14 @@ static void wake_sleepers(Core *c, int64_t *addr) {
 #endif
 }
 
+/* Publish v in this rank's counter *w: after a fence (what the counter announces is in
+ * memory first), then wake the peers that may sleep on it. */
+static void publish(Core *c, int64_t *w, int64_t v) {
+    fence();
+    store(w, v);
+    wake_sleepers(c, w);
+}
+
 /* Sleep (at most DOZE_NS, without the GIL) until the peer counter *v reaches want. */
 static void doze(Core *c, int64_t *v, int64_t want) {
     int64_t *flag = c->sleeping[c->me];
@@ -273,9 +281,7 @@ static int64_t post(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payload,
     h[2] = w;
     h[3] = win;
     h[4] = wout;
-    fence();
-    store(mine, seq);
-    wake_sleepers(c, mine);
+    publish(c, mine, seq);
     return seq;
 }
 
@@ -332,9 +338,7 @@ static int stream(Core *c, int64_t seq, int root, char *buf, Py_ssize_t nbytes, 
             if (!wraps)
                 continue;
         }
-        fence(); /* the copy before the word that publishes it */
-        store(c->streams[me], base + k + 1);
-        wake_sleepers(c, c->streams[me]);
+        publish(c, c->streams[me], base + k + 1);
     }
     return 0;
 }
@@ -361,9 +365,7 @@ static int gather_stream(Core *c, int64_t seq, char *buf, const Py_ssize_t *off,
             if (k >= places && wait_all(c, c->takes, base + k - places + 1, 6) < 0)
                 return -1;
             memcpy(c->slots[2 * me + p] + at, buf + off[me] + from, (size_t)len);
-            fence(); /* the piece before the word that publishes it */
-            store(c->streams[me], base + k + 1);
-            wake_sleepers(c, c->streams[me]);
+            publish(c, c->streams[me], base + k + 1);
         }
         for (int r = 0; r < n; r++) {
             if (r == me || off[r] + from >= off[r + 1])
@@ -374,11 +376,8 @@ static int gather_stream(Core *c, int64_t seq, char *buf, const Py_ssize_t *off,
             fence(); /* the piece after the word that published it */
             memcpy(buf + off[r] + from, c->slots[2 * r + p] + at, (size_t)len);
         }
-        if (wraps) {
-            fence(); /* the copies before the word that publishes them */
-            store(c->takes[me], base + k + 1);
-            wake_sleepers(c, c->takes[me]);
-        }
+        if (wraps)
+            publish(c, c->takes[me], base + k + 1);
     }
     return 0;
 }
@@ -862,9 +861,7 @@ static int split_reduce(Step *s, int64_t seq, char *out) {
     Py_ssize_t lo = block_start(count, n, c->me), hi = block_start(count, n, c->me + 1);
     if (reduce_slots(c, seq, s->k, s->op, isz, lo, hi, c->slots[2 * c->me + p] + s->second + lo * isz) < 0)
         return -1;
-    fence(); /* the block before the word that publishes it */
-    store(c->dones[c->me], seq);
-    wake_sleepers(c, c->dones[c->me]);
+    publish(c, c->dones[c->me], seq);
     if (wait_all(c, c->dones, seq, 4) < 0)
         return -1;
     for (int r = 0; r < n; r++) {
