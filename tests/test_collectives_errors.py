@@ -200,7 +200,9 @@ def test_a_rank_that_skips_a_call_ends_in_a_stall_error_on_every_rank(where):
     assert np.array_equal(C.allreduce(np.ones(2), comm=comm), np.full(2, float(n)))
     if r != 0:
         t0 = MPI.Wtime()
-        with pytest.raises(C.StallError, match=r"waited 1.5 s .* for (rank\(s\) \[0\]|the other ranks)|gave up") as info:
+        with pytest.raises(
+            C.StallError, match=r"waited 1.5 s .* for (rank\(s\) \[0\]|the other ranks)|gave up"
+        ) as info:
             C.allreduce(np.ones(2), comm=comm)
         assert MPI.Wtime() - t0 < timeout + 10, info.value
         assert "collectives.reset(comm)" in str(info.value)
@@ -234,3 +236,41 @@ def test_ranks_given_different_channel_settings_fail_alike_instead_of_waiting():
         assert np.array_equal(C.allreduce(np.ones(4), comm=comm), np.full(4, comm.size))
     finally:
         comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+@pytest.mark.parametrize("step", ["stream", "gather", "split"])
+def test_a_rank_that_never_sends_its_pieces_or_block_ends_in_a_stall_error_on_every_rank(step, compiled):
+    """After an agreed call, rank 0 never streams its broadcast pieces, its allgather block or
+    its reduced block: the others raise StallError within the stall timeout (naming rank 0
+    and the call, or the peer that gave up first), rank 0's next call raises too, and
+    collectives.reset makes the communicator usable again."""
+    if get_context(WORLD).topology().nodes != 1:
+        pytest.skip("ranks span nodes")
+    comm, sync = WORLD.Dup(), WORLD.Dup()
+    cfg = Config(stall_timeout=1.0, compiled_channel=compiled)
+    ch = get_context(comm, cfg).channel()
+    n, r = comm.size, comm.rank
+    seq = ch.exchange(7, 7, 7)  # a call every rank agreed on
+    if r != 0:
+        buf = np.zeros(2 * ch.slot_bytes * n, np.uint8)
+        with pytest.raises(
+            C.StallError,
+            match=rf"rank\(s\) \[0(, \d+)*\] to reach the (streamed pieces|reduced blocks) of call {seq}|gave up",
+        ):
+            if step == "stream":
+                ch.stream(seq, 0, buf)
+            elif step == "gather":
+                ch.gather(seq, buf, [k * 2 * ch.slot_bytes for k in range(n + 1)])
+            else:
+                ch.wait_done(seq)
+    sync.Barrier()
+    with pytest.raises(C.StallError, match="gave up" if r == 0 else "stopped after a stall"):
+        C.allreduce(np.ones(2), comm=comm)
+    sync.Barrier()
+    C.reset(comm)
+    get_context(comm, cfg)
+    assert np.array_equal(C.allreduce(np.full(3, r, np.int64), comm=comm), np.full(3, n * (n - 1) // 2))
+    comm.Free()
+    sync.Free()
