@@ -590,8 +590,7 @@ def _reduce(x, arg, algorithm, out, comm, blocking, agreed):
             np.copyto(out, x)
         return out
     if small:
-        if is_root:
-            slots.small_reduce(ctx.chan, call.seq, out, op)
+        slots.small_reduce(ctx.chan, call.seq, x.size, x.dtype, out, op)
         return out
     ws = call.inplace(output=False)
     if ws is not None:  # every rank's input lies in the arena: read it there
@@ -599,6 +598,10 @@ def _reduce(x, arg, algorithm, out, comm, blocking, agreed):
         return out
     if call.resolved == "shm":
         ctx.channel()  # collective allocation, in call order
+        # the node algorithm reads the input where it lies (and finalizes each slice itself)
+        src = _flat(x)
+        ctx.run(REGISTRY["reduce"]["shm"](ctx, t, _flat(out) if is_root else src[:0], root, op, ctx.next_tag(), src))
+        return out
     work = _flat(out) if is_root else ctx.scratch.get(x.size, x.dtype)
     np.copyto(work, _flat(x))
     try:
@@ -606,7 +609,7 @@ def _reduce(x, arg, algorithm, out, comm, blocking, agreed):
     finally:
         if not is_root:
             ctx.scratch.put(work)
-    if is_root and call.resolved != "shm":  # the node algorithm finalizes each slice itself
+    if is_root:
         finalize(work, op, t.size)
     return out
 

@@ -194,40 +194,51 @@ def test_allgathers_past_the_one_step_size_stream_through_every_ranks_slot(comms
             assert digest(C.iallgather(xs[ME], algorithm="shm", comm=comm).wait()) == digest(want)
 
 
+class _Sub(np.ndarray):
+    """An ndarray subclass: the API takes it, but only through the general path."""
+
+
 @pytest.mark.mpi(min_size=2)
 @needs_core
 def test_reductions_that_read_little_go_through_the_slots_past_the_small_size(comms):
     # a reduce-scatter reads one block of each slot: one step up to a whole slot; an
-    # allreduce in two steps (from 3 ranks) up to half of one, and of 2 ranks in one step up
-    # to a whole one (it reads both messages either way); just past those, the general path
+    # allreduce or a reduce in two steps (from 3 ranks) up to half of one, and of 2 ranks in
+    # one step up to a whole one (it reads both messages either way); just past those, the
+    # general path
     fast, slow = comms
     ch = get_context(fast).chan
     dt = np.dtype(np.float32)
-    cases = [
-        ("reduce_scatter", ch.slot_bytes, True),
-        ("reduce_scatter", ch.slot_bytes + 4, False),
-        ("allreduce", ch.slot_bytes // 2, True),
-        ("allreduce", ch.slot_bytes // 2 + 64, N == 2),
-        ("allreduce", ch.slot_bytes + 4, False),
-    ]
+    cases = [("reduce_scatter", ch.slot_bytes, True), ("reduce_scatter", ch.slot_bytes + 4, False)]
+    for coll in ("allreduce", "reduce"):
+        cases += [
+            (coll, ch.slot_bytes // 2, True),
+            (coll, ch.slot_bytes // 2 + 64, N == 2),
+            (coll, ch.slot_bytes + 4, False),
+        ]
     assert ch.slot_bytes // 2 > ch.small  # past the small size, or this proves nothing
+    root = N - 1
     for coll, nbytes, through_slots in cases:
         count = nbytes // dt.itemsize
         xs = _inputs(count, dt, "sum", seed=count)
         want = expected(xs, "sum").astype(np.float64)
         off = offsets(block_counts(count, N))
         assert ch.one_step(coll, nbytes) == through_slots, (coll, nbytes)
-        got = [getattr(C, coll)(xs[ME], algorithm="shm", comm=comm) for comm in (fast, slow)]
+        kw = {"root": root} if coll == "reduce" else {}
+        got = [getattr(C, coll)(xs[ME], algorithm="shm", comm=comm, **kw) for comm in (fast, slow)]
+        key = (coll, dt, (count,), ("sum", root) if kw else "sum", "shm")
+        assert _kind_of(fast, key) == ("Step" if through_slots else "bool")
+        if coll == "reduce" and ME != root:
+            assert got == [None, None]
+            continue
         assert digest(got[0]) == digest(got[1]), f"{coll} of {nbytes} B: compiled and Python bits differ"
-        check_close(got[0], want if coll == "allreduce" else want[off[ME] : off[ME + 1]], "sum", N, coll)
-        assert _kind_of(fast, (coll, dt, (count,), "sum", "shm")) == ("Step" if through_slots else "bool")
+        check_close(got[0], want if coll != "reduce_scatter" else want[off[ME] : off[ME + 1]], "sum", N, coll)
 
 
 @pytest.mark.mpi(min_size=3)
 @needs_core
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-def test_allreduces_in_two_steps_give_the_one_step_bits(dtype):
-    # from 3 ranks a one-step allreduce may finish in two (Channel.split_at): each rank
+def test_reductions_in_two_steps_give_the_one_step_bits(dtype):
+    # from 3 ranks a one-step allreduce or reduce may finish in two (Channel.split_at): each rank
     # reduces its block into its slot, then copies every rank's; forced here at every size,
     # on the compiled loop, on Python's, with ranks mixing the two, and on the general path
     dt = np.dtype(dtype)
@@ -259,6 +270,12 @@ def test_allreduces_in_two_steps_give_the_one_step_bits(dtype):
                     C.allreduce(x, op=op, out=out, comm=comm)
                     assert digest(out) == digest(ref), what
                     assert digest(C.iallreduce(x, op=op, comm=comm).wait()) == digest(ref), what + " (general path)"
+                    # a reduce the same way; a subclass takes the general path
+                    root = count % N
+                    for y, path in ((x, ""), (x.view(_Sub), " (general path)")):
+                        red = C.reduce(y, op=op, root=root, comm=comm)
+                        assert (red is None) == (ME != root), what
+                        assert red is None or digest(red) == digest(ref), f"reduce: {what}{path}"
                 _same_everywhere(ref)
     finally:
         for c in comms.values():

@@ -372,7 +372,7 @@ class Channel:
 
     # -- allreduces in two steps -----------------------------------------------------------
     def split_at(self, nbytes: int) -> int:
-        """Where in a slot a one-step allreduce of ``nbytes`` per rank puts its reduced
+        """Where in a slot a one-step allreduce (or reduce) of ``nbytes`` per rank puts its reduced
         blocks when it finishes in two steps, or 0 when it finishes in one.
 
         In one step every rank reduces every rank's whole message: ``n x nbytes`` read per
@@ -392,16 +392,15 @@ class Channel:
         slots (posted with its data): broadcasts and allgathers up to :attr:`copy_small`;
         reductions up to :attr:`small`, and beyond it where a rank reads little more than
         the message: a reduce-scatter up to a slot (each rank reduces only its block), an
-        allreduce that takes two steps (:meth:`split_at`), or of 2 ranks up to a slot (its
-        one step reads both messages, as two steps would). A reduce, whose root reads every
-        rank's message, keeps :attr:`small`."""
+        allreduce or a reduce that takes two steps (:meth:`split_at`), or of 2 ranks up to
+        a slot (its one step reads both messages, as two steps would)."""
         if collective in ("broadcast", "allgather"):
             return nbytes <= self.copy_small
         if nbytes <= self.small:
             return True
-        if collective == "reduce_scatter" or (collective == "allreduce" and self.n == 2):
+        if collective == "reduce_scatter" or (collective in ("allreduce", "reduce") and self.n == 2):
             return nbytes <= self.slot_bytes
-        return collective == "allreduce" and self.split_at(nbytes) > 0
+        return collective in ("allreduce", "reduce") and self.split_at(nbytes) > 0
 
     def publish_done(self, seq: int) -> None:
         """Publish that this rank's reduced block of call ``seq`` is in its slot."""

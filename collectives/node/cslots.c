@@ -24,9 +24,9 @@
  *   core.exchange(a, b, c, payload=None, uneven=False, win=0, wout=0) -> seq or -seq
  *   core.step(kind, ...) -> Step: one collective's one-step call for one dtype and shape,
  *       step(x, out=None) posts x, waits and finishes the call from the slots (below); an
- *       allreduce given `second` (split_at) finishes in two steps (each rank reduces its
- *       block into its slot at that byte offset, publishes `dones`, and copies every rank's
- *       block); a broadcast given `second` (a piece) streams through the root's slot
+ *       allreduce or reduce given `second` (split_at) finishes in two steps (each rank
+ *       reduces its block into its slot at that byte offset, publishes `dones`, and every
+ *       rank taking the result copies every rank's block); a broadcast given `second` (a piece) streams through the root's slot
  *   core.stream(seq, root, buf, piece): an agreed broadcast through the root's slot (below)
  *   core.gather(seq, buf, offsets, piece): an agreed allgather through every rank's slot (below)
  *
@@ -849,9 +849,10 @@ static Py_ssize_t block_start(Py_ssize_t count, int n, int r) {
     return (Py_ssize_t)r * q + (r < rem ? r : rem);
 }
 
-/* Finish a posted allreduce in two steps: this rank's block, reduced over every rank's slot
- * in rank order, into its own slot at s->second (past the data the peers still read); its
- * dones word published; then, once every peer's is, every block copied into out. Each
+/* Finish a posted allreduce (or reduce) in two steps: this rank's block, reduced over every
+ * rank's slot in rank order, into its own slot at s->second (past the data the peers still
+ * read); its dones word published; then, on a rank that takes the result (every rank of an
+ * allreduce, a reduce's root), once every peer's is, every block copied into out. Each
  * rank reads count elements and one block from each slot, where one step reads n * count.
  * 0, or -1 with an exception set. */
 static int split_reduce(Step *s, int64_t seq, char *out) {
@@ -862,6 +863,8 @@ static int split_reduce(Step *s, int64_t seq, char *out) {
     if (reduce_slots(c, seq, s->k, s->op, isz, lo, hi, c->slots[2 * c->me + p] + s->second + lo * isz) < 0)
         return -1;
     publish(c, c->dones[c->me], seq);
+    if (s->root >= 0 && s->root != c->me)
+        return 0;
     if (wait_all(c, c->dones, seq, 4) < 0)
         return -1;
     for (int r = 0; r < n; r++) {
@@ -1003,7 +1006,7 @@ static PyObject *Core_step(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     if (kind == STEP_REDUCE) {
         int itemsize = 0;
         s->k = kernel_for((int)v[5], (int)v[6], &itemsize);
-        int bad_split = second && (root >= 0 || lo != 0 || c->n < 2 || second % itemsize ||
+        int bad_split = second && (lo != 0 || c->n < 2 || second % itemsize ||
                                    second < hi * itemsize || second + hi * itemsize > c->slot_bytes);
         if (s->k == NULL || itemsize != s->itemsize || lo < 0 || hi < lo || hi * itemsize > c->slot_bytes ||
             (hi - lo) * itemsize != s->out_bytes || bad_split) {
@@ -1048,7 +1051,7 @@ static PyMethodDef Core_methods[] = {
     {"step", (PyCFunction)(void (*)(void))Core_step, METH_FASTCALL,
      "step(kind, a, b, c, fits, like, dtype, op, lo, hi, root, nbytes, empty, slow, mismatch, uneven, second=0) "
      "-> Step: one collective's one-step call (kind 0: reduce into lo..hi on root, or on every rank when root < 0; "
-     "1: broadcast from root; 2: allgather), like: an array shaped as its result; second: an allreduce's "
+     "1: broadcast from root; 2: allgather), like: an array shaped as its result; second: a reduction's "
      "reduced blocks go to this byte offset of each slot, in two steps; a broadcast streams through the root's "
      "slot in pieces of this many bytes once agreed (0: one step)."},
     {"gather", (PyCFunction)(void (*)(void))Core_gather, METH_FASTCALL,

@@ -113,7 +113,7 @@ def small_allreduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, .
         if seq < 0:
             return MISMATCH
         if split:
-            _split_allreduce(ch, seq, out.reshape(-1), op, split)
+            _split_allreduce(ch, seq, count, dtype, out.reshape(-1), op, split)
         else:
             red(views[seq & 1], out)
         return out
@@ -150,9 +150,11 @@ def small_reduce_scatter_fn(ch: Channel, a: int, dtype: np.dtype, count: int, op
 
 def small_reduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, ...], op: str, root: int) -> Callable:
     """One-step reduce: ``fn(x)`` returns the result on ``root``, None elsewhere, or
-    :data:`MISMATCH`."""
+    :data:`MISMATCH`; in two steps as :meth:`.Channel.split_at` says (every rank reduces
+    its block, the root copies them)."""
     count = math.prod(shape)
-    step = _step(ch, STEP_REDUCE, a, count, shape, dtype, op=op, root=root)
+    split = ch.split_at(count * dtype.itemsize)
+    step = _step(ch, STEP_REDUCE, a, count, shape, dtype, op=op, root=root, second=split)
     if step is not None:
         return step
     views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
@@ -163,10 +165,11 @@ def small_reduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, ...]
         seq = ch.exchange(a, count, 0, x)
         if seq < 0:
             return MISMATCH
-        if not is_root:
-            return None
-        out = np.empty(shape, dtype)
-        red(views[seq & 1], out)
+        out = np.empty(shape, dtype) if is_root else None
+        if split:
+            _split_allreduce(ch, seq, count, dtype, None if out is None else out.reshape(-1), op, split)
+        elif is_root:
+            red(views[seq & 1], out)
         return out
 
     return fn
@@ -252,30 +255,37 @@ def small_allgather_fn(ch: Channel, a: int, c: int, dtype: np.dtype, shape: tupl
 def small_allreduce(ch: Channel, seq: int, out: np.ndarray, op: str) -> None:
     """Finish a posted small allreduce into ``out`` (shaped as the input, C-contiguous), in
     one step or two as :meth:`.Channel.split_at` says."""
-    split = ch.split_at(out.nbytes)
+    small_reduce(ch, seq, out.size, out.dtype, out, op)
+
+
+def small_reduce(ch: Channel, seq: int, count: int, dtype: np.dtype, out: np.ndarray | None, op: str) -> None:
+    """Finish a posted small reduce of ``count`` elements of ``dtype`` into ``out``
+    (C-contiguous; None on a rank that takes no result), in one step or two as
+    :meth:`.Channel.split_at` says."""
+    split = ch.split_at(count * dtype.itemsize)
     if split:
-        _split_allreduce(ch, seq, out.reshape(-1), op, split)
-    else:
-        small_reduce(ch, seq, out, op)
+        _split_allreduce(ch, seq, count, dtype, None if out is None else out.reshape(-1), op, split)
+    elif out is not None:
+        rank_order_reducer(op, ch.n)(ch.slot_views(seq & 1, dtype, out.shape), out)
 
 
-def small_reduce(ch: Channel, seq: int, out: np.ndarray, op: str) -> None:
-    """Finish a posted small reduce (or a one-step allreduce) on this rank into ``out``."""
-    rank_order_reducer(op, ch.n)(ch.slot_views(seq & 1, out.dtype, out.shape), out)
-
-
-def _split_allreduce(ch: Channel, seq: int, out: np.ndarray, op: str, split: int) -> None:
-    """Finish a posted allreduce into the flat ``out`` in two steps (the compiled loop's
-    ``split_reduce``): this rank's block reduced into its slot at byte ``split``, published,
-    and every rank's block copied once published."""
-    n, me, dt = ch.n, ch.me, out.dtype
-    off = offsets(block_counts(out.size, n))
+def _split_allreduce(
+    ch: Channel, seq: int, count: int, dt: np.dtype, out: np.ndarray | None, op: str, split: int
+) -> None:
+    """Finish a posted reduction of ``count`` elements of ``dt`` in two steps (the compiled
+    loop's ``split_reduce``): this rank's block reduced into its slot at byte ``split`` and
+    published; then, on a rank that takes the result (``out``, flat), every rank's block
+    copied once published."""
+    n, me = ch.n, ch.me
+    off = offsets(block_counts(count, n))
     at = split // dt.itemsize
-    full = ch.slot_views(seq & 1, dt, (at + out.size,))
+    full = ch.slot_views(seq & 1, dt, (at + count,))
     lo, hi = off[me], off[me + 1]
     if hi > lo:
         rank_order_reducer(op, n)([v[lo:hi] for v in full], full[me][at + lo : at + hi])
     ch.publish_done(seq)
+    if out is None:
+        return
     ch.wait_done(seq)
     for r in range(n):
         out[off[r] : off[r + 1]] = full[r][at + off[r] : at + off[r + 1]]

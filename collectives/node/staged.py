@@ -27,19 +27,20 @@ def allreduce(ctx: Any, t: Any, buf: np.ndarray, op: str, tag: int, src: np.ndar
     yield from _allreduce(ctx.channel(), buf, buf if src is None else src, op, root=None)
 
 
-def reduce(ctx: Any, t: Any, buf: np.ndarray, root: int, op: str, tag: int) -> Schedule:
-    """Reduce ``buf`` onto ``root`` in place (other ranks' ``buf`` is left as it was)."""
-    yield from _allreduce(ctx.channel(), buf, buf, op, root=root)
+def reduce(ctx: Any, t: Any, buf: np.ndarray, root: int, op: str, tag: int, src: np.ndarray | None = None) -> Schedule:
+    """Reduce ``src`` (default ``buf``, in place) onto ``root``'s ``buf``; other ranks only
+    read: their ``buf`` is left as it was (with ``src`` given, it may be empty)."""
+    yield from _allreduce(ctx.channel(), buf, buf if src is None else src, op, root=root)
 
 
 def _allreduce(ch: Channel, out: np.ndarray, src: np.ndarray, op: str, root: int | None) -> Schedule:
     n, me = ch.n, ch.me
     yield from ch.own()
     try:
-        dt = out.dtype
+        dt = src.dtype
         per = ch.region // dt.itemsize  # elements of one rank's region
         step = per * n
-        total = out.size
+        total = src.size
         chunks = [(c, min(c + step, total)) for c in range(0, total, step)]
         views = [ch.buf_views(0, dt), ch.buf_views(1, dt)]
         red = rank_order_reducer(op, n)
