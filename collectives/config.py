@@ -64,6 +64,11 @@ class Config:
     reaches this finishes in two steps: each rank reduces only its block, then copies every
     rank's (its memory traffic grows with 2, not with the ranks; 0: always one step)."""
 
+    shm_nontemporal_bytes: int = -1
+    """The compiled loop copies data into the node's shared window with non-temporal stores
+    from this many bytes (0: never); -1: from 4 KiB where the node's ranks may run on cores
+    that share no last-level cache, else never (:func:`.node.channel.nontemporal_bytes`)."""
+
     shm_chunk_bytes: int = 1 << 20
     """Pipeline chunk of the single-node ``shm`` algorithms (each rank holds two), in bytes."""
 
@@ -116,6 +121,10 @@ class Config:
             raise ConfigError(f"shm_copy_small_bytes={self.shm_copy_small_bytes} must be at least 64")
         if self.shm_split_bytes < 0:
             raise ConfigError(f"shm_split_bytes={self.shm_split_bytes} must be >= 0 (0: always one step)")
+        if self.shm_nontemporal_bytes < -1:
+            raise ConfigError(
+                f"shm_nontemporal_bytes={self.shm_nontemporal_bytes} must be >= 0 (0: never), or -1 (by the caches)"
+            )
         if self.shm_chunk_bytes < 4096:
             raise ConfigError(f"shm_chunk_bytes={self.shm_chunk_bytes} must be at least 4096")
         if self.shm_arena_bytes < 0:

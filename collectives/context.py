@@ -229,6 +229,7 @@ class Context:
                 cfg.shm_copy_small_bytes,
                 cfg.stall_timeout,
                 cfg.shm_split_bytes,
+                cfg.shm_nontemporal_bytes,
             )
             if cfg.shm_spin >= 0:
                 self._channel.spin = cfg.shm_spin

@@ -23,6 +23,7 @@ from collectives.blocks import block_counts, offsets
 from collectives.config import Config
 from collectives.context import get_context
 from collectives.errors import CollectiveMismatchError
+from collectives.node.channel import last_level_caches, nontemporal_bytes
 
 WORLD = MPI.COMM_WORLD
 N, ME = WORLD.size, WORLD.rank
@@ -192,6 +193,43 @@ def test_allgathers_past_the_one_step_size_stream_through_every_ranks_slot(comms
             out = np.empty_like(want)
             assert C.allgather(xs[ME], algorithm="shm", out=out, comm=comm) is out and digest(out) == digest(want)
             assert digest(C.iallgather(xs[ME], algorithm="shm", comm=comm).wait()) == digest(want)
+
+
+@pytest.mark.mpi(min_size=2)
+@needs_core
+def test_non_temporal_stores_move_the_same_bytes(comms):
+    # every copy into the window through non-temporal stores (even ranks from 1 byte, odd
+    # from 4 KiB): the one-step posts, the streamed broadcast and allgather, the chunked
+    # paths' staging; odd byte counts for the unaligned ends; bfloat16 (no buffer format)
+    fast, _ = comms
+    nt = WORLD.Dup()
+    try:
+        ctx = get_context(nt, config=Config(shm_nontemporal_bytes=1 if ME % 2 == 0 else 4096))
+        ch = ctx.channel()
+        assert ch.core.nontemporal == ch.nontemporal == (1 if ME % 2 == 0 else 4096)
+        assert get_context(fast).chan.nontemporal == nontemporal_bytes(-1, [last_level_caches()] * N)
+        mine = ch.buf_views(0, np.dtype(np.uint8))[ME]
+        for n, at in ((5000, 0), (5000, 3), (100, 1), (70001, 7)):
+            src = (np.arange(n) % 251).astype(np.uint8)
+            mine[: at + n + 64] = 0
+            ch.put(mine[at : at + n], src)
+            assert np.array_equal(mine[at : at + n], src) and not mine[:at].any() and not mine[at + n :][:64].any()
+        big = 2 * ch.chunk + 4099  # past a slot: the chunked paths, the broadcast's ring
+        for dt, count in ((np.int8, 17), (np.int8, ch.small + 3), (np.int8, big), (ml_dtypes.bfloat16, big // 2)):
+            xs = _inputs(count, np.dtype(dt), "sum", seed=count)
+            for name, call in (
+                ("allreduce", lambda x, c: C.allreduce(x, comm=c)),
+                ("reduce_scatter", lambda x, c: C.reduce_scatter(x, comm=c)),
+                ("reduce", lambda x, c: C.reduce(x, root=N - 1, comm=c)),
+                ("broadcast", lambda x, c: C.broadcast(x, root=1, comm=c)),
+                ("allgather", lambda x, c: C.allgather(x, algorithm="shm", comm=c)),
+            ):
+                got, want = call(xs[ME].copy(), nt), call(xs[ME].copy(), fast)
+                assert digest(got) == digest(want), f"{name} of {count} {np.dtype(dt)}"
+            assert digest(C.broadcast(xs[ME].copy(), root=1, comm=nt)) == digest(xs[1])
+            assert digest(C.allgather(xs[ME], algorithm="shm", comm=nt)) == digest(np.concatenate(xs))
+    finally:
+        nt.Free()
 
 
 class _Sub(np.ndarray):

@@ -1,5 +1,6 @@
 """Waiting without spinning: futexes sleep until woken (a short sleep where there are none),
-and waiting ranks give up the core soon only on an oversubscribed node."""
+and waiting ranks give up the core soon only on an oversubscribed node; and the node
+channel's other choice by the machine: non-temporal stores where ranks span caches."""
 
 from __future__ import annotations
 
@@ -18,6 +19,26 @@ def test_waiting_ranks_sleep_soon_only_when_the_node_is_oversubscribed():
     assert channel.spin_budget(1) == channel.SPIN
     assert channel.spin_budget(cores) == channel.SPIN
     assert channel.spin_budget(cores + 1) == channel.POLITE_SPIN < channel.SPIN
+
+
+def test_non_temporal_stores_where_the_ranks_span_last_level_caches():
+    from collectives.config import Config
+    from collectives.errors import ConfigError
+    from collectives.node import channel
+
+    one, other = frozenset({"0-7"}), frozenset({"8-15"})
+    assert channel.nontemporal_bytes(-1, [one, other]) == channel.NONTEMPORAL  # two sockets or CCXs
+    assert channel.nontemporal_bytes(-1, [one | other, one]) == channel.NONTEMPORAL  # unbound on such a node
+    assert channel.nontemporal_bytes(-1, [one, one, one]) == 0  # every rank under one cache
+    assert channel.nontemporal_bytes(-1, [one, frozenset()]) == 0  # unknown somewhere: plain
+    assert channel.nontemporal_bytes(0, [one, other]) == 0 and channel.nontemporal_bytes(512, [one]) == 512
+    # this machine's, as sysfs lists them: every CPU under the one it names
+    caches = channel.last_level_caches()
+    if sys.platform.startswith("linux") and os.path.isdir("/sys/devices/system/cpu/cpu0/cache"):
+        assert caches and all(isinstance(c, str) and c for c in caches)
+    assert channel.last_level_caches({10**6}) == frozenset()  # no such CPU: unknown
+    with pytest.raises(ConfigError, match="shm_nontemporal_bytes=-2"):
+        Config(shm_nontemporal_bytes=-2)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="futexes are Linux's")

@@ -99,21 +99,68 @@ def spin_budget(ranks: int) -> int:
     return SPIN if ranks <= cores else POLITE_SPIN
 
 
+NONTEMPORAL = 4096
+"""Copies into the shared window from this many bytes up use non-temporal stores where the
+node's ranks may run on cores that share no last-level cache (:func:`nontemporal_bytes`)."""
+
+
+def last_level_caches(cpus: Any = None) -> frozenset[str]:
+    """The last-level caches of ``cpus`` (default: the CPUs this process may run on), each
+    named by the CPUs that share it (Linux sysfs); empty where sysfs does not say."""
+    try:
+        cpus = os.sched_getaffinity(0) if cpus is None else cpus
+    except AttributeError:  # not Linux
+        return frozenset()
+    out = set()
+    for cpu in cpus:
+        base = f"/sys/devices/system/cpu/cpu{cpu}/cache"
+        try:
+            levels = []
+            for name in os.listdir(base):
+                if name.startswith("index"):
+                    with open(f"{base}/{name}/level", encoding="ascii") as fh:
+                        levels.append((int(fh.read()), name))
+            with open(f"{base}/{max(levels)[1]}/shared_cpu_list", encoding="ascii") as fh:
+                out.add(fh.read().strip())
+        except (OSError, ValueError):
+            return frozenset()
+    return frozenset(out)
+
+
+def nontemporal_bytes(setting: int, caches: list[frozenset[str]]) -> int:
+    """The size from which the compiled loop copies into the window with non-temporal stores,
+    for the ``HPCDL_SHM_NONTEMPORAL_BYTES`` ``setting`` on a node whose ranks may run on
+    ``caches`` (:func:`last_level_caches`, each rank's): the setting itself, or for -1
+    :data:`NONTEMPORAL` where together they span more than one last-level cache, else 0.
+
+    A plain store into a line a peer read last first pulls the line back from that peer's
+    cache; between cores that share a last-level cache that is cheap, between others
+    (another CCX or socket) several times slower than writing to memory, which is what a
+    non-temporal store does. Where sysfs says nothing the stores stay plain."""
+    if setting >= 0:
+        return setting
+    if any(not c for c in caches):
+        return 0
+    return NONTEMPORAL if len(frozenset().union(*caches)) > 1 else 0
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _agree_layout(t: Any, small: int, copy_small: int, chunk: int, split: int) -> None:
+def _agree_layout(t: Any, small: int, copy_small: int, chunk: int, split: int, nt: int) -> list[frozenset[str]]:
     """Raise :class:`~.errors.ConfigError` on every rank when the node's ranks were given
     different channel settings: their windows and their choices of path would differ, and
-    the ranks would wait for one another forever instead of failing."""
+    the ranks would wait for one another forever instead of failing. Return every rank's
+    last-level caches (for -1, the non-temporal setting decided by them), gathered at once."""
     names = ("shm_small_bytes", "shm_copy_small_bytes", "shm_chunk_bytes", "shm_split_bytes")
-    everyone = t.allgather_obj((small, copy_small, chunk, split))
+    everyone = t.allgather_obj((small, copy_small, chunk, split, last_level_caches() if nt < 0 else frozenset()))
     for k, name in enumerate(names):
         values = [e[k] for e in everyone]
         if len(set(values)) > 1:
             said = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
             raise ConfigError(f"{name} differs between the ranks of a node ({said}); give every rank the same")
+    return [e[4] for e in everyone]
 
 
 class Channel:
@@ -129,10 +176,14 @@ class Channel:
         copy_small_bytes: int = 0,
         stall_timeout: float = 0.0,
         split_bytes: int = 0,
+        nontemporal: int = 0,
     ) -> None:
         n, me = t.size, t.rank
         self.n, self.me = n, me
-        _agree_layout(t, small_bytes, copy_small_bytes, chunk_bytes, split_bytes)
+        caches = _agree_layout(t, small_bytes, copy_small_bytes, chunk_bytes, split_bytes, nontemporal)
+        self.nontemporal = nontemporal_bytes(nontemporal, caches)
+        """Copies into the window from this many bytes use non-temporal stores, in the
+        compiled loop (0: never): :func:`nontemporal_bytes` of the setting."""
         self.small = _round_up(max(small_bytes, LINE), LINE)
         """Reductions up to this many bytes per rank finish in one step through the slots."""
         self.copy_small = _round_up(max(copy_small_bytes, LINE), LINE) if copy_small_bytes else self.small
@@ -236,6 +287,7 @@ class Channel:
             self._take_addr,
         )
         core.stall = stall_timeout
+        core.nontemporal = self.nontemporal
         self.post, self.exchange, self.wait_posted = core.post, core.exchange, core.wait_posted
 
     @property
@@ -286,6 +338,19 @@ class Channel:
             cap = self.chunk // dtype.itemsize
             v = self._views[key] = [s[b][: cap * dtype.itemsize].view(dtype) for s in self.bufs]
         return v
+
+    def put(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Copy ``src`` into ``dst``, a view of the shared window that peers read next (both
+        contiguous, of one dtype and size): through the compiled loop's ``put``, with
+        non-temporal stores from :attr:`nontemporal` bytes, where it is built; else numpy's
+        copy."""
+        if self.core is not None and dst.nbytes >= self.nontemporal > 0:
+            try:
+                self.core.put(dst, src)
+                return
+            except (BufferError, ValueError):  # no buffer format (bfloat16): numpy's copy
+                pass
+        dst[...] = src
 
     # -- posting calls ---------------------------------------------------------------------
     def post(self, a: int, b: int, c: int, payload: np.ndarray | None = None, win: int = 0, wout: int = 0) -> int:

@@ -26,9 +26,12 @@
  *       step(x, out=None) posts x, waits and finishes the call from the slots (below); an
  *       allreduce or reduce given `second` (split_at) finishes in two steps (each rank
  *       reduces its block into its slot at that byte offset, publishes `dones`, and every
- *       rank taking the result copies every rank's block); a broadcast given `second` (a piece) streams through the root's slot
+ *       rank taking the result copies every rank's block); a broadcast given `second` (a
+ *       piece) streams through the root's slot
  *   core.stream(seq, root, buf, piece): an agreed broadcast through the root's slot (below)
  *   core.gather(seq, buf, offsets, piece): an agreed allgather through every rank's slot (below)
+ *   core.put(dst, src): a copy into shared memory (copy_shared: non-temporal stores from
+ *       core.nontemporal bytes, as every copy into a slot here)
  *
  * Loads and stores of the counters are atomic, and full fences order them around every
  * publication, as MPI_Win_sync does on the Python side. Reductions combine every rank's
@@ -48,6 +51,9 @@
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 #define HAVE_FUTEX 1
 #else
 #define HAVE_FUTEX 0
@@ -90,6 +96,7 @@ typedef struct {
     int64_t **heads;    /* 2n: rank r, slot p at 2r + p */
     char **slots;       /* 2n */
     Py_ssize_t slot_bytes;
+    Py_ssize_t nt_bytes; /* copies into shared memory from this many bytes use non-temporal stores (0: never) */
     long spin;
     int futex;
     PyObject *progress;
@@ -126,6 +133,37 @@ static void wake_sleepers(Core *c, int64_t *addr) {
 
 /* Publish v in this rank's counter *w: after a fence (what the counter announces is in
  * memory first), then wake the peers that may sleep on it. */
+/* Copy len bytes into shared memory that a peer core reads next: from c->nt_bytes up, with
+ * non-temporal stores, which go to memory past this core's caches and drop the line from every
+ * cache that holds it. A plain store would first pull each line back from the reader's cache,
+ * where the previous call's copy out left it, one line at a time: between cores that share no
+ * cache (another CCX or socket) that makes the copy several times slower than the memory. The
+ * closing sfence orders the stores before the word that publishes them. */
+static void copy_shared(const Core *c, char *dst, const char *src, size_t len) {
+#ifdef __SSE2__
+    if (c->nt_bytes > 0 && len >= (size_t)c->nt_bytes) {
+        size_t head = (size_t)(-(uintptr_t)dst & 15);
+        head = head < len ? head : len;
+        memcpy(dst, src, head);
+        size_t i = head;
+        for (; i + 64 <= len; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+            __m128i e = _mm_loadu_si128((const __m128i *)(src + i + 32));
+            __m128i f = _mm_loadu_si128((const __m128i *)(src + i + 48));
+            _mm_stream_si128((__m128i *)(dst + i), a);
+            _mm_stream_si128((__m128i *)(dst + i + 16), b);
+            _mm_stream_si128((__m128i *)(dst + i + 32), e);
+            _mm_stream_si128((__m128i *)(dst + i + 48), f);
+        }
+        memcpy(dst + i, src + i, len - i);
+        _mm_sfence();
+        return;
+    }
+#endif
+    memcpy(dst, src, len);
+}
+
 static void publish(Core *c, int64_t *w, int64_t v) {
     fence();
     store(w, v);
@@ -233,8 +271,9 @@ static int wait_all(Core *c, int64_t **ctrs, int64_t want, int kind) {
 }
 
 /* Copy `obj` (any object with a buffer; any layout through `contiguous`) to dst, at most
- * `limit` bytes; 0, or -1 with an exception set. */
-static int copy_object(Core *c, PyObject *obj, char *dst, Py_ssize_t limit) {
+ * `limit` bytes (through copy_shared when dst is `shared` memory); 0, or -1 with an
+ * exception set. */
+static int copy_object(Core *c, PyObject *obj, char *dst, Py_ssize_t limit, int shared) {
     Py_buffer view;
     PyObject *held = NULL;
     if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) < 0) {
@@ -252,7 +291,10 @@ static int copy_object(Core *c, PyObject *obj, char *dst, Py_ssize_t limit) {
         PyErr_Format(PyExc_ValueError, "payload of %zd bytes exceeds the %zd it goes to", view.len, limit);
         rc = -1;
     } else if (view.len && view.buf != dst) {
-        memcpy(dst, view.buf, (size_t)view.len);
+        if (shared)
+            copy_shared(c, dst, view.buf, (size_t)view.len);
+        else
+            memcpy(dst, view.buf, (size_t)view.len);
     }
     PyBuffer_Release(&view);
     Py_XDECREF(held);
@@ -261,7 +303,7 @@ static int copy_object(Core *c, PyObject *obj, char *dst, Py_ssize_t limit) {
 
 /* Copy `payload` into this rank's slot p; 0, or -1 with an exception set (nothing posted). */
 static int put_payload(Core *c, int p, PyObject *payload) {
-    return payload == Py_None ? 0 : copy_object(c, payload, c->slots[2 * c->me + p], c->slot_bytes);
+    return payload == Py_None ? 0 : copy_object(c, payload, c->slots[2 * c->me + p], c->slot_bytes, 1);
 }
 
 /* Post the next call; its seq, or -1 with an exception set (nothing posted). */
@@ -329,7 +371,7 @@ static int stream(Core *c, int64_t seq, int root, char *buf, Py_ssize_t nbytes, 
         if (me == root) {
             if (k >= places && wait_all(c, c->streams, base + k - places + 1, 5) < 0)
                 return -1;
-            memcpy(at, buf + off, (size_t)len);
+            copy_shared(c, at, buf + off, (size_t)len);
         } else {
             if (wait_one(c, root, c->streams[root], base + k + 1, 5) < 0)
                 return -1;
@@ -364,7 +406,7 @@ static int gather_stream(Core *c, int64_t seq, char *buf, const Py_ssize_t *off,
             Py_ssize_t len = off[me + 1] - off[me] - from < piece ? off[me + 1] - off[me] - from : piece;
             if (k >= places && wait_all(c, c->takes, base + k - places + 1, 6) < 0)
                 return -1;
-            memcpy(c->slots[2 * me + p] + at, buf + off[me] + from, (size_t)len);
+            copy_shared(c, c->slots[2 * me + p] + at, buf + off[me] + from, (size_t)len);
             publish(c, c->streams[me], base + k + 1);
         }
         for (int r = 0; r < n; r++) {
@@ -519,6 +561,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
     int me, futex;
     PyObject *seqs, *sleeping, *heads, *slots, *progress, *contiguous, *aborts, *stalled, *dones, *streams, *takes;
     Py_ssize_t slot_bytes;
+    Py_ssize_t nt_bytes; /* copies into shared memory from this many bytes use non-temporal stores (0: never) */
     long spin;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOOOnlOOpOOOOO", names, &me, &seqs, &sleeping, &heads, &slots,
                                      &slot_bytes, &spin, &progress, &contiguous, &futex, &aborts, &stalled, &dones,
@@ -770,6 +813,48 @@ static int Core_set_spin(Core *c, PyObject *v, void *closure) {
     return 0;
 }
 
+static PyObject *Core_get_nontemporal(Core *c, void *closure) {
+    (void)closure;
+    return PyLong_FromSsize_t(c->nt_bytes);
+}
+
+static int Core_set_nontemporal(Core *c, PyObject *v, void *closure) {
+    (void)closure;
+    Py_ssize_t b = v == NULL ? -1 : PyLong_AsSsize_t(v);
+    if (b < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "nontemporal takes a byte count >= 0 (0: never)");
+        return -1;
+    }
+    c->nt_bytes = b;
+    return 0;
+}
+
+/* core.put(dst, src): src's bytes into the shared buffer dst (both C-contiguous, as long) */
+static PyObject *Core_put(Core *c, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "put(dst, src)");
+        return NULL;
+    }
+    Py_buffer dst, src;
+    if (PyObject_GetBuffer(args[0], &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &src, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    if (dst.len != src.len)
+        PyErr_Format(PyExc_ValueError, "put: %zd bytes into %zd", src.len, dst.len);
+    else {
+        copy_shared(c, dst.buf, src.buf, (size_t)src.len);
+        res = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&dst);
+    return res;
+}
+
 static PyObject *Core_get_stall(Core *c, void *closure) {
     (void)closure;
     return PyFloat_FromDouble((double)c->stall_ns / 1e9);
@@ -914,7 +999,7 @@ static PyObject *Step_call(Step *s, PyObject *const *args, size_t nargsf, PyObje
                       : mine && reduce_slots(c, seq, s->k, s->op, s->itemsize, s->lo, s->hi, (char *)view.buf) < 0)
             goto done;
     } else if (streamed) { /* the root's data into its out, then through its slot to the others' */
-        if ((is_root && copy_object(c, x, (char *)view.buf, s->nbytes) < 0) ||
+        if ((is_root && copy_object(c, x, (char *)view.buf, s->nbytes, 0) < 0) ||
             stream(c, seq, s->root, (char *)view.buf, s->nbytes, s->second) < 0)
             goto done;
     } else if (s->kind == STEP_BROADCAST) {
@@ -1060,6 +1145,9 @@ static PyMethodDef Core_methods[] = {
     {"stream", (PyCFunction)(void (*)(void))Core_stream, METH_FASTCALL,
      "stream(seq, root, buf, piece): move the agreed broadcast `seq` from root's buf into every other rank's "
      "through root's slot, `piece` bytes at a time."},
+    {"put", (PyCFunction)(void (*)(void))Core_put, METH_FASTCALL,
+     "put(dst, src): copy src's bytes into the shared buffer dst (C-contiguous, as long), with non-temporal "
+     "stores from `nontemporal` bytes."},
     {"has_kernel", (PyCFunction)(void (*)(void))Core_has_kernel, METH_FASTCALL,
      "has_kernel(dtype, op) -> bool: reduce takes this dtype code and op code."},
     {NULL, NULL, 0, NULL}};
@@ -1069,6 +1157,8 @@ static PyGetSetDef Core_getset[] = {
      "None, or a callable: while it returns True, waits poll briefly before sleeping.", NULL},
     {"spin", (getter)Core_get_spin, (setter)Core_set_spin, "Polls (of the Python loop's length) before sleeping.",
      NULL},
+    {"nontemporal", (getter)Core_get_nontemporal, (setter)Core_set_nontemporal,
+     "Copies into shared memory of at least this many bytes use non-temporal stores (0: never).", NULL},
     {"stall", (getter)Core_get_stall, (setter)Core_set_stall,
      "Seconds a wait for one peer lasts before it ends in a stall error (0: never).", NULL},
     {NULL, NULL, NULL, NULL, NULL}};

@@ -54,7 +54,7 @@ def _allreduce(ch: Channel, out: np.ndarray, src: np.ndarray, op: str, root: int
             mine = views[i & 1][me]
             for j in range(n):
                 if j != me and off[j + 1] > off[j]:
-                    mine[j * per : j * per + off[j + 1] - off[j]] = src[c0 + off[j] : c0 + off[j + 1]]
+                    ch.put(mine[j * per : j * per + off[j + 1] - off[j]], src[c0 + off[j] : c0 + off[j + 1]])
             copied[0] += (c1 - c0 - off[me + 1] + off[me]) * isz
 
         def reduce_own(i: int) -> None:
@@ -120,7 +120,7 @@ def reduce_scatter(
             for j in range(n):
                 a, z = off[j] + i * per, min(off[j] + (i + 1) * per, off[j + 1])
                 if j != me and z > a:
-                    mine[j * per : j * per + z - a] = buf[a:z]
+                    ch.put(mine[j * per : j * per + z - a], buf[a:z])
 
         def reduce_own(i: int) -> None:
             a, z = off[me] + i * per, min(off[me] + (i + 1) * per, off[me + 1])
@@ -162,10 +162,10 @@ def allgather(
             a, z = off[me] + i * per, min(off[me] + (i + 1) * per, off[me + 1])
             if z > a:
                 if src is None:
-                    views[i & 1][me][: z - a] = buf[a:z]
+                    ch.put(views[i & 1][me][: z - a], buf[a:z])
                     return
                 piece = src[a - off[me] : z - off[me]]
-                views[i & 1][me][: z - a] = piece
+                ch.put(views[i & 1][me][: z - a], piece)
                 buf[a:z] = piece
 
         def gather_in(i: int) -> None:
@@ -196,7 +196,7 @@ def broadcast(ctx: Any, t: Any, buf: np.ndarray, root: int, tag: int) -> Schedul
         for i, a in enumerate(range(0, buf.size, per)):
             z = min(a + per, buf.size)
             if me == root:
-                views[i & 1][root][: z - a] = buf[a:z]
+                ch.put(views[i & 1][root][: z - a], buf[a:z])
             yield from ch.barrier()
             if me != root:
                 buf[a:z] = views[i & 1][root][: z - a]
