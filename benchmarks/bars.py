@@ -42,7 +42,8 @@ BARS = {
 }
 
 
-def _sizes(lo: int, hi: int) -> list[int]:
+def sizes_by_four(lo: int, hi: int) -> list[int]:
+    """``lo``, ``4 lo``, ``16 lo`` … up to ``hi``: the sizes the bars are measured at."""
     out, s = [], lo
     while s <= hi:
         out.append(s)
@@ -202,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     comm = MPI.COMM_WORLD
     comm.Barrier()
     copy_bw = comm.bcast(osu.copy_bandwidth() if comm.rank == 0 else None, root=0)
-    sizes = _sizes(args.min, args.max)
+    sizes = sizes_by_four(args.min, args.max)
     record: dict[str, Any] = {"ranks": comm.size, "copy_bandwidth": copy_bw, "machine": osu.machine(), "bars": {}}
     report = [f"# copy bandwidth (one numpy copy of 64 MiB, rank 0): {copy_bw / 1e9:.2f} GB/s"]
     text, record["bytes_written"] = bytes_written(comm)

@@ -191,6 +191,7 @@ def test_options_the_tuner_refuses_are_refused(argv, text, capsys):
         ("small_calls", ["--rounds", "0"], "--rounds 0: must be at least 1"),
         ("small_calls", ["--collectives", "allreduce,scan"], "--collectives takes allreduce, broadcast and allgather"),
         ("device_sync", ["--rounds", "0"], "--rounds 0: must be at least 1"),
+        ("stores", ["--rounds", "0"], "--rounds 0: must be at least 1"),
         pytest.param(
             "device_sync",
             ["--sizes", "4"],
@@ -246,6 +247,23 @@ def test_profile_reports_on_rank_zero_only(coll):
         assert "tottime" in text and "us per call unprofiled" in text
     else:
         assert text == ""
+
+
+def test_the_stores_benchmark_times_both_kinds_and_checks_each(capsys):
+    from benchmarks import stores
+
+    if get_context(WORLD).channel().core is None:
+        pytest.skip("the compiled loop is not built")
+    rows = stores.measure(WORLD, "bcast", [4096, 1 << 20], 2, 1)
+    assert [r["size"] for r in rows] == [4096, 1 << 20]
+    assert all(r["valid"] and min(r["nt"], r["plain"], r["mpi"]) > 0 for r in rows)
+    ch = get_context(WORLD).chan
+    assert ch.core.nontemporal == ch.nontemporal  # the channel's own setting again
+    text = stores.table("bcast", rows, WORLD.size, 1)
+    assert text.splitlines()[1].split() == ["size", "nt", "us", "plain", "us", "mpi", "us", "nt/plain", "nt/mpi"] + [
+        "plain/mpi",
+        "valid",
+    ]
 
 
 def test_device_copy_rate_and_the_busbw_share_footer(monkeypatch):
