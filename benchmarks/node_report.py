@@ -12,15 +12,19 @@ core (or ``--max-ranks``):
    MPI per size; the bar is 1.10);
 2. ``small_calls``: where a small call's time goes (``benchmarks.small_calls``): Python's
    part, the one step (posting, waiting for the peers, copying), MPI's barrier and call;
-3. ``tuner``: ``collectives.tune`` at the same counts: the algorithm that wins each size
+3. ``stores``: plain against non-temporal stores into the node's shared window
+   (``benchmarks.stores``, 2 ranks and the largest count): whether the default
+   ``HPCDL_SHM_NONTEMPORAL_BYTES`` (decided by the last-level caches the ranks span) suits
+   this node;
+4. ``tuner``: ``collectives.tune`` at the same counts: the algorithm that wins each size
    here, to set against the packaged table's rows;
-4. ``training``: a training step with each optimizer against the same step without
+5. ``training``: a training step with each optimizer against the same step without
    communication (``benchmarks.train_throughput``, 2 ranks and the largest count up to 8);
-5. ``pipeline``: the measured bubble of a 2-stage pipeline (the GPT, and equal stages)
+6. ``pipeline``: the measured bubble of a 2-stage pipeline (the GPT, and equal stages)
    against ``(p-1)/(m+p-1)``, and the TP grid's traffic per step (calls, bytes, the time
    spent in them) against what α-β models fitted on its group predict
    (``benchmarks.parallel_gpt``);
-6. ``gpu`` (when torch sees a GPU): the device path against staging through host memory and
+7. ``gpu`` (when torch sees a GPU): the device path against staging through host memory and
    gloo by size at 2 ranks (``benchmarks.osu_allreduce -d cuda``), without NVIDIA's MPS and
    with it where ``nvidia-cuda-mps-control`` is found (the daemon started and stopped for
    the run), the crossover ``auto`` should use; NCCL at one rank.
@@ -59,7 +63,15 @@ BAR = 1.10
 SMALL = 64 << 10
 """Sizes up to this many bytes count as small calls in the summary."""
 
-SHARES = {"collectives": 0.35, "small_calls": 0.10, "tuner": 0.20, "training": 0.20, "pipeline": 0.10, "gpu": 0.15}
+SHARES = {
+    "collectives": 0.35,
+    "small_calls": 0.10,
+    "stores": 0.05,
+    "tuner": 0.20,
+    "training": 0.20,
+    "pipeline": 0.10,
+    "gpu": 0.15,
+}
 """Each step's share of the budget (the GPU's only where there is one; the shares of steps
 that end early pass on to the later ones)."""
 
@@ -218,6 +230,7 @@ def summarize(report: dict[str, Any]) -> str:
     sections = {
         "collectives": _collective_lines,
         "small_calls": _small_call_lines,
+        "stores": _stores_lines,
         "tuner": _tuner_lines,
         "training": _training_lines,
         "pipeline": _pipeline_lines,
@@ -267,6 +280,34 @@ def _small_call_lines(report: dict[str, Any]) -> list[str]:
                 f"| {n} | {w['collective']} | {w['size']} | {w['total']:.2f} | {w['python']:.2f} | {w['step']:.2f} "
                 f"| {w['wait']:.2f} | {w['barrier']:.2f} | {w['mpi']:.2f} |"
             )
+    return lines
+
+
+def _stores_lines(report: dict[str, Any]) -> list[str]:
+    lines = [
+        "## Plain or non-temporal stores into the shared window (time with non-temporal / plain)",
+        "",
+        "| ranks | last-level caches spanned | setting (bytes; 0: plain) | collective | nt / plain by size |",
+        "|---|---|---|---|---|",
+    ]
+    ratios = []
+    for n, rec in sorted(report.get("stores", {}).items(), key=lambda kv: int(kv[0])):
+        for coll, rows in rec.get("results", {}).items():
+            cells = ", ".join(f"{_size(r['size'])} {r['nt'] / r['plain']:.2f}" for r in rows)
+            ratios += [r["nt"] / r["plain"] for r in rows]
+            lines.append(f"| {n} | {rec['last_level_caches']} | {rec['setting']} | {coll} | {cells} |")
+    if ratios:
+        mid = sorted(ratios)[len(ratios) // 2]
+        setting = {rec["setting"] for rec in report["stores"].values()}
+        if mid < 0.95 and setting == {0}:
+            lines += [
+                "",
+                f"Non-temporal stores are faster here (median {mid:.2f} x): HPCDL_SHM_NONTEMPORAL_BYTES=4096.",
+            ]
+        elif mid > 1.05 and 0 not in setting:
+            lines += ["", f"Plain stores are faster here (median {mid:.2f} x): HPCDL_SHM_NONTEMPORAL_BYTES=0."]
+        else:
+            lines += ["", f"The default suits this node (median nt / plain {mid:.2f} x)."]
     return lines
 
 
@@ -425,12 +466,15 @@ def _ends(r: Runner, chosen: list[str]) -> dict[str, float]:
 
 def _steps(r: Runner, counts: list[int], args: argparse.Namespace, gpus: int) -> dict[str, Any]:
     """Run every chosen step under the budget; their figures by step and rank count."""
-    got: dict[str, Any] = {step: {} for step in ("collectives", "small_calls", "tuner", "training")}
+    got: dict[str, Any] = {step: {} for step in ("collectives", "small_calls", "stores", "tuner", "training")}
     got.update(pipeline=[], gpu=None)
     chosen = [k for k in SHARES if k in args.steps and (gpus or k != "gpu")]
     ends = _ends(r, chosen) if chosen else {}
-    for step in ("collectives", "small_calls", "tuner"):
+    for step in ("collectives", "small_calls", "stores", "tuner"):
         if step not in ends:
+            continue
+        if step == "stores":
+            _stores(r, counts, args, got, ends[step])
             continue
         for n in counts:
             name = f"{step}_np{n}"
@@ -449,6 +493,17 @@ def _steps(r: Runner, counts: list[int], args: argparse.Namespace, gpus: int) ->
     if "gpu" in ends:
         got["gpu"] = _gpu(r, args)
     return got
+
+
+def _stores(r: Runner, counts: list[int], args: argparse.Namespace, got: dict[str, Any], end: float) -> None:
+    few = ["--min", "4K", "--max", "64K", "--rounds", "1", "--collectives", "allreduce,bcast"]
+    sizes = few if args.quick else ["--min", "16K", "--max", "4M", "--rounds", "3"]
+    runs = sorted({2, counts[-1]})
+    for n in runs:
+        name = f"stores_np{n}"
+        r.run(name, n, ["benchmarks.stores", *sizes, "--json", str(r.raw / f"{name}.json")], _each(end, runs, n))
+        if data := r.load(name):
+            got["stores"][str(n)] = data
 
 
 def _training(r: Runner, counts: list[int], args: argparse.Namespace, got: dict[str, Any], end: float) -> None:

@@ -27,7 +27,7 @@ from benchmarks import osu
 from benchmarks.bars import sizes_by_four
 from collectives.cli import ArgumentParser, dump_json, parse_size, run_main
 from collectives.context import get_context
-from collectives.node.channel import NONTEMPORAL
+from collectives.node.channel import NONTEMPORAL, last_level_caches
 
 BENCHES = ("allreduce", "reduce_scatter", "allgather", "bcast", "reduce")
 
@@ -92,10 +92,17 @@ def main(argv: list[str] | None = None) -> None:
     if core is None:
         raise SystemExit("benchmarks.stores: the compiled loop is not built here (no C compiler at install)")
     nt_bytes = core.nontemporal or NONTEMPORAL
-    record: dict[str, Any] = {"ranks": comm.size, "nontemporal_bytes": nt_bytes, "machine": osu.machine()}
+    caches = frozenset().union(*comm.allgather(last_level_caches()))
+    record: dict[str, Any] = {
+        "ranks": comm.size,
+        "nontemporal_bytes": nt_bytes,
+        "setting": get_context(comm).chan.nontemporal,
+        "last_level_caches": len(caches),
+        "machine": osu.machine(),
+    }
     for bench in args.collectives.split(","):
         rows = measure(comm, bench, sizes_by_four(args.min, args.max), args.rounds, nt_bytes)
-        record[bench] = rows
+        record.setdefault("results", {})[bench] = rows
         if comm.rank == 0:
             print(table(bench, rows, comm.size, nt_bytes), flush=True)
     if comm.rank == 0 and args.json:

@@ -71,6 +71,12 @@ def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_f
         assert row["one_step"] and row["wait"] >= 0 and row["wait"] == max(0.0, row["step"] - row["copy"])
         cells = f"| 2 | {row['collective']} | {row['size']} | {row['total']:.2f} | {row['python']:.2f} |"
         assert cells in summary, (cells, summary)
+    stores = json.loads((tmp_path / "raw" / "stores_np2.json").read_text())
+    for coll, rows in stores["results"].items():  # non-temporal against plain stores, size by size
+        assert all(r["valid"] for r in rows)
+        cells = ", ".join(f"{r['size'] >> 10} KiB {r['nt'] / r['plain']:.2f}" for r in rows)
+        assert f"| 2 | {stores['last_level_caches']} | {stores['setting']} | {coll} | {cells} |" in summary
+    assert "HPCDL_SHM_NONTEMPORAL_BYTES" in summary or "The default suits this node" in summary
     assert "hpcdl DistributedOptimizer" in summary and "Pipeline bubble" in summary
     assert "measured" in summary.split("## Pipeline bubble")[1]
     tp = [r for r in json.loads((tmp_path / "raw" / "pipeline_np2.json").read_text()) if r["grid"] == "1x2x1"][0]
