@@ -69,6 +69,12 @@ class Config:
     from this many bytes (0: never); -1: from 4 KiB where the node's ranks may run on cores
     that share no last-level cache, else never (:func:`.node.channel.nontemporal_bytes`)."""
 
+    shm_nontemporal_out_bytes: int = -1
+    """The compiled loop copies data out of the node's shared window into messages of at
+    least this many bytes with non-temporal stores (0: never); -1: three quarters of a
+    last-level cache's share per rank, where a message no longer stays in the cache
+    (:func:`.node.channel.nontemporal_out_bytes`)."""
+
     shm_chunk_bytes: int = 1 << 20
     """Pipeline chunk of the single-node ``shm`` algorithms (each rank holds two), in bytes."""
 
@@ -124,6 +130,11 @@ class Config:
         if self.shm_nontemporal_bytes < -1:
             raise ConfigError(
                 f"shm_nontemporal_bytes={self.shm_nontemporal_bytes} must be >= 0 (0: never), or -1 (by the caches)"
+            )
+        if self.shm_nontemporal_out_bytes < -1:
+            raise ConfigError(
+                f"shm_nontemporal_out_bytes={self.shm_nontemporal_out_bytes} must be >= 0 (0: never), "
+                "or -1 (by the caches)"
             )
         if self.shm_chunk_bytes < 4096:
             raise ConfigError(f"shm_chunk_bytes={self.shm_chunk_bytes} must be at least 4096")

@@ -230,6 +230,7 @@ class Context:
                 cfg.stall_timeout,
                 cfg.shm_split_bytes,
                 cfg.shm_nontemporal_bytes,
+                cfg.shm_nontemporal_out_bytes,
             )
             if cfg.shm_spin >= 0:
                 self._channel.spin = cfg.shm_spin

@@ -23,7 +23,7 @@ from collectives.blocks import block_counts, offsets
 from collectives.config import Config
 from collectives.context import get_context
 from collectives.errors import CollectiveMismatchError
-from collectives.node.channel import last_level_caches, nontemporal_bytes
+from collectives.node.channel import last_level_caches, nontemporal_bytes, nontemporal_out_bytes
 
 WORLD = MPI.COMM_WORLD
 N, ME = WORLD.size, WORLD.rank
@@ -199,21 +199,29 @@ def test_allgathers_past_the_one_step_size_stream_through_every_ranks_slot(comms
 @needs_core
 def test_non_temporal_stores_move_the_same_bytes(comms):
     # every copy into the window through non-temporal stores (even ranks from 1 byte, odd
-    # from 4 KiB): the one-step posts, the streamed broadcast and allgather, the chunked
-    # paths' staging; odd byte counts for the unaligned ends; bfloat16 (no buffer format)
+    # from 4 KiB), and out of it into any message on even ranks: the one-step posts, the
+    # streamed broadcast and allgather, the chunked paths' staging and copies out; odd byte
+    # counts for the unaligned ends; bfloat16 (no buffer format)
     fast, _ = comms
     nt = WORLD.Dup()
     try:
-        ctx = get_context(nt, config=Config(shm_nontemporal_bytes=1 if ME % 2 == 0 else 4096))
-        ch = ctx.channel()
-        assert ch.core.nontemporal == ch.nontemporal == (1 if ME % 2 == 0 else 4096)
-        assert get_context(fast).chan.nontemporal == nontemporal_bytes(-1, [last_level_caches()] * N)
+        even = ME % 2 == 0
+        cfg = Config(shm_nontemporal_bytes=1 if even else 4096, shm_nontemporal_out_bytes=1 if even else 0)
+        ch = get_context(nt, config=cfg).channel()
+        assert ch.core.nontemporal == ch.nontemporal == (1 if even else 4096)
+        assert ch.core.nontemporal_out == ch.nontemporal_out == (1 if even else 0)
+        plain = get_context(fast).chan
+        assert plain.nontemporal == nontemporal_bytes(-1, [last_level_caches()] * N)
+        assert plain.nontemporal_out == nontemporal_out_bytes(-1, [last_level_caches()] * N)
         mine = ch.buf_views(0, np.dtype(np.uint8))[ME]
         for n, at in ((5000, 0), (5000, 3), (100, 1), (70001, 7)):
             src = (np.arange(n) % 251).astype(np.uint8)
             mine[: at + n + 64] = 0
             ch.put(mine[at : at + n], src)
             assert np.array_equal(mine[at : at + n], src) and not mine[:at].any() and not mine[at + n :][:64].any()
+            back = np.zeros(n + at + 64, np.uint8)
+            ch.take(back[at : at + n], mine[at : at + n], n)
+            assert np.array_equal(back[at : at + n], src) and not back[:at].any() and not back[at + n :].any()
         big = 2 * ch.chunk + 4099  # past a slot: the chunked paths, the broadcast's ring
         for dt, count in ((np.int8, 17), (np.int8, ch.small + 3), (np.int8, big), (ml_dtypes.bfloat16, big // 2)):
             xs = _inputs(count, np.dtype(dt), "sum", seed=count)

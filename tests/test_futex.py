@@ -26,19 +26,27 @@ def test_non_temporal_stores_where_the_ranks_span_last_level_caches():
     from collectives.errors import ConfigError
     from collectives.node import channel
 
-    one, other = frozenset({"0-7"}), frozenset({"8-15"})
+    mib = 1 << 20
+    one, other = {"0-7": 32 * mib}, {"8-15": 32 * mib}
     assert channel.nontemporal_bytes(-1, [one, other]) == channel.NONTEMPORAL  # two sockets or CCXs
-    assert channel.nontemporal_bytes(-1, [one | other, one]) == channel.NONTEMPORAL  # unbound on such a node
+    assert channel.nontemporal_bytes(-1, [{**one, **other}, one]) == channel.NONTEMPORAL  # unbound there
     assert channel.nontemporal_bytes(-1, [one, one, one]) == 0  # every rank under one cache
-    assert channel.nontemporal_bytes(-1, [one, frozenset()]) == 0  # unknown somewhere: plain
+    assert channel.nontemporal_bytes(-1, [one, {}]) == 0  # unknown somewhere: plain
     assert channel.nontemporal_bytes(0, [one, other]) == 0 and channel.nontemporal_bytes(512, [one]) == 512
-    # this machine's, as sysfs lists them: every CPU under the one it names
+    # copies out: three quarters of a cache's share per rank
+    assert channel.nontemporal_out_bytes(-1, [one, one]) == 12 * mib  # 2 ranks on 32 MiB
+    assert channel.nontemporal_out_bytes(-1, [one] * 4 + [other] * 4) == 6 * mib  # 4 ranks on each
+    assert channel.nontemporal_out_bytes(-1, [{"0-1": 8 * mib}] * 2) == 3 * mib  # this reference machine
+    assert channel.nontemporal_out_bytes(-1, [one, {}]) == 0 and channel.nontemporal_out_bytes(7, []) == 7
+    # this machine's, as sysfs lists them: every CPU under one it names, with a size
     caches = channel.last_level_caches()
     if sys.platform.startswith("linux") and os.path.isdir("/sys/devices/system/cpu/cpu0/cache"):
-        assert caches and all(isinstance(c, str) and c for c in caches)
-    assert channel.last_level_caches({10**6}) == frozenset()  # no such CPU: unknown
+        assert caches and all(isinstance(c, str) and c and size >= 4096 for c, size in caches.items())
+    assert channel.last_level_caches({10**6}) == {}  # no such CPU: unknown
     with pytest.raises(ConfigError, match="shm_nontemporal_bytes=-2"):
         Config(shm_nontemporal_bytes=-2)
+    with pytest.raises(ConfigError, match="shm_nontemporal_out_bytes=-5"):
+        Config(shm_nontemporal_out_bytes=-5)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="futexes are Linux's")

@@ -104,14 +104,15 @@ NONTEMPORAL = 4096
 node's ranks may run on cores that share no last-level cache (:func:`nontemporal_bytes`)."""
 
 
-def last_level_caches(cpus: Any = None) -> frozenset[str]:
-    """The last-level caches of ``cpus`` (default: the CPUs this process may run on), each
-    named by the CPUs that share it (Linux sysfs); empty where sysfs does not say."""
+def last_level_caches(cpus: Any = None) -> dict[str, int]:
+    """The last-level caches of ``cpus`` (default: the CPUs this process may run on): each
+    named by the CPUs that share it, with its size in bytes (Linux sysfs); empty where sysfs
+    does not say."""
     try:
         cpus = os.sched_getaffinity(0) if cpus is None else cpus
     except AttributeError:  # not Linux
-        return frozenset()
-    out = set()
+        return {}
+    out = {}
     for cpu in cpus:
         base = f"/sys/devices/system/cpu/cpu{cpu}/cache"
         try:
@@ -120,14 +121,17 @@ def last_level_caches(cpus: Any = None) -> frozenset[str]:
                 if name.startswith("index"):
                     with open(f"{base}/{name}/level", encoding="ascii") as fh:
                         levels.append((int(fh.read()), name))
-            with open(f"{base}/{max(levels)[1]}/shared_cpu_list", encoding="ascii") as fh:
-                out.add(fh.read().strip())
+            top = f"{base}/{max(levels)[1]}"
+            with open(f"{top}/shared_cpu_list", encoding="ascii") as fh, open(f"{top}/size", encoding="ascii") as sz:
+                size = sz.read().strip()
+                units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+                out[fh.read().strip()] = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
         except (OSError, ValueError):
-            return frozenset()
-    return frozenset(out)
+            return {}
+    return out
 
 
-def nontemporal_bytes(setting: int, caches: list[frozenset[str]]) -> int:
+def nontemporal_bytes(setting: int, caches: list[dict[str, int]]) -> int:
     """The size from which the compiled loop copies into the window with non-temporal stores,
     for the ``HPCDL_SHM_NONTEMPORAL_BYTES`` ``setting`` on a node whose ranks may run on
     ``caches`` (:func:`last_level_caches`, each rank's): the setting itself, or for -1
@@ -141,20 +145,42 @@ def nontemporal_bytes(setting: int, caches: list[frozenset[str]]) -> int:
         return setting
     if any(not c for c in caches):
         return 0
-    return NONTEMPORAL if len(frozenset().union(*caches)) > 1 else 0
+    return NONTEMPORAL if len(set().union(*caches)) > 1 else 0
+
+
+def nontemporal_out_bytes(setting: int, caches: list[dict[str, int]]) -> int:
+    """The message size from which the compiled loop copies out of the window into the
+    caller's buffer with non-temporal stores, for the ``HPCDL_SHM_NONTEMPORAL_OUT_BYTES``
+    ``setting`` on a node whose ranks may run on ``caches``: the setting itself, or for -1
+    three quarters of a last-level cache's share per rank (its size over the ranks it
+    holds), as glibc's memcpy decides for one large copy; 0 where sysfs says nothing.
+
+    A message that large no longer stays in the cache, and a plain store reads each line of
+    the destination from memory before writing it; a non-temporal store does not. One large
+    memcpy skips that read by itself, but a message copied out piece by piece never looks
+    large to it."""
+    if setting >= 0:
+        return setting
+    if any(not c for c in caches):
+        return 0
+    spanned = {}
+    for c in caches:
+        spanned.update(c)
+    share = min(spanned.values()) * len(spanned) // len(caches)
+    return max(share * 3 // 4, LINE)
 
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _agree_layout(t: Any, small: int, copy_small: int, chunk: int, split: int, nt: int) -> list[frozenset[str]]:
+def _agree_layout(t: Any, small: int, copy_small: int, chunk: int, split: int, nt: int) -> list[dict[str, int]]:
     """Raise :class:`~.errors.ConfigError` on every rank when the node's ranks were given
     different channel settings: their windows and their choices of path would differ, and
     the ranks would wait for one another forever instead of failing. Return every rank's
     last-level caches (for -1, the non-temporal setting decided by them), gathered at once."""
     names = ("shm_small_bytes", "shm_copy_small_bytes", "shm_chunk_bytes", "shm_split_bytes")
-    everyone = t.allgather_obj((small, copy_small, chunk, split, last_level_caches() if nt < 0 else frozenset()))
+    everyone = t.allgather_obj((small, copy_small, chunk, split, last_level_caches() if nt < 0 else {}))
     for k, name in enumerate(names):
         values = [e[k] for e in everyone]
         if len(set(values)) > 1:
@@ -177,13 +203,19 @@ class Channel:
         stall_timeout: float = 0.0,
         split_bytes: int = 0,
         nontemporal: int = 0,
+        nontemporal_out: int = 0,
     ) -> None:
         n, me = t.size, t.rank
         self.n, self.me = n, me
-        caches = _agree_layout(t, small_bytes, copy_small_bytes, chunk_bytes, split_bytes, nontemporal)
+        caches = _agree_layout(
+            t, small_bytes, copy_small_bytes, chunk_bytes, split_bytes, min(nontemporal, nontemporal_out)
+        )
         self.nontemporal = nontemporal_bytes(nontemporal, caches)
         """Copies into the window from this many bytes use non-temporal stores, in the
         compiled loop (0: never): :func:`nontemporal_bytes` of the setting."""
+        self.nontemporal_out = nontemporal_out_bytes(nontemporal_out, caches)
+        """Copies out of the window into messages of this many bytes use non-temporal stores,
+        in the compiled loop (0: never): :func:`nontemporal_out_bytes` of the setting."""
         self.small = _round_up(max(small_bytes, LINE), LINE)
         """Reductions up to this many bytes per rank finish in one step through the slots."""
         self.copy_small = _round_up(max(copy_small_bytes, LINE), LINE) if copy_small_bytes else self.small
@@ -288,6 +320,7 @@ class Channel:
         )
         core.stall = stall_timeout
         core.nontemporal = self.nontemporal
+        core.nontemporal_out = self.nontemporal_out
         self.post, self.exchange, self.wait_posted = core.post, core.exchange, core.wait_posted
 
     @property
@@ -347,6 +380,19 @@ class Channel:
         if self.core is not None and dst.nbytes >= self.nontemporal > 0:
             try:
                 self.core.put(dst, src)
+                return
+            except (BufferError, ValueError):  # no buffer format (bfloat16): numpy's copy
+                pass
+        dst[...] = src
+
+    def take(self, dst: np.ndarray, src: np.ndarray, total: int) -> None:
+        """Copy ``src``, a view of the window, into ``dst``, a piece of the caller's message
+        of ``total`` bytes (both contiguous, of one dtype and size): through the compiled
+        loop's ``put``, with non-temporal stores once ``total`` reaches
+        :attr:`nontemporal_out`, where it is built; else numpy's copy."""
+        if self.core is not None and total >= self.nontemporal_out > 0:
+            try:
+                self.core.put(dst, src, total)
                 return
             except (BufferError, ValueError):  # no buffer format (bfloat16): numpy's copy
                 pass

@@ -30,8 +30,9 @@
  *       piece) streams through the root's slot
  *   core.stream(seq, root, buf, piece): an agreed broadcast through the root's slot (below)
  *   core.gather(seq, buf, offsets, piece): an agreed allgather through every rank's slot (below)
- *   core.put(dst, src): a copy into shared memory (copy_shared: non-temporal stores from
- *       core.nontemporal bytes, as every copy into a slot here)
+ *   core.put(dst, src, total=None): a copy into shared memory (copy_shared: non-temporal
+ *       stores from core.nontemporal bytes, as every copy into a slot here), or out of it
+ *       into a message of `total` bytes (copy_out: from core.nontemporal_out)
  *
  * Loads and stores of the counters are atomic, and full fences order them around every
  * publication, as MPI_Win_sync does on the Python side. Reductions combine every rank's
@@ -96,7 +97,8 @@ typedef struct {
     int64_t **heads;    /* 2n: rank r, slot p at 2r + p */
     char **slots;       /* 2n */
     Py_ssize_t slot_bytes;
-    Py_ssize_t nt_bytes; /* copies into shared memory from this many bytes use non-temporal stores (0: never) */
+    Py_ssize_t nt_bytes;     /* copies into shared memory from this many bytes use non-temporal stores (0: never) */
+    Py_ssize_t out_nt_bytes; /* and copies out of it, into messages of this many bytes (0: never) */
     long spin;
     int futex;
     PyObject *progress;
@@ -133,35 +135,53 @@ static void wake_sleepers(Core *c, int64_t *addr) {
 
 /* Publish v in this rank's counter *w: after a fence (what the counter announces is in
  * memory first), then wake the peers that may sleep on it. */
-/* Copy len bytes into shared memory that a peer core reads next: from c->nt_bytes up, with
- * non-temporal stores, which go to memory past this core's caches and drop the line from every
- * cache that holds it. A plain store would first pull each line back from the reader's cache,
- * where the previous call's copy out left it, one line at a time: between cores that share no
- * cache (another CCX or socket) that makes the copy several times slower than the memory. The
- * closing sfence orders the stores before the word that publishes them. */
-static void copy_shared(const Core *c, char *dst, const char *src, size_t len) {
+/* Copy len bytes with non-temporal stores: they go to memory past this core's caches and
+ * drop the line from every cache that holds it. The closing sfence orders them before the
+ * word that publishes them. */
+static void copy_nt(char *dst, const char *src, size_t len) {
 #ifdef __SSE2__
-    if (c->nt_bytes > 0 && len >= (size_t)c->nt_bytes) {
-        size_t head = (size_t)(-(uintptr_t)dst & 15);
-        head = head < len ? head : len;
-        memcpy(dst, src, head);
-        size_t i = head;
-        for (; i + 64 <= len; i += 64) {
-            __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
-            __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
-            __m128i e = _mm_loadu_si128((const __m128i *)(src + i + 32));
-            __m128i f = _mm_loadu_si128((const __m128i *)(src + i + 48));
-            _mm_stream_si128((__m128i *)(dst + i), a);
-            _mm_stream_si128((__m128i *)(dst + i + 16), b);
-            _mm_stream_si128((__m128i *)(dst + i + 32), e);
-            _mm_stream_si128((__m128i *)(dst + i + 48), f);
-        }
-        memcpy(dst + i, src + i, len - i);
-        _mm_sfence();
-        return;
+    size_t head = (size_t)(-(uintptr_t)dst & 15);
+    head = head < len ? head : len;
+    memcpy(dst, src, head);
+    size_t i = head;
+    for (; i + 64 <= len; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i e = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i f = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), e);
+        _mm_stream_si128((__m128i *)(dst + i + 48), f);
     }
-#endif
+    memcpy(dst + i, src + i, len - i);
+    _mm_sfence();
+#else
     memcpy(dst, src, len);
+#endif
+}
+
+/* Copy len bytes into shared memory that a peer core reads next: non-temporal from
+ * c->nt_bytes up. A plain store would first pull each line back from the cache of the peer
+ * that read it last, one line at a time: between cores that share no cache (another CCX or
+ * socket) several times slower than writing to memory. */
+static void copy_shared(const Core *c, char *dst, const char *src, size_t len) {
+    if (c->nt_bytes > 0 && len >= (size_t)c->nt_bytes)
+        copy_nt(dst, src, len);
+    else
+        memcpy(dst, src, len);
+}
+
+/* Copy a piece of a message of `total` bytes out of shared memory into the caller's buffer:
+ * non-temporal once the message reaches c->out_nt_bytes, where it no longer stays in the
+ * cache. A plain store reads each line of the destination from memory before writing it;
+ * one large memcpy skips that read by itself (glibc's non-temporal threshold), but a message
+ * copied piece by piece never looks large to it. */
+static void copy_out(const Core *c, char *dst, const char *src, size_t len, Py_ssize_t total) {
+    if (c->out_nt_bytes > 0 && total >= c->out_nt_bytes)
+        copy_nt(dst, src, len);
+    else
+        memcpy(dst, src, len);
 }
 
 static void publish(Core *c, int64_t *w, int64_t v) {
@@ -376,7 +396,7 @@ static int stream(Core *c, int64_t seq, int root, char *buf, Py_ssize_t nbytes, 
             if (wait_one(c, root, c->streams[root], base + k + 1, 5) < 0)
                 return -1;
             fence(); /* the piece after the word that published it */
-            memcpy(buf + off, at, (size_t)len);
+            copy_out(c, buf + off, at, (size_t)len, nbytes);
             if (!wraps)
                 continue;
         }
@@ -416,7 +436,7 @@ static int gather_stream(Core *c, int64_t seq, char *buf, const Py_ssize_t *off,
             if (wait_one(c, r, c->streams[r], base + k + 1, 5) < 0)
                 return -1;
             fence(); /* the piece after the word that published it */
-            memcpy(buf + off[r] + from, c->slots[2 * r + p] + at, (size_t)len);
+            copy_out(c, buf + off[r] + from, c->slots[2 * r + p] + at, (size_t)len, off[n]);
         }
         if (wraps)
             publish(c, c->takes[me], base + k + 1);
@@ -561,7 +581,8 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
     int me, futex;
     PyObject *seqs, *sleeping, *heads, *slots, *progress, *contiguous, *aborts, *stalled, *dones, *streams, *takes;
     Py_ssize_t slot_bytes;
-    Py_ssize_t nt_bytes; /* copies into shared memory from this many bytes use non-temporal stores (0: never) */
+    Py_ssize_t nt_bytes;     /* copies into shared memory from this many bytes use non-temporal stores (0: never) */
+    Py_ssize_t out_nt_bytes; /* and copies out of it, into messages of this many bytes (0: never) */
     long spin;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOOOnlOOpOOOOO", names, &me, &seqs, &sleeping, &heads, &slots,
                                      &slot_bytes, &spin, &progress, &contiguous, &futex, &aborts, &stalled, &dones,
@@ -818,22 +839,43 @@ static PyObject *Core_get_nontemporal(Core *c, void *closure) {
     return PyLong_FromSsize_t(c->nt_bytes);
 }
 
-static int Core_set_nontemporal(Core *c, PyObject *v, void *closure) {
-    (void)closure;
+static int set_bytes(Py_ssize_t *field, PyObject *v) {
     Py_ssize_t b = v == NULL ? -1 : PyLong_AsSsize_t(v);
     if (b < 0) {
         if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "nontemporal takes a byte count >= 0 (0: never)");
+            PyErr_SetString(PyExc_ValueError, "a byte count >= 0 (0: never)");
         return -1;
     }
-    c->nt_bytes = b;
+    *field = b;
     return 0;
 }
 
-/* core.put(dst, src): src's bytes into the shared buffer dst (both C-contiguous, as long) */
+static int Core_set_nontemporal(Core *c, PyObject *v, void *closure) {
+    (void)closure;
+    return set_bytes(&c->nt_bytes, v);
+}
+
+static PyObject *Core_get_nontemporal_out(Core *c, void *closure) {
+    (void)closure;
+    return PyLong_FromSsize_t(c->out_nt_bytes);
+}
+
+static int Core_set_nontemporal_out(Core *c, PyObject *v, void *closure) {
+    (void)closure;
+    return set_bytes(&c->out_nt_bytes, v);
+}
+
+/* core.put(dst, src): src's bytes into the shared buffer dst (both C-contiguous, as long);
+ * core.put(dst, src, total): out of the shared buffer src into dst, a piece of a message of
+ * `total` bytes (copy_out) */
 static PyObject *Core_put(Core *c, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "put(dst, src)");
+    Py_ssize_t total = -1;
+    if (nargs == 3 && (total = PyLong_AsSsize_t(args[2])) < 0 && !PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError, "put: total must be >= 0");
+    if (PyErr_Occurred())
+        return NULL;
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "put(dst, src, total=None)");
         return NULL;
     }
     Py_buffer dst, src;
@@ -847,7 +889,10 @@ static PyObject *Core_put(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     if (dst.len != src.len)
         PyErr_Format(PyExc_ValueError, "put: %zd bytes into %zd", src.len, dst.len);
     else {
-        copy_shared(c, dst.buf, src.buf, (size_t)src.len);
+        if (total < 0)
+            copy_shared(c, dst.buf, src.buf, (size_t)src.len);
+        else
+            copy_out(c, dst.buf, src.buf, (size_t)src.len, total);
         res = Py_NewRef(Py_None);
     }
     PyBuffer_Release(&src);
@@ -1146,8 +1191,9 @@ static PyMethodDef Core_methods[] = {
      "stream(seq, root, buf, piece): move the agreed broadcast `seq` from root's buf into every other rank's "
      "through root's slot, `piece` bytes at a time."},
     {"put", (PyCFunction)(void (*)(void))Core_put, METH_FASTCALL,
-     "put(dst, src): copy src's bytes into the shared buffer dst (C-contiguous, as long), with non-temporal "
-     "stores from `nontemporal` bytes."},
+     "put(dst, src, total=None): copy src's bytes into the shared buffer dst (C-contiguous, as long), with "
+     "non-temporal stores from `nontemporal` bytes; given `total`, out of the shared buffer src into a piece of "
+     "a message of `total` bytes, with non-temporal stores once it reaches `nontemporal_out`."},
     {"has_kernel", (PyCFunction)(void (*)(void))Core_has_kernel, METH_FASTCALL,
      "has_kernel(dtype, op) -> bool: reduce takes this dtype code and op code."},
     {NULL, NULL, 0, NULL}};
@@ -1159,6 +1205,9 @@ static PyGetSetDef Core_getset[] = {
      NULL},
     {"nontemporal", (getter)Core_get_nontemporal, (setter)Core_set_nontemporal,
      "Copies into shared memory of at least this many bytes use non-temporal stores (0: never).", NULL},
+    {"nontemporal_out", (getter)Core_get_nontemporal_out, (setter)Core_set_nontemporal_out,
+     "Copies out of shared memory into messages of at least this many bytes use non-temporal stores (0: never).",
+     NULL},
     {"stall", (getter)Core_get_stall, (setter)Core_set_stall,
      "Seconds a wait for one peer lasts before it ends in a stall error (0: never).", NULL},
     {NULL, NULL, NULL, NULL, NULL}};

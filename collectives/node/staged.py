@@ -77,7 +77,7 @@ def _allreduce(ch: Channel, out: np.ndarray, src: np.ndarray, op: str, root: int
             for j, v in enumerate(views[i & 1]):
                 m = off[j + 1] - off[j]
                 if m:
-                    out[c0 + off[j] : c0 + off[j + 1]] = v[j * per : j * per + m]
+                    ch.take(out[c0 + off[j] : c0 + off[j + 1]], v[j * per : j * per + m], out.nbytes)
             copied[2] += (c1 - c0) * isz
 
         # Barrier i publishes "slice i reduced" and "chunk i + 1 staged". Between barriers
@@ -172,7 +172,7 @@ def allgather(
             for j, v in enumerate(views[i & 1]):
                 a, z = off[j] + i * per, min(off[j] + (i + 1) * per, off[j + 1])
                 if j != me and z > a:
-                    buf[a:z] = v[: z - a]
+                    ch.take(buf[a:z], v[: z - a], buf.nbytes)
 
         # barrier i publishes piece i; buffer i % 2 is restaged (piece i + 2) only after
         # barrier i + 1, which every peer passes after reading piece i
@@ -199,6 +199,6 @@ def broadcast(ctx: Any, t: Any, buf: np.ndarray, root: int, tag: int) -> Schedul
                 ch.put(views[i & 1][root][: z - a], buf[a:z])
             yield from ch.barrier()
             if me != root:
-                buf[a:z] = views[i & 1][root][: z - a]
+                ch.take(buf[a:z], views[i & 1][root][: z - a], buf.nbytes)
     finally:
         ch.release()
