@@ -11,6 +11,7 @@ on one communicator, so a machine whose speed drifts during the run (a virtual m
 cores move) weighs on every contender alike. The setting is local to a rank and changes
 no protocol, so the ranks switch it between rounds without agreeing on anything.
 
+Copies out of the window keep the channel's setting (``HPCDL_SHM_NONTEMPORAL_OUT_BYTES``).
 Timing is ``benchmarks.bars``'s: OSU's loop, float32, the median over rounds of the
 rank-averaged latency.
 """
