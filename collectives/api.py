@@ -400,8 +400,10 @@ def _allgather(x, arg, algorithm, out, comm, blocking, rows, posted=False):
     # above the one-step size every rank streams its block through its slot while copying
     # the others' out as they come (the chunked path's pieces wait for each other instead)
     stream = chunked and ch is not None and ch.streams_bytes(max(counts) * x.itemsize)
-    staged_as_read = blocking and chunked and not stream
-    if own is not None and (not staged_as_read or np.may_share_memory(own, buf)):
+    # streamed, or staged blocking: x is copied into out piece by piece as it goes (read once,
+    # from cache; and the peers reading it straight from x never touch out's lines)
+    read_as_it_goes = stream or (blocking and chunked)
+    if own is not None and (not read_as_it_goes or np.may_share_memory(own, buf)):
         mine[...] = own
         own = None
     if t.size == 1 or buf.size == 0:
@@ -412,11 +414,10 @@ def _allgather(x, arg, algorithm, out, comm, blocking, rows, posted=False):
     if ws is not None:  # every rank's out lies in the arena, its own block in place: read them there
         return _launch(ctx, inplace.inplace_allgather(ctx, buf, counts, ws), blocking, out)
     if stream:
-        ch.gather(call.seq, buf, [o * x.itemsize for o in off])
+        ch.gather(call.seq, buf, [o * x.itemsize for o in off], own)
         return _done(out, blocking, ctx)
     if call.resolved == "shm":
         ctx.channel()  # collective allocation, in call order
-        # blocking: x is copied into out piece by piece as it is staged (read once, from cache)
         gen = staged.allgather(ctx, t, buf, counts, ctx.next_tag(), src=own)
     else:
         gen = REGISTRY["allgather"][call.resolved](ctx, t, buf, counts, ctx.next_tag())

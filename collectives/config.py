@@ -75,6 +75,13 @@ class Config:
     last-level cache's share per rank, where a message no longer stays in the cache
     (:func:`.node.channel.nontemporal_out_bytes`)."""
 
+    shm_single_copy_bytes: int = 1 << 20
+    """Broadcasts and allgathers of at least this many bytes per rank on one node are copied
+    once, each rank reading the sender's memory with cross-memory attach (Linux's
+    ``process_vm_readv``), instead of twice through the shared window; where the kernel
+    refuses it (a strict ``ptrace_scope``, a container's seccomp profile) they stay in the
+    window (0: never)."""
+
     shm_chunk_bytes: int = 1 << 20
     """Pipeline chunk of the single-node ``shm`` algorithms (each rank holds two), in bytes."""
 
@@ -136,6 +143,8 @@ class Config:
                 f"shm_nontemporal_out_bytes={self.shm_nontemporal_out_bytes} must be >= 0 (0: never), "
                 "or -1 (by the caches)"
             )
+        if self.shm_single_copy_bytes < 0:
+            raise ConfigError(f"shm_single_copy_bytes={self.shm_single_copy_bytes} must be >= 0 (0: never)")
         if self.shm_chunk_bytes < 4096:
             raise ConfigError(f"shm_chunk_bytes={self.shm_chunk_bytes} must be at least 4096")
         if self.shm_arena_bytes < 0:

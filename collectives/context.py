@@ -231,6 +231,7 @@ class Context:
                 cfg.shm_split_bytes,
                 cfg.shm_nontemporal_bytes,
                 cfg.shm_nontemporal_out_bytes,
+                cfg.shm_single_copy_bytes,
             )
             if cfg.shm_spin >= 0:
                 self._channel.spin = cfg.shm_spin

@@ -240,17 +240,22 @@ def test_ranks_given_different_channel_settings_fail_alike_instead_of_waiting():
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
-@pytest.mark.parametrize("step", ["stream", "gather", "split"])
+@pytest.mark.parametrize("step", ["stream", "gather", "split", "single copy"])
 def test_a_rank_that_never_sends_its_pieces_or_block_ends_in_a_stall_error_on_every_rank(step, compiled):
     """After an agreed call, rank 0 never streams its broadcast pieces, its allgather block or
-    its reduced block: the others raise StallError within the stall timeout (naming rank 0
-    and the call, or the peer that gave up first), rank 0's next call raises too, and
-    collectives.reset makes the communicator usable again."""
+    its reduced block, or never offers its data to be read: the others raise StallError
+    within the stall timeout (naming rank 0 and the call, or the peer that gave up first),
+    rank 0's next call raises too, and collectives.reset makes the communicator usable
+    again."""
     if get_context(WORLD).topology().nodes != 1:
         pytest.skip("ranks span nodes")
     comm, sync = WORLD.Dup(), WORLD.Dup()
-    cfg = Config(stall_timeout=1.0, compiled_channel=compiled)
+    cfg = Config(stall_timeout=1.0, compiled_channel=compiled, shm_single_copy_bytes=int(step == "single copy"))
     ch = get_context(comm, cfg).channel()
+    if step == "single copy" and not ch.single_copy:
+        comm.Free()
+        sync.Free()
+        pytest.skip("no single copy here: the Python loop, or the kernel refuses cross-memory attach")
     n, r = comm.size, comm.rank
     seq = ch.exchange(7, 7, 7)  # a call every rank agreed on
     if r != 0:
@@ -259,7 +264,7 @@ def test_a_rank_that_never_sends_its_pieces_or_block_ends_in_a_stall_error_on_ev
             C.StallError,
             match=rf"rank\(s\) \[0(, \d+)*\] to reach the (streamed pieces|reduced blocks) of call {seq}|gave up",
         ):
-            if step == "stream":
+            if step in ("stream", "single copy"):
                 ch.stream(seq, 0, buf)
             elif step == "gather":
                 ch.gather(seq, buf, [k * 2 * ch.slot_bytes for k in range(n + 1)])

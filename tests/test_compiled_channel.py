@@ -240,6 +240,85 @@ def test_non_temporal_stores_move_the_same_bytes(comms):
         nt.Free()
 
 
+@pytest.mark.mpi(min_size=2)
+@needs_core
+def test_large_broadcasts_and_allgathers_read_the_senders_memory_once(comms, mixed):
+    # from shm_single_copy_bytes per rank every receiver reads the sender's data straight out
+    # of its memory (cross-memory attach): roots, in place, a strided input, nonblocking;
+    # even, uneven and empty blocks; the same bytes as through the slots. Ranks mixing the
+    # compiled loop with Python's keep the slots, all of them
+    from collectives.node.channel import STREAM_SHIFT
+
+    fast, _ = comms
+    if get_context(fast).chan.single_copy == 0:
+        pytest.skip("the kernel refuses cross-memory attach here")
+    assert get_context(mixed).chan.single_copy == 0
+    one = WORLD.Dup()
+    try:
+        ch = get_context(one, config=Config(shm_single_copy_bytes=1)).channel()
+        assert ch.single_copy == 1 and get_context(fast).chan.single_copy == Config().shm_single_copy_bytes
+
+        def read_once(c, senders):  # the senders offered this call; this rank took it (and a
+            # sender returns only once every receiver has)
+            done = (c.seq << STREAM_SHIFT) + 1
+            receivers = [r for r in range(N) if r not in senders or len(senders) > 1]
+            took = receivers if ME in senders else [ME]
+            return all(c.streams[r][0] == done for r in senders) and all(c.takes[r][0] == done for r in took)
+
+        count = ch.copy_small // 8 + 3  # past the one-step size
+        for root in range(N):
+            want = np.arange(count, dtype=np.float64) * (root + 1) + 0.5
+            x = np.repeat(want, 2)[::2].copy() if ME == root else np.zeros(count)
+            assert digest(C.broadcast(x, root=root, comm=one)) == digest(want), root
+            assert read_once(ch, [root])
+            strided = np.repeat(x, 2)[::2]
+            assert digest(C.broadcast(strided, root=root, comm=one)) == digest(want)
+            assert digest(C.ibroadcast(x, root=root, comm=one).wait()) == digest(want)
+            C.broadcast(x, root=root, out=x, comm=one)
+            assert digest(x) == digest(want) and read_once(ch, [root])
+        big = ch.copy_small // 8 + 1
+        for rows_of in (lambda r: big, lambda r: big + 3001 * r, lambda r: 3 * big if r == N - 1 else r):
+            rows = [rows_of(r) for r in range(N)]
+            xs = [make_input(r, rows[r] * 2, np.float32, "sum", seed=3).reshape(rows[r], 2) for r in range(N)]
+            want = np.concatenate(xs)
+            got = C.allgather(xs[ME], algorithm="shm", comm=one)
+            assert digest(got) == digest(want) and read_once(ch, [r for r in range(N) if rows[r]]), f"rows {rows}"
+            out = np.empty_like(want)
+            assert C.allgather(xs[ME], algorithm="shm", out=out, comm=one) is out and digest(out) == digest(want)
+            assert digest(C.iallgather(xs[ME], algorithm="shm", comm=one).wait()) == digest(want)
+            assert digest(got) == digest(C.allgather(xs[ME], algorithm="shm", comm=fast))  # through the slots
+    finally:
+        one.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@needs_core
+def test_single_copy_is_off_everywhere_when_one_rank_cannot_read_a_peer(comms):
+    # the kernel refuses process_vm_readv on one rank (a strict ptrace_scope, a seccomp
+    # profile): no rank takes the single-copy path, so none waits for a read never made
+    fast, _ = comms
+    ch = get_context(fast).chan
+    core = ch.core
+
+    class Refusing:
+        def cma_read(self, pid, address, buf):
+            raise PermissionError(1, "Operation not permitted")
+
+        def single_copy(self, pids, nbytes):
+            raise AssertionError("single copy turned on")
+
+    try:
+        ch.core = Refusing() if ME == N - 1 else core
+        assert ch._single_copy(_node_transport(fast), 1 << 20) == 0
+    finally:
+        ch.core = core
+    assert ch._single_copy(_node_transport(fast), ch.single_copy) == ch.single_copy  # and where it can: on
+
+
+def _node_transport(comm):
+    return get_context(comm).topology().node
+
+
 class _Sub(np.ndarray):
     """An ndarray subclass: the API takes it, but only through the general path."""
 

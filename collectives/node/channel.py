@@ -174,19 +174,19 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _agree_layout(t: Any, small: int, copy_small: int, chunk: int, split: int, nt: int) -> list[dict[str, int]]:
+def _agree_layout(t: Any, settings: dict[str, int], caches: bool) -> list[dict[str, int]]:
     """Raise :class:`~.errors.ConfigError` on every rank when the node's ranks were given
-    different channel settings: their windows and their choices of path would differ, and
-    the ranks would wait for one another forever instead of failing. Return every rank's
-    last-level caches (for -1, the non-temporal setting decided by them), gathered at once."""
-    names = ("shm_small_bytes", "shm_copy_small_bytes", "shm_chunk_bytes", "shm_split_bytes")
-    everyone = t.allgather_obj((small, copy_small, chunk, split, last_level_caches() if nt < 0 else {}))
-    for k, name in enumerate(names):
-        values = [e[k] for e in everyone]
+    different channel ``settings`` (by name): their windows and their choices of path would
+    differ, and the ranks would wait for one another forever instead of failing. Return
+    every rank's last-level caches where ``caches`` asks (the non-temporal settings decided
+    by them), gathered at once."""
+    everyone = t.allgather_obj((list(settings.values()), last_level_caches() if caches else {}))
+    for k, name in enumerate(settings):
+        values = [e[0][k] for e in everyone]
         if len(set(values)) > 1:
             said = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
             raise ConfigError(f"{name} differs between the ranks of a node ({said}); give every rank the same")
-    return [e[4] for e in everyone]
+    return [e[1] for e in everyone]
 
 
 class Channel:
@@ -204,12 +204,18 @@ class Channel:
         split_bytes: int = 0,
         nontemporal: int = 0,
         nontemporal_out: int = 0,
+        single_copy: int = 0,
     ) -> None:
         n, me = t.size, t.rank
         self.n, self.me = n, me
-        caches = _agree_layout(
-            t, small_bytes, copy_small_bytes, chunk_bytes, split_bytes, min(nontemporal, nontemporal_out)
-        )
+        settings = {
+            "shm_small_bytes": small_bytes,
+            "shm_copy_small_bytes": copy_small_bytes,
+            "shm_chunk_bytes": chunk_bytes,
+            "shm_split_bytes": split_bytes,
+            "shm_single_copy_bytes": single_copy,
+        }
+        caches = _agree_layout(t, settings, min(nontemporal, nontemporal_out) < 0)
         self.nontemporal = nontemporal_bytes(nontemporal, caches)
         """Copies into the window from this many bytes use non-temporal stores, in the
         compiled loop (0: never): :func:`nontemporal_bytes` of the setting."""
@@ -238,17 +244,7 @@ class Channel:
         self._map_counters(segs)
         self.stall_timeout = stall_timeout
         """Seconds a wait for one peer lasts before it ends in a :class:`~.errors.StallError` (0: never)."""
-        self.heads = [
-            [memoryview(s[self._slot0 + p * slot : self._slot0 + p * slot + 40]).cast("q") for p in (0, 1)]
-            for s in segs
-        ]
-        self.slots = [[s[self._slot0 + p * slot + LINE : self._slot0 + (p + 1) * slot] for p in (0, 1)] for s in segs]
-        self.bufs = [[s[self._buf0 + b * self.chunk : self._buf0 + (b + 1) * self.chunk] for b in (0, 1)] for s in segs]
-        peers = [j for j in range(n) if j != me]
-        self._my_heads = self.heads[me]
-        self.peer_heads = [[self.heads[j][p] for j in peers] for p in (0, 1)]
-        """Slot ``p``'s signature words of every peer, in rank order without this rank."""
-        self._my_slots = [memoryview(self.slots[me][p]) for p in (0, 1)]
+        self._map_slots(segs, slot)
         self.stage = 0
         self.progress = progress
         self._spin = spin_budget(n)
@@ -258,6 +254,9 @@ class Channel:
         then posts, waits and finishes one-step calls; None: the Python methods below do."""
         if compiled and Core is not None:
             self._attach_core(segs, slot, stall_timeout)
+        self.single_copy = self._single_copy(t, single_copy)
+        """Agreed broadcasts and allgathers from this many bytes per rank read the sender's
+        memory with cross-memory attach, one copy (0: never): see :meth:`_single_copy`."""
         self.queue: list[object] = []
         """Chunked operations in flight, oldest first: only the first uses the buffers."""
         self._views: dict[tuple, list] = {}
@@ -265,6 +264,21 @@ class Channel:
         """Bytes this rank wrote in the chunked and in-place algorithms, by kind: staged (its
         input into the window), reduced (reduction results) and copied out (results into
         its output). One-step calls are not counted."""
+
+    def _map_slots(self, segs: list[np.ndarray], slot: int) -> None:
+        """Every rank's two slots (``slot`` bytes each with the header) and two chunk buffers
+        in the window, and the views the posts and waits use."""
+        self.heads = [
+            [memoryview(s[self._slot0 + p * slot : self._slot0 + p * slot + 40]).cast("q") for p in (0, 1)]
+            for s in segs
+        ]
+        self.slots = [[s[self._slot0 + p * slot + LINE : self._slot0 + (p + 1) * slot] for p in (0, 1)] for s in segs]
+        self.bufs = [[s[self._buf0 + b * self.chunk : self._buf0 + (b + 1) * self.chunk] for b in (0, 1)] for s in segs]
+        peers = [j for j in range(self.n) if j != self.me]
+        self._my_heads = self.heads[self.me]
+        self.peer_heads = [[self.heads[j][p] for j in peers] for p in (0, 1)]
+        """Slot ``p``'s signature words of every peer, in rank order without this rank."""
+        self._my_slots = [memoryview(self.slots[self.me][p]) for p in (0, 1)]
 
     def _map_counters(self, segs: list[np.ndarray]) -> None:
         """Every rank's counter words in the window (the first two lines of its segment),
@@ -322,6 +336,30 @@ class Channel:
         core.nontemporal = self.nontemporal
         core.nontemporal_out = self.nontemporal_out
         self.post, self.exchange, self.wait_posted = core.post, core.exchange, core.wait_posted
+
+    def _single_copy(self, t: Any, setting: int) -> int:
+        """``setting`` where every rank of the node runs the compiled loop and can read a
+        peer's memory with cross-memory attach (Linux's ``process_vm_readv``: the kernel
+        refuses it under a strict ``ptrace_scope`` or a container's seccomp profile), else 0;
+        the same on every rank. Each rank reads its next peer's process id out of that
+        peer's memory to find out."""
+        me, n = self.me, self.n
+        mark = self.slots[me][1][:8].view(np.int64)  # slot 1's data: unused until the first call
+        mark[0] = os.getpid()
+        everyone = t.allgather_obj((os.getpid(), mark.ctypes.data, self.core is not None))
+        ok = setting > 0 and n > 1 and all(e[2] for e in everyone)
+        if ok:
+            pid, addr, _ = everyone[(me + 1) % n]
+            got = np.zeros(1, np.int64)
+            try:
+                self.core.cma_read(pid, addr, got)
+                ok = int(got[0]) == pid
+            except OSError:
+                ok = False
+        if not all(t.allgather_obj(ok)):
+            return 0
+        self.core.single_copy([e[0] for e in everyone], setting)
+        return setting
 
     @property
     def seq(self) -> int:
@@ -558,18 +596,23 @@ class Channel:
                     continue
             self._publish(self.streams, self._stream_addr, base + k + 1)
 
-    def gather(self, seq: int, buf: np.ndarray, offsets: list[int]) -> None:
+    def gather(self, seq: int, buf: np.ndarray, offsets: list[int], src: np.ndarray | None = None) -> None:
         """Fill bytes ``offsets[r]`` to ``offsets[r + 1]`` of this rank's ``buf`` (C-contiguous)
-        with rank ``r``'s, for the agreed allgather ``seq``: every rank's slot of the call is a
+        with rank ``r``'s, for the agreed allgather ``seq``; this rank's own block is ``src``
+        (C-contiguous, not overlapping ``buf``), copied in as it goes, or where None already
+        in ``buf``. From :attr:`single_copy` bytes per rank, each rank reads the others'
+        blocks straight from their memory; below it, every rank's slot of the call is a
         ring of :attr:`piece`-byte pieces, as :meth:`stream`'s is. In round k each rank
         copies piece k of its own block in and publishes it in its ``streamed`` word, then
         copies piece k of every peer's block out as each is published; where a block wraps
         the ring, it publishes the round in its ``taken`` word, which each rank waits for
         before it overwrites a place. The compiled loop's ``gather`` where it is built."""
         if self.core is not None:
-            self.core.gather(seq, buf, offsets, self.piece)
+            self.core.gather(seq, buf, offsets, self.piece, src)
             return
         me, piece, off = self.me, self.piece, offsets
+        if src is not None:
+            buf.reshape(-1).view(np.uint8)[off[me] : off[me + 1]] = src.reshape(-1).view(np.uint8)
         raw = buf.reshape(-1).view(np.uint8)
         places = self.slot_bytes // piece
         rounds = max(-(-(off[r + 1] - off[r]) // piece) for r in range(self.n))

@@ -29,7 +29,10 @@
  *       rank taking the result copies every rank's block); a broadcast given `second` (a
  *       piece) streams through the root's slot
  *   core.stream(seq, root, buf, piece): an agreed broadcast through the root's slot (below)
- *   core.gather(seq, buf, offsets, piece): an agreed allgather through every rank's slot (below)
+ *   core.gather(seq, buf, offsets, piece, src=None): an agreed allgather through every rank's
+ *       slot (below)
+ *   core.single_copy(pids, nbytes), core.cma_read(pid, address, buf): broadcasts and
+ *       allgathers from nbytes per rank read the sender's memory (below)
  *   core.put(dst, src, total=None): a copy into shared memory (copy_shared: non-temporal
  *       stores from core.nontemporal bytes, as every copy into a slot here), or out of it
  *       into a message of `total` bytes (copy_out: from core.nontemporal_out)
@@ -49,8 +52,10 @@
 #include <time.h>
 
 #if defined(__linux__)
+#include <errno.h>
 #include <linux/futex.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <unistd.h>
 #ifdef __SSE2__
 #include <emmintrin.h>
@@ -99,6 +104,8 @@ typedef struct {
     Py_ssize_t slot_bytes;
     Py_ssize_t nt_bytes;     /* copies into shared memory from this many bytes use non-temporal stores (0: never) */
     Py_ssize_t out_nt_bytes; /* and copies out of it, into messages of this many bytes (0: never) */
+    Py_ssize_t cma_bytes;    /* broadcasts and allgathers from this many bytes per rank read the sender's memory (0: never) */
+    int64_t *pids;           /* n: every rank's process id (cross-memory attach) */
     long spin;
     int futex;
     PyObject *progress;
@@ -372,6 +379,82 @@ static int64_t exchange(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payl
     return seq;
 }
 
+/* -- single-copy broadcasts and allgathers --------------------------------------------------
+ * From c->cma_bytes per rank, an agreed broadcast or allgather skips the slots: each rank
+ * that sends puts the address of its data in its slot of the call and publishes seq <<
+ * STREAM_SHIFT | 1 in its streams word; each rank that receives reads the data straight out
+ * of the sender's memory with cross-memory attach (Linux's process_vm_readv: one copy, by
+ * the kernel, where the slots take two) and publishes the same value in its takes word;
+ * a sender returns once every receiver has, so its buffer is not changed while read.
+ * Every rank of the node takes this path or none: cma_bytes is agreed when the channel is
+ * made, and 0 unless every rank could read a peer's memory then. */
+
+/* Read n bytes at `remote` in process pid into dst; 0, or -1 with an exception set. */
+static int cma_read(pid_t pid, char *dst, uintptr_t remote, size_t n) {
+#if defined(__linux__)
+    while (n) {
+        struct iovec here = {dst, n}, there = {(void *)remote, n};
+        ssize_t got = process_vm_readv(pid, &here, 1, &there, 1, 0);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0) {
+            PyErr_Format(PyExc_OSError, "cross-memory attach: reading %zu bytes of process %d failed: %s", n,
+                         (int)pid, got < 0 ? strerror(errno) : "nothing read");
+            return -1;
+        }
+        dst += got;
+        remote += (uintptr_t)got;
+        n -= (size_t)got;
+    }
+    return 0;
+#else
+    (void)pid, (void)dst, (void)remote, (void)n;
+    PyErr_SetString(PyExc_OSError, "cross-memory attach is Linux's");
+    return -1;
+#endif
+}
+
+/* Read rank r's data of call seq, n bytes at the address it put in its slot, into dst. */
+static int read_peer(Core *c, int64_t seq, int r, char *dst, Py_ssize_t n) {
+    int64_t *addr = (int64_t *)c->slots[2 * r + (int)(seq & 1)];
+    if (wait_one(c, r, c->streams[r], (seq << STREAM_SHIFT) + 1, 5) < 0)
+        return -1;
+    fence(); /* the address after the word that published it */
+    return cma_read((pid_t)c->pids[r], dst, (uintptr_t)load(addr), (size_t)n);
+}
+
+/* Offer `buf` (this rank's data of call seq) to the peers' reads. */
+static void offer(Core *c, int64_t seq, const char *buf) {
+    store((int64_t *)c->slots[2 * c->me + (int)(seq & 1)], (int64_t)(uintptr_t)buf);
+    publish(c, c->streams[c->me], (seq << STREAM_SHIFT) + 1);
+}
+
+static int single_copy_broadcast(Core *c, int64_t seq, int root, char *buf, Py_ssize_t nbytes) {
+    int64_t done = (seq << STREAM_SHIFT) + 1;
+    if (c->me == root) {
+        offer(c, seq, buf);
+        return wait_all(c, c->takes, done, 6);
+    }
+    if (read_peer(c, seq, root, buf, nbytes) < 0)
+        return -1;
+    publish(c, c->takes[c->me], done);
+    return 0;
+}
+
+static int single_copy_allgather(Core *c, int64_t seq, char *buf, const Py_ssize_t *off, const char *src) {
+    int me = c->me, n = c->n;
+    offer(c, seq, src ? src : buf + off[me]);
+    if (src) /* the peers read src, which this call does not write: no line of it moves to and fro */
+        copy_out(c, buf + off[me], src, (size_t)(off[me + 1] - off[me]), off[n]);
+    for (int k = 1; k < n; k++) { /* each rank starts at its next peer: the reads spread over the senders */
+        int r = (me + k) % n;
+        if (off[r + 1] > off[r] && read_peer(c, seq, r, buf + off[r], off[r + 1] - off[r]) < 0)
+            return -1;
+    }
+    publish(c, c->takes[me], (seq << STREAM_SHIFT) + 1);
+    return wait_all(c, c->takes, (seq << STREAM_SHIFT) + 1, 6);
+}
+
 /* -- broadcasts streamed through the root's slot ------------------------------------------
  * An agreed broadcast moves through the root's slot of its call, used as a ring of `piece`
  * bytes: the root copies piece k in and publishes seq << STREAM_SHIFT | (k + 1) in its
@@ -380,6 +463,8 @@ static int64_t exchange(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payl
  * publishes each piece it has copied in its own word, and the root waits for every
  * reader's before it overwrites a place. */
 static int stream(Core *c, int64_t seq, int root, char *buf, Py_ssize_t nbytes, Py_ssize_t piece) {
+    if (c->cma_bytes > 0 && nbytes >= c->cma_bytes)
+        return single_copy_broadcast(c, seq, root, buf, nbytes);
     int me = c->me;
     char *ring = c->slots[2 * root + (int)(seq & 1)];
     Py_ssize_t places = c->slot_bytes / piece, count = (nbytes + piece - 1) / piece;
@@ -411,13 +496,17 @@ static int stream(Core *c, int64_t seq, int root, char *buf, Py_ssize_t nbytes, 
  * copies piece k of every peer's block into buf as each is published; where a block wraps
  * the ring, it then publishes the round in its takes word, which every rank waits for
  * before it overwrites a place. */
-static int gather_stream(Core *c, int64_t seq, char *buf, const Py_ssize_t *off, Py_ssize_t piece) {
+static int gather_stream(Core *c, int64_t seq, char *buf, const Py_ssize_t *off, Py_ssize_t piece, const char *src) {
     int me = c->me, n = c->n, p = (int)(seq & 1);
-    Py_ssize_t places = c->slot_bytes / piece, rounds = 0;
+    Py_ssize_t places = c->slot_bytes / piece, rounds = 0, most = 0;
     for (int r = 0; r < n; r++) {
         Py_ssize_t k = (off[r + 1] - off[r] + piece - 1) / piece;
         rounds = k > rounds ? k : rounds;
+        most = off[r + 1] - off[r] > most ? off[r + 1] - off[r] : most;
     }
+    if (c->cma_bytes > 0 && most >= c->cma_bytes)
+        return single_copy_allgather(c, seq, buf, off, src);
+    const char *mine = src ? src : buf + off[me];
     int64_t base = seq << STREAM_SHIFT;
     int wraps = rounds > places;
     for (Py_ssize_t k = 0; k < rounds; k++) {
@@ -426,7 +515,9 @@ static int gather_stream(Core *c, int64_t seq, char *buf, const Py_ssize_t *off,
             Py_ssize_t len = off[me + 1] - off[me] - from < piece ? off[me + 1] - off[me] - from : piece;
             if (k >= places && wait_all(c, c->takes, base + k - places + 1, 6) < 0)
                 return -1;
-            copy_shared(c, c->slots[2 * me + p] + at, buf + off[me] + from, (size_t)len);
+            copy_shared(c, c->slots[2 * me + p] + at, mine + from, (size_t)len);
+            if (src) /* this rank's own piece too, while it is in the cache */
+                copy_out(c, buf + off[me] + from, mine + from, (size_t)len, off[n]);
             publish(c, c->streams[me], base + k + 1);
         }
         for (int r = 0; r < n; r++) {
@@ -583,6 +674,8 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
     Py_ssize_t slot_bytes;
     Py_ssize_t nt_bytes;     /* copies into shared memory from this many bytes use non-temporal stores (0: never) */
     Py_ssize_t out_nt_bytes; /* and copies out of it, into messages of this many bytes (0: never) */
+    Py_ssize_t cma_bytes;    /* broadcasts and allgathers from this many bytes per rank read the sender's memory (0: never) */
+    int64_t *pids;           /* n: every rank's process id (cross-memory attach) */
     long spin;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOOOnlOOpOOOOO", names, &me, &seqs, &sleeping, &heads, &slots,
                                      &slot_bytes, &spin, &progress, &contiguous, &futex, &aborts, &stalled, &dones,
@@ -637,6 +730,7 @@ static void Core_dealloc(Core *c) {
     PyMem_Free(c->takes);
     PyMem_Free(c->heads);
     PyMem_Free(c->slots);
+    PyMem_Free(c->pids);
     Py_XDECREF(c->progress);
     Py_XDECREF(c->contiguous);
     Py_XDECREF(c->stalled);
@@ -738,7 +832,7 @@ static PyObject *Core_stream(Core *c, PyObject *const *args, Py_ssize_t nargs) {
 static PyObject *Core_gather(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     static const int at[] = {0, 3};
     int64_t v[2];
-    if (method_args(c, args, nargs, 4, 4, "gather(seq, buf, offsets, piece)", at, 2, v) < 0)
+    if (method_args(c, args, nargs, 4, 5, "gather(seq, buf, offsets, piece, src=None)", at, 2, v) < 0)
         return NULL;
     int64_t seq = v[0], piece = v[1];
     if (seq < 1 || piece < 1 || piece > c->slot_bytes) {
@@ -750,8 +844,8 @@ static PyObject *Core_gather(Core *c, PyObject *const *args, Py_ssize_t nargs) {
         return PyErr_NoMemory();
     PyObject *fast = PySequence_Fast(args[2], "gather: offsets must be a sequence");
     int rc = -1;
-    Py_buffer view;
-    view.obj = NULL;
+    Py_buffer view, src;
+    view.obj = src.obj = NULL;
     if (fast == NULL)
         goto done;
     if (PySequence_Fast_GET_SIZE(fast) != c->n + 1) {
@@ -771,11 +865,24 @@ static PyObject *Core_gather(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     for (int r = 0; ok && r < c->n; r++) {
         ok = off[r] <= off[r + 1] && (off[r + 1] - off[r] + piece - 1) / piece < ((int64_t)1 << STREAM_SHIFT);
     }
-    if (!ok)
+    if (!ok) {
         PyErr_SetString(PyExc_ValueError, "gather: offsets out of range");
-    else
-        rc = gather_stream(c, seq, (char *)view.buf, off, (Py_ssize_t)piece);
+        goto done;
+    }
+    if (nargs > 4 && args[4] != Py_None) {
+        if (PyObject_GetBuffer(args[4], &src, PyBUF_C_CONTIGUOUS) < 0) {
+            src.obj = NULL;
+            goto done;
+        }
+        if (src.len != off[c->me + 1] - off[c->me]) {
+            PyErr_SetString(PyExc_ValueError, "gather: src must hold this rank's block");
+            goto done;
+        }
+    }
+    rc = gather_stream(c, seq, (char *)view.buf, off, (Py_ssize_t)piece, src.obj ? (const char *)src.buf : NULL);
 done:
+    if (src.obj != NULL)
+        PyBuffer_Release(&src);
     if (view.obj != NULL)
         PyBuffer_Release(&view);
     Py_XDECREF(fast);
@@ -898,6 +1005,66 @@ static PyObject *Core_put(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     PyBuffer_Release(&src);
     PyBuffer_Release(&dst);
     return res;
+}
+
+/* core.single_copy(pids, nbytes): every rank's process id, and the size per rank from which
+ * broadcasts and allgathers read the sender's memory (0: never); the caller has agreed both */
+static PyObject *Core_single_copy(Core *c, PyObject *const *args, Py_ssize_t nargs) {
+    if (!ready(c))
+        return NULL;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "single_copy(pids, nbytes)");
+        return NULL;
+    }
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]);
+    if (nbytes < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "single_copy: nbytes must be >= 0");
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(args[0], "single_copy: pids must be a sequence");
+    if (fast == NULL)
+        return NULL;
+    int64_t *pids = NULL;
+    if (PySequence_Fast_GET_SIZE(fast) != c->n)
+        PyErr_SetString(PyExc_ValueError, "single_copy: one pid per rank");
+    else if ((pids = PyMem_Malloc(sizeof(int64_t) * (size_t)c->n)) == NULL)
+        PyErr_NoMemory();
+    for (int r = 0; pids != NULL && r < c->n; r++) {
+        pids[r] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, r));
+        if (pids[r] == -1 && PyErr_Occurred()) {
+            PyMem_Free(pids);
+            pids = NULL;
+        }
+    }
+    Py_DECREF(fast);
+    if (pids == NULL)
+        return NULL;
+    PyMem_Free(c->pids);
+    c->pids = pids;
+    c->cma_bytes = nbytes;
+    Py_RETURN_NONE;
+}
+
+/* core.cma_read(pid, address, buf): fill buf with the bytes at `address` in process pid */
+static PyObject *Core_cma_read(Core *c, PyObject *const *args, Py_ssize_t nargs) {
+    (void)c;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "cma_read(pid, address, buf)");
+        return NULL;
+    }
+    long long pid = PyLong_AsLongLong(args[0]);
+    unsigned long long addr = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[2], &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        return NULL;
+    int rc = cma_read((pid_t)pid, (char *)view.buf, (uintptr_t)addr, (size_t)view.len);
+    PyBuffer_Release(&view);
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 static PyObject *Core_get_stall(Core *c, void *closure) {
@@ -1185,11 +1352,18 @@ static PyMethodDef Core_methods[] = {
      "reduced blocks go to this byte offset of each slot, in two steps; a broadcast streams through the root's "
      "slot in pieces of this many bytes once agreed (0: one step)."},
     {"gather", (PyCFunction)(void (*)(void))Core_gather, METH_FASTCALL,
-     "gather(seq, buf, offsets, piece): fill every rank's bytes offsets[r]..offsets[r + 1] of buf from rank r's, "
-     "through the ranks' slots, `piece` bytes at a time (the agreed allgather `seq`)."},
+     "gather(seq, buf, offsets, piece, src=None): fill every rank's bytes offsets[r]..offsets[r + 1] of buf from "
+     "rank r's, through the ranks' slots, `piece` bytes at a time (the agreed allgather `seq`); this rank's block "
+     "is src where given (copied into buf as it goes), else already in buf."},
     {"stream", (PyCFunction)(void (*)(void))Core_stream, METH_FASTCALL,
      "stream(seq, root, buf, piece): move the agreed broadcast `seq` from root's buf into every other rank's "
      "through root's slot, `piece` bytes at a time."},
+    {"single_copy", (PyCFunction)(void (*)(void))Core_single_copy, METH_FASTCALL,
+     "single_copy(pids, nbytes): every rank's process id, and the bytes per rank from which agreed broadcasts "
+     "and allgathers read the sender's memory with cross-memory attach (0: never); the same on every rank."},
+    {"cma_read", (PyCFunction)(void (*)(void))Core_cma_read, METH_FASTCALL,
+     "cma_read(pid, address, buf): fill buf with the bytes at address in process pid (process_vm_readv); "
+     "OSError where the kernel refuses."},
     {"put", (PyCFunction)(void (*)(void))Core_put, METH_FASTCALL,
      "put(dst, src, total=None): copy src's bytes into the shared buffer dst (C-contiguous, as long), with "
      "non-temporal stores from `nontemporal` bytes; given `total`, out of the shared buffer src into a piece of "
