@@ -76,11 +76,13 @@ class Config:
     (:func:`.node.channel.nontemporal_out_bytes`)."""
 
     shm_single_copy_bytes: int = 1 << 20
-    """Broadcasts and allgathers of at least this many bytes per rank on one node are copied
-    once, each rank reading the sender's memory with cross-memory attach (Linux's
-    ``process_vm_readv``), instead of twice through the shared window; where the kernel
-    refuses it (a strict ``ptrace_scope``, a container's seccomp profile) they stay in the
-    window (0: never)."""
+    """Allgathers of at least this many bytes per rank on one node are copied once, each
+    rank reading the others' data out of their memory with cross-memory attach (Linux's
+    ``process_vm_readv``), instead of twice through the shared window; broadcasts too
+    where copies into the window are non-temporal (the ranks span last-level caches:
+    within one cache the root's pieces reach the readers through its slot faster than the
+    kernel's one copy). Where the kernel refuses it (a strict ``ptrace_scope``, a
+    container's seccomp profile) every rank keeps the window (0: never)."""
 
     shm_chunk_bytes: int = 1 << 20
     """Pipeline chunk of the single-node ``shm`` algorithms (each rank holds two), in bytes."""

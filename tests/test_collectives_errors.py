@@ -250,9 +250,10 @@ def test_a_rank_that_never_sends_its_pieces_or_block_ends_in_a_stall_error_on_ev
     if get_context(WORLD).topology().nodes != 1:
         pytest.skip("ranks span nodes")
     comm, sync = WORLD.Dup(), WORLD.Dup()
-    cfg = Config(stall_timeout=1.0, compiled_channel=compiled, shm_single_copy_bytes=int(step == "single copy"))
+    single = {"shm_single_copy_bytes": 1, "shm_nontemporal_bytes": 4096} if step == "single copy" else {}
+    cfg = Config(stall_timeout=1.0, compiled_channel=compiled, **single)
     ch = get_context(comm, cfg).channel()
-    if step == "single copy" and not ch.single_copy:
+    if step == "single copy" and not ch.single_copy_broadcast:
         comm.Free()
         sync.Free()
         pytest.skip("no single copy here: the Python loop, or the kernel refuses cross-memory attach")

@@ -243,20 +243,27 @@ def test_non_temporal_stores_move_the_same_bytes(comms):
 @pytest.mark.mpi(min_size=2)
 @needs_core
 def test_large_broadcasts_and_allgathers_read_the_senders_memory_once(comms, mixed):
-    # from shm_single_copy_bytes per rank every receiver reads the sender's data straight out
-    # of its memory (cross-memory attach): roots, in place, a strided input, nonblocking;
-    # even, uneven and empty blocks; the same bytes as through the slots. Ranks mixing the
-    # compiled loop with Python's keep the slots, all of them
+    # from shm_single_copy_bytes per rank every receiver of an allgather reads the sender's
+    # data straight out of its memory (cross-memory attach), and of a broadcast where copies
+    # into the window are non-temporal (the ranks span caches): roots, in place, a strided
+    # input, nonblocking; even, uneven and empty blocks; the same bytes as through the slots.
+    # Ranks mixing the compiled loop with Python's keep the slots, all of them
     from collectives.node.channel import STREAM_SHIFT
 
     fast, _ = comms
-    if get_context(fast).chan.single_copy == 0:
+    plain = get_context(fast).chan
+    if plain.single_copy == 0:
         pytest.skip("the kernel refuses cross-memory attach here")
     assert get_context(mixed).chan.single_copy == 0
+    assert plain.single_copy == Config().shm_single_copy_bytes
+    assert plain.single_copy_broadcast == (plain.single_copy if plain.nontemporal else 0)
+    if not plain.nontemporal:  # one cache: a large broadcast streams through the root's slot
+        C.broadcast(np.zeros(plain.single_copy // 8), root=0, algorithm="shm", comm=fast)
+        assert plain.streams[0][0] == (plain.seq << STREAM_SHIFT) + plain.single_copy // plain.piece
     one = WORLD.Dup()
     try:
-        ch = get_context(one, config=Config(shm_single_copy_bytes=1)).channel()
-        assert ch.single_copy == 1 and get_context(fast).chan.single_copy == Config().shm_single_copy_bytes
+        ch = get_context(one, config=Config(shm_single_copy_bytes=1, shm_nontemporal_bytes=4096)).channel()
+        assert ch.single_copy == ch.single_copy_broadcast == 1
 
         def read_once(c, senders):  # the senders offered this call; this rank took it (and a
             # sender returns only once every receiver has)
@@ -265,8 +272,8 @@ def test_large_broadcasts_and_allgathers_read_the_senders_memory_once(comms, mix
             took = receivers if ME in senders else [ME]
             return all(c.streams[r][0] == done for r in senders) and all(c.takes[r][0] == done for r in took)
 
-        count = ch.copy_small // 8 + 3  # past the one-step size
-        for root in range(N):
+        # past the one-step size, and within it (the compiled one-step call, streamed)
+        for count, root in [(ch.copy_small // 8 + 3, r) for r in range(N)] + [(ch.small // 8 + 8, N - 1)]:
             want = np.arange(count, dtype=np.float64) * (root + 1) + 0.5
             x = np.repeat(want, 2)[::2].copy() if ME == root else np.zeros(count)
             assert digest(C.broadcast(x, root=root, comm=one)) == digest(want), root
@@ -303,9 +310,6 @@ def test_single_copy_is_off_everywhere_when_one_rank_cannot_read_a_peer(comms):
     class Refusing:
         def cma_read(self, pid, address, buf):
             raise PermissionError(1, "Operation not permitted")
-
-        def single_copy(self, pids, nbytes):
-            raise AssertionError("single copy turned on")
 
     try:
         ch.core = Refusing() if ME == N - 1 else core

@@ -255,8 +255,14 @@ class Channel:
         if compiled and Core is not None:
             self._attach_core(segs, slot, stall_timeout)
         self.single_copy = self._single_copy(t, single_copy)
-        """Agreed broadcasts and allgathers from this many bytes per rank read the sender's
-        memory with cross-memory attach, one copy (0: never): see :meth:`_single_copy`."""
+        """Agreed allgathers from this many bytes per rank read the sender's memory with
+        cross-memory attach, one copy (0: never): see :meth:`_single_copy`."""
+        self.single_copy_broadcast = self.single_copy if self.nontemporal else 0
+        """And broadcasts, where copies into the window are non-temporal (the ranks span
+        last-level caches): within one cache the root's pieces move through its slot to the
+        readers' caches faster than the kernel's one copy from its memory."""
+        if self.single_copy:
+            self.core.single_copy(self._pids, self.single_copy, self.single_copy_broadcast)
         self.queue: list[object] = []
         """Chunked operations in flight, oldest first: only the first uses the buffers."""
         self._views: dict[tuple, list] = {}
@@ -356,10 +362,8 @@ class Channel:
                 ok = int(got[0]) == pid
             except OSError:
                 ok = False
-        if not all(t.allgather_obj(ok)):
-            return 0
-        self.core.single_copy([e[0] for e in everyone], setting)
-        return setting
+        self._pids = [e[0] for e in everyone]
+        return setting if all(t.allgather_obj(ok)) else 0
 
     @property
     def seq(self) -> int:

@@ -31,8 +31,8 @@
  *   core.stream(seq, root, buf, piece): an agreed broadcast through the root's slot (below)
  *   core.gather(seq, buf, offsets, piece, src=None): an agreed allgather through every rank's
  *       slot (below)
- *   core.single_copy(pids, nbytes), core.cma_read(pid, address, buf): broadcasts and
- *       allgathers from nbytes per rank read the sender's memory (below)
+ *   core.single_copy(pids, nbytes, broadcasts), core.cma_read(pid, address, buf): allgathers
+ *       from nbytes per rank, and broadcasts from `broadcasts`, read the sender's memory (below)
  *   core.put(dst, src, total=None): a copy into shared memory (copy_shared: non-temporal
  *       stores from core.nontemporal bytes, as every copy into a slot here), or out of it
  *       into a message of `total` bytes (copy_out: from core.nontemporal_out)
@@ -104,7 +104,8 @@ typedef struct {
     Py_ssize_t slot_bytes;
     Py_ssize_t nt_bytes;     /* copies into shared memory from this many bytes use non-temporal stores (0: never) */
     Py_ssize_t out_nt_bytes; /* and copies out of it, into messages of this many bytes (0: never) */
-    Py_ssize_t cma_bytes;    /* broadcasts and allgathers from this many bytes per rank read the sender's memory (0: never) */
+    Py_ssize_t cma_bytes;    /* allgathers from this many bytes per rank read the sender's memory (0: never) */
+    Py_ssize_t cma_bcast;    /* and broadcasts (0: never) */
     int64_t *pids;           /* n: every rank's process id (cross-memory attach) */
     long spin;
     int futex;
@@ -380,13 +381,14 @@ static int64_t exchange(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payl
 }
 
 /* -- single-copy broadcasts and allgathers --------------------------------------------------
- * From c->cma_bytes per rank, an agreed broadcast or allgather skips the slots: each rank
+ * From c->cma_bytes per rank (c->cma_bcast for a broadcast), an agreed allgather or
+ * broadcast skips the slots: each rank
  * that sends puts the address of its data in its slot of the call and publishes seq <<
  * STREAM_SHIFT | 1 in its streams word; each rank that receives reads the data straight out
  * of the sender's memory with cross-memory attach (Linux's process_vm_readv: one copy, by
  * the kernel, where the slots take two) and publishes the same value in its takes word;
  * a sender returns once every receiver has, so its buffer is not changed while read.
- * Every rank of the node takes this path or none: cma_bytes is agreed when the channel is
+ * Every rank of the node takes this path or none: the sizes are agreed when the channel is
  * made, and 0 unless every rank could read a peer's memory then. */
 
 /* Read n bytes at `remote` in process pid into dst; 0, or -1 with an exception set. */
@@ -463,7 +465,7 @@ static int single_copy_allgather(Core *c, int64_t seq, char *buf, const Py_ssize
  * publishes each piece it has copied in its own word, and the root waits for every
  * reader's before it overwrites a place. */
 static int stream(Core *c, int64_t seq, int root, char *buf, Py_ssize_t nbytes, Py_ssize_t piece) {
-    if (c->cma_bytes > 0 && nbytes >= c->cma_bytes)
+    if (c->cma_bcast > 0 && nbytes >= c->cma_bcast)
         return single_copy_broadcast(c, seq, root, buf, nbytes);
     int me = c->me;
     char *ring = c->slots[2 * root + (int)(seq & 1)];
@@ -672,10 +674,6 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
     int me, futex;
     PyObject *seqs, *sleeping, *heads, *slots, *progress, *contiguous, *aborts, *stalled, *dones, *streams, *takes;
     Py_ssize_t slot_bytes;
-    Py_ssize_t nt_bytes;     /* copies into shared memory from this many bytes use non-temporal stores (0: never) */
-    Py_ssize_t out_nt_bytes; /* and copies out of it, into messages of this many bytes (0: never) */
-    Py_ssize_t cma_bytes;    /* broadcasts and allgathers from this many bytes per rank read the sender's memory (0: never) */
-    int64_t *pids;           /* n: every rank's process id (cross-memory attach) */
     long spin;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOOOnlOOpOOOOO", names, &me, &seqs, &sleeping, &heads, &slots,
                                      &slot_bytes, &spin, &progress, &contiguous, &futex, &aborts, &stalled, &dones,
@@ -1007,19 +1005,20 @@ static PyObject *Core_put(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     return res;
 }
 
-/* core.single_copy(pids, nbytes): every rank's process id, and the size per rank from which
- * broadcasts and allgathers read the sender's memory (0: never); the caller has agreed both */
+/* core.single_copy(pids, nbytes, broadcasts): every rank's process id, and the size per rank
+ * from which allgathers, and broadcasts, read the sender's memory (0: never); the caller
+ * has agreed them */
 static PyObject *Core_single_copy(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     if (!ready(c))
         return NULL;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "single_copy(pids, nbytes)");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "single_copy(pids, nbytes, broadcasts)");
         return NULL;
     }
-    Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]);
-    if (nbytes < 0) {
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]), bcast = PyLong_AsSsize_t(args[2]);
+    if (nbytes < 0 || bcast < 0) {
         if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "single_copy: nbytes must be >= 0");
+            PyErr_SetString(PyExc_ValueError, "single_copy: sizes must be >= 0");
         return NULL;
     }
     PyObject *fast = PySequence_Fast(args[0], "single_copy: pids must be a sequence");
@@ -1043,6 +1042,7 @@ static PyObject *Core_single_copy(Core *c, PyObject *const *args, Py_ssize_t nar
     PyMem_Free(c->pids);
     c->pids = pids;
     c->cma_bytes = nbytes;
+    c->cma_bcast = bcast;
     Py_RETURN_NONE;
 }
 
@@ -1359,8 +1359,9 @@ static PyMethodDef Core_methods[] = {
      "stream(seq, root, buf, piece): move the agreed broadcast `seq` from root's buf into every other rank's "
      "through root's slot, `piece` bytes at a time."},
     {"single_copy", (PyCFunction)(void (*)(void))Core_single_copy, METH_FASTCALL,
-     "single_copy(pids, nbytes): every rank's process id, and the bytes per rank from which agreed broadcasts "
-     "and allgathers read the sender's memory with cross-memory attach (0: never); the same on every rank."},
+     "single_copy(pids, nbytes, broadcasts): every rank's process id, and the bytes per rank from which agreed "
+     "allgathers, and broadcasts, read the sender's memory with cross-memory attach (0: never); the same on every "
+     "rank."},
     {"cma_read", (PyCFunction)(void (*)(void))Core_cma_read, METH_FASTCALL,
      "cma_read(pid, address, buf): fill buf with the bytes at address in process pid (process_vm_readv); "
      "OSError where the kernel refuses."},
