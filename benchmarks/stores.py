@@ -3,10 +3,11 @@
 Run: ``mpiexec -n 2 python -m benchmarks.stores [--min 1K] [--max 16M] [--rounds 5]``.
 
 The compiled loop copies into the node's shared slots and chunk buffers with non-temporal
-stores from ``HPCDL_SHM_NONTEMPORAL_BYTES`` up (by default 4 KiB where the node's ranks
-span more than one last-level cache, else never). This measures, for each collective and
-size, ``auto`` with non-temporal stores from that setting (4 KiB where it is 0: "nt"),
-with plain stores only ("plain") and the MPI library's call, interleaved round by round
+stores from ``HPCDL_SHM_NONTEMPORAL_BYTES`` up (by default 4 KiB for a broadcast's root,
+and for every copy where the node's ranks span more than one last-level cache). This
+measures, for each collective and size, ``auto`` with non-temporal stores from that
+setting for every copy into the window (4 KiB where it is 0: "nt"), with plain stores
+only ("plain") and the MPI library's call, interleaved round by round
 on one communicator, so a machine whose speed drifts during the run (a virtual machine whose
 cores move) weighs on every contender alike. The setting is local to a rank and changes
 no protocol, so the ranks switch it between rounds without agreeing on anything.
@@ -39,7 +40,7 @@ def measure(comm: MPI.Comm, bench: str, sizes: list[int], rounds: int, nt_bytes:
     channel's own setting is restored afterwards."""
     ch = get_context(comm).channel()
     core = ch.core
-    setting = {"nt": nt_bytes, "plain": 0, "mpi": ch.nontemporal}
+    setting = {"nt": nt_bytes, "plain": 0, "mpi": 0}
     rows = []
     for size in sizes:
         if bench == "reduce_scatter" and size // 4 < comm.size:
@@ -56,10 +57,10 @@ def measure(comm: MPI.Comm, bench: str, sizes: list[int], rounds: int, nt_bytes:
         valid = True
         for k in range(rounds):
             for name in names[k % 3 :] + names[: k % 3]:
-                core.nontemporal = setting[name]
+                core.nontemporal = core.nontemporal_broadcast = setting[name]
                 valid = cont[name].check() and valid
                 per[name].append(osu.stats(comm, osu.osu_loop(comm, cont[name].call, iters, skip))["avg"])
-        core.nontemporal = ch.nontemporal  # the channel's own setting again
+        core.nontemporal, core.nontemporal_broadcast = ch.nontemporal, ch.nontemporal_broadcast  # the channel's own
         rows.append({"size": size, "valid": valid, **{name: statistics.median(per[name]) for name in names}})
     return rows
 

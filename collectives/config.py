@@ -66,8 +66,9 @@ class Config:
 
     shm_nontemporal_bytes: int = -1
     """The compiled loop copies data into the node's shared window with non-temporal stores
-    from this many bytes (0: never); -1: from 4 KiB where the node's ranks may run on cores
-    that share no last-level cache, else never (:func:`.node.channel.nontemporal_bytes`)."""
+    from this many bytes (0: never); -1: from 4 KiB for a broadcast's root on any node, and
+    for every copy where the node's ranks may run on cores that share no last-level cache
+    (:func:`.node.channel.nontemporal_bytes`, :func:`.node.channel.nontemporal_broadcast_bytes`)."""
 
     shm_nontemporal_out_bytes: int = -1
     """The compiled loop copies data out of the node's shared window into messages of at

@@ -209,9 +209,11 @@ def test_non_temporal_stores_move_the_same_bytes(comms):
         cfg = Config(shm_nontemporal_bytes=1 if even else 4096, shm_nontemporal_out_bytes=1 if even else 0)
         ch = get_context(nt, config=cfg).channel()
         assert ch.core.nontemporal == ch.nontemporal == (1 if even else 4096)
+        assert ch.core.nontemporal_broadcast == ch.nontemporal_broadcast == ch.nontemporal
         assert ch.core.nontemporal_out == ch.nontemporal_out == (1 if even else 0)
         plain = get_context(fast).chan
         assert plain.nontemporal == nontemporal_bytes(-1, [last_level_caches()] * N)
+        assert plain.core.nontemporal_broadcast == plain.nontemporal_broadcast == 4096  # any node
         assert plain.nontemporal_out == nontemporal_out_bytes(-1, [last_level_caches()] * N)
         mine = ch.buf_views(0, np.dtype(np.uint8))[ME]
         for n, at in ((5000, 0), (5000, 3), (100, 1), (70001, 7)):

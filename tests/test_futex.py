@@ -33,6 +33,10 @@ def test_non_temporal_stores_where_the_ranks_span_last_level_caches():
     assert channel.nontemporal_bytes(-1, [one, one, one]) == 0  # every rank under one cache
     assert channel.nontemporal_bytes(-1, [one, {}]) == 0  # unknown somewhere: plain
     assert channel.nontemporal_bytes(0, [one, other]) == 0 and channel.nontemporal_bytes(512, [one]) == 512
+    # a broadcast's root: on any node, whatever the caches
+    assert (
+        channel.nontemporal_broadcast_bytes(-1) == channel.NONTEMPORAL and channel.nontemporal_broadcast_bytes(0) == 0
+    )
     # copies out: three quarters of a cache's share per rank
     assert channel.nontemporal_out_bytes(-1, [one, one]) == 12 * mib  # 2 ranks on 32 MiB
     assert channel.nontemporal_out_bytes(-1, [one] * 4 + [other] * 4) == 6 * mib  # 4 ranks on each

@@ -148,6 +148,18 @@ def nontemporal_bytes(setting: int, caches: list[dict[str, int]]) -> int:
     return NONTEMPORAL if len(set().union(*caches)) > 1 else 0
 
 
+def nontemporal_broadcast_bytes(setting: int) -> int:
+    """The size from which a broadcast's root copies into the window with non-temporal
+    stores, for the ``HPCDL_SHM_NONTEMPORAL_BYTES`` ``setting``: the setting itself, or for
+    -1 :data:`NONTEMPORAL` on any node. Only the readers hold the root's lines, so a plain
+    store must take each back from them first. At 2 ranks on the reference machine, whose
+    two cores sometimes share a cache and sometimes do not: where they share none,
+    non-temporal stores took 0.4-0.6 x as long from 16 KiB on; where they share one,
+    0.75-0.9 x at 16-64 KiB and 1.1-1.25 x at 256 KiB-4 MiB (still 0.55-0.85 x MPICH's at
+    256 KiB-1 MiB) (``benchmarks.stores``)."""
+    return setting if setting >= 0 else NONTEMPORAL
+
+
 def nontemporal_out_bytes(setting: int, caches: list[dict[str, int]]) -> int:
     """The message size from which the compiled loop copies out of the window into the
     caller's buffer with non-temporal stores, for the ``HPCDL_SHM_NONTEMPORAL_OUT_BYTES``
@@ -219,6 +231,8 @@ class Channel:
         self.nontemporal = nontemporal_bytes(nontemporal, caches)
         """Copies into the window from this many bytes use non-temporal stores, in the
         compiled loop (0: never): :func:`nontemporal_bytes` of the setting."""
+        self.nontemporal_broadcast = nontemporal_broadcast_bytes(nontemporal)
+        """And a broadcast root's copies: :func:`nontemporal_broadcast_bytes` of the setting."""
         self.nontemporal_out = nontemporal_out_bytes(nontemporal_out, caches)
         """Copies out of the window into messages of this many bytes use non-temporal stores,
         in the compiled loop (0: never): :func:`nontemporal_out_bytes` of the setting."""
@@ -340,6 +354,7 @@ class Channel:
         )
         core.stall = stall_timeout
         core.nontemporal = self.nontemporal
+        core.nontemporal_broadcast = self.nontemporal_broadcast
         core.nontemporal_out = self.nontemporal_out
         self.post, self.exchange, self.wait_posted = core.post, core.exchange, core.wait_posted
 

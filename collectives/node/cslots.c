@@ -103,6 +103,7 @@ typedef struct {
     char **slots;       /* 2n */
     Py_ssize_t slot_bytes;
     Py_ssize_t nt_bytes;     /* copies into shared memory from this many bytes use non-temporal stores (0: never) */
+    Py_ssize_t nt_bcast;     /* and a broadcast root's (0: never) */
     Py_ssize_t out_nt_bytes; /* and copies out of it, into messages of this many bytes (0: never) */
     Py_ssize_t cma_bytes;    /* allgathers from this many bytes per rank read the sender's memory (0: never) */
     Py_ssize_t cma_bcast;    /* and broadcasts (0: never) */
@@ -169,12 +170,13 @@ static void copy_nt(char *dst, const char *src, size_t len) {
 #endif
 }
 
-/* Copy len bytes into shared memory that a peer core reads next: non-temporal from
- * c->nt_bytes up. A plain store would first pull each line back from the cache of the peer
- * that read it last, one line at a time: between cores that share no cache (another CCX or
- * socket) several times slower than writing to memory. */
-static void copy_shared(const Core *c, char *dst, const char *src, size_t len) {
-    if (c->nt_bytes > 0 && len >= (size_t)c->nt_bytes)
+/* Copy len bytes into shared memory that a peer core reads next: non-temporal from `nt`
+ * bytes up (0: never; c->nt_bytes, or c->nt_bcast for a broadcast's root). A plain store
+ * would first pull each line back from the cache of the peer that read it last, one line
+ * at a time: between cores that share no cache (another CCX or socket) several times
+ * slower than writing to memory. */
+static void copy_shared(char *dst, const char *src, size_t len, Py_ssize_t nt) {
+    if (nt > 0 && len >= (size_t)nt)
         copy_nt(dst, src, len);
     else
         memcpy(dst, src, len);
@@ -299,9 +301,9 @@ static int wait_all(Core *c, int64_t **ctrs, int64_t want, int kind) {
 }
 
 /* Copy `obj` (any object with a buffer; any layout through `contiguous`) to dst, at most
- * `limit` bytes (through copy_shared when dst is `shared` memory); 0, or -1 with an
- * exception set. */
-static int copy_object(Core *c, PyObject *obj, char *dst, Py_ssize_t limit, int shared) {
+ * `limit` bytes (non-temporal from `nt` bytes: copy_shared); 0, or -1 with an exception
+ * set. */
+static int copy_object(Core *c, PyObject *obj, char *dst, Py_ssize_t limit, Py_ssize_t nt) {
     Py_buffer view;
     PyObject *held = NULL;
     if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) < 0) {
@@ -319,23 +321,23 @@ static int copy_object(Core *c, PyObject *obj, char *dst, Py_ssize_t limit, int 
         PyErr_Format(PyExc_ValueError, "payload of %zd bytes exceeds the %zd it goes to", view.len, limit);
         rc = -1;
     } else if (view.len && view.buf != dst) {
-        if (shared)
-            copy_shared(c, dst, view.buf, (size_t)view.len);
-        else
-            memcpy(dst, view.buf, (size_t)view.len);
+        copy_shared(dst, view.buf, (size_t)view.len, nt);
     }
     PyBuffer_Release(&view);
     Py_XDECREF(held);
     return rc;
 }
 
-/* Copy `payload` into this rank's slot p; 0, or -1 with an exception set (nothing posted). */
-static int put_payload(Core *c, int p, PyObject *payload) {
-    return payload == Py_None ? 0 : copy_object(c, payload, c->slots[2 * c->me + p], c->slot_bytes, 1);
+/* Copy `payload` into this rank's slot p (non-temporal from `nt` bytes); 0, or -1 with an
+ * exception set (nothing posted). */
+static int put_payload(Core *c, int p, PyObject *payload, Py_ssize_t nt) {
+    return payload == Py_None ? 0 : copy_object(c, payload, c->slots[2 * c->me + p], c->slot_bytes, nt);
 }
 
-/* Post the next call; its seq, or -1 with an exception set (nothing posted). */
-static int64_t post(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payload, int64_t win, int64_t wout) {
+/* Post the next call (its payload copied in non-temporal from `nt` bytes); its seq, or -1
+ * with an exception set (nothing posted). */
+static int64_t post(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payload, int64_t win, int64_t wout,
+                    Py_ssize_t nt) {
     int64_t *mine = c->seqs[c->me];
     int64_t seq = load(mine) + 1;
     int p = (int)(seq & 1);
@@ -343,7 +345,7 @@ static int64_t post(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payload,
         stall(c, c->me, seq, 2);
         return -1;
     }
-    if (put_payload(c, p, payload) < 0)
+    if (put_payload(c, p, payload, nt) < 0)
         return -1;
     int64_t *h = c->heads[2 * c->me + p];
     h[0] = a;
@@ -358,8 +360,8 @@ static int64_t post(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payload,
 /* Post, wait for every peer's post and compare the signatures: seq, -seq on a mismatch,
  * or 0 with an exception set. */
 static int64_t exchange(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payload, int uneven, int64_t win,
-                        int64_t wout) {
-    int64_t seq = post(c, a, b, w, payload, win, wout);
+                        int64_t wout, Py_ssize_t nt) {
+    int64_t seq = post(c, a, b, w, payload, win, wout, nt);
     if (seq < 0)
         return 0;
     if (wait_all(c, c->seqs, seq, 0) < 0)
@@ -478,7 +480,7 @@ static int stream(Core *c, int64_t seq, int root, char *buf, Py_ssize_t nbytes, 
         if (me == root) {
             if (k >= places && wait_all(c, c->streams, base + k - places + 1, 5) < 0)
                 return -1;
-            copy_shared(c, at, buf + off, (size_t)len);
+            copy_shared(at, buf + off, (size_t)len, c->nt_bcast);
         } else {
             if (wait_one(c, root, c->streams[root], base + k + 1, 5) < 0)
                 return -1;
@@ -517,7 +519,7 @@ static int gather_stream(Core *c, int64_t seq, char *buf, const Py_ssize_t *off,
             Py_ssize_t len = off[me + 1] - off[me] - from < piece ? off[me + 1] - off[me] - from : piece;
             if (k >= places && wait_all(c, c->takes, base + k - places + 1, 6) < 0)
                 return -1;
-            copy_shared(c, c->slots[2 * me + p] + at, mine + from, (size_t)len);
+            copy_shared(c->slots[2 * me + p] + at, mine + from, (size_t)len, c->nt_bytes);
             if (src) /* this rank's own piece too, while it is in the cache */
                 copy_out(c, buf + off[me] + from, mine + from, (size_t)len, off[n]);
             publish(c, c->streams[me], base + k + 1);
@@ -775,7 +777,7 @@ static PyObject *Core_post(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     int64_t v[5];
     if (method_args(c, args, nargs, 3, 6, "post(a, b, c, payload=None, win=0, wout=0)", at, 5, v) < 0)
         return NULL;
-    int64_t seq = post(c, v[0], v[1], v[2], nargs > 3 ? args[3] : Py_None, v[3], v[4]);
+    int64_t seq = post(c, v[0], v[1], v[2], nargs > 3 ? args[3] : Py_None, v[3], v[4], c->nt_bytes);
     return seq < 0 ? NULL : PyLong_FromLongLong(seq);
 }
 
@@ -799,7 +801,7 @@ static PyObject *Core_exchange(Core *c, PyObject *const *args, Py_ssize_t nargs)
     int uneven = 0;
     if (nargs > 4 && (uneven = PyObject_IsTrue(args[4])) < 0)
         return NULL;
-    int64_t seq = exchange(c, v[0], v[1], v[2], nargs > 3 ? args[3] : Py_None, uneven, v[3], v[4]);
+    int64_t seq = exchange(c, v[0], v[1], v[2], nargs > 3 ? args[3] : Py_None, uneven, v[3], v[4], c->nt_bytes);
     return seq == 0 ? NULL : PyLong_FromLongLong(seq);
 }
 
@@ -960,6 +962,16 @@ static int Core_set_nontemporal(Core *c, PyObject *v, void *closure) {
     return set_bytes(&c->nt_bytes, v);
 }
 
+static PyObject *Core_get_nontemporal_broadcast(Core *c, void *closure) {
+    (void)closure;
+    return PyLong_FromSsize_t(c->nt_bcast);
+}
+
+static int Core_set_nontemporal_broadcast(Core *c, PyObject *v, void *closure) {
+    (void)closure;
+    return set_bytes(&c->nt_bcast, v);
+}
+
 static PyObject *Core_get_nontemporal_out(Core *c, void *closure) {
     (void)closure;
     return PyLong_FromSsize_t(c->out_nt_bytes);
@@ -995,7 +1007,7 @@ static PyObject *Core_put(Core *c, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_Format(PyExc_ValueError, "put: %zd bytes into %zd", src.len, dst.len);
     else {
         if (total < 0)
-            copy_shared(c, dst.buf, src.buf, (size_t)src.len);
+            copy_shared(dst.buf, src.buf, (size_t)src.len, c->nt_bytes);
         else
             copy_out(c, dst.buf, src.buf, (size_t)src.len, total);
         res = Py_NewRef(Py_None);
@@ -1198,7 +1210,8 @@ static PyObject *Step_call(Step *s, PyObject *const *args, size_t nargsf, PyObje
     int is_root = s->kind == STEP_BROADCAST && s->root == c->me;
     int streamed = s->kind == STEP_BROADCAST && s->second;
     PyObject *payload = s->kind == STEP_BROADCAST && (!is_root || streamed) ? Py_None : x;
-    int64_t seq = exchange(c, s->a, b, s->c, payload, s->kind == STEP_ALLGATHER, 0, 0);
+    int64_t seq =
+        exchange(c, s->a, b, s->c, payload, s->kind == STEP_ALLGATHER, 0, 0, is_root ? c->nt_bcast : c->nt_bytes);
     if (seq == 0)
         goto done;
     if (seq < 0) {
@@ -1380,6 +1393,9 @@ static PyGetSetDef Core_getset[] = {
      NULL},
     {"nontemporal", (getter)Core_get_nontemporal, (setter)Core_set_nontemporal,
      "Copies into shared memory of at least this many bytes use non-temporal stores (0: never).", NULL},
+    {"nontemporal_broadcast", (getter)Core_get_nontemporal_broadcast, (setter)Core_set_nontemporal_broadcast,
+     "A broadcast root's copies into shared memory of at least this many bytes use non-temporal stores (0: never).",
+     NULL},
     {"nontemporal_out", (getter)Core_get_nontemporal_out, (setter)Core_set_nontemporal_out,
      "Copies out of shared memory into messages of at least this many bytes use non-temporal stores (0: never).",
      NULL},
