@@ -1113,7 +1113,8 @@ typedef struct {
     int64_t a, b, c, fits;
     kernel k;
     Py_ssize_t itemsize, lo, hi, nbytes, out_bytes;
-    Py_ssize_t second; /* the second step: an allreduce's split_at, a broadcast's stream piece (0: one step) */
+    Py_ssize_t second; /* the second step: a reduction's split_at, a broadcast's stream piece, an allgather's
+                          single copy (1) (0: one step) */
     Py_ssize_t shape[STEP_MAXDIM];
     char fmt[16];
     PyObject *ndarray, *shape_obj, *dtype, *empty, *slow, *mismatch, *uneven;
@@ -1183,6 +1184,38 @@ static int split_reduce(Step *s, int64_t seq, char *out) {
     return 0;
 }
 
+/* Finish an agreed one-step allgather of equal blocks by single_copy_allgather: this rank's
+ * block is x (any layout: a C-contiguous copy where it is not), the peers read it there.
+ * 0, or -1 with an exception set. */
+static int gather_single(Step *s, int64_t seq, PyObject *x, char *out) {
+    Core *c = s->core;
+    Py_buffer view;
+    PyObject *held = NULL;
+    if (PyObject_GetBuffer(x, &view, PyBUF_C_CONTIGUOUS) < 0) {
+        PyErr_Clear();
+        if ((held = PyObject_CallOneArg(c->contiguous, x)) == NULL)
+            return -1;
+        if (PyObject_GetBuffer(held, &view, PyBUF_C_CONTIGUOUS) < 0) {
+            Py_DECREF(held);
+            return -1;
+        }
+    }
+    int rc = -1;
+    Py_ssize_t *off = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(c->n + 1));
+    if (off == NULL)
+        PyErr_NoMemory();
+    else if (view.len != s->nbytes)
+        PyErr_SetString(PyExc_ValueError, "allgather: x does not hold the agreed bytes");
+    else {
+        for (int r = 0; r <= c->n; r++) off[r] = r * s->nbytes;
+        rc = single_copy_allgather(c, seq, out, off, (const char *)view.buf);
+    }
+    PyMem_Free(off);
+    PyBuffer_Release(&view);
+    Py_XDECREF(held);
+    return rc;
+}
+
 static PyObject *Step_call(Step *s, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (nargs < 1 || nargs > 2 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
@@ -1209,7 +1242,8 @@ static PyObject *Step_call(Step *s, PyObject *const *args, size_t nargsf, PyObje
     }
     int is_root = s->kind == STEP_BROADCAST && s->root == c->me;
     int streamed = s->kind == STEP_BROADCAST && s->second;
-    PyObject *payload = s->kind == STEP_BROADCAST && (!is_root || streamed) ? Py_None : x;
+    int single = s->kind == STEP_ALLGATHER && s->second; /* each rank reads the others' x, not the slots */
+    PyObject *payload = (s->kind == STEP_BROADCAST && (!is_root || streamed)) || single ? Py_None : x;
     int64_t seq =
         exchange(c, s->a, b, s->c, payload, s->kind == STEP_ALLGATHER, 0, 0, is_root ? c->nt_bcast : c->nt_bytes);
     if (seq == 0)
@@ -1243,8 +1277,13 @@ static PyObject *Step_call(Step *s, PyObject *const *args, size_t nargsf, PyObje
                 goto done;
             have = 1;
         }
-        for (int r = 0; r < c->n; r++)
-            memcpy((char *)view.buf + r * s->nbytes, c->slots[2 * r + p], (size_t)s->nbytes);
+        if (single) {
+            if (gather_single(s, seq, x, (char *)view.buf) < 0)
+                goto done;
+        } else {
+            for (int r = 0; r < c->n; r++)
+                memcpy((char *)view.buf + r * s->nbytes, c->slots[2 * r + p], (size_t)s->nbytes);
+        }
     }
     res = mine ? Py_NewRef(out) : Py_NewRef(Py_None);
 done:
@@ -1283,8 +1322,10 @@ static PyObject *Core_step(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     if (PyObject_GetBuffer(like, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
         return NULL; /* e.g. bfloat16, which has no buffer format: the caller keeps Python's loop */
     if (view.ndim > STEP_MAXDIM || view.format == NULL || strlen(view.format) >= 16 || kind < STEP_REDUCE ||
-        kind > STEP_ALLGATHER || nbytes < 0 || nbytes > c->slot_bytes || root >= c->n || second < 0 ||
-        (second && kind == STEP_ALLGATHER) || (second && kind == STEP_BROADCAST && second > c->slot_bytes)) {
+        kind > STEP_ALLGATHER || nbytes < 0 || root >= c->n || second < 0 ||
+        (nbytes > c->slot_bytes && !(second && kind == STEP_ALLGATHER)) ||
+        (second && kind == STEP_ALLGATHER && (c->cma_bytes <= 0 || nbytes < c->cma_bytes)) ||
+        (second && kind == STEP_BROADCAST && second > c->slot_bytes)) {
         PyBuffer_Release(&view);
         PyErr_SetString(PyExc_ValueError, "step: an argument is out of range");
         return NULL;
@@ -1363,7 +1404,8 @@ static PyMethodDef Core_methods[] = {
      "-> Step: one collective's one-step call (kind 0: reduce into lo..hi on root, or on every rank when root < 0; "
      "1: broadcast from root; 2: allgather), like: an array shaped as its result; second: a reduction's "
      "reduced blocks go to this byte offset of each slot, in two steps; a broadcast streams through the root's "
-     "slot in pieces of this many bytes once agreed (0: one step)."},
+     "slot in pieces of this many bytes once agreed; an allgather (1) reads the peers' x with cross-memory attach, "
+     "from single_copy's size (0: one step)."},
     {"gather", (PyCFunction)(void (*)(void))Core_gather, METH_FASTCALL,
      "gather(seq, buf, offsets, piece, src=None): fill every rank's bytes offsets[r]..offsets[r + 1] of buf from "
      "rank r's, through the ranks' slots, `piece` bytes at a time (the agreed allgather `seq`); this rank's block "

@@ -23,6 +23,7 @@ from . import slots
 
 __all__ = ["onestep_fn", "remember", "raise_mismatch"]
 
+
 def onestep_fn(ctx: Context, key: tuple) -> Any:
     """The one-step function for ``key`` = (collective, dtype, shape, op or root, algorithm),
     or False when such calls take the general path (:func:`remember` keeps it in ``ctx.fast``).
@@ -37,7 +38,9 @@ def onestep_fn(ctx: Context, key: tuple) -> Any:
     if ch is None or algorithm not in ("auto", "shm") or dtype_code(dtype) < 0:
         return fn
     nbytes = math.prod(shape) * dtype.itemsize
-    if not ch.one_step(coll, nbytes):
+    # an allgather read from every rank's memory (single copy) needs no slot either
+    single = coll == "allgather" and 0 < ch.single_copy <= nbytes and ch.core is not None
+    if not (ch.one_step(coll, nbytes) or single):
         return fn
     op, root = (arg, None) if coll in ("allreduce", "reduce_scatter") else (None, arg)
     if coll == "reduce":
@@ -53,7 +56,9 @@ def onestep_fn(ctx: Context, key: tuple) -> Any:
         c = zlib.crc32(repr(tuple(shape[1:])).encode()) if len(shape) > 1 else 0
         if shape[0] >= ROWS:
             return fn
-        fn = slots.small_allgather_fn(ch, word(coll, algorithm, algorithm, None, dtype, None), c, dtype, shape, ROWS)
+        fn = slots.small_allgather_fn(
+            ch, word(coll, algorithm, algorithm, None, dtype, None), c, dtype, shape, ROWS, single
+        )
     elif (choose(ctx, coll, nbytes) if algorithm == "auto" else "shm") == "shm":
         a = word(coll, algorithm, "shm", op, dtype, root)
         if coll == "allreduce":

@@ -208,19 +208,25 @@ def small_broadcast_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, .
     return fn
 
 
-def small_allgather_fn(ch: Channel, a: int, c: int, dtype: np.dtype, shape: tuple[int, ...], unit: int) -> Callable:
+def small_allgather_fn(
+    ch: Channel, a: int, c: int, dtype: np.dtype, shape: tuple[int, ...], unit: int, single: bool = False
+) -> Any:
     """One-step allgather of ``shape`` (rows first) from every rank: ``fn(x, out=None)``
     returns the concatenation (in ``out`` when given), :data:`MISMATCH`, :data:`UNEVEN` when
     a peer's rows differ from ours or its ``out`` does not fit (the general path then says
     which), or :data:`SLOW` without posting anything when ``out`` is not exactly right.
-    The count word is ``rows + (out rows + 1) * unit``."""
+    The count word is ``rows + (out rows + 1) * unit``. With ``single`` (a size from
+    :attr:`.Channel.single_copy` on): posted without data, each rank then reads the others'
+    blocks out of their memory in the compiled loop; False where that loop cannot take the
+    dtype (the general path does the same)."""
     rows = shape[0]
     full = (ch.n * rows, *shape[1:])
     plain = rows
     fits = rows + (full[0] + 1) * unit
-    step = _step(ch, STEP_ALLGATHER, a, plain, full, dtype, c=c, fits=fits, nbytes=math.prod(shape) * dtype.itemsize)
-    if step is not None:
-        return step
+    nbytes = math.prod(shape) * dtype.itemsize
+    step = _step(ch, STEP_ALLGATHER, a, plain, full, dtype, c=c, fits=fits, nbytes=nbytes, second=int(single))
+    if step is not None or single:
+        return step or False
     views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
     heads = ch.peer_heads
     n = ch.n
