@@ -100,8 +100,9 @@ def spin_budget(ranks: int) -> int:
 
 
 NONTEMPORAL = 4096
-"""Copies into the shared window from this many bytes up use non-temporal stores where the
-node's ranks may run on cores that share no last-level cache (:func:`nontemporal_bytes`)."""
+"""Copies into the shared window from this many bytes up use non-temporal stores by default:
+a broadcast's root's on any node (:func:`nontemporal_broadcast_bytes`), every other where
+the node's ranks may run on cores that share no last-level cache (:func:`nontemporal_bytes`)."""
 
 
 def last_level_caches(cpus: Any = None) -> dict[str, int]:
@@ -540,8 +541,8 @@ class Channel:
 
     # -- allreduces in two steps -----------------------------------------------------------
     def split_at(self, nbytes: int) -> int:
-        """Where in a slot a one-step allreduce (or reduce) of ``nbytes`` per rank puts its reduced
-        blocks when it finishes in two steps, or 0 when it finishes in one.
+        """Where in a slot a one-step allreduce (or reduce) of ``nbytes`` per rank puts its
+        reduced blocks when it finishes in two steps, or 0 when it finishes in one.
 
         In one step every rank reduces every rank's whole message: ``n x nbytes`` read per
         rank, which from a few ranks up costs more than a second wait. In two steps each

@@ -384,12 +384,12 @@ static int64_t exchange(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payl
 
 /* -- single-copy broadcasts and allgathers --------------------------------------------------
  * From c->cma_bytes per rank (c->cma_bcast for a broadcast), an agreed allgather or
- * broadcast skips the slots: each rank
- * that sends puts the address of its data in its slot of the call and publishes seq <<
- * STREAM_SHIFT | 1 in its streams word; each rank that receives reads the data straight out
- * of the sender's memory with cross-memory attach (Linux's process_vm_readv: one copy, by
- * the kernel, where the slots take two) and publishes the same value in its takes word;
- * a sender returns once every receiver has, so its buffer is not changed while read.
+ * broadcast skips the slots: each rank that sends puts the address of its data in its slot
+ * of the call and publishes seq << STREAM_SHIFT | 1 in its streams word; each rank that
+ * receives reads the data straight out of the sender's memory with cross-memory attach
+ * (Linux's process_vm_readv: one copy, by the kernel, where the slots take two) and
+ * publishes the same value in its takes word; a sender returns once every receiver has,
+ * so its buffer is not changed while read.
  * Every rank of the node takes this path or none: the sizes are agreed when the channel is
  * made, and 0 unless every rank could read a peer's memory then. */
 

@@ -113,7 +113,7 @@ def small_allreduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, .
         if seq < 0:
             return MISMATCH
         if split:
-            _split_allreduce(ch, seq, count, dtype, out.reshape(-1), op, split)
+            _two_step_reduce(ch, seq, count, dtype, out.reshape(-1), op, split)
         else:
             red(views[seq & 1], out)
         return out
@@ -167,7 +167,7 @@ def small_reduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, ...]
             return MISMATCH
         out = np.empty(shape, dtype) if is_root else None
         if split:
-            _split_allreduce(ch, seq, count, dtype, None if out is None else out.reshape(-1), op, split)
+            _two_step_reduce(ch, seq, count, dtype, None if out is None else out.reshape(-1), op, split)
         elif is_root:
             red(views[seq & 1], out)
         return out
@@ -270,12 +270,12 @@ def small_reduce(ch: Channel, seq: int, count: int, dtype: np.dtype, out: np.nda
     :meth:`.Channel.split_at` says."""
     split = ch.split_at(count * dtype.itemsize)
     if split:
-        _split_allreduce(ch, seq, count, dtype, None if out is None else out.reshape(-1), op, split)
+        _two_step_reduce(ch, seq, count, dtype, None if out is None else out.reshape(-1), op, split)
     elif out is not None:
         rank_order_reducer(op, ch.n)(ch.slot_views(seq & 1, dtype, out.shape), out)
 
 
-def _split_allreduce(
+def _two_step_reduce(
     ch: Channel, seq: int, count: int, dt: np.dtype, out: np.ndarray | None, op: str, split: int
 ) -> None:
     """Finish a posted reduction of ``count`` elements of ``dt`` in two steps (the compiled
