@@ -51,15 +51,24 @@ def sizes_by_four(lo: int, hi: int) -> list[int]:
     return out
 
 
+def iterations(bench: str, size: int, ranks: int) -> tuple[int, int] | None:
+    """The timed and warm-up iterations of ``bench`` at ``size`` bytes (float32), scaled to
+    the size; None where the size cannot be run (a reduce-scatter of fewer elements than
+    ranks)."""
+    if bench == "reduce_scatter" and size // 4 < ranks:
+        return None
+    iters = max(5, min(1000, (32 << 20) // size))
+    return iters, max(2, iters // 10)
+
+
 def measure(comm: MPI.Comm, bench: str, names: list[str], sizes: list[int], rounds: int) -> list[dict[str, Any]]:
     """Median (over rounds) of each contender's rank-averaged OSU latency, per size (us)."""
     dtype = np.dtype(np.float32)
     rows = []
     for size in sizes:
-        if bench == "reduce_scatter" and size // 4 < comm.size:
+        if (plan := iterations(bench, size, comm.size)) is None:
             continue
-        iters = max(5, min(1000, (32 << 20) // size))
-        skip = max(2, iters // 10)
+        iters, skip = plan
         cont = {name: osu.make_contender(bench, name, comm, size, dtype) for name in names}
         ok = {name: cont[name].check() for name in names}
         per: dict[str, list[float]] = {name: [] for name in names}

@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from benchmarks import osu
-from benchmarks.bars import sizes_by_four
+from benchmarks.bars import iterations, sizes_by_four
 from collectives.cli import ArgumentParser, dump_json, parse_size, run_main
 from collectives.context import get_context
 from collectives.node.channel import NONTEMPORAL, last_level_caches
@@ -43,10 +43,9 @@ def measure(comm: MPI.Comm, bench: str, sizes: list[int], rounds: int, nt_bytes:
     setting = {"nt": nt_bytes, "plain": 0, "mpi": 0}
     rows = []
     for size in sizes:
-        if bench == "reduce_scatter" and size // 4 < comm.size:
+        if (plan := iterations(bench, size, comm.size)) is None:
             continue
-        iters = max(5, min(1000, (32 << 20) // size))
-        skip = max(2, iters // 10)
+        iters, skip = plan
         cont = {
             "nt": osu.make_contender(bench, "auto", comm, size, np.dtype(np.float32)),
             "mpi": osu.make_contender(bench, "mpi", comm, size, np.dtype(np.float32)),
