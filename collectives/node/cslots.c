@@ -107,7 +107,7 @@ typedef struct {
     Py_ssize_t out_nt_bytes; /* and copies out of it, into messages of this many bytes (0: never) */
     Py_ssize_t cma_bytes;    /* allgathers from this many bytes per rank read the sender's memory (0: never) */
     Py_ssize_t cma_bcast;    /* and broadcasts (0: never) */
-    int64_t *pids;           /* n: every rank's process id (cross-memory attach) */
+    Py_ssize_t *pids;        /* n: every rank's process id (cross-memory attach) */
     long spin;
     int futex;
     PyObject *progress;
@@ -300,22 +300,31 @@ static int wait_all(Core *c, int64_t **ctrs, int64_t want, int kind) {
     return 0;
 }
 
+/* A C-contiguous view of `obj` (any object with a buffer): its own, or one of the copy
+ * `contiguous` makes, which *held keeps (NULL: none) until the caller releases the view and
+ * drops it. 0, or -1 with an exception set. */
+static int contiguous_view(Core *c, PyObject *obj, Py_buffer *view, PyObject **held) {
+    *held = NULL;
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS) == 0)
+        return 0;
+    PyErr_Clear();
+    if ((*held = PyObject_CallOneArg(c->contiguous, obj)) == NULL)
+        return -1;
+    if (PyObject_GetBuffer(*held, view, PyBUF_C_CONTIGUOUS) < 0) {
+        Py_CLEAR(*held);
+        return -1;
+    }
+    return 0;
+}
+
 /* Copy `obj` (any object with a buffer; any layout through `contiguous`) to dst, at most
  * `limit` bytes (non-temporal from `nt` bytes: copy_shared); 0, or -1 with an exception
  * set. */
 static int copy_object(Core *c, PyObject *obj, char *dst, Py_ssize_t limit, Py_ssize_t nt) {
     Py_buffer view;
-    PyObject *held = NULL;
-    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) < 0) {
-        PyErr_Clear();
-        held = PyObject_CallOneArg(c->contiguous, obj);
-        if (held == NULL)
-            return -1;
-        if (PyObject_GetBuffer(held, &view, PyBUF_C_CONTIGUOUS) < 0) {
-            Py_DECREF(held);
-            return -1;
-        }
-    }
+    PyObject *held;
+    if (contiguous_view(c, obj, &view, &held) < 0)
+        return -1;
     int rc = 0;
     if (view.len > limit) {
         PyErr_Format(PyExc_ValueError, "payload of %zd bytes exceeds the %zd it goes to", view.len, limit);
@@ -670,6 +679,29 @@ static int read_addrs(PyObject *seq, Py_ssize_t want, void ***out, const char *w
     return 0;
 }
 
+/* `want` integers from the sequence `seq` into a new array *out (the caller frees it); 0, or
+ * -1 with an exception set naming `what`. */
+static int read_sizes(PyObject *seq, Py_ssize_t want, Py_ssize_t **out, const char *what) {
+    PyObject *fast = PySequence_Fast(seq, what);
+    if (fast == NULL)
+        return -1;
+    Py_ssize_t *a = NULL;
+    if (PySequence_Fast_GET_SIZE(fast) != want)
+        PyErr_Format(PyExc_ValueError, "%s: %zd entries, expected %zd", what, PySequence_Fast_GET_SIZE(fast), want);
+    else if ((a = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)want)) == NULL)
+        PyErr_NoMemory();
+    for (Py_ssize_t i = 0; a != NULL && i < want; i++) {
+        a[i] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(fast, i));
+        if (a[i] == -1 && PyErr_Occurred()) {
+            PyMem_Free(a);
+            a = NULL;
+        }
+    }
+    Py_DECREF(fast);
+    *out = a;
+    return a == NULL ? -1 : 0;
+}
+
 static int Core_init(Core *c, PyObject *args, PyObject *kw) {
     static char *names[] = {"me",         "seqs",  "sleeping", "heads",   "slots", "slot_bytes", "spin",  "progress",
                             "contiguous", "futex", "aborts",   "stalled", "dones", "streams",    "takes", NULL};
@@ -839,24 +871,12 @@ static PyObject *Core_gather(Core *c, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_ValueError, "gather: an argument is out of range");
         return NULL;
     }
-    Py_ssize_t *off = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(c->n + 1));
-    if (off == NULL)
-        return PyErr_NoMemory();
-    PyObject *fast = PySequence_Fast(args[2], "gather: offsets must be a sequence");
+    Py_ssize_t *off;
+    if (read_sizes(args[2], c->n + 1, &off, "gather: offsets, ranks + 1 of them") < 0)
+        return NULL;
     int rc = -1;
     Py_buffer view, src;
     view.obj = src.obj = NULL;
-    if (fast == NULL)
-        goto done;
-    if (PySequence_Fast_GET_SIZE(fast) != c->n + 1) {
-        PyErr_SetString(PyExc_ValueError, "gather: offsets must have ranks + 1 entries");
-        goto done;
-    }
-    for (int r = 0; r <= c->n; r++) {
-        off[r] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(fast, r));
-        if (off[r] == -1 && PyErr_Occurred())
-            goto done;
-    }
     if (PyObject_GetBuffer(args[1], &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
         view.obj = NULL;
         goto done;
@@ -885,7 +905,6 @@ done:
         PyBuffer_Release(&src);
     if (view.obj != NULL)
         PyBuffer_Release(&view);
-    Py_XDECREF(fast);
     PyMem_Free(off);
     if (rc < 0)
         return NULL;
@@ -941,45 +960,21 @@ static int Core_set_spin(Core *c, PyObject *v, void *closure) {
     return 0;
 }
 
-static PyObject *Core_get_nontemporal(Core *c, void *closure) {
-    (void)closure;
-    return PyLong_FromSsize_t(c->nt_bytes);
+/* The byte thresholds (nontemporal, nontemporal_broadcast, nontemporal_out): one getter and
+ * one setter, the closure being the field's offset in Core. */
+static PyObject *Core_get_bytes(Core *c, void *closure) {
+    return PyLong_FromSsize_t(*(Py_ssize_t *)((char *)c + (size_t)closure));
 }
 
-static int set_bytes(Py_ssize_t *field, PyObject *v) {
+static int Core_set_bytes(Core *c, PyObject *v, void *closure) {
     Py_ssize_t b = v == NULL ? -1 : PyLong_AsSsize_t(v);
     if (b < 0) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_ValueError, "a byte count >= 0 (0: never)");
         return -1;
     }
-    *field = b;
+    *(Py_ssize_t *)((char *)c + (size_t)closure) = b;
     return 0;
-}
-
-static int Core_set_nontemporal(Core *c, PyObject *v, void *closure) {
-    (void)closure;
-    return set_bytes(&c->nt_bytes, v);
-}
-
-static PyObject *Core_get_nontemporal_broadcast(Core *c, void *closure) {
-    (void)closure;
-    return PyLong_FromSsize_t(c->nt_bcast);
-}
-
-static int Core_set_nontemporal_broadcast(Core *c, PyObject *v, void *closure) {
-    (void)closure;
-    return set_bytes(&c->nt_bcast, v);
-}
-
-static PyObject *Core_get_nontemporal_out(Core *c, void *closure) {
-    (void)closure;
-    return PyLong_FromSsize_t(c->out_nt_bytes);
-}
-
-static int Core_set_nontemporal_out(Core *c, PyObject *v, void *closure) {
-    (void)closure;
-    return set_bytes(&c->out_nt_bytes, v);
 }
 
 /* core.put(dst, src): src's bytes into the shared buffer dst (both C-contiguous, as long);
@@ -1033,23 +1028,8 @@ static PyObject *Core_single_copy(Core *c, PyObject *const *args, Py_ssize_t nar
             PyErr_SetString(PyExc_ValueError, "single_copy: sizes must be >= 0");
         return NULL;
     }
-    PyObject *fast = PySequence_Fast(args[0], "single_copy: pids must be a sequence");
-    if (fast == NULL)
-        return NULL;
-    int64_t *pids = NULL;
-    if (PySequence_Fast_GET_SIZE(fast) != c->n)
-        PyErr_SetString(PyExc_ValueError, "single_copy: one pid per rank");
-    else if ((pids = PyMem_Malloc(sizeof(int64_t) * (size_t)c->n)) == NULL)
-        PyErr_NoMemory();
-    for (int r = 0; pids != NULL && r < c->n; r++) {
-        pids[r] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, r));
-        if (pids[r] == -1 && PyErr_Occurred()) {
-            PyMem_Free(pids);
-            pids = NULL;
-        }
-    }
-    Py_DECREF(fast);
-    if (pids == NULL)
+    Py_ssize_t *pids;
+    if (read_sizes(args[0], c->n, &pids, "single_copy: pids, one per rank") < 0)
         return NULL;
     PyMem_Free(c->pids);
     c->pids = pids;
@@ -1190,16 +1170,9 @@ static int split_reduce(Step *s, int64_t seq, char *out) {
 static int gather_single(Step *s, int64_t seq, PyObject *x, char *out) {
     Core *c = s->core;
     Py_buffer view;
-    PyObject *held = NULL;
-    if (PyObject_GetBuffer(x, &view, PyBUF_C_CONTIGUOUS) < 0) {
-        PyErr_Clear();
-        if ((held = PyObject_CallOneArg(c->contiguous, x)) == NULL)
-            return -1;
-        if (PyObject_GetBuffer(held, &view, PyBUF_C_CONTIGUOUS) < 0) {
-            Py_DECREF(held);
-            return -1;
-        }
-    }
+    PyObject *held;
+    if (contiguous_view(c, x, &view, &held) < 0)
+        return -1;
     int rc = -1;
     Py_ssize_t *off = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(c->n + 1));
     if (off == NULL)
@@ -1433,14 +1406,15 @@ static PyGetSetDef Core_getset[] = {
      "None, or a callable: while it returns True, waits poll briefly before sleeping.", NULL},
     {"spin", (getter)Core_get_spin, (setter)Core_set_spin, "Polls (of the Python loop's length) before sleeping.",
      NULL},
-    {"nontemporal", (getter)Core_get_nontemporal, (setter)Core_set_nontemporal,
-     "Copies into shared memory of at least this many bytes use non-temporal stores (0: never).", NULL},
-    {"nontemporal_broadcast", (getter)Core_get_nontemporal_broadcast, (setter)Core_set_nontemporal_broadcast,
+    {"nontemporal", (getter)Core_get_bytes, (setter)Core_set_bytes,
+     "Copies into shared memory of at least this many bytes use non-temporal stores (0: never).",
+     (void *)offsetof(Core, nt_bytes)},
+    {"nontemporal_broadcast", (getter)Core_get_bytes, (setter)Core_set_bytes,
      "A broadcast root's copies into shared memory of at least this many bytes use non-temporal stores (0: never).",
-     NULL},
-    {"nontemporal_out", (getter)Core_get_nontemporal_out, (setter)Core_set_nontemporal_out,
+     (void *)offsetof(Core, nt_bcast)},
+    {"nontemporal_out", (getter)Core_get_bytes, (setter)Core_set_bytes,
      "Copies out of shared memory into messages of at least this many bytes use non-temporal stores (0: never).",
-     NULL},
+     (void *)offsetof(Core, out_nt_bytes)},
     {"stall", (getter)Core_get_stall, (setter)Core_set_stall,
      "Seconds a wait for one peer lasts before it ends in a stall error (0: never).", NULL},
     {NULL, NULL, NULL, NULL, NULL}};
