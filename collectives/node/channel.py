@@ -113,8 +113,11 @@ def last_level_caches(cpus: Any = None) -> dict[str, int]:
         cpus = os.sched_getaffinity(0) if cpus is None else cpus
     except AttributeError:  # not Linux
         return {}
-    out = {}
-    for cpu in cpus:
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    for cpu in sorted(cpus):
+        if cpu in seen:  # under a cache already read
+            continue
         base = f"/sys/devices/system/cpu/cpu{cpu}/cache"
         try:
             levels = []
@@ -126,7 +129,11 @@ def last_level_caches(cpus: Any = None) -> dict[str, int]:
             with open(f"{top}/shared_cpu_list", encoding="ascii") as fh, open(f"{top}/size", encoding="ascii") as sz:
                 size = sz.read().strip()
                 units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-                out[fh.read().strip()] = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+                shared = fh.read().strip()
+                out[shared] = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+            for part in shared.split(","):  # "0-7,16-23"
+                lo, _, hi = part.partition("-")
+                seen.update(range(int(lo), int(hi or lo) + 1))
         except (OSError, ValueError):
             return {}
     return out
@@ -366,10 +373,12 @@ class Channel:
         the same on every rank. Each rank reads its next peer's process id out of that
         peer's memory to find out."""
         me, n = self.me, self.n
+        if setting <= 0 or n == 1:  # the setting is agreed: every rank returns here alike
+            return 0
         mark = self.slots[me][1][:8].view(np.int64)  # slot 1's data: unused until the first call
         mark[0] = os.getpid()
         everyone = t.allgather_obj((os.getpid(), mark.ctypes.data, self.core is not None))
-        ok = setting > 0 and n > 1 and all(e[2] for e in everyone)
+        ok = all(e[2] for e in everyone)
         if ok:
             pid, addr, _ = everyone[(me + 1) % n]
             got = np.zeros(1, np.int64)
@@ -432,27 +441,25 @@ class Channel:
 
     def put(self, dst: np.ndarray, src: np.ndarray) -> None:
         """Copy ``src`` into ``dst``, a view of the shared window that peers read next (both
-        contiguous, of one dtype and size): through the compiled loop's ``put``, with
-        non-temporal stores from :attr:`nontemporal` bytes, where it is built; else numpy's
-        copy."""
-        if self.core is not None and dst.nbytes >= self.nontemporal > 0:
-            try:
-                self.core.put(dst, src)
-                return
-            except (BufferError, ValueError):  # no buffer format (bfloat16): numpy's copy
-                pass
-        dst[...] = src
+        contiguous, of one dtype and size): with non-temporal stores from :attr:`nontemporal`
+        bytes (:meth:`_copy`)."""
+        self._copy(dst, src, dst.nbytes >= self.nontemporal > 0)
 
     def take(self, dst: np.ndarray, src: np.ndarray, total: int) -> None:
         """Copy ``src``, a view of the window, into ``dst``, a piece of the caller's message
-        of ``total`` bytes (both contiguous, of one dtype and size): through the compiled
-        loop's ``put``, with non-temporal stores once ``total`` reaches
-        :attr:`nontemporal_out`, where it is built; else numpy's copy."""
-        if self.core is not None and total >= self.nontemporal_out > 0:
+        of ``total`` bytes (both contiguous, of one dtype and size): with non-temporal stores
+        once ``total`` reaches :attr:`nontemporal_out` (:meth:`_copy`)."""
+        self._copy(dst, src, total >= self.nontemporal_out > 0, total)
+
+    def _copy(self, dst: np.ndarray, src: np.ndarray, streaming: bool, *total: int) -> None:
+        """``src`` into ``dst``: where ``streaming`` and the compiled loop is built, through its
+        ``put`` (which decides the stores as :meth:`put` and :meth:`take` say); else, or for
+        a dtype without a buffer format (bfloat16), numpy's copy."""
+        if streaming and self.core is not None:
             try:
-                self.core.put(dst, src, total)
+                self.core.put(dst, src, *total)
                 return
-            except (BufferError, ValueError):  # no buffer format (bfloat16): numpy's copy
+            except (BufferError, ValueError):
                 pass
         dst[...] = src
 
