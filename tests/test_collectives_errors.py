@@ -232,10 +232,51 @@ def test_ranks_given_different_channel_settings_fail_alike_instead_of_waiting():
     try:
         with pytest.raises(C.ConfigError, match=r"shm_split_bytes differs .*rank 0: 0, rank 1: 1000"):
             get_context(comm, Config(shm_split_bytes=1000 * comm.rank))
+        with pytest.raises(C.ConfigError, match=r"shm_single_copy_bytes differs .*rank 0: 1, rank 1: 2"):
+            get_context(comm, Config(shm_single_copy_bytes=1 + comm.rank))
         get_context(comm, Config())  # the same settings everywhere: it works
         assert np.array_equal(C.allreduce(np.ones(4), comm=comm), np.full(4, comm.size))
     finally:
         comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_read_the_kernel_refuses_mid_call_raises_there_and_stalls_nobody_forever():
+    """The root of an agreed single-copy broadcast offers an address its memory does not
+    hold: every reader raises OSError naming the read, the root, left waiting for them,
+    raises StallError within the stall timeout, and collectives.reset makes the
+    communicator usable again."""
+    from collectives.node.channel import STREAM_SHIFT
+
+    if get_context(WORLD).topology().nodes != 1:
+        pytest.skip("ranks span nodes")
+    comm, sync = WORLD.Dup(), WORLD.Dup()
+    cfg = Config(stall_timeout=1.0, shm_single_copy_bytes=1, shm_nontemporal_bytes=4096)
+    ch = get_context(comm, cfg).channel()
+    if not ch.single_copy_broadcast:
+        comm.Free()
+        sync.Free()
+        pytest.skip("no single copy here: the Python loop, or the kernel refuses cross-memory attach")
+    n, r = comm.size, comm.rank
+    seq = ch.exchange(7, 7, 7)  # a call every rank agreed on
+    if r == 0:  # offer an address no page of this process holds
+        ch.slots[0][seq & 1][:8].view(np.int64)[0] = 8
+        ch._publish(ch.streams, ch._stream_addr, (seq << STREAM_SHIFT) + 1)
+        with pytest.raises(C.StallError, match=r"rank\(s\) \[\d+(, \d+)*\] to reach the streamed pieces|gave up"):
+            ch._wait_peers(ch._peer_takes, (seq << STREAM_SHIFT) + 1, 6)
+    else:
+        with pytest.raises(OSError, match="cross-memory attach: reading 64 bytes of process"):
+            ch.stream(seq, 0, np.zeros(64, np.uint8))
+    sync.Barrier()
+    # the root gave up waiting: its next call says it stopped, the readers' that it gave up
+    with pytest.raises(C.StallError, match="stopped after a stall" if r == 0 else "gave up"):
+        C.allreduce(np.ones(2), comm=comm)
+    sync.Barrier()
+    C.reset(comm)
+    get_context(comm, cfg)
+    assert np.array_equal(C.allreduce(np.full(3, r, np.int64), comm=comm), np.full(3, n * (n - 1) // 2))
+    comm.Free()
+    sync.Free()
 
 
 @pytest.mark.mpi(min_size=2)

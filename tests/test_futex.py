@@ -51,6 +51,8 @@ def test_non_temporal_stores_where_the_ranks_span_last_level_caches():
         Config(shm_nontemporal_bytes=-2)
     with pytest.raises(ConfigError, match="shm_nontemporal_out_bytes=-5"):
         Config(shm_nontemporal_out_bytes=-5)
+    with pytest.raises(ConfigError, match="shm_single_copy_bytes=-1"):
+        Config(shm_single_copy_bytes=-1)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="futexes are Linux's")
