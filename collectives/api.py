@@ -468,9 +468,10 @@ def _broadcast(x, root, algorithm, out, comm, blocking, agreed):
     ch = ctx.chan
     # above the reductions' one-step size the root streams its data through its slot once
     # the call is agreed, and the others copy each piece out as it comes (as the one-step
-    # function does); above the one-step size a root whose input lies in the arena posts
-    # where instead, and the others read it there
-    stream = call.resolved == "shm" and ch is not None and x.nbytes > ch.small and ch.streams_bytes(x.nbytes)
+    # function does, and so from the single-copy size, where the others read the root's
+    # memory); above the one-step size a root whose input lies in the arena posts where
+    # instead, and the others read it there
+    stream = call.resolved == "shm" and ch is not None and ch.streamed(x.nbytes)
     is_root = ctx.transport.rank == root
     overlap = isinstance(out, np.ndarray) and out is not x and np.may_share_memory(out, x)
     where = _where(ctx, call, small, x if is_root and not overlap else None, None)
@@ -478,15 +479,19 @@ def _broadcast(x, root, algorithm, out, comm, blocking, agreed):
     call.agree(x.size, payload=np.ascontiguousarray(x) if attach else None, one_step=small, where=where)
     if out is None:
         out = np.empty(x.shape, x.dtype)
-    if out is not x and is_root:
+    many = ctx.transport.size > 1 and x.size > 0
+    # a streaming root copies its contiguous x into out itself, while the others read x
+    # where single copy applies (x is not in the arena: the call is not read in place)
+    tee = stream and many and is_root and out is not x and not overlap and not where[0] and x.flags.c_contiguous
+    if out is not x and is_root and not tee:
         np.copyto(out, x)
-    if ctx.transport.size == 1 or x.size == 0:
+    if not many:
         return _done(out, blocking, ctx)
     ws = call.inplace(output=False, only=root) if not small and x.nbytes <= inplace.COPY_INPLACE_MAX else None
     if ws is not None:  # the root's input lies in the arena: read it there
         return _launch(ctx, inplace.inplace_broadcast(ctx, _flat(out), root, ws), blocking, out)
-    if stream:  # out holds the root's data on the root
-        ch.stream(call.seq, root, _flat(out))
+    if stream:  # out holds the root's data on the root, or x does (tee)
+        ch.stream(call.seq, root, _flat(out), _flat(x) if tee else None)
         return _done(out, blocking, ctx)
     if small:  # the root posted its data with the call
         slots.small_broadcast(ctx.chan, call.seq, root, _flat(out))

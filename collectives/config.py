@@ -79,11 +79,16 @@ class Config:
     shm_single_copy_bytes: int = 1 << 20
     """Allgathers of at least this many bytes per rank on one node are copied once, each
     rank reading the others' data out of their memory with cross-memory attach (Linux's
-    ``process_vm_readv``), instead of twice through the shared window; broadcasts too
-    where copies into the window are non-temporal (the ranks span last-level caches:
-    within one cache the root's pieces reach the readers through its slot faster than the
-    kernel's one copy). Where the kernel refuses it (a strict ``ptrace_scope``, a
-    container's seccomp profile) every rank keeps the window (0: never)."""
+    ``process_vm_readv``), instead of twice through the shared window. Where the kernel
+    refuses it (a strict ``ptrace_scope``, a container's seccomp profile) every rank keeps
+    the window (0: never)."""
+
+    shm_single_copy_broadcast_bytes: int = -1
+    """Broadcasts of at least this many bytes on one node are copied once, each rank
+    reading the root's data out of its memory with cross-memory attach, where the kernel
+    allows it (0: never); -1: from the size where the node's ranks measured it faster than
+    the root's slot when the channel was made, or never where it was slower at every size
+    measured (:func:`.node.channel.broadcast_single_copy_bytes`)."""
 
     shm_chunk_bytes: int = 1 << 20
     """Pipeline chunk of the single-node ``shm`` algorithms (each rank holds two), in bytes."""
@@ -148,6 +153,11 @@ class Config:
             )
         if self.shm_single_copy_bytes < 0:
             raise ConfigError(f"shm_single_copy_bytes={self.shm_single_copy_bytes} must be >= 0 (0: never)")
+        if self.shm_single_copy_broadcast_bytes < -1:
+            raise ConfigError(
+                f"shm_single_copy_broadcast_bytes={self.shm_single_copy_broadcast_bytes} must be >= 0 "
+                "(0: never), or -1 (measured)"
+            )
         if self.shm_chunk_bytes < 4096:
             raise ConfigError(f"shm_chunk_bytes={self.shm_chunk_bytes} must be at least 4096")
         if self.shm_arena_bytes < 0:

@@ -251,7 +251,7 @@ def test_a_read_the_kernel_refuses_mid_call_raises_there_and_stalls_nobody_forev
     if get_context(WORLD).topology().nodes != 1:
         pytest.skip("ranks span nodes")
     comm, sync = WORLD.Dup(), WORLD.Dup()
-    cfg = Config(stall_timeout=1.0, shm_single_copy_bytes=1, shm_nontemporal_bytes=4096)
+    cfg = Config(stall_timeout=1.0, shm_single_copy_bytes=1, shm_single_copy_broadcast_bytes=1)
     ch = get_context(comm, cfg).channel()
     if not ch.single_copy_broadcast:
         comm.Free()
@@ -291,7 +291,7 @@ def test_a_rank_that_never_sends_its_pieces_or_block_ends_in_a_stall_error_on_ev
     if get_context(WORLD).topology().nodes != 1:
         pytest.skip("ranks span nodes")
     comm, sync = WORLD.Dup(), WORLD.Dup()
-    single = {"shm_single_copy_bytes": 1, "shm_nontemporal_bytes": 4096} if step == "single copy" else {}
+    single = {"shm_single_copy_bytes": 1, "shm_single_copy_broadcast_bytes": 1} if step == "single copy" else {}
     cfg = Config(stall_timeout=1.0, compiled_channel=compiled, **single)
     ch = get_context(comm, cfg).channel()
     if step == "single copy" and not ch.single_copy_broadcast:

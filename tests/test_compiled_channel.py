@@ -9,6 +9,7 @@ through the compiled calls; the polite hint reaching the compiled waits.
 
 from __future__ import annotations
 
+import os
 import shutil
 import sysconfig
 
@@ -246,26 +247,32 @@ def test_non_temporal_stores_move_the_same_bytes(comms):
 @needs_core
 def test_large_broadcasts_and_allgathers_read_the_senders_memory_once(comms, mixed):
     # from shm_single_copy_bytes per rank every receiver of an allgather reads the sender's
-    # data straight out of its memory (cross-memory attach), and of a broadcast where copies
-    # into the window are non-temporal (the ranks span caches): roots, in place, a strided
-    # input, nonblocking; even, uneven and empty blocks; the same bytes as through the slots.
-    # Ranks mixing the compiled loop with Python's keep the slots, all of them
-    from collectives.node.channel import STREAM_SHIFT
+    # data straight out of its memory (cross-memory attach), and of a broadcast from
+    # shm_single_copy_broadcast_bytes (by default from where the ranks measured it faster
+    # than the root's slot, when not oversubscribed): roots, in place, a strided input,
+    # nonblocking, within the one-step size too; even, uneven and empty blocks; the same
+    # bytes as through the slots. Ranks mixing the compiled loop with Python's keep the
+    # slots, all of them
+    from collectives.node.channel import STREAM_SHIFT, broadcast_single_copy_bytes
 
     fast, _ = comms
     plain = get_context(fast).chan
     if plain.single_copy == 0:
         pytest.skip("the kernel refuses cross-memory attach here")
-    assert get_context(mixed).chan.single_copy == 0
+    assert get_context(mixed).chan.single_copy == get_context(mixed).chan.single_copy_broadcast == 0
     assert plain.single_copy == Config().shm_single_copy_bytes
-    assert plain.single_copy_broadcast == (plain.single_copy if plain.nontemporal else 0)
-    if not plain.nontemporal:  # one cache: a large broadcast streams through the root's slot
+    times = plain.broadcast_times
+    if len(os.sched_getaffinity(0)) < N:  # oversubscribed here: not measured, never
+        assert plain.single_copy_broadcast == 0 and times == {}
+    else:
+        assert plain.single_copy_broadcast == broadcast_single_copy_bytes(times["slots"], times["single"])
+    if not 0 < plain.single_copy_broadcast <= plain.single_copy:  # through the root's slot
         C.broadcast(np.zeros(plain.single_copy // 8), root=0, algorithm="shm", comm=fast)
         assert plain.streams[0][0] == (plain.seq << STREAM_SHIFT) + plain.single_copy // plain.piece
     one = WORLD.Dup()
     try:
-        ch = get_context(one, config=Config(shm_single_copy_bytes=1, shm_nontemporal_bytes=4096)).channel()
-        assert ch.single_copy == ch.single_copy_broadcast == 1
+        ch = get_context(one, config=Config(shm_single_copy_bytes=1, shm_single_copy_broadcast_bytes=1)).channel()
+        assert ch.single_copy == ch.single_copy_broadcast == 1 and ch.broadcast_times == {}
 
         def read_once(c, senders):  # the senders offered this call; this rank took it (and a
             # sender returns only once every receiver has)
@@ -274,8 +281,10 @@ def test_large_broadcasts_and_allgathers_read_the_senders_memory_once(comms, mix
             took = receivers if ME in senders else [ME]
             return all(c.streams[r][0] == done for r in senders) and all(c.takes[r][0] == done for r in took)
 
-        # past the one-step size, and within it (the compiled one-step call, streamed)
-        for count, root in [(ch.copy_small // 8 + 3, r) for r in range(N)] + [(ch.small // 8 + 8, N - 1)]:
+        # past the one-step size, and within it (the compiled one-step call, streamed), down
+        # to within the reductions' one-step size, whose broadcasts otherwise go with the call
+        sizes = [(ch.copy_small // 8 + 3, r) for r in range(N)] + [(ch.small // 8 + 8, N - 1), (ch.small // 16, 0)]
+        for count, root in sizes + [(3, N - 1)]:
             want = np.arange(count, dtype=np.float64) * (root + 1) + 0.5
             x = np.repeat(want, 2)[::2].copy() if ME == root else np.zeros(count)
             assert digest(C.broadcast(x, root=root, comm=one)) == digest(want), root
@@ -304,6 +313,33 @@ def test_large_broadcasts_and_allgathers_read_the_senders_memory_once(comms, mix
 
 @pytest.mark.mpi(min_size=2)
 @needs_core
+def test_broadcasts_timed_for_single_copy_agree_on_every_rank_and_leave_the_calls_in_step():
+    # the measurement behind shm_single_copy_broadcast_bytes=-1, taken at any rank count:
+    # every rank gets the same seconds (the slowest rank's), and the calls after it keep
+    # the channel's own single-copy size and give the root's bytes
+    from collectives.node.channel import SINGLE_COPY_PROBE, STREAM_SHIFT
+
+    one = WORLD.Dup()
+    try:
+        ch = get_context(one, config=Config(shm_single_copy_broadcast_bytes=1 << 20)).channel()
+        if ch.single_copy_broadcast == 0:
+            pytest.skip("the kernel refuses cross-memory attach here")
+        got = ch.measure_broadcasts(_node_transport(one), rounds=1, calls=2)
+        assert sorted(got) == ["single", "slots"]
+        assert all(len(v) == len(SINGLE_COPY_PROBE) and min(v) > 0 for v in got.values())
+        assert WORLD.allgather(got) == [got] * N
+        for count, single in ((SINGLE_COPY_PROBE[1] // 8, False), ((1 << 20) // 8, True)):
+            want = np.arange(count, dtype=np.float64) - 7.5
+            x = want.copy() if ME == N - 1 else np.zeros(count)
+            assert digest(C.broadcast(x, root=N - 1, comm=one)) == digest(want)
+            pieces = 1 if single else -(-count * 8 // ch.piece)
+            assert ch.streams[N - 1][0] == (ch.seq << STREAM_SHIFT) + pieces, count
+    finally:
+        one.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@needs_core
 def test_single_copy_is_off_everywhere_when_one_rank_cannot_read_a_peer(comms):
     # the kernel refuses process_vm_readv on one rank (a strict ptrace_scope, a seccomp
     # profile): no rank takes the single-copy path, so none waits for a read never made
@@ -317,10 +353,11 @@ def test_single_copy_is_off_everywhere_when_one_rank_cannot_read_a_peer(comms):
 
     try:
         ch.core = Refusing() if ME == N - 1 else core
-        assert ch._single_copy(_node_transport(fast), 1 << 20) == 0
+        assert ch._can_read_peers(_node_transport(fast), True) is False
     finally:
         ch.core = core
-    assert ch._single_copy(_node_transport(fast), ch.single_copy) == ch.single_copy  # and where it can: on
+    assert ch._can_read_peers(_node_transport(fast), True) is True  # and where it can: on
+    assert ch._can_read_peers(_node_transport(fast), False) is False  # where the settings say never
 
 
 def _node_transport(comm):

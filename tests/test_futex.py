@@ -53,6 +53,29 @@ def test_non_temporal_stores_where_the_ranks_span_last_level_caches():
         Config(shm_nontemporal_out_bytes=-5)
     with pytest.raises(ConfigError, match="shm_single_copy_bytes=-1"):
         Config(shm_single_copy_bytes=-1)
+    with pytest.raises(ConfigError, match="shm_single_copy_broadcast_bytes=-2"):
+        Config(shm_single_copy_broadcast_bytes=-2)
+
+
+def test_single_copy_broadcasts_from_where_the_measured_lines_cross():
+    from collectives.node import channel
+
+    s1, s2 = channel.SINGLE_COPY_PROBE
+    us = 1e-6
+    # seconds at the two sizes: through the slots, and by single copy
+    assert channel.broadcast_single_copy_bytes((10 * us, 45 * us), (6 * us, 30 * us)) == s1  # faster at both
+    # slower at the smaller size, faster at the larger: where the lines cross, rounded up to 4 KiB
+    cross = s1 + (4 * us) / ((40 - 10) * us / (s2 - s1) - (34 - 14) * us / (s2 - s1))
+    got = channel.broadcast_single_copy_bytes((10 * us, 40 * us), (14 * us, 34 * us))
+    assert got == -(-int(cross) // 4096) * 4096 and s1 < got < s2
+    # slower at both, but gaining with size: from past the larger size, or never past the ceiling
+    got = channel.broadcast_single_copy_bytes((10 * us, 50 * us), (20 * us, 55 * us))
+    assert s2 < got <= channel.SINGLE_COPY_CEILING
+    assert channel.broadcast_single_copy_bytes((10 * us, 50 * us), (20 * us, 59.99 * us)) == 0
+    # slower at the larger size and not gaining (this reference machine): never
+    assert channel.broadcast_single_copy_bytes((11 * us, 57 * us), (10 * us, 71 * us)) == 0
+    # faster at both but losing ground with size: from the smaller size all the same
+    assert channel.broadcast_single_copy_bytes((10 * us, 50 * us), (5 * us, 49 * us)) == s1
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="futexes are Linux's")

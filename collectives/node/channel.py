@@ -190,6 +190,39 @@ def nontemporal_out_bytes(setting: int, caches: list[dict[str, int]]) -> int:
     return max(share * 3 // 4, LINE)
 
 
+SINGLE_COPY_PROBE = (64 << 10, 512 << 10)
+"""Sizes at which the ranks time a broadcast through the root's slot and by single copy when
+the channel is made (:meth:`Channel.measure_broadcasts`): one within a slot, one that wraps it."""
+
+SINGLE_COPY_CEILING = 64 << 20
+"""Past this size a measured crossover counts as none (single-copy broadcasts never)."""
+
+
+def broadcast_single_copy_bytes(slots: tuple[float, float], single: tuple[float, float]) -> int:
+    """From what size a broadcast is faster copied once, with cross-memory attach, than
+    through the root's slot, given the seconds each took at the two :data:`SINGLE_COPY_PROBE`
+    sizes: where the lines through the two points cross, no smaller than the smaller size
+    (the kernel's fixed cost is not extrapolated below it); 0 (never) where single copy is
+    slower at the larger size and its line crosses the slots' only past
+    :data:`SINGLE_COPY_CEILING`, or not at all."""
+    (s1, s2), (y1, y2), (x1, x2) = SINGLE_COPY_PROBE, slots, single
+    dy, dx = (y2 - y1) / (s2 - s1), (x2 - x1) / (s2 - s1)
+    if dx >= dy:  # single copy gains nothing with size: only where it already wins at both
+        return s1 if x2 < y2 and x1 < y1 else 0
+    cross = s1 + (x1 - y1) / (dy - dx)
+    if cross > SINGLE_COPY_CEILING:
+        return 0
+    return max(s1, -(-int(cross) // 4096) * 4096)
+
+
+def _cpus() -> list[int]:
+    """The CPUs this process may run on (empty where the system does not say)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return []
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -225,6 +258,7 @@ class Channel:
         nontemporal: int = 0,
         nontemporal_out: int = 0,
         single_copy: int = 0,
+        single_copy_broadcast: int = 0,
     ) -> None:
         n, me = t.size, t.rank
         self.n, self.me = n, me
@@ -234,6 +268,7 @@ class Channel:
             "shm_chunk_bytes": chunk_bytes,
             "shm_split_bytes": split_bytes,
             "shm_single_copy_bytes": single_copy,
+            "shm_single_copy_broadcast_bytes": single_copy_broadcast,
         }
         caches = _agree_layout(t, settings, min(nontemporal, nontemporal_out) < 0)
         self.nontemporal = nontemporal_bytes(nontemporal, caches)
@@ -276,15 +311,6 @@ class Channel:
         then posts, waits and finishes one-step calls; None: the Python methods below do."""
         if compiled and Core is not None:
             self._attach_core(segs, slot, stall_timeout)
-        self.single_copy = self._single_copy(t, single_copy)
-        """Agreed allgathers from this many bytes per rank read the sender's memory with
-        cross-memory attach, one copy (0: never): see :meth:`_single_copy`."""
-        self.single_copy_broadcast = self.single_copy if self.nontemporal else 0
-        """And broadcasts, where copies into the window are non-temporal (the ranks span
-        last-level caches): within one cache the root's pieces move through its slot to the
-        readers' caches faster than the kernel's one copy from its memory."""
-        if self.single_copy:
-            self.core.single_copy(self._pids, self.single_copy, self.single_copy_broadcast)
         self.queue: list[object] = []
         """Chunked operations in flight, oldest first: only the first uses the buffers."""
         self._views: dict[tuple, list] = {}
@@ -292,6 +318,7 @@ class Channel:
         """Bytes this rank wrote in the chunked and in-place algorithms, by kind: staged (its
         input into the window), reduced (reduction results) and copied out (results into
         its output). One-step calls are not counted."""
+        self._single_copy(t, single_copy, single_copy_broadcast)
 
     def _map_slots(self, segs: list[np.ndarray], slot: int) -> None:
         """Every rank's two slots (``slot`` bytes each with the header) and two chunk buffers
@@ -366,21 +393,22 @@ class Channel:
         core.nontemporal_out = self.nontemporal_out
         self.post, self.exchange, self.wait_posted = core.post, core.exchange, core.wait_posted
 
-    def _single_copy(self, t: Any, setting: int) -> int:
-        """``setting`` where every rank of the node runs the compiled loop and can read a
-        peer's memory with cross-memory attach (Linux's ``process_vm_readv``: the kernel
-        refuses it under a strict ``ptrace_scope`` or a container's seccomp profile), else 0;
-        the same on every rank. Each rank reads its next peer's process id out of that
-        peer's memory to find out."""
+    def _can_read_peers(self, t: Any, wanted: bool) -> bool:
+        """True where single copy is ``wanted`` and every rank of the node runs the compiled
+        loop and can read a peer's memory with cross-memory attach (Linux's
+        ``process_vm_readv``: the kernel refuses it under a strict ``ptrace_scope`` or a
+        container's seccomp profile); the same on every rank. Each rank reads its next
+        peer's process id out of that peer's memory to find out."""
         me, n = self.me, self.n
-        if setting <= 0 or n == 1:  # the setting is agreed: every rank returns here alike
-            return 0
+        if not wanted or n == 1:  # the settings are agreed: every rank returns here alike
+            return False
         mark = self.slots[me][1][:8].view(np.int64)  # slot 1's data: unused until the first call
         mark[0] = os.getpid()
-        everyone = t.allgather_obj((os.getpid(), mark.ctypes.data, self.core is not None))
+        everyone = t.allgather_obj((os.getpid(), mark.ctypes.data, self.core is not None, _cpus()))
         ok = all(e[2] for e in everyone)
+        self._cores = len(set().union(*(e[3] for e in everyone)))
         if ok:
-            pid, addr, _ = everyone[(me + 1) % n]
+            pid, addr = everyone[(me + 1) % n][:2]
             got = np.zeros(1, np.int64)
             try:
                 self.core.cma_read(pid, addr, got)
@@ -388,7 +416,61 @@ class Channel:
             except OSError:
                 ok = False
         self._pids = [e[0] for e in everyone]
-        return setting if all(t.allgather_obj(ok)) else 0
+        return all(t.allgather_obj(ok))
+
+    def _single_copy(self, t: Any, allgathers: int, broadcasts: int) -> None:
+        """Set the single-copy sizes from their settings where every rank can read its
+        peers' memory (else 0), and give them to the compiled loop; the broadcasts' measured
+        first where their setting is -1, or never where the node's ranks may run on fewer
+        cores than there are ranks (oversubscribed)."""
+        cma = self._can_read_peers(t, allgathers != 0 or broadcasts != 0)
+        self.single_copy = allgathers if cma else 0
+        """Agreed allgathers from this many bytes per rank read the sender's memory with
+        cross-memory attach, one copy (0: never): see :meth:`_can_read_peers`."""
+        self.single_copy_broadcast = broadcasts if cma else 0
+        """And agreed broadcasts from this many bytes read the root's (0: never); measured
+        when the setting is -1: see :meth:`measure_broadcasts`."""
+        self.broadcast_times: dict[str, list[float]] = {}
+        """Where :attr:`single_copy_broadcast` was measured: the seconds a broadcast took at
+        the :data:`SINGLE_COPY_PROBE` sizes, through the root's slot (``"slots"``) and by
+        single copy (``"single"``), the slowest rank's."""
+        if not cma:
+            return
+        if self.single_copy_broadcast < 0 and self._cores < self.n:
+            self.single_copy_broadcast = 0  # ranks share cores: the times would tell nothing
+        elif self.single_copy_broadcast < 0:
+            self.broadcast_times = self.measure_broadcasts(t)
+            self.single_copy_broadcast = broadcast_single_copy_bytes(
+                self.broadcast_times["slots"], self.broadcast_times["single"]
+            )
+        self.core.single_copy(self._pids, self.single_copy, self.single_copy_broadcast)
+
+    def measure_broadcasts(self, t: Any, rounds: int = 2, calls: int = 3) -> dict[str, list[float]]:
+        """Time broadcasts from rank 0 at the :data:`SINGLE_COPY_PROBE` sizes, through the
+        root's slot and by single copy (collective; the compiled loop, with single copy
+        allowed): the seconds per call of the slowest rank, the fastest of ``rounds``
+        rounds of ``calls`` calls, after one call to warm up, as ``{"slots": [...],
+        "single": [...]}``. Each call is posted and agreed as a broadcast is, so every rank
+        stays in step; where a rank stalls it raises as any call would."""
+        buf = np.ones(max(SINGLE_COPY_PROBE), np.uint8)  # written: not the kernel's one page of zeros
+        mine: list[float] = []
+        try:
+            for single in (0, 1):
+                self.core.single_copy(self._pids, self.single_copy, single)
+                for size in SINGLE_COPY_PROBE:
+                    best = math.inf
+                    for r in range(rounds + 1):
+                        start = time.perf_counter()
+                        for _ in range(calls if r else 1):
+                            seq = self.exchange(0, size, single)
+                            self.core.stream(seq, 0, buf[:size], self.piece)
+                        best = min(best, (time.perf_counter() - start) / calls) if r else best
+                    mine.append(best)
+        finally:
+            self.core.single_copy(self._pids, self.single_copy, max(self.single_copy_broadcast, 0))
+        slowest = np.max(np.array(t.allgather_obj(mine)), axis=0).tolist()
+        k = len(SINGLE_COPY_PROBE)
+        return {"slots": slowest[:k], "single": slowest[k:]}
 
     @property
     def seq(self) -> int:
@@ -591,19 +673,30 @@ class Channel:
         """True when a broadcast of ``nbytes`` can go through :meth:`stream`."""
         return -(-nbytes // self.piece) < 1 << STREAM_SHIFT
 
-    def stream(self, seq: int, root: int, buf: np.ndarray) -> None:
+    def streamed(self, nbytes: int) -> bool:
+        """True when an agreed broadcast of ``nbytes`` goes through :meth:`stream` once its
+        call is agreed, rather than with its call: past :attr:`small`, or from
+        :attr:`single_copy_broadcast` (read from the root's memory)."""
+        return (nbytes > self.small or 0 < self.single_copy_broadcast <= nbytes) and self.streams_bytes(nbytes)
+
+    def stream(self, seq: int, root: int, buf: np.ndarray, src: np.ndarray | None = None) -> None:
         """Move the agreed broadcast ``seq`` from ``root``'s ``buf`` into every other rank's
         (C-contiguous, as many bytes), through the root's slot of the call used as a ring of
         :attr:`piece`-byte pieces: the root copies piece k in and publishes ``seq <<
         STREAM_SHIFT | k + 1`` as its ``streamed`` word; a reader copies the piece out once it
         sees that, so the copies in and out overlap. Where the message wraps the ring, a
         reader also publishes each piece it has copied, and the root waits for every
-        reader's before it overwrites a place. The compiled loop's ``stream`` where it is
+        reader's before it overwrites a place; from :attr:`single_copy_broadcast` bytes the
+        readers read the root's memory instead. ``src`` (the root's, C-contiguous, as many
+        bytes): its data where it lies when not yet in ``buf``, which the root copies into
+        ``buf`` while the others read ``src``. The compiled loop's ``stream`` where it is
         built; this method's loop, the same protocol, elsewhere."""
         if self.core is not None:
-            self.core.stream(seq, root, buf, self.piece)
+            self.core.stream(seq, root, buf, self.piece, src)
             return
         me, piece = self.me, self.piece
+        if src is not None and me == root:
+            buf[...] = src
         raw = buf.reshape(-1).view(np.uint8)
         ring = self.slots[root][seq & 1]
         places, count = self.slot_bytes // piece, -(-raw.size // piece)

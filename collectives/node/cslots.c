@@ -28,7 +28,8 @@
  *       reduces its block into its slot at that byte offset, publishes `dones`, and every
  *       rank taking the result copies every rank's block); a broadcast given `second` (a
  *       piece) streams through the root's slot
- *   core.stream(seq, root, buf, piece): an agreed broadcast through the root's slot (below)
+ *   core.stream(seq, root, buf, piece, src=None): an agreed broadcast through the root's slot,
+ *       or read from its memory (below)
  *   core.gather(seq, buf, offsets, piece, src=None): an agreed allgather through every rank's
  *       slot (below)
  *   core.single_copy(pids, nbytes, broadcasts), core.cma_read(pid, address, buf): allgathers
@@ -442,10 +443,14 @@ static void offer(Core *c, int64_t seq, const char *buf) {
     publish(c, c->streams[c->me], (seq << STREAM_SHIFT) + 1);
 }
 
-static int single_copy_broadcast(Core *c, int64_t seq, int root, char *buf, Py_ssize_t nbytes) {
+/* src: where the root's data lies when not in buf (NULL: in buf); the root offers it and
+ * copies it into buf while the others read it. */
+static int single_copy_broadcast(Core *c, int64_t seq, int root, char *buf, Py_ssize_t nbytes, const char *src) {
     int64_t done = (seq << STREAM_SHIFT) + 1;
     if (c->me == root) {
-        offer(c, seq, buf);
+        offer(c, seq, src ? src : buf);
+        if (src)
+            copy_out(c, buf, src, (size_t)nbytes, nbytes);
         return wait_all(c, c->takes, done, 6);
     }
     if (read_peer(c, seq, root, buf, nbytes) < 0)
@@ -474,10 +479,14 @@ static int single_copy_allgather(Core *c, int64_t seq, char *buf, const Py_ssize
  * streams word; a reader waits for that and copies the piece out, so the root's copies in
  * and the readers' copies out overlap. Where the message wraps the ring, a reader also
  * publishes each piece it has copied in its own word, and the root waits for every
- * reader's before it overwrites a place. */
-static int stream(Core *c, int64_t seq, int root, char *buf, Py_ssize_t nbytes, Py_ssize_t piece) {
+ * reader's before it overwrites a place. From c->cma_bcast bytes the readers read the
+ * root's memory instead (single_copy_broadcast). `src` (the root's, may be NULL): its data
+ * where it lies when not yet in buf. */
+static int stream(Core *c, int64_t seq, int root, char *buf, Py_ssize_t nbytes, Py_ssize_t piece, const char *src) {
     if (c->cma_bcast > 0 && nbytes >= c->cma_bcast)
-        return single_copy_broadcast(c, seq, root, buf, nbytes);
+        return single_copy_broadcast(c, seq, root, buf, nbytes, src);
+    if (src && src != buf) /* the root's data into its buf first: the pieces go from there */
+        memcpy(buf, src, (size_t)nbytes);
     int me = c->me;
     char *ring = c->slots[2 * root + (int)(seq & 1)];
     Py_ssize_t places = c->slot_bytes / piece, count = (nbytes + piece - 1) / piece;
@@ -840,7 +849,7 @@ static PyObject *Core_exchange(Core *c, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *Core_stream(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     static const int at[] = {0, 1, 3};
     int64_t v[3];
-    if (method_args(c, args, nargs, 4, 4, "stream(seq, root, buf, piece)", at, 3, v) < 0)
+    if (method_args(c, args, nargs, 4, 5, "stream(seq, root, buf, piece, src=None)", at, 3, v) < 0)
         return NULL;
     int64_t seq = v[0], root = v[1], piece = v[2];
     if (seq < 1 || root < 0 || root >= c->n || piece < 1 || piece > c->slot_bytes) {
@@ -850,11 +859,20 @@ static PyObject *Core_stream(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     Py_buffer view;
     if (PyObject_GetBuffer(args[2], &view, PyBUF_C_CONTIGUOUS | (root == c->me ? 0 : PyBUF_WRITABLE)) < 0)
         return NULL;
-    int rc = -1;
+    int rc = -1, tee = nargs == 5 && args[4] != Py_None && root == c->me;
+    Py_buffer from = {0};
+    if (tee && PyObject_GetBuffer(args[4], &from, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
     if ((view.len + piece - 1) / piece >= ((int64_t)1 << STREAM_SHIFT))
         PyErr_SetString(PyExc_ValueError, "stream: too many pieces");
+    else if (tee && from.len != view.len)
+        PyErr_Format(PyExc_ValueError, "stream: src holds %zd bytes, buf %zd", from.len, view.len);
     else
-        rc = stream(c, seq, (int)root, (char *)view.buf, view.len, (Py_ssize_t)piece);
+        rc = stream(c, seq, (int)root, (char *)view.buf, view.len, (Py_ssize_t)piece, tee ? (char *)from.buf : NULL);
+    if (tee)
+        PyBuffer_Release(&from);
     PyBuffer_Release(&view);
     if (rc < 0)
         return NULL;
@@ -1189,6 +1207,28 @@ static int gather_single(Step *s, int64_t seq, PyObject *x, char *out) {
     return rc;
 }
 
+/* Finish an agreed streamed broadcast into out: on the root, x (any layout: a C-contiguous
+ * copy where it is not; NULL where out is x) holds the data, which goes into out and to the
+ * others, through its slot or read where it lies by single copy. 0, or -1 with an
+ * exception set. */
+static int streamed_broadcast(Step *s, int64_t seq, PyObject *x, char *out) {
+    Core *c = s->core;
+    if (x == NULL)
+        return stream(c, seq, s->root, out, s->nbytes, s->second, NULL);
+    Py_buffer view;
+    PyObject *held;
+    if (contiguous_view(c, x, &view, &held) < 0)
+        return -1;
+    int rc = -1;
+    if (view.len != s->nbytes)
+        PyErr_SetString(PyExc_ValueError, "broadcast: x does not hold the agreed bytes");
+    else
+        rc = stream(c, seq, s->root, out, s->nbytes, s->second, (const char *)view.buf);
+    PyBuffer_Release(&view);
+    Py_XDECREF(held);
+    return rc;
+}
+
 static PyObject *Step_call(Step *s, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     if (nargs < 1 || nargs > 2 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
@@ -1230,9 +1270,8 @@ static PyObject *Step_call(Step *s, PyObject *const *args, size_t nargsf, PyObje
         if (s->second ? split_reduce(s, seq, (char *)view.buf) < 0
                       : mine && reduce_slots(c, seq, s->k, s->op, s->itemsize, s->lo, s->hi, (char *)view.buf) < 0)
             goto done;
-    } else if (streamed) { /* the root's data into its out, then through its slot to the others' */
-        if ((is_root && copy_object(c, x, (char *)view.buf, s->nbytes, 0) < 0) ||
-            stream(c, seq, s->root, (char *)view.buf, s->nbytes, s->second) < 0)
+    } else if (streamed) { /* the root's data from x, through its slot or read by the others */
+        if (streamed_broadcast(s, seq, is_root && out != x ? x : NULL, (char *)view.buf) < 0)
             goto done;
     } else if (s->kind == STEP_BROADCAST) {
         if (!is_root || out != x)
@@ -1384,8 +1423,9 @@ static PyMethodDef Core_methods[] = {
      "rank r's, through the ranks' slots, `piece` bytes at a time (the agreed allgather `seq`); this rank's block "
      "is src where given (copied into buf as it goes), else already in buf."},
     {"stream", (PyCFunction)(void (*)(void))Core_stream, METH_FASTCALL,
-     "stream(seq, root, buf, piece): move the agreed broadcast `seq` from root's buf into every other rank's "
-     "through root's slot, `piece` bytes at a time."},
+     "stream(seq, root, buf, piece, src=None): move the agreed broadcast `seq` from root's buf into every other "
+     "rank's through root's slot, `piece` bytes at a time, or read from root's memory from the single-copy size; "
+     "on root, src (C-contiguous, as many bytes) is its data where given, copied into buf as it goes."},
     {"single_copy", (PyCFunction)(void (*)(void))Core_single_copy, METH_FASTCALL,
      "single_copy(pids, nbytes, broadcasts): every rank's process id, and the bytes per rank from which agreed "
      "allgathers, and broadcasts, read the sender's memory with cross-memory attach (0: never); the same on every "

@@ -178,11 +178,11 @@ def small_reduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, ...]
 def small_broadcast_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, ...], root: int) -> Callable:
     """One-step broadcast: ``fn(x, out=None)`` returns ``root``'s data (in ``out`` when given),
     :data:`MISMATCH`, or :data:`SLOW` without posting when ``out`` is not C-contiguous with
-    x's shape and dtype; only the root posts data, with the call up to :attr:`.Channel.small`
-    bytes and streamed through its slot once the call is agreed above (:meth:`.Channel.stream`)."""
+    x's shape and dtype; only the root posts data: with the call, or streamed once the call is
+    agreed where :meth:`.Channel.streamed` says so."""
     count = math.prod(shape)
     nbytes = count * dtype.itemsize
-    piece = ch.piece if nbytes > ch.small else 0
+    piece = ch.piece if ch.streamed(nbytes) else 0
     step = _step(ch, STEP_BROADCAST, a, count, shape, dtype, root=root, nbytes=nbytes, second=piece)
     if step is not None:
         return step
