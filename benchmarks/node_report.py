@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from collectives.node.channel import SINGLE_COPY_PROBE
 from collectives.select import load_table, rules
 
 __all__ = ["main", "rank_counts", "summarize", "worst_ratios", "crossover"]
@@ -283,6 +284,17 @@ def _small_call_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def single_copy_line(nbytes: int, times: dict[str, list[float]]) -> str:
+    """What the channel chose for broadcasts read from the root's memory (single copy), and
+    the times it chose by, where it measured them."""
+    chose = f"broadcasts read the root's memory from {_size(nbytes)}" if nbytes else "broadcasts go through the slots"
+    if not times:
+        return chose + " (set, not measured)" if nbytes else chose + " (single copy set off, or not measured)"
+    sizes = "/".join(_size(s) for s in SINGLE_COPY_PROBE)
+    slots, single = ("/".join(f"{t * 1e6:.1f}" for t in times[k]) for k in ("slots", "single"))
+    return f"{chose}: measured at {sizes}, through the slot {slots} us, single copy {single} us"
+
+
 def _stores_lines(report: dict[str, Any]) -> list[str]:
     lines = [
         "## Plain or non-temporal stores into the shared window (time with non-temporal / plain)",
@@ -308,6 +320,9 @@ def _stores_lines(report: dict[str, Any]) -> list[str]:
             lines += ["", f"Plain stores are faster here (median {mid:.2f} x): HPCDL_SHM_NONTEMPORAL_BYTES=0."]
         else:
             lines += ["", f"The default suits this node (median nt / plain {mid:.2f} x)."]
+    for n, rec in sorted(report.get("stores", {}).items(), key=lambda kv: int(kv[0])):
+        if "single_copy_broadcast" in rec:
+            lines += ["", f"{n} ranks: {single_copy_line(rec['single_copy_broadcast'], rec['broadcast_times'])}."]
     return lines
 
 

@@ -27,6 +27,7 @@ from mpi4py import MPI
 
 from benchmarks import osu
 from benchmarks.bars import iterations, sizes_by_four
+from benchmarks.node_report import single_copy_line
 from collectives.cli import ArgumentParser, dump_json, parse_size, run_main
 from collectives.context import get_context
 from collectives.node.channel import NONTEMPORAL, last_level_caches
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     p.require_at_least(("--rounds", args.rounds, 1), ("--min", args.min, 1), ("--max", args.max, args.min))
     comm = MPI.COMM_WORLD
-    core = get_context(comm).channel().core
+    ch = get_context(comm).channel()
+    core = ch.core
     if core is None:
         raise SystemExit("benchmarks.stores: the compiled loop is not built here (no C compiler at install)")
     nt_bytes = core.nontemporal or NONTEMPORAL
@@ -97,10 +99,14 @@ def main(argv: list[str] | None = None) -> None:
     record: dict[str, Any] = {
         "ranks": comm.size,
         "nontemporal_bytes": nt_bytes,
-        "setting": get_context(comm).chan.nontemporal,
+        "setting": ch.nontemporal,
         "last_level_caches": len(caches),
+        "single_copy_broadcast": ch.single_copy_broadcast,
+        "broadcast_times": ch.broadcast_times,
         "machine": osu.machine(),
     }
+    if comm.rank == 0:
+        print(f"# {single_copy_line(ch.single_copy_broadcast, ch.broadcast_times)}", flush=True)
     for bench in args.collectives.split(","):
         rows = measure(comm, bench, sizes_by_four(args.min, args.max), args.rounds, nt_bytes)
         record.setdefault("results", {})[bench] = rows

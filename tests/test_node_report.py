@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from benchmarks.node_report import BAR, crossover, rank_counts, summarize, worst_ratios
+from benchmarks.node_report import BAR, crossover, rank_counts, single_copy_line, summarize, worst_ratios
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -77,6 +77,8 @@ def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_f
         cells = ", ".join(f"{r['size'] >> 10} KiB {r['nt'] / r['plain']:.2f}" for r in rows)
         assert f"| 2 | {stores['last_level_caches']} | {stores['setting']} | {coll} | {cells} |" in summary
     assert "HPCDL_SHM_NONTEMPORAL_BYTES" in summary or "The default suits this node" in summary
+    chose = single_copy_line(stores["single_copy_broadcast"], stores["broadcast_times"])
+    assert f"2 ranks: {chose}." in summary
     assert "hpcdl DistributedOptimizer" in summary and "Pipeline bubble" in summary
     assert "measured" in summary.split("## Pipeline bubble")[1]
     tp = [r for r in json.loads((tmp_path / "raw" / "pipeline_np2.json").read_text()) if r["grid"] == "1x2x1"][0]
