@@ -241,11 +241,12 @@ def test_ranks_given_different_channel_settings_fail_alike_instead_of_waiting():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_read_the_kernel_refuses_mid_call_raises_there_and_stalls_nobody_forever():
-    """The root of an agreed single-copy broadcast offers an address its memory does not
-    hold: every reader raises OSError naming the read, the root, left waiting for them,
-    raises StallError within the stall timeout, and collectives.reset makes the
-    communicator usable again."""
+@pytest.mark.parametrize("collective", ["broadcast", "reduce_scatter"])
+def test_a_read_the_kernel_refuses_mid_call_raises_there_and_stalls_nobody_forever(collective):
+    """Rank 0 of an agreed single-copy broadcast (its root) or reduce-scatter offers an
+    address its memory does not hold: every other rank raises OSError naming the read,
+    rank 0, left waiting for them, raises StallError within the stall timeout, and
+    collectives.reset makes the communicator usable again."""
     from collectives.node.channel import STREAM_SHIFT
 
     if get_context(WORLD).topology().nodes != 1:
@@ -264,9 +265,12 @@ def test_a_read_the_kernel_refuses_mid_call_raises_there_and_stalls_nobody_forev
         ch._publish(ch.streams, ch._stream_addr, (seq << STREAM_SHIFT) + 1)
         with pytest.raises(C.StallError, match=r"rank\(s\) \[\d+(, \d+)*\] to reach the streamed pieces|gave up"):
             ch._wait_peers(ch._peer_takes, (seq << STREAM_SHIFT) + 1, 6)
-    else:
+    elif collective == "broadcast":
         with pytest.raises(OSError, match="cross-memory attach: reading 64 bytes of process"):
             ch.stream(seq, 0, np.zeros(64, np.uint8))
+    else:  # each reads its 64-byte block of every rank's input, rank 0's too
+        with pytest.raises(OSError, match="cross-memory attach: reading 64 bytes of process"):
+            ch.reduce_scatter_read(seq, np.ones(16 * n, np.float32), (16,) * n, np.empty(16, np.float32), "sum")
     sync.Barrier()
     # the root gave up waiting: its next call says it stopped, the readers' that it gave up
     with pytest.raises(C.StallError, match="stopped after a stall" if r == 0 else "gave up"):

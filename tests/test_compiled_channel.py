@@ -313,6 +313,55 @@ def test_large_broadcasts_and_allgathers_read_the_senders_memory_once(comms, mix
 
 @pytest.mark.mpi(min_size=2)
 @needs_core
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_large_reduce_scatters_read_each_block_once_with_the_windows_bits(comms, dtype):
+    # past the one-step size, from shm_single_copy_bytes of input (of 2 ranks, or of more
+    # where broadcasts read the root's memory too), each rank reads its block of every
+    # peer's input straight out of its memory and reduces it with its own in
+    # rank order: the same bits as staged through the window (the Python loop's
+    # communicator, single copy off), with every op, by the compiled kernel or numpy's (half
+    # floats, float min and max); uneven blocks, and blocks longer than the pieces read at a
+    # time; into a given out; nonblocking
+    from collectives.node.channel import REDUCE_READ_PIECE, STREAM_SHIFT
+
+    _, slow = comms
+    one = WORLD.Dup()
+    try:
+        ch = get_context(one, config=Config(shm_single_copy_bytes=1, shm_single_copy_broadcast_bytes=1)).channel()
+        if ch.single_copy == 0:
+            pytest.skip("the kernel refuses cross-memory attach here")
+        assert get_context(slow).chan.single_copy == 0
+        assert ch.reads_peers("reduce_scatter", 1) and not ch.reads_peers("allreduce", 1)
+        ch.single_copy_broadcast = 0  # from 3 ranks only where broadcasts read the root's memory too
+        assert ch.reads_peers("reduce_scatter", 1) == (N == 2)
+        ch.single_copy_broadcast = 1
+        isz = np.dtype(dtype).itemsize
+        counts = [ch.slot_bytes // isz + 3 * N + 1]
+        if dtype in (np.float16, np.float32):  # numpy's reduction and the kernel's, over pieces
+            counts.append((2 * REDUCE_READ_PIECE // isz + 3) * N + 5)
+        for count in counts:
+            m = block_counts(count, N)[ME]
+            for op in OPS:
+                xs = _inputs(count, dtype, op, seed=count)
+                want = C.reduce_scatter(xs[ME], op=op, algorithm="shm", comm=slow)
+                got = C.reduce_scatter(xs[ME], op=op, algorithm="shm", comm=one)
+                done = (ch.seq << STREAM_SHIFT) + 1  # offered and read by every rank: nothing staged
+                assert ch.streams[ME][0] == done and all(ch.takes[r][0] == done for r in range(N))
+                assert digest(got) == digest(want), (count, op)
+                out = np.zeros(m, dtype)
+                got = C.reduce_scatter(xs[ME], op=op, algorithm="shm", out=out, comm=one)
+                assert got is out and digest(out) == digest(want)
+            if dtype == np.float32:
+                off = offsets(block_counts(count, N))
+                check_close(got, expected(xs, "prod").astype(np.float64)[off[ME] : off[ME + 1]], "prod", N, "rs")
+                got = C.ireduce_scatter(xs[ME], algorithm="shm", comm=one).wait()
+                assert digest(got) == digest(C.reduce_scatter(xs[ME], algorithm="shm", comm=slow))
+    finally:
+        one.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@needs_core
 def test_broadcasts_timed_for_single_copy_agree_on_every_rank_and_leave_the_calls_in_step():
     # the measurement behind shm_single_copy_broadcast_bytes=-1, taken at any rank count:
     # every rank gets the same seconds (the slowest rank's), and the calls after it keep

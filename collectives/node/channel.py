@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, StallError
+from ..ops import OPS, dtype_code, rank_order_reducer
 from . import futex
 
 try:
@@ -86,6 +87,11 @@ STREAM_SHIFT = 24
 STREAM_PIECE = 16 << 10
 """Bytes per piece of a broadcast streamed through the root's slot (:meth:`Channel.stream`;
 a slot smaller than this is one piece)."""
+
+REDUCE_READ_PIECE = 256 << 10
+"""Bytes of each peer's block a reduce-scatter read by single copy reads at a time
+(:meth:`Channel.reduce_scatter_read`; the compiled loop's ``REDUCE_PIECE``): its scratch
+holds one such piece per peer."""
 
 
 def spin_budget(ranks: int) -> int:
@@ -314,6 +320,7 @@ class Channel:
         self.queue: list[object] = []
         """Chunked operations in flight, oldest first: only the first uses the buffers."""
         self._views: dict[tuple, list] = {}
+        self._scratch: np.ndarray | None = None
         self.copied = [0, 0, 0]
         """Bytes this rank wrote in the chunked and in-place algorithms, by kind: staged (its
         input into the window), reduced (reduction results) and copied out (results into
@@ -754,6 +761,57 @@ class Channel:
                 raw[off[rank] + start : off[rank] + start + n] = self.slots[rank][p][at : at + n]
             if wraps:
                 self._publish(self.takes, self._take_addr, base + k + 1)
+
+    def reads_peers(self, collective: str, nbytes: int) -> bool:
+        """True when an agreed ``collective`` with ``nbytes`` per rank of input reads its
+        peers' memory by single copy: a reduce-scatter from :attr:`single_copy` bytes, of 2
+        ranks, or of more where broadcasts read the root's memory too (each rank's input is
+        then read by every peer at once, as a root's is, and the kernel's copies from one
+        process contend on some nodes: the broadcasts' measurement says whether they do)."""
+        return (
+            collective == "reduce_scatter"
+            and 0 < self.single_copy <= nbytes
+            and (self.n == 2 or self.single_copy_broadcast > 0)
+        )
+
+    def reduce_scatter_read(self, seq: int, src: np.ndarray, counts: tuple[int, ...], out: np.ndarray, op: str) -> None:
+        """Reduce block ``me`` (elements by ``counts``) of every rank's ``src`` (flat,
+        C-contiguous) with ``op`` into ``out`` for the agreed reduce-scatter ``seq``, reading
+        the peers' blocks straight out of their memory (cross-memory attach;
+        :attr:`single_copy` on): each rank offers its ``src`` as an allgather's single copy
+        does, then, piece by piece, reads its block of every peer's into a scratch buffer and
+        reduces them with its own in rank order, so only the blocks move, once, and nothing
+        is staged. It returns once every peer has read its block. The compiled loop's
+        ``reduce_scatter`` where it has a kernel for the dtype and op and ``out`` is
+        C-contiguous; this method's loop, the same protocol, with numpy's reduction
+        elsewhere."""
+        me, n, p = self.me, self.n, seq & 1
+        lo = sum(counts[:me])
+        hi, isz = lo + counts[me], src.itemsize
+        if out.flags.c_contiguous and dtype_code(src.dtype) >= 0 and op in OPS:
+            if self.core.reduce_scatter(seq, src, lo * isz, hi * isz, out, dtype_code(src.dtype), OPS.index(op)):
+                return
+        red = rank_order_reducer(op, n)
+        done = (seq << STREAM_SHIFT) + 1
+        self.slots[me][p][:8].view(np.int64)[0] = src.ctypes.data
+        self._publish(self.streams, self._stream_addr, done)
+        piece = max(1, REDUCE_READ_PIECE // isz)
+        if self._scratch is None or self._scratch.nbytes < (n - 1) * min(piece, counts[me]) * isz:
+            self._scratch = np.empty((n - 1) * min(piece, counts[me]) * isz, np.uint8)
+        self._wait_peers(self._peer_streams, done, 5)
+        addrs = [int(self.slots[r][p][:8].view(np.int64)[0]) for r in range(n)]
+        parts: list[np.ndarray] = [src] * n
+        for a in range(lo, hi, piece):
+            m = min(piece, hi - a)
+            for k in range(1, n):  # each rank starts at its next peer: the reads spread over the ranks
+                r = (me + k) % n
+                raw = self._scratch[(k - 1) * m * isz : k * m * isz]
+                self.core.cma_read(self._pids[r], addrs[r] + a * isz, raw)
+                parts[r] = raw.view(src.dtype)
+            parts[me] = src[a : a + m]
+            red(parts, out[a - lo : a - lo + m])
+        self._publish(self.takes, self._take_addr, done)
+        self._wait_peers(self._peer_takes, done, 6)
 
     def _check_stall(self, rank: int, want: int, start: float, kind: int) -> float:
         """Raise the stall's error if a peer gave up, or the wait for ``rank`` has lasted the

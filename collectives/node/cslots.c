@@ -34,6 +34,8 @@
  *       slot (below)
  *   core.single_copy(pids, nbytes, broadcasts), core.cma_read(pid, address, buf): allgathers
  *       from nbytes per rank, and broadcasts from `broadcasts`, read the sender's memory (below)
+ *   core.reduce_scatter(seq, src, lo, hi, out, dtype, op): a reduce-scatter read from the
+ *       peers' memory (below)
  *   core.put(dst, src, total=None): a copy into shared memory (copy_shared: non-temporal
  *       stores from core.nontemporal bytes, as every copy into a slot here), or out of it
  *       into a message of `total` bytes (copy_out: from core.nontemporal_out)
@@ -109,6 +111,8 @@ typedef struct {
     Py_ssize_t cma_bytes;    /* allgathers from this many bytes per rank read the sender's memory (0: never) */
     Py_ssize_t cma_bcast;    /* and broadcasts (0: never) */
     Py_ssize_t *pids;        /* n: every rank's process id (cross-memory attach) */
+    char *scratch;           /* the peers' pieces a reduce-scatter read by single copy reduces */
+    Py_ssize_t scratch_bytes;
     long spin;
     int futex;
     PyObject *progress;
@@ -428,13 +432,13 @@ static int cma_read(pid_t pid, char *dst, uintptr_t remote, size_t n) {
 #endif
 }
 
-/* Read rank r's data of call seq, n bytes at the address it put in its slot, into dst. */
-static int read_peer(Core *c, int64_t seq, int r, char *dst, Py_ssize_t n) {
+/* Read rank r's data of call seq, n bytes from byte `from` of what it offered, into dst. */
+static int read_peer(Core *c, int64_t seq, int r, char *dst, Py_ssize_t from, Py_ssize_t n) {
     int64_t *addr = (int64_t *)c->slots[2 * r + (int)(seq & 1)];
     if (wait_one(c, r, c->streams[r], (seq << STREAM_SHIFT) + 1, 5) < 0)
         return -1;
     fence(); /* the address after the word that published it */
-    return cma_read((pid_t)c->pids[r], dst, (uintptr_t)load(addr), (size_t)n);
+    return cma_read((pid_t)c->pids[r], dst, (uintptr_t)load(addr) + (uintptr_t)from, (size_t)n);
 }
 
 /* Offer `buf` (this rank's data of call seq) to the peers' reads. */
@@ -453,7 +457,7 @@ static int single_copy_broadcast(Core *c, int64_t seq, int root, char *buf, Py_s
             copy_out(c, buf, src, (size_t)nbytes, nbytes);
         return wait_all(c, c->takes, done, 6);
     }
-    if (read_peer(c, seq, root, buf, nbytes) < 0)
+    if (read_peer(c, seq, root, buf, 0, nbytes) < 0)
         return -1;
     publish(c, c->takes[c->me], done);
     return 0;
@@ -466,7 +470,7 @@ static int single_copy_allgather(Core *c, int64_t seq, char *buf, const Py_ssize
         copy_out(c, buf + off[me], src, (size_t)(off[me + 1] - off[me]), off[n]);
     for (int k = 1; k < n; k++) { /* each rank starts at its next peer: the reads spread over the senders */
         int r = (me + k) % n;
-        if (off[r + 1] > off[r] && read_peer(c, seq, r, buf + off[r], off[r + 1] - off[r]) < 0)
+        if (off[r + 1] > off[r] && read_peer(c, seq, r, buf + off[r], 0, off[r + 1] - off[r]) < 0)
             return -1;
     }
     publish(c, c->takes[me], (seq << STREAM_SHIFT) + 1);
@@ -657,6 +661,55 @@ static int reduce_slots(Core *c, int64_t seq, kernel k, int op, Py_ssize_t items
     return 0;
 }
 
+/* -- reduce-scatters read by single copy ----------------------------------------------------
+ * From c->cma_bytes of input, an agreed reduce-scatter skips the window: every rank offers
+ * its input as an allgather's sender does; each rank reads its block (bytes lo to hi of
+ * every rank's input) out of each peer's memory, REDUCE_PIECE bytes of each at a time into
+ * its scratch (starting at its next peer, so the reads spread over the ranks), and reduces
+ * them with its own in rank order into out; then it publishes its takes word, and returns
+ * once every peer has (its input is not changed while read). */
+#define REDUCE_PIECE ((Py_ssize_t)256 << 10)
+
+static int single_copy_reduce_scatter(Core *c, int64_t seq, const char *src, Py_ssize_t lo, Py_ssize_t hi, char *out,
+                                      kernel k, int op, Py_ssize_t isz) {
+    int me = c->me, n = c->n;
+    int64_t done = (seq << STREAM_SHIFT) + 1;
+    Py_ssize_t len = hi - lo, piece = REDUCE_PIECE / isz * isz;
+    piece = piece < len ? piece : len;
+    if ((n - 1) * piece > c->scratch_bytes) {
+        char *grown = PyMem_Realloc(c->scratch, (size_t)((n - 1) * piece));
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        c->scratch = grown, c->scratch_bytes = (n - 1) * piece;
+    }
+    char *stack[64], **s = stack;
+    if (n > 64 && (s = PyMem_Malloc(sizeof(char *) * (size_t)n)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    offer(c, seq, src);
+    int rc = 0;
+    for (Py_ssize_t a = 0; a < len && rc == 0; a += piece) {
+        Py_ssize_t m = len - a < piece ? len - a : piece;
+        for (int j = 1; j < n && rc == 0; j++) {
+            int r = (me + j) % n;
+            s[r] = c->scratch + (j - 1) * piece;
+            rc = read_peer(c, seq, r, s[r], lo + a, m);
+        }
+        s[me] = (char *)src + lo + a;
+        if (rc == 0)
+            k(s, n, 0, m / isz, out + a, op);
+    }
+    if (s != stack)
+        PyMem_Free(s);
+    if (rc < 0)
+        return -1;
+    publish(c, c->takes[me], done);
+    return wait_all(c, c->takes, done, 6);
+}
+
 /* -- the Python types ------------------------------------------------------------------- */
 static int read_addrs(PyObject *seq, Py_ssize_t want, void ***out, const char *what) {
     PyObject *fast = PySequence_Fast(seq, what);
@@ -772,6 +825,7 @@ static void Core_dealloc(Core *c) {
     PyMem_Free(c->heads);
     PyMem_Free(c->slots);
     PyMem_Free(c->pids);
+    PyMem_Free(c->scratch);
     Py_XDECREF(c->progress);
     Py_XDECREF(c->contiguous);
     Py_XDECREF(c->stalled);
@@ -1075,6 +1129,41 @@ static PyObject *Core_cma_read(Core *c, PyObject *const *args, Py_ssize_t nargs)
     if (rc < 0)
         return NULL;
     Py_RETURN_NONE;
+}
+
+/* core.reduce_scatter(seq, src, lo, hi, out, dtype, op): the agreed reduce-scatter seq read
+ * by single copy (single_copy_reduce_scatter); False, having done nothing, where no kernel
+ * reduces the dtype and op (numpy must) */
+static PyObject *Core_reduce_scatter(Core *c, PyObject *const *args, Py_ssize_t nargs) {
+    static const int at[] = {0, 2, 3, 5, 6};
+    int64_t v[5];
+    if (method_args(c, args, nargs, 7, 7, "reduce_scatter(seq, src, lo, hi, out, dtype, op)", at, 5, v) < 0)
+        return NULL;
+    int itemsize = 0;
+    kernel k = kernel_for((int)v[3], (int)v[4], &itemsize);
+    if (k == NULL)
+        Py_RETURN_FALSE;
+    Py_buffer src, out;
+    if (PyObject_GetBuffer(args[1], &src, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[4], &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    int64_t seq = v[0], lo = v[1], hi = v[2];
+    int rc = -1;
+    if (seq < 1 || lo < 0 || hi < lo || hi > src.len || lo % itemsize || hi % itemsize || out.len != hi - lo)
+        PyErr_SetString(PyExc_ValueError, "reduce_scatter: an argument is out of range");
+    else if (c->cma_bytes <= 0 || c->pids == NULL)
+        PyErr_SetString(PyExc_RuntimeError, "reduce_scatter: single copy is off");
+    else
+        rc = single_copy_reduce_scatter(c, seq, (const char *)src.buf, lo, hi, (char *)out.buf, k, (int)v[4],
+                                        itemsize);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&src);
+    if (rc < 0)
+        return NULL;
+    Py_RETURN_TRUE;
 }
 
 static PyObject *Core_get_stall(Core *c, void *closure) {
@@ -1430,6 +1519,10 @@ static PyMethodDef Core_methods[] = {
      "single_copy(pids, nbytes, broadcasts): every rank's process id, and the bytes per rank from which agreed "
      "allgathers, and broadcasts, read the sender's memory with cross-memory attach (0: never); the same on every "
      "rank."},
+    {"reduce_scatter", (PyCFunction)(void (*)(void))Core_reduce_scatter, METH_FASTCALL,
+     "reduce_scatter(seq, src, lo, hi, out, dtype, op): the agreed reduce-scatter `seq` by single copy: this rank's "
+     "block, bytes lo to hi of every rank's C-contiguous src, read from the peers' memory and reduced in rank order "
+     "into out; False, having done nothing, where numpy must reduce the dtype and op."},
     {"cma_read", (PyCFunction)(void (*)(void))Core_cma_read, METH_FASTCALL,
      "cma_read(pid, address, buf): fill buf with the bytes at address in process pid (process_vm_readv); "
      "OSError where the kernel refuses."},
