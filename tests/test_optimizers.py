@@ -324,6 +324,52 @@ def test_zero_refuses_sparse_gradients_on_every_rank():
         opt.step()
 
 
+def test_a_process_set_of_one_rank_sends_nothing_and_steps_as_the_plain_optimizer(monkeypatch):
+    """Where reducing changes nothing (a process set of this rank alone, Average or Sum, no
+    compression or predivide: a pipeline with one data-parallel replica), the optimizer
+    sends no request, inside the backward pass or in step(), and trains bit for bit as the
+    plain optimizer on the same batches, with gradient accumulation; a missing gradient
+    still becomes zeros, as a reduction makes it. With compression it reduces as before."""
+    import hpcdl.optim.buckets as buckets
+
+    n, r = hvd.size(), hvd.rank()
+    sets = [hvd.add_process_set([q]) for q in range(n)] if n > 1 else [hvd.global_process_set]
+    mine = sets[r]
+    sent = []
+    for name in ("grouped_allreduce_async_", "allreduce_async"):
+        real = getattr(buckets, name)
+        monkeypatch.setattr(buckets, name, lambda *a, _real=real, _name=name, **k: sent.append(_name) or _real(*a, **k))
+
+    def run(wrap: bool, op=hvd.Average, **kw) -> torch.Tensor:
+        m = model()
+        opt = torch.optim.Adam(m.parameters(), lr=0.01)
+        if wrap:
+            opt = distributed_optimizer(opt, m, 2, op=op, process_set=mine, **kw)
+        for step in range(4):
+            x, y = batch(step + 10 * r, 1)
+            opt.zero_grad()
+            for part in (x[:2], x[2:]):
+                loss = torch.nn.functional.mse_loss(m(part), y[: len(part)])
+                (loss / 2).backward()
+            opt.step()
+        return flat(m)
+
+    try:
+        want = run(False)
+        for op in (hvd.Average, hvd.Sum):
+            assert torch.equal(run(True, op), want) and sent == [], op
+        m = model()  # the last layer unused: its gradients become zeros
+        opt = distributed_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, 1, process_set=mine)
+        m[:2](torch.ones(1, 6, dtype=torch.float64)).sum().backward()
+        opt.step()
+        assert torch.equal(m[4].weight.grad, torch.zeros_like(m[4].weight)) and sent == []
+        run(True, compression=hvd.Compression.fp16)  # not an identity: reduced
+        assert "grouped_allreduce_async_" in sent
+    finally:
+        for ps in sets if n > 1 else []:
+            hvd.remove_process_set(ps)
+
+
 @pytest.mark.mpi(min_size=2)
 def test_two_models_on_two_halves_of_the_job_each_with_its_own_process_set():
     """Horovod's pattern: even ranks train one model on their set, odd ranks another on
@@ -494,8 +540,6 @@ def test_zero_state_dict_is_the_plain_optimizers_state():
     plain = torch.optim.Adam(model().parameters(), lr=0.01)
     plain.load_state_dict(got)
     assert plain.state_dict()["param_groups"] == want["param_groups"]
-
-
 
 
 def global_rows() -> int:

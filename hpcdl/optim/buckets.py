@@ -196,7 +196,7 @@ class Reducer:
         self._synchronized = False
         self._skip = False
         self._sent = 0  # buckets submitted by hooks this step
-        self._flags: int | None = None  # the missing-gradient check, when sent early
+        self._flags: Any = None  # the missing-gradient check, when sent early
 
     def _cut_buckets(self, bucket_bytes: int, first_bytes: int) -> None:
         """Group the parameters that need a gradient into buckets of at most ``bucket_bytes``
@@ -284,7 +284,7 @@ class Reducer:
             h = self._send_flags(missing)
         for b in self._buckets:
             self._finish(b)
-        counts = synchronize(h).tolist()
+        counts = (h if isinstance(h, torch.Tensor) else synchronize(h)).tolist()  # a tensor: counted here
         n = self._process_set.size()
         strict = counts.pop()  # ranks that asked for the check
         partial = [self._name_at(i) for i, c in enumerate(counts) if 0 < c < n]
@@ -345,13 +345,20 @@ class Reducer:
         flags = getattr(self, "_flags", None)  # set_backward_passes_per_step runs before setup ends
         return flags is not None or any(b.handle is not None for b in getattr(self, "_buckets", []))
 
-    def _send_flags(self, missing: list[int]) -> int:
+    def _send_flags(self, missing: list[int]) -> Any:
         """Start the reduction of which gradients were missing where (they are zero there),
-        and of which ranks want that to be an error, so that every rank decides alike."""
+        and of which ranks want that to be an error, so that every rank decides alike: its
+        handle, or (where a subclass needs no reduction) the counts themselves."""
+        flags = self._missing_flags(missing)
+        return allreduce_async(flags, name=f"{self._prefix}.missing", op=Sum, process_set=self._process_set)
+
+    def _missing_flags(self, missing: list[int]) -> torch.Tensor:
+        """This rank's part of the missing-gradient check: 1 for each gradient in ``missing``
+        (by index), and last, 1 where this rank wants that to be an error."""
         flags = torch.zeros(len(self._bucket_of) + 1, dtype=torch.int32)
         flags[missing] = 1
         flags[-1] = int(bool(self._strict))
-        return allreduce_async(flags, name=f"{self._prefix}.missing", op=Sum, process_set=self._process_set)
+        return flags
 
     def _name_at(self, i: int) -> str:
         return self._names[list(self._bucket_of)[i]]

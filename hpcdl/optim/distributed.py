@@ -43,6 +43,35 @@ class DistributedReducer(Reducer):
         takes no part (no hooks, no reductions; ``step()`` is the optimizer's own)."""
         return not (getattr(process_set, "process_set_id", None) and not process_set.included())
 
+    def _alone(self) -> bool:
+        """True where reducing changes nothing: the process set is this rank alone, with
+        ``Average`` or ``Sum``, no compression and no predivide (each scales by one). A
+        pipeline or tensor-parallel job with one data-parallel replica is such a case."""
+        return (
+            self._process_set.size() == 1
+            and self._op in (Average, Sum)
+            and self._compression is Compression.none
+            and self._predivide == 1.0
+        )
+
+    def _submit(self, b: Bucket) -> None:
+        """Start bucket ``b``'s reduction; where it would change nothing (:meth:`_alone`),
+        only put zeros for the missing gradients, as a reduction would, and send nothing
+        (the engine would copy each gradient twice inside the backward pass). Sparse
+        gradients take the reduction all the same (it coalesces them)."""
+        if self._alone() and not any(p.grad is not None and p.grad.is_sparse for p in b.params):
+            for p in b.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            b.sent, b.sparse, b.handle = [], [], 0
+            return
+        super()._submit(b)
+
+    def _send_flags(self, missing: list[int]) -> Any:
+        """The missing-gradient check; on this rank alone (:meth:`_alone`), its counts
+        themselves, with nothing sent."""
+        return self._missing_flags(missing) if self._alone() else super()._send_flags(missing)
+
 
 class AdasumReducer(DistributedReducer):
     """:func:`DistributedOptimizer` with ``op=Adasum``, Horovod's delta optimizer
