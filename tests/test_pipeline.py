@@ -105,7 +105,7 @@ def test_a_link_sends_a_shape_only_when_it_changes_and_both_ends_forget_shapes_o
     rank = MPI.COMM_WORLD.rank
     link = Link(MPI.COMM_WORLD.Dup())
     g = torch.Generator().manual_seed(3)
-    sent = [  # (micro-batch slot, tensor): 7 of the 9 need their shape sent
+    sent = [  # (micro-batch slot, tensor): 10 of the 12 need their shape sent
         (0, torch.randn(2, 3, generator=g)),
         (0, torch.randn(2, 3, generator=g)),  # the same dtype and shape: data alone
         (0, torch.randn(2, 3, generator=g, dtype=torch.float64)),  # another dtype
@@ -114,6 +114,9 @@ def test_a_link_sends_a_shape_only_when_it_changes_and_both_ends_forget_shapes_o
         (0, torch.tensor(2.5, dtype=torch.bfloat16)),  # no dimension
         (0, torch.empty(0, 4)),  # no element
         (1, torch.randn(2, 3, generator=g)),  # slot 1's shape still holds
+        (0, torch.randn(4, 2, generator=g).half()),
+        (0, torch.arange(6, dtype=torch.int32).reshape(2, 3)),
+        (0, torch.randn(3, 4, generator=g).t()),  # not contiguous
         (0, torch.randn(*[2] * 8, generator=g)),  # eight dimensions
     ]
     if rank == 0:
@@ -121,7 +124,7 @@ def test_a_link_sends_a_shape_only_when_it_changes_and_both_ends_forget_shapes_o
             link.send(t, 1, ACT, slot)
         link.send_error("pipeline stage 0 failed: RuntimeError: boom", 1, ACT)
         link.finish()
-        assert (link.headers_sent, link.messages_sent) == (7, 9)
+        assert (link.headers_sent, link.messages_sent) == (10, 12)
     elif rank == 1:
         for slot, t in sent:
             got = link.recv(0, ACT, slot)
@@ -135,7 +138,7 @@ def test_a_link_sends_a_shape_only_when_it_changes_and_both_ends_forget_shapes_o
     if rank == 0:  # the receiver forgot the shape too: it travels again
         link.send(last, 1, ACT, 0)
         link.finish()
-        assert (link.headers_sent, link.messages_sent) == (8, 10)
+        assert (link.headers_sent, link.messages_sent) == (11, 13)
     elif rank == 1:
         assert torch.equal(link.recv(0, ACT, 0), last)
     link.comm.Free()
