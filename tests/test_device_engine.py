@@ -235,11 +235,14 @@ def _train(wrap, steps: int = 6) -> torch.Tensor:
     ],
     ids=["distributed", "zero1", "zero2"],
 )
-def test_optimizers_on_the_device_path_equal_one_process_on_the_whole_batch(device, wrap):
+def test_optimizers_on_the_device_path_equal_one_process_on_the_whole_batch(device, wrap, request):
     got = _train(wrap)
     before = len(device.log)
     want = _train(None)
-    assert len(device.log) == before and before >= 6  # every step's reductions went the device path
+    # every step's reductions went the device path; on one rank DistributedOptimizer has
+    # nothing to reduce and sends nothing
+    alone = hvd.size() == 1 and request.node.callspec.id == "distributed"
+    assert len(device.log) == before and (before == 0 if alone else before >= 6)
     rel = ((got - want).norm() / want.norm()).item()
     assert rel <= 1e-10, rel
     same_everywhere(got)
