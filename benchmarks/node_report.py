@@ -302,8 +302,10 @@ def _stores_lines(report: dict[str, Any]) -> list[str]:
         "| ranks | last-level caches spanned | setting (bytes; 0: plain) | collective | nt / plain by size |",
         "|---|---|---|---|---|",
     ]
-    ratios = []
+    ratios, chosen = [], []
     for n, rec in sorted(report.get("stores", {}).items(), key=lambda kv: int(kv[0])):
+        if "single_copy_broadcast" in rec:
+            chosen += ["", f"{n} ranks: {single_copy_line(rec['single_copy_broadcast'], rec['broadcast_times'])}."]
         for coll, rows in rec.get("results", {}).items():
             cells = ", ".join(f"{_size(r['size'])} {r['nt'] / r['plain']:.2f}" for r in rows)
             ratios += [r["nt"] / r["plain"] for r in rows]
@@ -320,10 +322,7 @@ def _stores_lines(report: dict[str, Any]) -> list[str]:
             lines += ["", f"Plain stores are faster here (median {mid:.2f} x): HPCDL_SHM_NONTEMPORAL_BYTES=0."]
         else:
             lines += ["", f"The default suits this node (median nt / plain {mid:.2f} x)."]
-    for n, rec in sorted(report.get("stores", {}).items(), key=lambda kv: int(kv[0])):
-        if "single_copy_broadcast" in rec:
-            lines += ["", f"{n} ranks: {single_copy_line(rec['single_copy_broadcast'], rec['broadcast_times'])}."]
-    return lines
+    return lines + chosen
 
 
 def _tuner_lines(report: dict[str, Any]) -> list[str]:

@@ -60,6 +60,9 @@ def test_the_step_kinds_are_the_compiled_loops():
 
     kinds = ("STEP_REDUCE", "STEP_BROADCAST", "STEP_ALLGATHER")
     assert [getattr(slots, k) for k in kinds] == [getattr(cslots, k) for k in kinds]
+    from collectives.node import channel  # a reduce-scatter read by single copy: the same pieces on both loops
+
+    assert cslots.REDUCE_PIECE == channel.REDUCE_READ_PIECE
 
 
 @pytest.fixture(scope="module")

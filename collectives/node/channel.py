@@ -111,14 +111,19 @@ a broadcast's root's on any node (:func:`nontemporal_broadcast_bytes`), every ot
 the node's ranks may run on cores that share no last-level cache (:func:`nontemporal_bytes`)."""
 
 
+def _cpus() -> list[int]:
+    """The CPUs this process may run on (empty where the system does not say)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return []
+
+
 def last_level_caches(cpus: Any = None) -> dict[str, int]:
     """The last-level caches of ``cpus`` (default: the CPUs this process may run on): each
     named by the CPUs that share it, with its size in bytes (Linux sysfs); empty where sysfs
     does not say."""
-    try:
-        cpus = os.sched_getaffinity(0) if cpus is None else cpus
-    except AttributeError:  # not Linux
-        return {}
+    cpus = _cpus() if cpus is None else cpus
     out: dict[str, int] = {}
     seen: set[int] = set()
     for cpu in sorted(cpus):
@@ -219,14 +224,6 @@ def broadcast_single_copy_bytes(slots: tuple[float, float], single: tuple[float,
     if cross > SINGLE_COPY_CEILING:
         return 0
     return max(s1, -(-int(cross) // 4096) * 4096)
-
-
-def _cpus() -> list[int]:
-    """The CPUs this process may run on (empty where the system does not say)."""
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return []
 
 
 def _round_up(n: int, m: int) -> int:

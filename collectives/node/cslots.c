@@ -1604,6 +1604,7 @@ PyMODINIT_FUNC PyInit_cslots(void) {
         return NULL;
     }
     if (PyModule_AddIntConstant(m, "FUTEX", HAVE_FUTEX) < 0 || PyModule_AddIntConstant(m, "STREAM_SHIFT", STREAM_SHIFT) < 0 ||
+        PyModule_AddIntConstant(m, "REDUCE_PIECE", REDUCE_PIECE) < 0 ||
         PyModule_AddIntConstant(m, "STEP_REDUCE", STEP_REDUCE) < 0 ||
         PyModule_AddIntConstant(m, "STEP_BROADCAST", STEP_BROADCAST) < 0 ||
         PyModule_AddIntConstant(m, "STEP_ALLGATHER", STEP_ALLGATHER) < 0) {

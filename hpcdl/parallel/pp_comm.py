@@ -46,8 +46,7 @@ _DATA, _SHAPE, _ERROR = 0, 1, 2  # the kinds of message on a stream
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
 # each dtype's bytes as numpy holds them (bfloat16, which numpy lacks, as int16): torch's
 # own views and reshapes cost microseconds each, numpy's a fraction of one
-_WORDS = {torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16}
-_WORDS.update({torch.bfloat16: np.int16, torch.int64: np.int64, torch.int32: np.int32})
+_WORDS = dict(zip(_DTYPES, (np.float32, np.float64, np.float16, np.int16, np.int64, np.int32), strict=True))
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
