@@ -240,6 +240,22 @@ def test_ranks_given_different_channel_settings_fail_alike_instead_of_waiting():
         comm.Free()
 
 
+def _next_call_raises_then_reset_recovers(comm, sync, cfg, said: str) -> None:
+    """After a stall on ``comm``: this rank's next call raises the StallError ``said``
+    names, and after collectives.reset on every rank (``sync`` keeps them in step) the
+    communicator reduces again; then both are freed."""
+    n, r = comm.size, comm.rank
+    sync.Barrier()
+    with pytest.raises(C.StallError, match=said):
+        C.allreduce(np.ones(2), comm=comm)
+    sync.Barrier()
+    C.reset(comm)
+    get_context(comm, cfg)
+    assert np.array_equal(C.allreduce(np.full(3, r, np.int64), comm=comm), np.full(3, n * (n - 1) // 2))
+    comm.Free()
+    sync.Free()
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("collective", ["broadcast", "reduce_scatter"])
 def test_a_read_the_kernel_refuses_mid_call_raises_there_and_stalls_nobody_forever(collective):
@@ -271,16 +287,8 @@ def test_a_read_the_kernel_refuses_mid_call_raises_there_and_stalls_nobody_forev
     else:  # each reads its 64-byte block of every rank's input, rank 0's too
         with pytest.raises(OSError, match="cross-memory attach: reading 64 bytes of process"):
             ch.reduce_scatter_read(seq, np.ones(16 * n, np.float32), (16,) * n, np.empty(16, np.float32), "sum")
-    sync.Barrier()
     # the root gave up waiting: its next call says it stopped, the readers' that it gave up
-    with pytest.raises(C.StallError, match="stopped after a stall" if r == 0 else "gave up"):
-        C.allreduce(np.ones(2), comm=comm)
-    sync.Barrier()
-    C.reset(comm)
-    get_context(comm, cfg)
-    assert np.array_equal(C.allreduce(np.full(3, r, np.int64), comm=comm), np.full(3, n * (n - 1) // 2))
-    comm.Free()
-    sync.Free()
+    _next_call_raises_then_reset_recovers(comm, sync, cfg, "stopped after a stall" if r == 0 else "gave up")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -316,12 +324,4 @@ def test_a_rank_that_never_sends_its_pieces_or_block_ends_in_a_stall_error_on_ev
                 ch.gather(seq, buf, [k * 2 * ch.slot_bytes for k in range(n + 1)])
             else:
                 ch.wait_done(seq)
-    sync.Barrier()
-    with pytest.raises(C.StallError, match="gave up" if r == 0 else "stopped after a stall"):
-        C.allreduce(np.ones(2), comm=comm)
-    sync.Barrier()
-    C.reset(comm)
-    get_context(comm, cfg)
-    assert np.array_equal(C.allreduce(np.full(3, r, np.int64), comm=comm), np.full(3, n * (n - 1) // 2))
-    comm.Free()
-    sync.Free()
+    _next_call_raises_then_reset_recovers(comm, sync, cfg, "gave up" if r == 0 else "stopped after a stall")
