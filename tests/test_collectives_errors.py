@@ -234,6 +234,8 @@ def test_ranks_given_different_channel_settings_fail_alike_instead_of_waiting():
             get_context(comm, Config(shm_split_bytes=1000 * comm.rank))
         with pytest.raises(C.ConfigError, match=r"shm_single_copy_bytes differs .*rank 0: 1, rank 1: 2"):
             get_context(comm, Config(shm_single_copy_bytes=1 + comm.rank))
+        with pytest.raises(C.ConfigError, match=r"shm_single_copy_broadcast_bytes differs .*rank 0: -1, rank 1: 0"):
+            get_context(comm, Config(shm_single_copy_broadcast_bytes=-1 if comm.rank == 0 else 0))
         get_context(comm, Config())  # the same settings everywhere: it works
         assert np.array_equal(C.allreduce(np.ones(4), comm=comm), np.full(4, comm.size))
     finally:
