@@ -693,15 +693,15 @@ class Channel:
         reader's before it overwrites a place; from :attr:`single_copy_broadcast` bytes the
         readers read the root's memory instead. ``src`` (the root's, C-contiguous, as many
         bytes): its data where it lies when not yet in ``buf``, which the root copies into
-        ``buf`` while the others read ``src``. The compiled loop's ``stream`` where it is
+        ``buf`` while the others read it: piece by piece after publishing each, or, read by
+        single copy, all at once. The compiled loop's ``stream`` where it is
         built; this method's loop, the same protocol, elsewhere."""
         if self.core is not None:
             self.core.stream(seq, root, buf, self.piece, src)
             return
         me, piece = self.me, self.piece
-        if src is not None and me == root:
-            buf[...] = src
         raw = buf.reshape(-1).view(np.uint8)
+        tee = src.reshape(-1).view(np.uint8) if src is not None and me == root else None
         ring = self.slots[root][seq & 1]
         places, count = self.slot_bytes // piece, -(-raw.size // piece)
         base, wraps = seq << STREAM_SHIFT, count > places
@@ -712,6 +712,11 @@ class Channel:
             if me == root:
                 if k >= places:
                     self._wait_peers(self._peer_streams, base + k - places + 1, 5)
+                if tee is not None:  # published first, then into buf while the piece is in the cache
+                    ring[at : at + n] = tee[off : off + n]
+                    self._publish(self.streams, self._stream_addr, base + k + 1)
+                    raw[off : off + n] = tee[off : off + n]
+                    continue
                 ring[at : at + n] = raw[off : off + n]
             else:
                 self._wait_peers(source, base + k + 1, 5)

@@ -485,13 +485,13 @@ static int single_copy_allgather(Core *c, int64_t seq, char *buf, const Py_ssize
  * publishes each piece it has copied in its own word, and the root waits for every
  * reader's before it overwrites a place. From c->cma_bcast bytes the readers read the
  * root's memory instead (single_copy_broadcast). `src` (the root's, may be NULL): its data
- * where it lies when not yet in buf. */
+ * where it lies when not yet in buf; the root copies each piece from there into its slot,
+ * publishes it, and then copies it into buf while it is in the cache. */
 static int stream(Core *c, int64_t seq, int root, char *buf, Py_ssize_t nbytes, Py_ssize_t piece, const char *src) {
     if (c->cma_bcast > 0 && nbytes >= c->cma_bcast)
         return single_copy_broadcast(c, seq, root, buf, nbytes, src);
-    if (src && src != buf) /* the root's data into its buf first: the pieces go from there */
-        memcpy(buf, src, (size_t)nbytes);
     int me = c->me;
+    const char *from = src && src != buf && me == root ? src : NULL; /* the root tees: into buf too */
     char *ring = c->slots[2 * root + (int)(seq & 1)];
     Py_ssize_t places = c->slot_bytes / piece, count = (nbytes + piece - 1) / piece;
     int64_t base = seq << STREAM_SHIFT;
@@ -502,7 +502,12 @@ static int stream(Core *c, int64_t seq, int root, char *buf, Py_ssize_t nbytes, 
         if (me == root) {
             if (k >= places && wait_all(c, c->streams, base + k - places + 1, 5) < 0)
                 return -1;
-            copy_shared(at, buf + off, (size_t)len, c->nt_bcast);
+            copy_shared(at, from ? from + off : buf + off, (size_t)len, c->nt_bcast);
+            if (from) { /* published first, then into buf while the piece is in the cache */
+                publish(c, c->streams[me], base + k + 1);
+                copy_out(c, buf + off, from + off, (size_t)len, nbytes);
+                continue;
+            }
         } else {
             if (wait_one(c, root, c->streams[root], base + k + 1, 5) < 0)
                 return -1;
