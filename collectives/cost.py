@@ -1,10 +1,18 @@
 """Cost models of communication: a call of ``S`` bytes takes ``alpha + S / beta`` seconds
-(Hockney's α-β model), fitted to measured times.
+(Hockney's α-β model), fitted to measured times, and the time of the ring algorithms over
+links of such a cost.
 
 :func:`fit` takes ``(bytes, seconds)`` points, as a benchmark or the node report measures
 them for one collective on one communicator, and returns the :class:`AlphaBeta` that
 predicts them best in relative terms (each point weighs by the inverse square of its own
 time, so the latency of small calls and the bandwidth of large ones both count).
+
+A link (one rank's port: an NVLink, a NIC) is an :class:`AlphaBeta` too: ``alpha`` per
+message, ``beta`` bytes per second each way. :data:`LINKS` names common ones at their line
+rates, :func:`parse_link` reads ``"latency=5us,bandwidth=12.5GB/s"`` or a name, and
+:func:`link_from_allreduce` turns a measured allreduce model back into the link a ring
+over ``n`` ranks implies. :func:`ring_allreduce`, :func:`ring_allgather`,
+:func:`ring_reduce_scatter` and :func:`send_time` give the time of each over a link.
 """
 
 from __future__ import annotations
@@ -13,7 +21,17 @@ import math
 from collections.abc import Iterable
 from typing import NamedTuple
 
-__all__ = ["AlphaBeta", "fit"]
+__all__ = [
+    "LINKS",
+    "AlphaBeta",
+    "fit",
+    "link_from_allreduce",
+    "parse_link",
+    "ring_allgather",
+    "ring_allreduce",
+    "ring_reduce_scatter",
+    "send_time",
+]
 
 
 class AlphaBeta(NamedTuple):
@@ -56,3 +74,109 @@ def fit(points: Iterable[tuple[float, float]]) -> AlphaBeta:
     if g <= 0:
         a, g = sa / saa, 0.0
     return AlphaBeta(a, math.inf if g == 0 else 1 / g)
+
+
+_GBIT = 1e9 / 8
+LINKS: dict[str, AlphaBeta] = {
+    # inside a node, per GPU and direction
+    "nvlink3": AlphaBeta(2e-6, 300e9),  # A100: 12 links of 25 GB/s each way, through NVSwitch
+    "nvlink4": AlphaBeta(2e-6, 450e9),  # H100: 18 links of 25 GB/s each way
+    "pcie4": AlphaBeta(3e-6, 32e9),  # x16, through the host
+    "pcie5": AlphaBeta(3e-6, 64e9),
+    # between nodes, per port and direction
+    "ib-edr": AlphaBeta(2e-6, 100 * _GBIT),
+    "ib-hdr": AlphaBeta(2e-6, 200 * _GBIT),
+    "ib-ndr": AlphaBeta(2e-6, 400 * _GBIT),
+    "eth-10g": AlphaBeta(10e-6, 10 * _GBIT),
+    "eth-25g": AlphaBeta(8e-6, 25 * _GBIT),
+    "eth-100g": AlphaBeta(5e-6, 100 * _GBIT),
+    "eth-200g": AlphaBeta(5e-6, 200 * _GBIT),
+    "eth-400g": AlphaBeta(5e-6, 400 * _GBIT),
+}
+"""Links by name at their line rates: NVLink and PCIe per GPU, InfiniBand (EDR, HDR, NDR:
+100, 200 and 400 Gbit/s) and Ethernet with RDMA per port; latency per message."""
+
+_TIME_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0}
+_RATE_UNITS = {
+    "b/s": 1.0,
+    "kb/s": 1e3,
+    "mb/s": 1e6,
+    "gb/s": 1e9,
+    "tb/s": 1e12,
+    "kbit/s": 1e3 / 8,
+    "mbit/s": 1e6 / 8,
+    "gbit/s": 1e9 / 8,
+    "tbit/s": 1e12 / 8,
+}
+
+
+def _quantity(text: str, units: dict[str, float], what: str) -> float:
+    t = text.strip()
+    for unit in sorted(units, key=len, reverse=True):
+        if t.lower().endswith(unit.lower()):
+            number = t[: len(t) - len(unit)].strip()
+            try:
+                v = float(number) * units[unit]
+            except ValueError:
+                break
+            if not (math.isfinite(v) and v > 0):
+                break
+            return v
+    raise ValueError(f"{what} {text!r}: a positive number with a unit, one of {', '.join(units)}")
+
+
+def parse_link(text: str) -> AlphaBeta:
+    """The link ``text`` names: a name from :data:`LINKS`, or
+    ``"latency=5us,bandwidth=12.5GB/s"`` (latency in ns, us, ms or s; bandwidth in B/s, kB/s,
+    MB/s, GB/s, TB/s or kbit/s ... Tbit/s, per direction; either part may come alone, the
+    other then 0 latency or unlimited bandwidth).
+
+    Raises:
+        ValueError: an unknown name, key or unit, or a value that is not positive.
+    """
+    name = text.strip().lower()
+    if name in LINKS:
+        return LINKS[name]
+    alpha, beta, seen = 0.0, math.inf, False
+    for part in filter(None, (p.strip() for p in name.split(","))):
+        key, eq, value = part.partition("=")
+        if not eq or key.strip() not in ("latency", "bandwidth"):
+            raise ValueError(f"link {text!r}: expected one of {', '.join(LINKS)} or 'latency=5us,bandwidth=12.5GB/s'")
+        if key.strip() == "latency":
+            alpha = _quantity(value, _TIME_UNITS, "latency")
+        else:
+            beta = _quantity(value, _RATE_UNITS, "bandwidth")
+        seen = True
+    if not seen:
+        raise ValueError(f"link {text!r}: expected one of {', '.join(LINKS)} or 'latency=5us,bandwidth=12.5GB/s'")
+    return AlphaBeta(alpha, beta)
+
+
+def link_from_allreduce(model: AlphaBeta, n: int) -> AlphaBeta:
+    """The link a ring allreduce over ``n`` ranks implies, given its measured model per call
+    (the inverse of :func:`ring_allreduce`: ``2 (n - 1)`` latencies and ``2 (n - 1) / n`` of
+    the message over each link)."""
+    if n < 2:
+        raise ValueError(f"link_from_allreduce: n={n}: a ring needs two ranks")
+    return AlphaBeta(model.alpha / (2 * (n - 1)), model.beta * 2 * (n - 1) / n)
+
+
+def ring_allreduce(link: AlphaBeta, n: int, nbytes: float) -> float:
+    """Seconds to allreduce ``nbytes`` over ``n`` ranks in a ring of ``link``: a
+    reduce-scatter and an allgather, each ``n - 1`` steps of ``nbytes / n``."""
+    return 0.0 if n < 2 else 2 * ring_reduce_scatter(link, n, nbytes)
+
+
+def ring_reduce_scatter(link: AlphaBeta, n: int, nbytes: float) -> float:
+    """Seconds to reduce-scatter ``nbytes`` (the whole input) over ``n`` ranks in a ring."""
+    return 0.0 if n < 2 else (n - 1) * (link.alpha + nbytes / n / link.beta)
+
+
+def ring_allgather(link: AlphaBeta, n: int, nbytes: float) -> float:
+    """Seconds to allgather ``nbytes`` (the whole output) over ``n`` ranks in a ring."""
+    return ring_reduce_scatter(link, n, nbytes)
+
+
+def send_time(link: AlphaBeta, nbytes: float) -> float:
+    """Seconds for one message of ``nbytes`` over ``link``."""
+    return link.alpha + nbytes / link.beta

@@ -1,0 +1,648 @@
+"""``python -m hpcdl.plan``: which layout to train a GPT on ``N`` GPUs with, and how fast.
+
+Given the model, the global batch, the GPUs and the links inside and between nodes, the
+planner estimates every layout — data-parallel ``dp`` × tensor-parallel ``tp`` ×
+pipeline ``pp`` stages, the micro-batch, the ZeRO stage, full activation recomputation and
+the interleaved pipeline's chunks per stage — and ranks the ones that fit in memory by
+step time. Each estimate splits the step into compute, the pipeline bubble, tensor-,
+pipeline- and data-parallel communication, and counts the memory of parameters,
+gradients, optimizer states and activations per GPU.
+
+The model (Megatron-LM's, Narayanan et al., SC21, and Korthikanti et al., 2022):
+
+- FLOPs per step as Megatron-LM reports them: ``96 B s l h² (1 + s / 6h + V / 16lh)`` with
+  recomputation (the recomputed forward counted), ``72 B s l h² (1 + s / 6h + V / 12lh)``
+  without. The GPU's matrix kernels run at ``efficiency`` × its peak.
+- Tensor parallelism: 4 allreduces of a micro-batch's activations per layer (6 with
+  recomputation), on the critical path; pipeline: a send of ``1 / tp`` of them each way per
+  micro-batch and chunk (Megatron's scatter/gather); bubble ``(pp - 1) / chunks`` stage
+  times (1F1B); data parallelism: the gradients' allreduce (ZeRO-3: half again for the
+  parameters' allgathers) after the pipeline drains, hierarchical where a node holds
+  several replicas; then the optimizer step at the GPU's memory bandwidth.
+- Communication times come from :mod:`collectives.cost` (ring algorithms over α-β links),
+  the model the node report measures (``--intra report.json``).
+- Memory per GPU on the heaviest stage: 16 bytes per parameter for mixed-precision Adam
+  (2 parameters, 2 gradients, 12 fp32 states), divided over ``dp`` as the ZeRO stage says;
+  activations per layer ``s b h (10 + 24 / tp + 5 a s / h tp)`` bytes, or ``2 s b h`` with
+  recomputation, for the micro-batches 1F1B keeps in flight on the first stage; fp32
+  logits on the last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from collectives.cost import AlphaBeta, link_from_allreduce, parse_link, ring_allreduce, ring_reduce_scatter
+
+__all__ = [
+    "GPT",
+    "GPU",
+    "GPUS",
+    "MEGATRON_WEAK_SCALING",
+    "MODELS",
+    "Cluster",
+    "Estimate",
+    "Layout",
+    "calibrate",
+    "estimate",
+    "main",
+    "plan",
+    "published",
+    "validate",
+]
+
+GB = 1e9
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GPT:
+    """A GPT: ``layers`` transformer layers of width ``hidden`` with ``heads`` attention
+    heads, sequences of ``seq`` tokens, a vocabulary of ``vocab`` (tied input and output
+    embeddings, learned positions)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "seq", "vocab"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be a positive integer")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} is not a multiple of heads={self.heads}")
+
+    def layer_params(self) -> int:
+        """Parameters of one layer: QKV, projection and the two MLP matrices with their
+        biases (``12 h² + 9 h``), and two layer norms (``4 h``)."""
+        h = self.hidden
+        return 12 * h * h + 13 * h
+
+    def params(self) -> int:
+        """Parameters in all: the layers, the token and position embeddings, the final norm."""
+        h = self.hidden
+        return self.layers * self.layer_params() + (self.vocab + self.seq) * h + 2 * h
+
+    def flops(self, batch: int, recompute: bool) -> float:
+        """FLOPs of one step of ``batch`` sequences, counted as Megatron-LM counts them."""
+        s, h, v, ll = self.seq, self.hidden, self.vocab, self.layers
+        if recompute:
+            return 96 * batch * s * ll * h * h * (1 + s / (6 * h) + v / (16 * ll * h))
+        return 72 * batch * s * ll * h * h * (1 + s / (6 * h) + v / (12 * ll * h))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GPU:
+    """A GPU: dense half-precision ``peak`` FLOP/s, ``memory`` bytes, ``hbm`` bytes/s, and
+    the link between the GPUs of a node it usually comes with."""
+
+    name: str
+    peak: float
+    memory: float
+    hbm: float
+    intra: str
+
+
+GPUS: dict[str, GPU] = {
+    "a100": GPU(name="A100 80GB", peak=312e12, memory=80 * GB, hbm=2.0e12, intra="nvlink3"),
+    "a100-40gb": GPU(name="A100 40GB", peak=312e12, memory=40 * GB, hbm=1.555e12, intra="nvlink3"),
+    "h100": GPU(name="H100 SXM", peak=989e12, memory=80 * GB, hbm=3.35e12, intra="nvlink4"),
+}
+"""GPUs by name: dense bf16 peak without sparsity, memory and its bandwidth."""
+
+MODELS: dict[str, GPT] = {
+    "gpt-1.7b": GPT(layers=24, hidden=2304, heads=24, seq=2048, vocab=51200),
+    "gpt-3.6b": GPT(layers=30, hidden=3072, heads=32, seq=2048, vocab=51200),
+    "gpt-7.5b": GPT(layers=36, hidden=4096, heads=32, seq=2048, vocab=51200),
+    "gpt-18b": GPT(layers=40, hidden=6144, heads=48, seq=2048, vocab=51200),
+    "gpt-39b": GPT(layers=48, hidden=8192, heads=64, seq=2048, vocab=51200),
+    "gpt-76b": GPT(layers=60, hidden=10240, heads=80, seq=2048, vocab=51200),
+    "gpt-146b": GPT(layers=80, hidden=12288, heads=96, seq=2048, vocab=51200),
+    "gpt3-175b": GPT(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200),
+    "gpt-310b": GPT(layers=96, hidden=16384, heads=128, seq=2048, vocab=51200),
+    "gpt-530b": GPT(layers=105, hidden=20480, heads=128, seq=2048, vocab=51200),
+    "gpt-1t": GPT(layers=128, hidden=25600, heads=160, seq=2048, vocab=51200),
+}
+"""GPTs by name: GPT-3 175B and the sizes of Megatron-LM's weak-scaling study."""
+
+MEGATRON_WEAK_SCALING: tuple[tuple[str, int, int, int, int, float], ...] = (
+    ("gpt-1.7b", 1, 1, 32, 512, 137),
+    ("gpt-3.6b", 2, 1, 64, 512, 138),
+    ("gpt-7.5b", 4, 1, 128, 512, 142),
+    ("gpt-18b", 8, 1, 256, 1024, 135),
+    ("gpt-39b", 8, 2, 512, 1536, 138),
+    ("gpt-76b", 8, 4, 1024, 1792, 140),
+    ("gpt-146b", 8, 8, 1536, 2304, 148),
+    ("gpt-310b", 8, 16, 1920, 2160, 155),
+    ("gpt-530b", 8, 35, 2520, 2520, 163),
+    ("gpt-1t", 8, 64, 3072, 3072, 163),
+)
+"""Megatron-LM's weak-scaling runs on Selene (DGX A100 80GB nodes of 8 GPUs, NVLink3
+inside, 8 HDR InfiniBand ports each, Narayanan et al., SC21, table 1): model, tensor- and
+pipeline-parallel size, GPUs, global batch and achieved TFLOP/s per GPU."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cluster:
+    """``gpus`` GPUs of kind ``gpu``, ``gpus_per_node`` to a node joined by ``intra``; the
+    nodes by ``inter`` ports, ``nics_per_node`` of them; the matrix kernels reach
+    ``efficiency`` of the GPU's peak."""
+
+    gpus: int
+    gpu: GPU
+    gpus_per_node: int = 8
+    intra: AlphaBeta = AlphaBeta(2e-6, 300e9)
+    inter: AlphaBeta = AlphaBeta(2e-6, 25e9)
+    nics_per_node: int = 8
+    efficiency: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1 or self.nics_per_node < 1:
+            raise ValueError("gpus, gpus_per_node and nics_per_node must be positive")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"efficiency={self.efficiency} must lie in (0, 1]")
+
+    def inter_per_gpu(self) -> AlphaBeta:
+        """The share of the node's ports each GPU gets when all send at once."""
+        share = min(1.0, self.nics_per_node / self.gpus_per_node)
+        return AlphaBeta(self.inter.alpha, self.inter.beta * share)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Layout:
+    """``dp`` × ``tp`` × ``pp`` GPUs, ``micro_batch`` sequences per micro-batch, ZeRO stage
+    ``zero`` (0: none), full activation ``recompute``, ``chunks`` model chunks per stage
+    (the interleaved 1F1B schedule; 1: plain 1F1B)."""
+
+    dp: int
+    tp: int
+    pp: int
+    micro_batch: int
+    zero: int = 0
+    recompute: bool = True
+    chunks: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Estimate:
+    """One layout's estimate: memory per GPU (bytes) and the step (seconds) by part;
+    ``refused`` says why it cannot run (None: it can)."""
+
+    layout: Layout
+    micro_batches: int
+    memory: dict[str, float]
+    time: dict[str, float]
+    step_s: float
+    tflops_per_gpu: float
+    refused: str | None
+
+    def row(self) -> dict[str, Any]:
+        """The layout, ``memory_gb``, ``step_s``, ``tflops_per_gpu`` and the parts (JSON)."""
+        out: dict[str, Any] = asdict(self.layout)
+        out["micro_batches"] = self.micro_batches
+        out["memory_gb"] = round(sum(self.memory.values()) / GB, 3)
+        out["memory_parts_gb"] = {k: round(v / GB, 3) for k, v in self.memory.items()}
+        out["step_s"] = self.step_s
+        out["time_parts_s"] = dict(self.time)
+        out["tflops_per_gpu"] = round(self.tflops_per_gpu, 2)
+        out["refused"] = self.refused
+        return out
+
+
+RESERVED = 2 * GB
+"""Memory per GPU the planner leaves to the CUDA context, communication buffers and the
+allocator's slack."""
+
+
+def _stage_params(model: GPT, lay: Layout) -> float:
+    """Parameters one GPU of the heaviest stage holds: its layers' share, and the
+    embeddings where the first (and, tied, the last) stage holds them."""
+    h, per = model.hidden, model.layers // lay.pp
+    layers = per * model.layer_params() / lay.tp
+    first = (model.vocab * h) / lay.tp + model.seq * h
+    last = (model.vocab * h) / lay.tp + 2 * h
+    return layers + (first + last if lay.pp == 1 else max(first, last))
+
+
+def _states_bytes(phi: float, lay: Layout) -> dict[str, float]:
+    d, z = lay.dp, lay.zero
+    return {
+        "parameters": 2 * phi / (d if z >= 3 else 1),
+        "gradients": 2 * phi / (d if z >= 2 else 1),
+        "optimizer": 12 * phi / (d if z >= 1 else 1),
+    }
+
+
+def _activation_bytes(model: GPT, lay: Layout, m: int) -> float:
+    s, b, h, a, t = model.seq, lay.micro_batch, model.hidden, model.heads, lay.tp
+    full = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    per_layer = 2 * s * b * h if lay.recompute else full
+    p, v = lay.pp, lay.chunks
+    flight = min(m, p) * (1 + (p - 1) / (p * v) if v > 1 else 1)
+    acts = model.layers // p * flight * per_layer + (full if lay.recompute else 0)
+    logits = 2 * 4 * s * b * model.vocab / t  # fp32 logits and their gradient, last stage
+    return acts + logits
+
+
+def _elementwise_bytes(model: GPT, lay: Layout) -> float:
+    """Bytes one layer's forward moves through memory on one GPU outside its matrix
+    products: the attention scores' scale, mask, softmax and dropout (9 bytes per score,
+    split over ``tp``), bias and GeLU on the MLP's 4h (16 bytes per token and h, split),
+    and the two layer norms, dropouts and residual adds (24, repeated on every ``tp`` rank)."""
+    s, b, h, a, t = model.seq, lay.micro_batch, model.hidden, model.heads, lay.tp
+    return 9 * b * a * s * s / t + b * s * h * (24 + 16 / t)
+
+
+def _dp_time(phi: float, lay: Layout, cl: Cluster, m: int) -> float:
+    """The data-parallel traffic of a step: the gradients' allreduce over the ``dp``
+    replicas (hierarchical where a node holds several) once, as ZeRO-1's reduce-scatter
+    and allgather; ZeRO-2 reduce-scatters every micro-batch's gradients, and ZeRO-3 also
+    allgathers the parameters for each micro-batch's forward and backward."""
+    d, nbytes = lay.dp, 2 * phi
+    if d < 2:
+        return 0.0
+    here = max(1, min(d, cl.gpus_per_node // (lay.tp * lay.pp)))  # replicas sharing a node
+    if here >= d:
+        t = ring_allreduce(cl.intra, d, nbytes)
+    else:
+        t = ring_allreduce(cl.inter_per_gpu(), d // here, nbytes / here)
+        t += 2 * ring_reduce_scatter(cl.intra, here, nbytes)
+    halves = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[lay.zero]  # a reduce-scatter or allgather each
+    return halves / 2 * t
+
+
+def estimate(model: GPT, batch: int, lay: Layout, cl: Cluster) -> Estimate:
+    """Estimate ``lay`` for ``model`` at ``batch`` sequences per step on ``cl``.
+
+    Raises:
+        ValueError: a layout that does not divide the GPUs, the batch, the layers or the
+            heads.
+    """
+    p, t, d, b, v = lay.pp, lay.tp, lay.dp, lay.micro_batch, lay.chunks
+    if d * t * p != cl.gpus:
+        raise ValueError(f"dp={d} x tp={t} x pp={p} = {d * t * p} != {cl.gpus} GPUs")
+    if batch % (d * b):
+        raise ValueError(f"batch {batch} is not a multiple of dp={d} x micro_batch={b}")
+    if model.layers % (p * v):
+        raise ValueError(f"{model.layers} layers do not split into pp={p} x chunks={v}")
+    if model.heads % t:
+        raise ValueError(f"{model.heads} heads do not split over tp={t}")
+    m = batch // (d * b)
+    s, h, gpu = model.seq, model.hidden, cl.gpu
+    rate = cl.efficiency * gpu.peak
+    per = model.layers // p
+    fwd = 24 * b * s * h * h * (1 + s / (6 * h)) / t  # one layer's forward on one GPU
+    passes = 4 if lay.recompute else 3  # forward, (recomputed forward,) backward twice over
+    layers = per * passes * (fwd / rate + _elementwise_bytes(model, lay) / gpu.hbm)
+    logits = 6 * b * s * h * model.vocab / t / rate
+    act = 2 * b * s * h  # bytes of a micro-batch's activations
+    tp_link = cl.intra if t <= cl.gpus_per_node else cl.inter_per_gpu()
+    tp = per * (6 if lay.recompute else 4) * ring_allreduce(tp_link, t, act)
+    pp_link = cl.intra if t * p <= cl.gpus_per_node else cl.inter_per_gpu()
+    pp = 0.0 if p == 1 else 2 * v * (pp_link.alpha + act / t / pp_link.beta)
+    stage = layers + tp + pp
+    phi = _stage_params(model, lay)
+    shard = phi / d if lay.zero >= 1 else phi
+    optimizer = 28 * shard / gpu.hbm  # Adam: fp32 master, m, v and fp16 copies, read and written
+    parts = {
+        "compute": m * (layers + logits) + optimizer,
+        "bubble": (p - 1) / v * stage,
+        "tp_comm": m * tp,
+        "pp_comm": m * pp,
+        "dp_comm": _dp_time(phi, lay, cl, m),
+    }
+    step = sum(parts.values())
+    memory = _states_bytes(phi, lay)
+    memory["activations"] = _activation_bytes(model, lay, m)
+    used = sum(memory.values())
+    refused = None
+    if used > gpu.memory - RESERVED:
+        refused = f"out of memory: {used / GB:.1f} GB of {(gpu.memory - RESERVED) / GB:.0f} GB usable"
+    elif m < p:
+        refused = f"bubble: {m} micro-batches for {p} stages, the pipeline never fills"
+    tflops = model.flops(batch, lay.recompute) / step / cl.gpus / 1e12
+    return Estimate(
+        layout=lay, micro_batches=m, memory=memory, time=parts, step_s=step, tflops_per_gpu=tflops, refused=refused
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def layouts(
+    model: GPT,
+    batch: int,
+    cl: Cluster,
+    *,
+    tp: int | None = None,
+    pp: int | None = None,
+    micro_batch: int | None = None,
+    zero: int | None = None,
+    recompute: bool | None = None,
+    chunks: int | None = None,
+) -> Iterator[Layout]:
+    """Every layout that divides the GPUs, batch, layers and heads; the arguments given fix
+    those parts. ZeRO-2 and 3 only without pipeline stages (their gradients and parameters
+    are sharded per micro-batch); chunks only where the micro-batches are a multiple of
+    the stages (Megatron-LM's condition for its interleaved schedule)."""
+    for t in [tp] if tp else [k for k in _divisors(cl.gpus) if model.heads % k == 0 and k <= 4 * cl.gpus_per_node]:
+        for p in [pp] if pp else [k for k in _divisors(cl.gpus // t) if model.layers % k == 0]:
+            if cl.gpus % (t * p):
+                continue
+            d = cl.gpus // (t * p)
+            for b in [micro_batch] if micro_batch else [1, 2, 4, 8, 16]:
+                if batch % (d * b):
+                    continue
+                m = batch // (d * b)
+                for z in [zero] if zero is not None else ([0, 1, 2, 3] if p == 1 else [0, 1]):
+                    for r in [recompute] if recompute is not None else [True, False]:
+                        every = [1]
+                        if p > 1 and m % p == 0:
+                            every += [v for v in _divisors(model.layers // p) if 1 < v <= 8]
+                        for v in [chunks] if chunks else every:
+                            yield Layout(dp=d, tp=t, pp=p, micro_batch=b, zero=z, recompute=r, chunks=v)
+
+
+def plan(model: GPT, batch: int, cl: Cluster, **fixed: Any) -> tuple[list[Estimate], list[Estimate]]:
+    """(the layouts that fit, fastest first; the refused ones, fastest first)."""
+    every = sorted((estimate(model, batch, lay, cl) for lay in layouts(model, batch, cl, **fixed)), key=_order)
+    return [e for e in every if e.refused is None], [e for e in every if e.refused is not None]
+
+
+def _order(e: Estimate) -> tuple[float, float]:
+    return (e.step_s, sum(e.memory.values()))
+
+
+def calibrate(model: GPT, batch: int, lay: Layout, cl: Cluster, tflops: float) -> float:
+    """The compute efficiency at which ``lay`` runs at ``tflops`` per GPU on ``cl``.
+
+    Raises:
+        ValueError: not even matrix kernels at the GPU's peak reach ``tflops`` there.
+    """
+
+    def at(e: float) -> float:
+        return estimate(model, batch, lay, replace(cl, efficiency=e)).tflops_per_gpu
+
+    if at(1.0) < tflops:
+        raise ValueError(f"{tflops} TFLOP/s per GPU is out of reach: at the GPU's peak the layout gives {at(1.0):.1f}")
+    lo, hi = 1e-4, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if at(mid) < tflops else (lo, mid)
+    return (lo + hi) / 2
+
+
+def published(name: str, tp: int, pp: int, gpus: int, batch: int, cl: Cluster) -> Estimate:
+    """The estimate of a published run's layout (Megatron-LM's: no ZeRO, recomputation) at
+    the micro-batch and chunks that are fastest and fit, which the table does not give.
+
+    Raises:
+        ValueError: no micro-batch and chunks fit.
+    """
+    ok, _ = plan(MODELS[name], batch, replace(cl, gpus=gpus), tp=tp, pp=pp, zero=0, recompute=True)
+    if not ok:
+        raise ValueError(f"{name}: no micro-batch fits tp={tp} pp={pp} on {gpus} GPUs")
+    return ok[0]
+
+
+def validate(anchor: str, cl: Cluster) -> list[dict[str, Any]]:
+    """Megatron-LM's weak-scaling runs (:data:`MEGATRON_WEAK_SCALING`) against this model:
+    calibrated on the run of model ``anchor``, each run's published and predicted TFLOP/s
+    per GPU, and the step of the planner's own choice against the published layout's."""
+    row = next((r for r in MEGATRON_WEAK_SCALING if r[0] == anchor), None)
+    if row is None:
+        raise ValueError(f"anchor {anchor!r}: one of {', '.join(r[0] for r in MEGATRON_WEAK_SCALING)}")
+    name, tp, pp, gpus, batch, tflops = row
+    cl = replace(
+        cl, efficiency=calibrate(MODELS[name], batch, published(*row[:5], cl).layout, replace(cl, gpus=gpus), tflops)
+    )
+    out = []
+    for name, tp, pp, gpus, batch, tflops in MEGATRON_WEAK_SCALING:
+        theirs = published(name, tp, pp, gpus, batch, cl)
+        ours = plan(MODELS[name], batch, replace(cl, gpus=gpus))[0][0]
+        out.append(
+            {
+                "model": name,
+                "efficiency": cl.efficiency,
+                "published_tflops": tflops,
+                "predicted_tflops": theirs.tflops_per_gpu,
+                "error": theirs.tflops_per_gpu / tflops - 1,
+                "published_step_s": theirs.step_s,
+                "chosen": ours.row(),
+            }
+        )
+    return out
+
+
+# -- the command ---------------------------------------------------------------------------
+def _link(text: str, what: str) -> AlphaBeta:
+    """A link by name or α-β, or the link a node report's measured allreduce implies."""
+    if text.endswith(".json"):
+        with open(text) as fh:
+            report = json.load(fh)
+        for entry in report.get("pipeline", []):
+            model = (entry or {}).get("tp_models", {}).get("allreduce")
+            ranks = int(str(entry.get("grid", "1x2x1")).split()[0].split("x")[1]) if model else 0  # dp x tp x pp
+            if model:
+                return link_from_allreduce(AlphaBeta(model["alpha_s"], model["beta_Bps"]), ranks)
+        raise ValueError(f"{what} {text}: the node report holds no measured allreduce (run its pipeline step)")
+    return parse_link(text)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m hpcdl.plan",
+        description="Rank the DP x TP x PP x ZeRO layouts of a GPT on N GPUs by estimated step time.",
+    )
+    p.add_argument("--model", choices=sorted(MODELS), help="a named GPT (or give its sizes below)")
+    for name in ("layers", "hidden", "heads", "seq", "vocab"):
+        p.add_argument(f"--{name}", type=int)
+    p.add_argument("--global-batch", type=int, help="sequences per step")
+    p.add_argument("--gpus", type=int)
+    p.add_argument("--gpu", choices=sorted(GPUS), default="a100")
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument(
+        "--intra", help="link inside a node: a name, 'latency=..,bandwidth=..' or a node report's report.json"
+    )
+    p.add_argument("--inter", default="ib-hdr", help="port between nodes: a name or 'latency=..,bandwidth=..'")
+    p.add_argument("--nics-per-node", type=int, help="ports per node (default: one per GPU)")
+    p.add_argument("--tp", type=int)
+    p.add_argument("--pp", type=int)
+    p.add_argument("--micro-batch", type=int)
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
+    p.add_argument("--recompute", choices=["yes", "no"])
+    p.add_argument("--chunks", type=int, help="model chunks per stage (the interleaved schedule; 1: plain 1F1B)")
+    p.add_argument("--compute-efficiency", type=float, default=0.5, help="fraction of peak the matrix kernels reach")
+    p.add_argument("--measured-tflops", type=float, help="calibrate the efficiency on this layout's measured TFLOP/s")
+    p.add_argument("--top", type=int, default=10, help="rows in the table")
+    p.add_argument("--json", action="store_true", help="print the rows as JSON, best first")
+    p.add_argument("--plot", help="write the step breakdown of the best rows to this SVG file")
+    p.add_argument(
+        "--validate",
+        metavar="ANCHOR",
+        nargs="?",
+        const="gpt-146b",
+        help="instead: calibrate on Megatron-LM's published run of model ANCHOR (default gpt-146b) and "
+        "predict its other weak-scaling runs",
+    )
+    return p
+
+
+def _validation(anchor: str, as_json: bool, p: argparse.ArgumentParser) -> int:
+    cl = Cluster(gpus=8, gpu=GPUS["a100"], intra=parse_link("nvlink3"), inter=parse_link("ib-hdr"))
+    try:
+        rows = validate(anchor, cl)
+    except ValueError as exc:
+        p.error(str(exc))
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"# calibrated on {anchor}: compute efficiency {rows[0]['efficiency']:.3f} of the A100's peak")
+    print(
+        f"{'model':<10} {'published':>9} {'predicted':>9} {'error':>7}  planner's choice (its step / the published layout's)"
+    )
+    for r in rows:
+        c = r["chosen"]
+        print(
+            f"{r['model']:<10} {r['published_tflops']:>9.0f} {r['predicted_tflops']:>9.1f} {r['error']:>+7.1%}  "
+            f"dp={c['dp']} tp={c['tp']} pp={c['pp']} micro_batch={c['micro_batch']} zero={c['zero']} "
+            f"recompute={'yes' if c['recompute'] else 'no'} chunks={c['chunks']} ({c['step_s'] / r['published_step_s']:.2f})"
+        )
+    return 0
+
+
+def _model(a: argparse.Namespace, p: argparse.ArgumentParser) -> GPT:
+    sizes = {k: getattr(a, k) for k in ("layers", "hidden", "heads", "seq", "vocab")}
+    base = MODELS[a.model] if a.model else None
+    if base is None and None in sizes.values():
+        p.error("give --model or all of --layers --hidden --heads --seq --vocab")
+    given = {k: v for k, v in sizes.items() if v is not None}
+    try:
+        return replace(base, **given) if base else GPT(**given)
+    except ValueError as exc:
+        p.error(str(exc))
+        raise
+
+
+def _table(rows: Sequence[Estimate], top: int) -> list[str]:
+    head = (
+        f"{'dp':>4} {'tp':>3} {'pp':>3} {'mb':>3} {'m':>5} {'zero':>4} {'rec':>3} {'chk':>3} {'mem GB':>7} "
+        f"{'step s':>8} {'TFLOP/s':>8}  {'compute':>7} {'bubble':>6} {'tp':>5} {'pp':>5} {'dp':>5}"
+    )
+    lines = [head]
+    for e in rows[:top]:
+        lay, tm = e.layout, e.time
+        share = {k: tm[k] / e.step_s for k in tm}
+        lines.append(
+            f"{lay.dp:>4} {lay.tp:>3} {lay.pp:>3} {lay.micro_batch:>3} {e.micro_batches:>5} {lay.zero:>4} "
+            f"{'yes' if lay.recompute else 'no':>3} {lay.chunks:>3} {sum(e.memory.values()) / GB:>7.1f} "
+            f"{e.step_s:>8.3f} {e.tflops_per_gpu:>8.1f}  {share['compute']:>7.0%} {share['bubble']:>6.0%} "
+            f"{share['tp_comm']:>5.0%} {share['pp_comm']:>5.0%} {share['dp_comm']:>5.0%}"
+        )
+    return lines
+
+
+def _svg(rows: Sequence[Estimate], path: str) -> None:
+    parts = [("compute", "#4c72b0"), ("bubble", "#dd8452"), ("tp_comm", "#55a868"), ("pp_comm", "#8172b3")]
+    parts.append(("dp_comm", "#c44e52"))
+    width, bar, left = 720, 22, 210
+    longest = max(e.step_s for e in rows)
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{40 + bar * len(rows) + 30}" '
+        'font-family="sans-serif" font-size="11">',
+        '<text x="4" y="14">step time by part (s); best layouts first</text>',
+    ]
+    for i, e in enumerate(rows):
+        y, x, lay = 24 + i * bar, float(left), e.layout
+        label = f"dp{lay.dp} tp{lay.tp} pp{lay.pp} mb{lay.micro_batch} z{lay.zero} {'rc' if lay.recompute else ''}"
+        out.append(f'<text x="4" y="{y + 15}">{label} v{lay.chunks}</text>')
+        for name, color in parts:
+            w = e.time[name] / longest * (width - left - 70)
+            out.append(f'<rect x="{x:.1f}" y="{y + 3}" width="{w:.1f}" height="{bar - 6}" fill="{color}"/>')
+            x += w
+        out.append(f'<text x="{x + 4:.1f}" y="{y + 15}">{e.step_s:.2f}</text>')
+    y = 34 + bar * len(rows)
+    for k, (name, color) in enumerate(parts):
+        out.append(f'<rect x="{4 + k * 110}" y="{y}" width="10" height="10" fill="{color}"/>')
+        out.append(f'<text x="{18 + k * 110}" y="{y + 9}">{name}</text>')
+    out.append("</svg>")
+    with open(path, "w") as fh:
+        fh.write("\n".join(out) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command: parse, plan, print (a table, or ``--json``); 0, or 2 on bad input."""
+    p = _parser()
+    a = p.parse_args(argv)
+    if a.validate:
+        return _validation(a.validate, a.json, p)
+    if a.global_batch is None or a.gpus is None:
+        p.error("--global-batch and --gpus are required")
+    model = _model(a, p)
+    if a.gpus < 1 or a.global_batch < 1 or a.gpus_per_node < 1:
+        p.error("--gpus, --global-batch and --gpus-per-node must be positive")
+    gpu = GPUS[a.gpu]
+    try:
+        intra = _link(a.intra or gpu.intra, "--intra")
+        inter = _link(a.inter, "--inter")
+    except (OSError, ValueError) as exc:
+        p.error(str(exc))
+    cl = Cluster(
+        gpus=a.gpus,
+        gpu=gpu,
+        gpus_per_node=a.gpus_per_node,
+        intra=intra,
+        inter=inter,
+        nics_per_node=a.nics_per_node or a.gpus_per_node,
+        efficiency=a.compute_efficiency,
+    )
+    fixed: dict[str, Any] = {"tp": a.tp, "pp": a.pp, "micro_batch": a.micro_batch, "zero": a.zero}
+    fixed["recompute"] = None if a.recompute is None else a.recompute == "yes"
+    fixed["chunks"] = a.chunks
+    if a.measured_tflops is not None:  # on the fastest layout that fits with the parts given
+        if None in (a.tp, a.pp, a.micro_batch):
+            p.error("--measured-tflops needs the measured layout: --tp, --pp and --micro-batch")
+        fits = plan(model, a.global_batch, cl, **fixed)[0]
+        if not fits:
+            p.error("--measured-tflops: no layout with the parts given fits")
+        try:
+            cl = replace(cl, efficiency=calibrate(model, a.global_batch, fits[0].layout, cl, a.measured_tflops))
+        except ValueError as exc:
+            p.error(str(exc))
+        lay = fits[0].layout
+        print(
+            f"# compute efficiency {cl.efficiency:.3f} of peak gives {a.measured_tflops} TFLOP/s per GPU at dp={lay.dp} "
+            f"tp={lay.tp} pp={lay.pp} micro_batch={lay.micro_batch} zero={lay.zero} chunks={lay.chunks}",
+            file=sys.stderr,
+        )
+    ok, refused = plan(model, a.global_batch, cl, **fixed)
+    if a.plot and ok:
+        _svg(ok[: min(a.top, 12)], a.plot)
+    if a.json:
+        print(json.dumps([e.row() for e in ok], indent=1))
+        return 0 if ok else 1
+    print(
+        f"# GPT of {model.params() / 1e9:.2f}B parameters ({model.layers} layers, hidden {model.hidden}, "
+        f"{model.heads} heads, seq {model.seq}, vocab {model.vocab}), batch {a.global_batch}, {a.gpus} x {gpu.name}, "
+        f"{cl.gpus_per_node} per node, efficiency {cl.efficiency:.3f}"
+    )
+    print("\n".join(_table(ok, a.top)) if ok else "no layout fits")
+    for e in refused[:5]:
+        lay = e.layout
+        print(
+            f"refused dp={lay.dp} tp={lay.tp} pp={lay.pp} micro_batch={lay.micro_batch} zero={lay.zero} "
+            f"recompute={'yes' if lay.recompute else 'no'} chunks={lay.chunks} ({e.step_s:.3f} s): {e.refused}"
+        )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

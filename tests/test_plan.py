@@ -1,0 +1,203 @@
+"""The planner (``python -m hpcdl.plan``): its counts against explicit sums, its step
+times against Megatron-LM's published weak-scaling runs, its layouts and its command."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from collectives.cost import (
+    LINKS,
+    AlphaBeta,
+    fit,
+    link_from_allreduce,
+    parse_link,
+    ring_allgather,
+    ring_allreduce,
+    ring_reduce_scatter,
+)
+from hpcdl.plan import GPT, GPUS, MEGATRON_WEAK_SCALING, MODELS, Cluster, Layout, estimate, main, plan, validate
+
+PUBLISHED_BILLIONS = {  # parameters Megatron-LM's table gives each size
+    "gpt-1.7b": 1.7,
+    "gpt-3.6b": 3.6,
+    "gpt-7.5b": 7.5,
+    "gpt-18b": 18.4,
+    "gpt-39b": 39.1,
+    "gpt-76b": 76.1,
+    "gpt-146b": 145.6,
+    "gpt-310b": 310.1,
+    "gpt-530b": 529.6,
+    "gpt-1t": 1008.0,
+}
+SELENE = Cluster(gpus=8, gpu=GPUS["a100"], intra=LINKS["nvlink3"], inter=LINKS["ib-hdr"])
+
+
+def _explicit_params(m: GPT) -> int:
+    h = m.hidden
+    shapes = [(h, 3 * h), (3 * h,), (h, h), (h,), (h, 4 * h), (4 * h,), (4 * h, h), (h,)] + [(h,)] * 4
+    per_layer = sum(math.prod(s) for s in shapes)
+    return m.layers * per_layer + m.vocab * h + m.seq * h + 2 * h
+
+
+def test_parameters_match_an_explicit_count_and_megatrons_table():
+    for name, billions in PUBLISHED_BILLIONS.items():
+        m = MODELS[name]
+        assert m.params() == _explicit_params(m), name
+        assert round(m.params() / 1e9, 1) == billions, name
+
+
+def test_flops_count_every_matrix_product_as_megatron_does():
+    m = GPT(layers=6, hidden=512, heads=8, seq=256, vocab=1000)
+    b, s, h, v = 4, m.seq, m.hidden, m.vocab
+    # per layer forward: QKV, scores, scores x V, projection, the MLP's two; then the logits
+    layer = (
+        2 * b * s * h * 3 * h + 2 * b * s * s * h + 2 * b * s * s * h + 2 * b * s * h * h + 2 * 2 * b * s * h * 4 * h
+    )
+    logits = 2 * b * s * h * v
+    plain = 3 * (m.layers * layer + logits)  # forward, and backward at twice its cost
+    assert m.flops(b, recompute=False) == pytest.approx(plain, rel=1e-12)
+    assert m.flops(b, recompute=True) == pytest.approx(plain + m.layers * layer, rel=1e-12)
+
+
+def test_ring_times_fit_back_to_the_link_they_ran_on():
+    link = AlphaBeta(3e-6, 20e9)
+    for n in (2, 3, 8, 64):
+        sizes = [1 << k for k in range(10, 28, 3)]
+        measured = fit([(sz, ring_allreduce(link, n, sz)) for sz in sizes])
+        back = link_from_allreduce(measured, n)
+        assert back.alpha == pytest.approx(link.alpha, rel=1e-6) and back.beta == pytest.approx(link.beta, rel=1e-6)
+        assert ring_allgather(link, n, 1 << 20) == ring_reduce_scatter(link, n, 1 << 20)
+        assert ring_allreduce(link, n, 1 << 20) == pytest.approx(2 * (n - 1) * (3e-6 + (1 << 20) / n / 20e9))
+    assert ring_allreduce(link, 1, 1 << 20) == 0.0
+
+
+def test_links_parse_from_names_and_units():
+    assert parse_link("latency=5us,bandwidth=12.5GB/s") == AlphaBeta(pytest.approx(5e-6), 12.5e9)
+    assert parse_link(" Latency = 2 ms , bandwidth=100Gbit/s") == AlphaBeta(pytest.approx(2e-3), 12.5e9)
+    assert parse_link("bandwidth=800 MB/s") == AlphaBeta(0.0, 800e6)
+    assert parse_link("IB-HDR") == LINKS["ib-hdr"] == AlphaBeta(2e-6, 25e9)
+    for bad, why in (
+        ("latency=5", "with a unit"),
+        ("latency=-1us", "positive"),
+        ("bandwidth=fast", "with a unit"),
+        ("speed=1GB/s", "expected one of"),
+        ("token-ring", "expected one of"),
+        ("", "expected one of"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            parse_link(bad)
+
+
+@pytest.mark.parametrize("anchor", ["gpt-146b", "gpt-1.7b", "gpt-1t"])
+def test_calibrated_on_one_megatron_run_it_predicts_the_others_within_15_percent(anchor):
+    rows = validate(anchor, SELENE)
+    assert [r["model"] for r in rows] == [r[0] for r in MEGATRON_WEAK_SCALING]
+    assert 0.3 < rows[0]["efficiency"] < 0.9
+    for r in rows:
+        assert abs(r["error"]) < 0.15, r
+        assert r["predicted_tflops"] == pytest.approx(r["published_tflops"] * (1 + r["error"]))
+        if r["model"] == anchor:
+            assert r["error"] == pytest.approx(0, abs=1e-6)
+        assert r["chosen"]["step_s"] <= r["published_step_s"], f"{r['model']}: the choice is slower than published"
+    with pytest.raises(ValueError, match="anchor 'gpt-2'"):
+        validate("gpt-2", SELENE)
+
+
+def test_validation_prints_from_the_command(capsys):
+    assert main(["--validate"]) == 0
+    out = capsys.readouterr().out
+    assert "calibrated on gpt-146b" in out and len(out.splitlines()) == 2 + len(MEGATRON_WEAK_SCALING)
+
+
+def test_memory_follows_the_zero_stage_and_recomputation():
+    m, batch = MODELS["gpt-7.5b"], 512
+    cl = replace(SELENE, gpus=64)
+    mem = {z: estimate(m, batch, Layout(dp=16, tp=4, pp=1, micro_batch=2, zero=z), cl).memory for z in range(4)}
+    phi = (m.layers * m.layer_params() + 2 * m.vocab * m.hidden) / 4 + m.seq * m.hidden + 2 * m.hidden
+    assert mem[0]["parameters"] + mem[0]["gradients"] + mem[0]["optimizer"] == pytest.approx(16 * phi)
+    assert mem[1]["optimizer"] == pytest.approx(12 * phi / 16) and mem[1]["gradients"] == mem[0]["gradients"]
+    assert mem[2]["gradients"] == pytest.approx(2 * phi / 16) and mem[2]["parameters"] == mem[0]["parameters"]
+    assert mem[3]["parameters"] == pytest.approx(2 * phi / 16)
+    keep = estimate(m, batch, Layout(dp=16, tp=4, pp=1, micro_batch=2, recompute=False), cl)
+    again = estimate(m, batch, Layout(dp=16, tp=4, pp=1, micro_batch=2, recompute=True), cl)
+    assert keep.memory["activations"] > 5 * again.memory["activations"]
+    assert keep.step_s < again.step_s  # recomputing costs a forward pass
+
+
+def test_a_model_too_large_for_its_gpus_is_refused_with_the_reason():
+    ok, refused = plan(MODELS["gpt-1t"], 64, replace(SELENE, gpus=8))
+    assert ok == [] and refused
+    assert all("out of memory" in e.refused or "bubble" in e.refused for e in refused)
+    assert refused == sorted(refused, key=lambda e: e.step_s)
+
+
+def test_a_bad_layout_names_what_does_not_divide():
+    m = MODELS["gpt-1.7b"]
+    for lay, why in (
+        (Layout(dp=3, tp=1, pp=1, micro_batch=1), "!= 8 GPUs"),
+        (Layout(dp=8, tp=1, pp=1, micro_batch=3), "not a multiple"),
+        (Layout(dp=1, tp=1, pp=8, micro_batch=1, chunks=2), "24 layers do not split into pp=8 x chunks=2"),
+        (Layout(dp=1, tp=8, pp=1, micro_batch=1), "heads do not split"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            estimate(replace(m, heads=12, hidden=2304) if "heads" in why else m, 512, lay, SELENE)
+    with pytest.raises(ValueError, match="hidden=100 is not a multiple of heads=3"):
+        GPT(layers=2, hidden=100, heads=3, seq=8, vocab=10)
+
+
+def _run(capsys, *args):
+    code = main(list(args))
+    return code, capsys.readouterr()
+
+
+def test_the_command_ranks_layouts_as_json_best_first(capsys, tmp_path):
+    base = ["--layers", "24", "--hidden", "2304", "--heads", "24", "--seq", "2048", "--vocab", "51200"]
+    base += ["--global-batch", "512", "--gpus", "32", "--gpu", "a100", "--inter", "ib-hdr"]
+    code, out = _run(capsys, *base, "--json", "--plot", str(tmp_path / "steps.svg"))
+    rows = json.loads(out.out)
+    assert code == 0 and rows and [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
+    for r in rows:
+        assert {"dp", "tp", "pp", "micro_batch", "zero", "recompute", "memory_gb", "step_s", "tflops_per_gpu"} <= set(r)
+        assert r["dp"] * r["tp"] * r["pp"] == 32 and r["memory_gb"] <= 78
+        assert sum(r["time_parts_s"].values()) == pytest.approx(r["step_s"])
+    svg = (tmp_path / "steps.svg").read_text()
+    assert svg.startswith("<svg") and svg.count("<rect") == 5 * min(10, len(rows)) + 5
+    code, out = _run(capsys, *base, "--tp", "2", "--pp", "2", "--micro-batch", "2", "--json")
+    fixed = json.loads(out.out)
+    assert code == 0 and fixed and all((r["tp"], r["pp"], r["micro_batch"]) == (2, 2, 2) for r in fixed)
+    # calibrated on a measured figure, the layout it was measured on predicts that figure
+    every = ["--tp", "2", "--pp", "1", "--micro-batch", "4", "--zero", "1", "--recompute", "yes", "--chunks", "1"]
+    code, out = _run(capsys, *base, *every, "--measured-tflops", "120", "--json")
+    assert code == 0 and "compute efficiency" in out.err
+    (row,) = json.loads(out.out)
+    assert row["tflops_per_gpu"] == pytest.approx(120, abs=0.01)
+    code, out = _run(capsys, "--model", "gpt-1.7b", "--global-batch", "512", "--gpus", "32", "--tp", "2")
+    assert code == 0 and "GPT of 1.65B parameters" in out.out
+
+
+def test_the_command_takes_a_node_reports_link_and_refuses_bad_input(capsys, tmp_path):
+    report = tmp_path / "report.json"
+    report.write_text(
+        json.dumps({"pipeline": [{"grid": "1x4x1", "tp_models": {"allreduce": {"alpha_s": 6e-5, "beta_Bps": 1e9}}}]})
+    )
+    base = ["--model", "gpt-1.7b", "--global-batch", "64", "--gpus", "8", "--json"]
+    code, out = _run(capsys, *base, "--intra", str(report))
+    assert code == 0 and json.loads(out.out)
+    assert link_from_allreduce(AlphaBeta(6e-5, 1e9), 4) == AlphaBeta(pytest.approx(1e-5), pytest.approx(1.5e9))
+    for args, why in (
+        (["--gpus", "0"], "must be positive"),
+        (["--inter", "token-ring"], "expected one of"),
+        (["--intra", str(tmp_path / "none.json")], "No such file"),
+        (["--measured-tflops", "100"], "needs the measured layout"),
+        (["--hidden", "2300"], "not a multiple of heads"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            main(base + args)
+        assert exc.value.code == 2
+        assert why in capsys.readouterr().err, args
+    code, out = _run(capsys, "--model", "gpt-1t", "--global-batch", "64", "--gpus", "8")
+    assert code == 1 and "no layout fits" in out.out and "refused" in out.out and "out of memory" in out.out
