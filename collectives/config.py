@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .cost import parse_link
 from .errors import ConfigError
 
 __all__ = [
@@ -38,6 +39,11 @@ class Config:
 
     ranks_per_node: int = 0
     """Split each shared-memory node into simulated nodes of this many ranks (0: off)."""
+
+    link: str = ""
+    """Emulate this link between nodes (real, or simulated by ``ranks_per_node``): a name from
+    :data:`.cost.LINKS` or ``"latency=5us,bandwidth=12.5GB/s"``; empty: off (see
+    :mod:`.link`)."""
 
     tuning_file: str = ""
     """Tuning table for ``algorithm="auto"``; empty means the table shipped in the package."""
@@ -135,6 +141,11 @@ class Config:
     def __post_init__(self) -> None:
         if self.ranks_per_node < 0:
             raise ConfigError(f"ranks_per_node={self.ranks_per_node} must be >= 0 (0 turns it off)")
+        if self.link:
+            try:
+                parse_link(self.link)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if self.segment_bytes < 64:
             raise ConfigError(f"segment_bytes={self.segment_bytes} must be at least 64")
         if self.shm_bytes < 4096:

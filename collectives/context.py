@@ -20,6 +20,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .config import Config, load_config
+from .cost import parse_link
+from .link import emulate
 from .node.arena import Arena
 from .node.channel import Channel
 from .transport import MPITransport
@@ -113,8 +115,10 @@ class Context:
     """Everything cached per communicator."""
 
     def __init__(self, transport: Any, config: Config | None = None) -> None:
-        self.transport = transport
         self.config = config or load_config()
+        if self.config.link and type(transport) is MPITransport:  # messages between nodes take the link's time
+            transport = emulate(transport, parse_link(self.config.link), self.config.ranks_per_node)
+        self.transport = transport
         self.scratch = ScratchPool()
         self.inflight: list[Pending] = []
         self.shm_queue: collections.deque = collections.deque()

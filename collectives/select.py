@@ -123,9 +123,11 @@ def choose(ctx: Any, collective: str, nbytes: int) -> str:
     if picks is None:  # the rules that apply here, once per communicator and collective
         mpi = getattr(ctx.transport, "comm", None) is not None
         multi = mpi and ctx.topology().nodes > 1
+        # across emulated links only this package's algorithms pay the link's time: MPI's own would not
+        unusable = not mpi or (multi and getattr(ctx.transport, "link", None) is not None)
         picks = []
         for limit, name in rules_for(ctx, collective):
-            if (name == "native" and not mpi) or (name == "shm" and multi and collective != "allreduce"):
+            if (name == "native" and unusable) or (name == "shm" and multi and collective != "allreduce"):
                 name = DEFAULT_RULES[collective][-1][1]  # unusable here: the default's last instead
             picks.append((limit, name))
         ctx.picks[collective] = picks

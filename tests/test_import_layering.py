@@ -112,6 +112,7 @@ COLLECTIVES_LAYERS = (
         "collectives.transport",
         "collectives.fake",
         "collectives.cost",
+        "collectives.link",
         "collectives.cli",
     ),
     (

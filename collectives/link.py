@@ -1,0 +1,176 @@
+"""Emulated links between nodes (``HPCDL_LINK``).
+
+On one machine every byte moves at memory speed, so the algorithms built for clusters —
+hierarchical allreduce, parameter servers across nodes — can only lose there. With a link
+set (``HPCDL_LINK="latency=5us,bandwidth=12.5GB/s"`` or a name from
+:data:`.cost.LINKS`), every point-to-point message of the collectives between two ranks of
+different nodes (real ones, or the simulated nodes of ``HPCDL_RANKS_PER_NODE``) costs what
+it would on that link:
+
+- each node has one port out (a NIC), shared by every message that leaves the node: a
+  message of ``S`` bytes occupies it for ``S / bandwidth`` from when it is free, so two
+  flows leaving at once get half the bandwidth each;
+- the message is handed to MPI ``latency`` after it has left the port; the receiver cannot
+  have it earlier.
+
+Only timing changes: the bytes are MPI's, so results are bitwise what they are without a
+link. Messages inside a node go straight through. The port's clock lives in a shared
+window of the node's ranks, reserved by MPI's atomic compare-and-swap.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from .cost import AlphaBeta
+from .errors import ConfigError
+from .transport import MPITransport
+
+__all__ = ["LinkRequest", "LinkTransport", "Port", "emulate"]
+
+
+class Port:
+    """One node's port out: the time (``time.perf_counter_ns``) until which it is busy, in a
+    shared window of the node's ranks (collective over ``node``, an intracommunicator of
+    the ranks sharing the port)."""
+
+    def __init__(self, node: MPI.Comm) -> None:
+        self.win = MPI.Win.Allocate_shared(8 if node.Get_rank() == 0 else 0, 8, comm=node)
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        if node.Get_rank() == 0:
+            mem, _ = self.win.Shared_query(0)
+            np.frombuffer(mem, np.int64, count=1)[0] = 0
+        self.win.Sync()
+        node.Barrier()
+        self._seen = np.zeros(1, np.int64)
+        self._want = np.zeros(1, np.int64)
+        self._old = np.zeros(1, np.int64)
+
+    def reserve(self, nanoseconds: int, now: int) -> int:
+        """Occupy the port for ``nanoseconds`` from when it is next free (``now`` at the
+        earliest); the time the occupation ends."""
+        self.win.Get(self._seen, 0, 0)
+        self.win.Flush(0)
+        while True:
+            start = max(now, int(self._seen[0]))
+            self._want[0] = start + nanoseconds
+            self.win.Compare_and_swap(self._want, self._seen, self._old, 0, 0)
+            self.win.Flush(0)
+            if self._old[0] == self._seen[0]:
+                return int(self._want[0])
+            self._seen[0] = self._old[0]
+
+
+class LinkRequest:
+    """A request of :class:`LinkTransport`; quacks like ``MPI.Request``. It completes when
+    its MPI requests have and the clock (``perf_counter_ns``) has passed ``at``: for a send
+    across nodes, when its bytes have left the port; for a receive, when they arrive, a
+    time the sender passes along with them (``stamp``)."""
+
+    __slots__ = ("at", "reqs", "stamp")
+
+    def __init__(self, reqs: list[Any], at: int = 0, stamp: np.ndarray | None = None) -> None:
+        self.reqs, self.at, self.stamp = reqs, at, stamp  # a send keeps its stamp alive, at set
+
+    def _due(self) -> int:
+        return self.at if self.at else int(self.stamp[0]) if self.stamp is not None else 0
+
+    def Test(self) -> bool:  # noqa: N802 - mpi4py's spelling
+        return MPI.Request.Testall(self.reqs) and time.perf_counter_ns() >= self._due()
+
+    def Wait(self) -> None:  # noqa: N802
+        LinkRequest.Waitall([self])
+
+    @classmethod
+    def Testall(cls, reqs: list[LinkRequest]) -> bool:  # noqa: N802
+        return all([r.Test() for r in reqs])
+
+    @classmethod
+    def Waitall(cls, reqs: list[LinkRequest]) -> None:  # noqa: N802
+        # the receives' arrival times first (they come at once), then sleep until the last
+        # is due, and only then wait in MPI, whose wait polls the core that a rank sharing
+        # it may need to send what this one waits for
+        stamps = [r.reqs[1] for r in reqs if r.stamp is not None and not r.at]
+        while stamps and not MPI.Request.Testall(stamps):
+            time.sleep(20e-6)
+        _sleep_until(max(r._due() for r in reqs))
+        MPI.Request.Waitall([q for r in reqs for q in r.reqs])
+
+
+def _sleep_until(at: int) -> None:
+    """Wait until ``at``: sleep half the time left while more than 300 µs is (a sleep can
+    overshoot by a few hundred µs), then poll, yielding the core to any rank that shares it."""
+    while (late := at - time.perf_counter_ns()) > 0:
+        if late > 300_000:
+            time.sleep(late / 2e9)
+        else:
+            os.sched_yield()
+
+
+class LinkTransport(MPITransport):
+    """An :class:`MPITransport` whose messages between ranks of different nodes take the
+    time ``link`` says (module docstring): each goes at once, with its arrival time on a
+    duplicate of the communicator, and the receive completes no earlier. ``nodes``: each
+    rank's node, by rank; ``port``: this rank's node's :class:`Port`."""
+
+    def __init__(self, comm: MPI.Comm, link: AlphaBeta, nodes: list[Any], port: Port) -> None:
+        super().__init__(comm)
+        self.link, self.nodes, self.port = link, nodes, port
+        self.stamps = comm.Dup()
+        """Where each message across nodes sends its arrival time (same peer and tag)."""
+        self.crossed = 0
+        """Bytes this rank sent to other nodes."""
+
+    def isend(self, buf: np.ndarray, dest: int, tag: int) -> LinkRequest:
+        req = super().isend(buf, dest, tag)
+        if self.nodes[dest] == self.nodes[self.rank]:
+            return LinkRequest([req])
+        self.crossed += buf.nbytes
+        left = self.port.reserve(round(buf.nbytes / self.link.beta * 1e9), time.perf_counter_ns())
+        stamp = np.array([left + round(self.link.alpha * 1e9)], np.int64)
+        return LinkRequest([req, self.stamps.Isend(stamp, dest, tag)], left, stamp)
+
+    def irecv(self, buf: np.ndarray, source: int, tag: int) -> LinkRequest:
+        req = super().irecv(buf, source, tag)
+        if self.nodes[source] == self.nodes[self.rank]:
+            return LinkRequest([req])
+        stamp = np.zeros(1, np.int64)
+        return LinkRequest([req, self.stamps.Irecv(stamp, source, tag)], 0, stamp)
+
+    def split(self, color: int, key: int) -> LinkTransport:
+        sub = self.comm.Split(color, key)
+        return LinkTransport(sub, self.link, sub.allgather(self.nodes[self.rank]), self.port)
+
+    def split_shared(self) -> LinkTransport:
+        sub = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        return LinkTransport(sub, self.link, sub.allgather(self.nodes[self.rank]), self.port)
+
+    def free(self) -> None:
+        super().free()
+        self.stamps.Free()
+
+
+def emulate(t: MPITransport, link: AlphaBeta, ranks_per_node: int) -> LinkTransport:
+    """``t`` with its messages between nodes taking ``link``'s time (collective over ``t``).
+    The nodes are those the collectives see: the ranks sharing memory, cut into
+    ``ranks_per_node`` where that is set. Each rank's link must be the same.
+
+    Raises:
+        ConfigError: on every rank, where the ranks' links differ.
+    """
+    links = t.comm.allgather(tuple(link))
+    if len(set(links)) > 1:
+        raise ConfigError(f"link: the ranks' links differ: {sorted(set(links))}; set HPCDL_LINK alike on every rank")
+    shared = t.comm.Split_type(MPI.COMM_TYPE_SHARED, key=t.rank)
+    cut = shared.Get_rank() // ranks_per_node if ranks_per_node else 0
+    node = shared.Split(cut, shared.Get_rank())
+    leader = shared.bcast(t.rank, root=0)  # names the machine; cut, the node on it
+    port = Port(node)  # lives as long as MPI: every transport split from this one shares it
+    node.Free()
+    shared.Free()
+    return LinkTransport(t.comm, link, t.comm.allgather((leader, cut)), port)
