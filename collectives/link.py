@@ -10,12 +10,15 @@ it would on that link:
 - each node has one port out (a NIC), shared by every message that leaves the node: a
   message of ``S`` bytes occupies it for ``S / bandwidth`` from when it is free, so two
   flows leaving at once get half the bandwidth each;
-- the message is handed to MPI ``latency`` after it has left the port; the receiver cannot
-  have it earlier.
+- it arrives ``latency`` after it has left the port: MPI carries its bytes at once, with
+  that arrival time beside them, and the receive completes no earlier (the send, no
+  earlier than the bytes have left the port).
 
 Only timing changes: the bytes are MPI's, so results are bitwise what they are without a
-link. Messages inside a node go straight through. The port's clock lives in a shared
-window of the node's ranks, reserved by MPI's atomic compare-and-swap.
+link. Messages inside a node go straight through; so do MPI's own collective calls, which
+``auto`` therefore leaves across emulated nodes. The port's clock lives in a shared window
+of the node's ranks, reserved by MPI's atomic compare-and-swap. A waiting rank sleeps
+rather than polls, so ranks that share a core do not slow each other's emulated time.
 """
 
 from __future__ import annotations
