@@ -24,6 +24,7 @@ from typing import NamedTuple
 __all__ = [
     "LINKS",
     "AlphaBeta",
+    "allreduce_times",
     "fit",
     "link_from_allreduce",
     "parse_link",
@@ -180,3 +181,49 @@ def ring_allgather(link: AlphaBeta, n: int, nbytes: float) -> float:
 def send_time(link: AlphaBeta, nbytes: float) -> float:
     """Seconds for one message of ``nbytes`` over ``link``."""
     return link.alpha + nbytes / link.beta
+
+
+def _step(m: float, crosses: bool, flows: int, intra: AlphaBeta, inter: AlphaBeta) -> float:
+    """One exchange of ``m`` bytes: inside a node, or across, ``flows`` messages leaving each
+    node at once through its one port."""
+    return inter.alpha + flows * m / inter.beta if crosses else intra.alpha + m / intra.beta
+
+
+def allreduce_times(nbytes: float, ranks: int, per_node: int, intra: AlphaBeta, inter: AlphaBeta) -> dict[str, float]:
+    """Seconds each allreduce algorithm of :mod:`collectives.algorithms` takes on ``ranks``
+    ranks placed ``per_node`` to a node in rank order, messages inside a node over ``intra``
+    and between nodes over ``inter``, one port per node shared by the messages leaving it
+    at once: ``ring`` (a block's way round the ring, twice: ``n - 1`` steps, each node's
+    one crossing among them; or, if longer, the ``2 (n - 1)`` messages a node's last rank
+    sends through its port), ``recursive_doubling`` and ``rabenseifner`` (an exchange at distance ``d``
+    crosses when ``d >= per_node``, all of a node's ranks at once; a rank count that is not
+    a power of two folds first), ``hierarchical`` (ring inside the nodes, the nodes'
+    allreduce of each rank's block, recursive doubling below 64 KiB, then ring)."""
+    n, k = ranks, max(1, min(per_node, ranks))
+    nodes = -(-n // k)
+    if n < 2:
+        return dict.fromkeys(("ring", "recursive_doubling", "rabenseifner", "hierarchical"), 0.0)
+    p = 1 << (n.bit_length() - 1)  # the power of two the others fold onto
+    fold = 2 * _step(nbytes, k < 2, 1, intra, inter) if p < n else 0.0
+    one = lambda m, d: _step(m, d >= k, k, intra, inter)  # noqa: E731 - an exchange at distance d
+    masks = [1 << i for i in range(p.bit_length() - 1)]
+    near = intra.alpha + nbytes / n / intra.beta  # one ring step's message, inside a node
+    far = inter.alpha + nbytes / n / inter.beta  # and across
+    crossings = 0 if nodes < 2 else nodes if k > 1 else n - 1  # on a path of n - 1 ring steps
+    path = 2 * (crossings * far + (n - 1 - crossings) * near)  # a block's way round, twice
+    port = 2 * (n - 1) * nbytes / n / inter.beta + inter.alpha if nodes > 1 else 0.0  # a node's last rank sends all
+    times = {
+        "ring": max(path, port),
+        "recursive_doubling": fold + sum(one(nbytes, d) for d in masks),
+        "rabenseifner": fold + 2 * sum(one(nbytes / (p // d) * 1.0, d) for d in masks),
+    }
+    inside = (k - 1) * (intra.alpha + nbytes / k / intra.beta)
+    if nodes < 2:
+        across = 0.0
+    elif nbytes / k < 64 << 10:  # hierarchical.CROSS_RING_BYTES
+        q = 1 << (nodes.bit_length() - 1)
+        across = (q.bit_length() - 1) * (inter.alpha + nbytes / inter.beta) + (2 * inter.alpha if q < nodes else 0)
+    else:
+        across = 2 * (nodes - 1) * (inter.alpha + nbytes / nodes / inter.beta)
+    times["hierarchical"] = 2 * inside + across
+    return times

@@ -96,13 +96,16 @@ class LinkRequest:
     @classmethod
     def Waitall(cls, reqs: list[LinkRequest]) -> None:  # noqa: N802
         # the receives' arrival times first (they come at once), then sleep until the last
-        # is due, and only then wait in MPI, whose wait polls the core that a rank sharing
-        # it may need to send what this one waits for
-        stamps = [r.reqs[1] for r in reqs if r.stamp is not None and not r.at]
-        while stamps and not MPI.Request.Testall(stamps):
-            time.sleep(20e-6)
+        # is due; MPI's own wait would poll the core that a rank sharing it may need to send
+        # what this one waits for, so this one looks every 20 µs and sleeps in between
+        _sleep_while_pending([r.reqs[1] for r in reqs if r.stamp is not None and not r.at])
         _sleep_until(max(r._due() for r in reqs))
-        MPI.Request.Waitall([q for r in reqs for q in r.reqs])
+        _sleep_while_pending([q for r in reqs for q in r.reqs])
+
+
+def _sleep_while_pending(reqs: list[Any]) -> None:
+    while reqs and not MPI.Request.Testall(reqs):
+        time.sleep(20e-6)
 
 
 def _sleep_until(at: int) -> None:

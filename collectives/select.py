@@ -22,6 +22,7 @@ from typing import Any
 from .algorithms import hierarchical as hier
 from .algorithms import native, pairwise, rabenseifner, recursive_doubling, ring, shm, tree
 from .config import read_tuning_file
+from .cost import AlphaBeta, allreduce_times
 from .node import staged
 
 __all__ = ["REGISTRY", "DEVICE", "algorithms", "choose", "rules", "rules_for", "load_table"]
@@ -117,6 +118,27 @@ def rules_for(ctx: Any, collective: str) -> list[list[Any]]:
     return rules(ctx.tuning, collective, ctx.transport.size, ctx.topology().nodes)
 
 
+NODE_PATH = AlphaBeta(5e-6, 5e9)
+"""What a message between two ranks of one node costs, as :func:`link_rules` assumes: a
+few µs and a few GB/s, negligible beside the links it is used with."""
+
+
+def link_rules(ranks: int, per_node: int, link: AlphaBeta) -> list[list[Any]]:
+    """``auto``'s allreduce rules across nodes joined by ``link`` (emulated): at each power of
+    two from 4 B to 16 GiB, the algorithm :func:`.cost.allreduce_times` predicts fastest,
+    as ``[max_bytes, algorithm]`` rules."""
+    out: list[list[Any]] = []
+    for i in range(2, 35):
+        times = allreduce_times(1 << i, ranks, per_node, NODE_PATH, link)
+        best = min(times, key=times.__getitem__)
+        if out and out[-1][1] == best:
+            out[-1][0] = 1 << i
+        else:
+            out.append([1 << i, best])
+    out[-1][0] = None
+    return out
+
+
 def choose(ctx: Any, collective: str, nbytes: int) -> str:
     """Pick the algorithm for ``collective`` of ``nbytes`` on ``ctx``'s communicator."""
     picks = ctx.picks.get(collective)
@@ -124,9 +146,14 @@ def choose(ctx: Any, collective: str, nbytes: int) -> str:
         mpi = getattr(ctx.transport, "comm", None) is not None
         multi = mpi and ctx.topology().nodes > 1
         # across emulated links only this package's algorithms pay the link's time: MPI's own would not
-        unusable = not mpi or (multi and getattr(ctx.transport, "link", None) is not None)
+        link = getattr(ctx.transport, "link", None) if multi else None
+        unusable = not mpi or link is not None
+        found = rules_for(ctx, collective)
+        lay = ctx.topology() if link is not None and collective == "allreduce" else None
+        if lay is not None and lay.homogeneous:  # the link's model, not a table measured without it
+            found = link_rules(ctx.transport.size, lay.node.size, link)
         picks = []
-        for limit, name in rules_for(ctx, collective):
+        for limit, name in found:
             if (name == "native" and unusable) or (name == "shm" and multi and collective != "allreduce"):
                 name = DEFAULT_RULES[collective][-1][1]  # unusable here: the default's last instead
             picks.append((limit, name))

@@ -416,3 +416,25 @@ def test_the_header_comes_first_and_each_row_as_soon_as_it_is_measured(capsys, m
         seen[0] + "".join(seen[1:])
         == osu.format_rows(osu.parse_args("allreduce", ["-m", "4:16", *opts]), rows, WORLD.size) + "\n"
     )
+
+
+def test_the_link_sweep_names_each_sizes_winner_and_auto_against_it(tmp_path):
+    from benchmarks import link_sweep
+
+    names = [*link_sweep.ALGORITHMS, "auto"]
+    times = [(4, [9.0, 5.0, 7.0, 6.0, 5.5]), (1 << 20, [900.0, 990.0, 950.0, 600.0, 720.0])]
+    rows = [{"size": s, "results": {n: {"avg": v} for n, v in zip(names, vs, strict=True)}} for s, vs in times]
+    run = link_sweep.summarize("eth-10g", 2, 2, rows)
+    small, large = run["sizes"]
+    assert (small["winner"], large["winner"]) == ("recursive_doubling", "hierarchical")
+    assert small["auto_over_winner"] == pytest.approx(1.1) and large["auto_over_winner"] == pytest.approx(1.2)
+    # the model's figures are allreduce_times' for 2 nodes of 2 ranks at 10 Gbit/s, in µs
+    from collectives.cost import allreduce_times, parse_link
+
+    want = allreduce_times(1 << 20, 4, 2, link_sweep.NODE_PATH, parse_link("eth-10g"))
+    assert large["predicted_us"]["ring"] == pytest.approx(want["ring"] * 1e6)
+    lines = link_sweep.table(run)
+    assert lines[0] == "### eth-10g, 2 nodes of 2" and "| 1048576 |" in lines[5] and lines[5].endswith("| 1.20 |")
+    link_sweep.svg([run, run], tmp_path / "w.svg")
+    svg = (tmp_path / "w.svg").read_text()
+    assert svg.count('<rect x="190"') == 2 and svg.count(">x</text>") == 2  # auto over 1.10 x the winner, twice

@@ -18,6 +18,7 @@ from collectives.context import get_context
 from collectives.cost import AlphaBeta, fit, link_from_allreduce, parse_link, ring_allreduce
 from collectives.errors import ConfigError
 from collectives.link import LinkTransport
+from collectives.select import choose
 
 WORLD = MPI.COMM_WORLD
 N, ME = WORLD.Get_size(), WORLD.Get_rank()
@@ -115,15 +116,16 @@ def test_results_across_the_link_are_bitwise_those_without_it():
     plain, slow = WORLD.Dup(), linked("latency=20us,bandwidth=5GB/s")
     get_context(plain, Config(ranks_per_node=1))
     x = make_input(ME, 100_003, np.float32, "sum", seed=3)
-    for alg in ("ring", "recursive_doubling", "rabenseifner", "hierarchical", "auto"):
+    for alg in ("ring", "recursive_doubling", "rabenseifner", "hierarchical"):
         want = C.allreduce(x, algorithm=alg, comm=plain)
         assert digest(C.allreduce(x, algorithm=alg, comm=slow)) == digest(want), alg
+    picked = choose(get_context(slow), "allreduce", x.nbytes)  # auto: what the link's model says
+    want = C.allreduce(x, algorithm=picked, comm=plain)
+    assert digest(C.allreduce(x, comm=slow)) == digest(want)
     assert digest(C.allgather(x[:999], comm=slow)) == digest(C.allgather(x[:999], comm=plain))
     assert digest(C.broadcast(x, root=N - 1, comm=slow)) == digest(C.broadcast(x, root=N - 1, comm=plain))
     assert get_context(slow).transport.crossed > 0
     # across emulated nodes auto never picks MPI's own calls, which would not pay the link
-    from collectives.select import choose
-
     assert all(choose(get_context(slow), "allreduce", s) != "native" for s in (8, 1 << 12, 1 << 20, 1 << 26))
     plain.Free()
     slow.Free()
@@ -134,4 +136,53 @@ def test_ranks_with_different_links_fail_alike():
     comm = WORLD.Dup()
     with pytest.raises(ConfigError, match="set HPCDL_LINK alike on every rank"):
         get_context(comm, Config(link="eth-10g" if ME == 0 else "eth-25g", ranks_per_node=1))
+    comm.Free()
+
+
+def test_the_allreduce_model_counts_each_algorithms_steps():
+    from collectives.cost import allreduce_times
+
+    intra, inter = AlphaBeta(1e-6, 10e9), AlphaBeta(1e-3, 1e9)
+    s = 8 << 20
+    t = allreduce_times(s, 8, 2, intra, inter)  # 4 nodes of 2
+    # a block goes round the ring twice, 7 steps each: 4 cross a node boundary, 3 do not;
+    # but a node's last rank sends all 14 of its messages across, through its port
+    path = 2 * (4 * (1e-3 + s / 8 / 1e9) + 3 * (1e-6 + s / 8 / 10e9))
+    port = 14 * s / 8 / 1e9 + 1e-3
+    assert t["ring"] == pytest.approx(path) and path > port
+    wide = allreduce_times(s, 8, 4, intra, inter)["ring"]  # 2 nodes of 4: the port is the bound
+    path = 2 * (2 * (1e-3 + s / 8 / 1e9) + 5 * (1e-6 + s / 8 / 10e9))
+    assert wide == pytest.approx(port) and port > path
+    assert allreduce_times(1024, 8, 2, intra, inter)["ring"] == pytest.approx(2 * (4e-3 + 3e-6) + 2 * 1024 / 1e9, rel=1e-3)
+    assert allreduce_times(s, 8, 1, intra, inter)["ring"] == pytest.approx(14 * (1e-3 + s / 8 / 1e9))
+    # distances 1 inside a node; 2 and 4 across, both ranks of a node sending at once
+    assert t["recursive_doubling"] == pytest.approx((1e-6 + s / 10e9) + 2 * (1e-3 + 2 * s / 1e9))
+    halving = (1e-3 + 2 * (s / 2) / 1e9) + (1e-3 + 2 * (s / 4) / 1e9) + (1e-6 + (s / 8) / 10e9)
+    assert t["rabenseifner"] == pytest.approx(2 * halving)
+    inside = 1e-6 + s / 2 / 10e9
+    assert t["hierarchical"] == pytest.approx(2 * inside + 6 * (1e-3 + s / 4 / 1e9))
+    small = allreduce_times(1024, 8, 2, intra, inter)  # the nodes' allreduce by recursive doubling
+    assert small["hierarchical"] == pytest.approx(2 * (1e-6 + 512 / 10e9) + 2 * (1e-3 + 1024 / 1e9))
+    odd = allreduce_times(s, 6, 1, intra, inter)  # 6 ranks fold onto 4: two more exchanges
+    assert odd["recursive_doubling"] == pytest.approx(2 * (1e-3 + s / 1e9) + 2 * (1e-3 + s / 1e9))
+
+
+@pytest.mark.mpi(min_size=4)
+def test_auto_across_a_slow_link_takes_what_the_model_says_and_it_wins():
+    from collectives.cost import allreduce_times
+    from collectives.select import NODE_PATH, link_rules
+
+    if N != 4:
+        pytest.skip("two nodes of two ranks")
+    comm = linked(SLOW, per_node=2)
+    ctx = get_context(comm)
+    rules = link_rules(4, 2, parse_link(SLOW))
+    assert rules[-1][0] is None and {name for _, name in rules} <= {"ring", "recursive_doubling", "hierarchical"}
+    for size in (8, 4 << 10, 1 << 16, 4 << 20):
+        times = allreduce_times(size, 4, 2, NODE_PATH, parse_link(SLOW))
+        assert choose(ctx, "allreduce", size) == min(times, key=times.__getitem__)
+    x = np.ones(1024, np.float32)  # 4 KiB: two latencies across, against the flat ring's four
+    ring = _best(lambda: C.allreduce(x, algorithm="ring", comm=comm), reps=2)
+    auto = _best(lambda: C.allreduce(x, comm=comm), reps=2)
+    assert auto < 0.5 * ring
     comm.Free()
