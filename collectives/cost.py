@@ -1,6 +1,6 @@
 """Cost models of communication: a call of ``S`` bytes takes ``alpha + S / beta`` seconds
-(Hockney's α-β model), fitted to measured times, and the time of the ring algorithms over
-links of such a cost.
+(Hockney's α-β model), fitted to measured times, and the time of the algorithms over links
+of such a cost.
 
 :func:`fit` takes ``(bytes, seconds)`` points, as a benchmark or the node report measures
 them for one collective on one communicator, and returns the :class:`AlphaBeta` that
@@ -12,7 +12,9 @@ message, ``beta`` bytes per second each way. :data:`LINKS` names common ones at 
 rates, :func:`parse_link` reads ``"latency=5us,bandwidth=12.5GB/s"`` or a name, and
 :func:`link_from_allreduce` turns a measured allreduce model back into the link a ring
 over ``n`` ranks implies. :func:`ring_allreduce`, :func:`ring_allgather`,
-:func:`ring_reduce_scatter` and :func:`send_time` give the time of each over a link.
+:func:`ring_reduce_scatter` and :func:`send_time` give the time of each over a link, and
+:func:`allreduce_times` that of each allreduce algorithm over nodes joined by a link (what
+``auto`` chooses by across emulated links, :mod:`.link`).
 """
 
 from __future__ import annotations
@@ -193,12 +195,18 @@ def allreduce_times(nbytes: float, ranks: int, per_node: int, intra: AlphaBeta, 
     """Seconds each allreduce algorithm of :mod:`collectives.algorithms` takes on ``ranks``
     ranks placed ``per_node`` to a node in rank order, messages inside a node over ``intra``
     and between nodes over ``inter``, one port per node shared by the messages leaving it
-    at once: ``ring`` (a block's way round the ring, twice: ``n - 1`` steps, each node's
-    one crossing among them; or, if longer, the ``2 (n - 1)`` messages a node's last rank
-    sends through its port), ``recursive_doubling`` and ``rabenseifner`` (an exchange at distance ``d``
-    crosses when ``d >= per_node``, all of a node's ranks at once; a rank count that is not
-    a power of two folds first), ``hierarchical`` (ring inside the nodes, the nodes'
-    allreduce of each rank's block, recursive doubling below 64 KiB, then ring)."""
+    at once:
+
+    - ``ring``: a block's way round the ring, twice: ``n - 1`` steps, each node's one
+      crossing among them; or, if longer, the ``2 (n - 1)`` messages a node's last rank
+      sends through its port;
+    - ``recursive_doubling`` and ``rabenseifner``: an exchange at distance ``d`` crosses
+      when ``d >= per_node``, all of a node's ranks at once; a rank count that is not a
+      power of two folds first;
+    - ``hierarchical``: a ring inside each node, then the nodes' allreduce of each rank's
+      block (recursive doubling below 64 KiB, the algorithm's ``CROSS_RING_BYTES``, then
+      ring), then a ring inside each node again.
+    """
     n, k = ranks, max(1, min(per_node, ranks))
     nodes = -(-n // k)
     if n < 2:
@@ -215,14 +223,14 @@ def allreduce_times(nbytes: float, ranks: int, per_node: int, intra: AlphaBeta, 
     times = {
         "ring": max(path, port),
         "recursive_doubling": fold + sum(one(nbytes, d) for d in masks),
-        "rabenseifner": fold + 2 * sum(one(nbytes / (p // d) * 1.0, d) for d in masks),
+        "rabenseifner": fold + 2 * sum(one(nbytes / (p // d), d) for d in masks),
     }
     inside = (k - 1) * (intra.alpha + nbytes / k / intra.beta)
     if nodes < 2:
         across = 0.0
-    elif nbytes / k < 64 << 10:  # hierarchical.CROSS_RING_BYTES
+    elif nbytes / k < 64 << 10:  # each of a node's k ranks sends its block at once
         q = 1 << (nodes.bit_length() - 1)
-        across = (q.bit_length() - 1) * (inter.alpha + nbytes / inter.beta) + (2 * inter.alpha if q < nodes else 0)
+        across = (q.bit_length() - 1 + (2 if q < nodes else 0)) * (inter.alpha + nbytes / inter.beta)
     else:
         across = 2 * (nodes - 1) * (inter.alpha + nbytes / nodes / inter.beta)
     times["hierarchical"] = 2 * inside + across

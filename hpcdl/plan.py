@@ -37,7 +37,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from collectives.cost import AlphaBeta, link_from_allreduce, parse_link, ring_allreduce, ring_reduce_scatter
+from collectives.cost import LINKS, AlphaBeta, link_from_allreduce, parse_link, ring_allreduce, ring_reduce_scatter
 
 __all__ = [
     "GPT",
@@ -158,8 +158,8 @@ class Cluster:
     gpus: int
     gpu: GPU
     gpus_per_node: int = 8
-    intra: AlphaBeta = AlphaBeta(2e-6, 300e9)
-    inter: AlphaBeta = AlphaBeta(2e-6, 25e9)
+    intra: AlphaBeta = LINKS["nvlink3"]
+    inter: AlphaBeta = LINKS["ib-hdr"]
     nics_per_node: int = 8
     efficiency: float = 0.5
 
@@ -448,10 +448,11 @@ def _link(text: str, what: str) -> AlphaBeta:
     if text.endswith(".json"):
         with open(text) as fh:
             report = json.load(fh)
-        for entry in report.get("pipeline", []):
-            model = (entry or {}).get("tp_models", {}).get("allreduce")
-            ranks = int(str(entry.get("grid", "1x2x1")).split()[0].split("x")[1]) if model else 0  # dp x tp x pp
-            if model:
+        entries = report.get("pipeline") if isinstance(report, dict) else None
+        for entry in entries if isinstance(entries, list) else []:
+            model = entry.get("tp_models", {}).get("allreduce") if isinstance(entry, dict) else None
+            if model:  # measured on the tensor-parallel group of the grid dp x tp x pp
+                ranks = int(str(entry.get("grid", "1x2x1")).split()[0].split("x")[1])
                 return link_from_allreduce(AlphaBeta(model["alpha_s"], model["beta_Bps"]), ranks)
         raise ValueError(f"{what} {text}: the node report holds no measured allreduce (run its pipeline step)")
     return parse_link(text)

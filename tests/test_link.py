@@ -153,7 +153,9 @@ def test_the_allreduce_model_counts_each_algorithms_steps():
     wide = allreduce_times(s, 8, 4, intra, inter)["ring"]  # 2 nodes of 4: the port is the bound
     path = 2 * (2 * (1e-3 + s / 8 / 1e9) + 5 * (1e-6 + s / 8 / 10e9))
     assert wide == pytest.approx(port) and port > path
-    assert allreduce_times(1024, 8, 2, intra, inter)["ring"] == pytest.approx(2 * (4e-3 + 3e-6) + 2 * 1024 / 1e9, rel=1e-3)
+    assert allreduce_times(1024, 8, 2, intra, inter)["ring"] == pytest.approx(
+        2 * (4e-3 + 3e-6) + 2 * 1024 / 1e9, rel=1e-3
+    )
     assert allreduce_times(s, 8, 1, intra, inter)["ring"] == pytest.approx(14 * (1e-3 + s / 8 / 1e9))
     # distances 1 inside a node; 2 and 4 across, both ranks of a node sending at once
     assert t["recursive_doubling"] == pytest.approx((1e-6 + s / 10e9) + 2 * (1e-3 + 2 * s / 1e9))
@@ -163,6 +165,11 @@ def test_the_allreduce_model_counts_each_algorithms_steps():
     assert t["hierarchical"] == pytest.approx(2 * inside + 6 * (1e-3 + s / 4 / 1e9))
     small = allreduce_times(1024, 8, 2, intra, inter)  # the nodes' allreduce by recursive doubling
     assert small["hierarchical"] == pytest.approx(2 * (1e-6 + 512 / 10e9) + 2 * (1e-3 + 1024 / 1e9))
+    from collectives.algorithms.hierarchical import CROSS_RING_BYTES
+
+    assert CROSS_RING_BYTES == 64 << 10  # the size the model takes the nodes' allreduce to switch at
+    three = allreduce_times(3 * 1024, 6, 2, intra, inter)["hierarchical"]  # 3 nodes fold onto 2
+    assert three == pytest.approx(2 * (1e-6 + 1536 / 10e9) + 3 * (1e-3 + 3 * 1024 / 1e9))
     odd = allreduce_times(s, 6, 1, intra, inter)  # 6 ranks fold onto 4: two more exchanges
     assert odd["recursive_doubling"] == pytest.approx(2 * (1e-3 + s / 1e9) + 2 * (1e-3 + s / 1e9))
 

@@ -184,6 +184,7 @@ def test_the_command_takes_a_node_reports_link_and_refuses_bad_input(capsys, tmp
     report.write_text(
         json.dumps({"pipeline": [{"grid": "1x4x1", "tp_models": {"allreduce": {"alpha_s": 6e-5, "beta_Bps": 1e9}}}]})
     )
+    (tmp_path / "list.json").write_text("[1, 2]")
     base = ["--model", "gpt-1.7b", "--global-batch", "64", "--gpus", "8", "--json"]
     code, out = _run(capsys, *base, "--intra", str(report))
     assert code == 0 and json.loads(out.out)
@@ -193,6 +194,7 @@ def test_the_command_takes_a_node_reports_link_and_refuses_bad_input(capsys, tmp
         (["--inter", "token-ring"], "expected one of"),
         (["--intra", str(tmp_path / "none.json")], "No such file"),
         (["--measured-tflops", "100"], "needs the measured layout"),
+        (["--intra", str(tmp_path / "list.json")], "holds no measured allreduce"),
         (["--hidden", "2300"], "not a multiple of heads"),
     ):
         with pytest.raises(SystemExit) as exc:
