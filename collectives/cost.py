@@ -185,17 +185,20 @@ def send_time(link: AlphaBeta, nbytes: float) -> float:
     return link.alpha + nbytes / link.beta
 
 
-def _step(m: float, crosses: bool, flows: int, intra: AlphaBeta, inter: AlphaBeta) -> float:
-    """One exchange of ``m`` bytes: inside a node, or across, ``flows`` messages leaving each
-    node at once through its one port."""
+def _step(m: float, crosses: bool, flows: float, intra: AlphaBeta, inter: AlphaBeta) -> float:
+    """One exchange of ``m`` bytes: inside a node, or across, ``flows`` messages sharing each
+    port of a node at once."""
     return inter.alpha + flows * m / inter.beta if crosses else intra.alpha + m / intra.beta
 
 
-def allreduce_times(nbytes: float, ranks: int, per_node: int, intra: AlphaBeta, inter: AlphaBeta) -> dict[str, float]:
+def allreduce_times(
+    nbytes: float, ranks: int, per_node: int, intra: AlphaBeta, inter: AlphaBeta, ports: float = 1.0
+) -> dict[str, float]:
     """Seconds each allreduce algorithm of :mod:`collectives.algorithms` takes on ``ranks``
     ranks placed ``per_node`` to a node in rank order, messages inside a node over ``intra``
-    and between nodes over ``inter``, one port per node shared by the messages leaving it
-    at once:
+    and between nodes over ``inter``, through ``ports`` ports a node (a NIC each; a
+    fraction: the share of the node's ports these ranks get), which the messages leaving
+    the node at once share:
 
     - ``ring``: a block's way round the ring, twice: ``n - 1`` steps, each node's one
       crossing among them; or, if longer, the ``2 (n - 1)`` messages a node's last rank
@@ -211,9 +214,13 @@ def allreduce_times(nbytes: float, ranks: int, per_node: int, intra: AlphaBeta, 
     nodes = -(-n // k)
     if n < 2:
         return dict.fromkeys(("ring", "recursive_doubling", "rabenseifner", "hierarchical"), 0.0)
+    if not ports > 0:
+        raise ValueError(f"allreduce_times: ports={ports} must be positive")
+    share = k * min(ports, 1.0) / min(ports, k)  # k messages at once, against one alone
+    inter = AlphaBeta(inter.alpha, inter.beta * min(ports, 1.0))  # what one message alone gets
     p = 1 << (n.bit_length() - 1)  # the power of two the others fold onto
     fold = 2 * _step(nbytes, k < 2, 1, intra, inter) if p < n else 0.0
-    one = lambda m, d: _step(m, d >= k, k, intra, inter)  # noqa: E731 - an exchange at distance d
+    one = lambda m, d: _step(m, d >= k, share, intra, inter)  # noqa: E731 - an exchange at distance d
     masks = [1 << i for i in range(p.bit_length() - 1)]
     near = intra.alpha + nbytes / n / intra.beta  # one ring step's message, inside a node
     far = inter.alpha + nbytes / n / inter.beta  # and across
@@ -230,8 +237,8 @@ def allreduce_times(nbytes: float, ranks: int, per_node: int, intra: AlphaBeta, 
         across = 0.0
     elif nbytes / k < 64 << 10:  # each of a node's k ranks sends its block at once
         q = 1 << (nodes.bit_length() - 1)
-        across = (q.bit_length() - 1 + (2 if q < nodes else 0)) * (inter.alpha + nbytes / inter.beta)
+        across = (q.bit_length() - 1 + (2 if q < nodes else 0)) * _step(nbytes / k, True, share, intra, inter)
     else:
-        across = 2 * (nodes - 1) * (inter.alpha + nbytes / nodes / inter.beta)
+        across = 2 * (nodes - 1) * _step(nbytes / k / nodes, True, share, intra, inter)
     times["hierarchical"] = 2 * inside + across
     return times

@@ -37,7 +37,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from collectives.cost import LINKS, AlphaBeta, link_from_allreduce, parse_link, ring_allreduce, ring_reduce_scatter
+from collectives.cost import LINKS, AlphaBeta, allreduce_times, link_from_allreduce, parse_link, ring_allreduce
 
 __all__ = [
     "GPT",
@@ -262,18 +262,17 @@ def _elementwise_bytes(model: GPT, lay: Layout) -> float:
 
 def _dp_time(phi: float, lay: Layout, cl: Cluster, m: int) -> float:
     """The data-parallel traffic of a step: the gradients' allreduce over the ``dp``
-    replicas (hierarchical where a node holds several) once, as ZeRO-1's reduce-scatter
-    and allgather; ZeRO-2 reduce-scatters every micro-batch's gradients, and ZeRO-3 also
-    allgathers the parameters for each micro-batch's forward and backward."""
+    replicas once, by the fastest algorithm :func:`collectives.cost.allreduce_times` knows
+    (the model ``auto`` chooses by across links), as ZeRO-1's reduce-scatter and allgather
+    cost; ZeRO-2 reduce-scatters every micro-batch's gradients, and ZeRO-3 also allgathers
+    the parameters for each micro-batch's forward and backward."""
     d, nbytes = lay.dp, 2 * phi
     if d < 2:
         return 0.0
     here = max(1, min(d, cl.gpus_per_node // (lay.tp * lay.pp)))  # replicas sharing a node
-    if here >= d:
-        t = ring_allreduce(cl.intra, d, nbytes)
-    else:
-        t = ring_allreduce(cl.inter_per_gpu(), d // here, nbytes / here)
-        t += 2 * ring_reduce_scatter(cl.intra, here, nbytes)
+    # the node's ports serve all its GPUs: this group gets its share of them
+    ports = cl.nics_per_node * here / cl.gpus_per_node
+    t = min(allreduce_times(nbytes, d, here, cl.intra, cl.inter, ports).values())
     halves = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[lay.zero]  # a reduce-scatter or allgather each
     return halves / 2 * t
 
