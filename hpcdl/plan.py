@@ -12,15 +12,19 @@ The model (Megatron-LM's, Narayanan et al., SC21, and Korthikanti et al., 2022):
 
 - FLOPs per step as Megatron-LM reports them: ``96 B s l h² (1 + s / 6h + V / 16lh)`` with
   recomputation (the recomputed forward counted), ``72 B s l h² (1 + s / 6h + V / 12lh)``
-  without. The GPU's matrix kernels run at ``efficiency`` × its peak.
+  without. The GPU's matrix kernels run at ``efficiency`` × its peak; what moves through
+  memory outside them (the attention scores' scale, mask, softmax and dropout; bias and
+  GeLU; layer norms, dropouts and residual adds) at its memory bandwidth.
 - Tensor parallelism: 4 allreduces of a micro-batch's activations per layer (6 with
   recomputation), on the critical path; pipeline: a send of ``1 / tp`` of them each way per
   micro-batch and chunk (Megatron's scatter/gather); bubble ``(pp - 1) / chunks`` stage
-  times (1F1B); data parallelism: the gradients' allreduce (ZeRO-3: half again for the
-  parameters' allgathers) after the pipeline drains, hierarchical where a node holds
-  several replicas; then the optimizer step at the GPU's memory bandwidth.
-- Communication times come from :mod:`collectives.cost` (ring algorithms over α-β links),
-  the model the node report measures (``--intra report.json``).
+  times (1F1B); data parallelism: the gradients' allreduce after the pipeline drains, by
+  the fastest algorithm :func:`collectives.cost.allreduce_times` predicts (ZeRO-2 reduces
+  each micro-batch's gradients, ZeRO-3 also gathers the parameters for each micro-batch's
+  forward and backward); then the optimizer step at the GPU's memory bandwidth.
+- Communication times come from :mod:`collectives.cost` (α-β links, the model ``auto``
+  chooses its allreduce by across links), which a node report's measurements calibrate
+  (``--intra report.json``).
 - Memory per GPU on the heaviest stage: 16 bytes per parameter for mixed-precision Adam
   (2 parameters, 2 gradients, 12 fp32 states), divided over ``dp`` as the ZeRO stage says;
   activations per layer ``s b h (10 + 24 / tp + 5 a s / h tp)`` bytes, or ``2 s b h`` with
