@@ -188,7 +188,7 @@ def send_time(link: AlphaBeta, nbytes: float) -> float:
 def _step(m: float, crosses: bool, flows: float, intra: AlphaBeta, inter: AlphaBeta) -> float:
     """One exchange of ``m`` bytes: inside a node, or across, ``flows`` messages sharing each
     port of a node at once."""
-    return inter.alpha + flows * m / inter.beta if crosses else intra.alpha + m / intra.beta
+    return send_time(inter, flows * m) if crosses else send_time(intra, m)
 
 
 def allreduce_times(
@@ -222,8 +222,8 @@ def allreduce_times(
     fold = 2 * _step(nbytes, k < 2, 1, intra, inter) if p < n else 0.0
     one = lambda m, d: _step(m, d >= k, share, intra, inter)  # noqa: E731 - an exchange at distance d
     masks = [1 << i for i in range(p.bit_length() - 1)]
-    near = intra.alpha + nbytes / n / intra.beta  # one ring step's message, inside a node
-    far = inter.alpha + nbytes / n / inter.beta  # and across
+    near = send_time(intra, nbytes / n)  # one ring step's message, inside a node
+    far = send_time(inter, nbytes / n)  # and across
     crossings = 0 if nodes < 2 else nodes if k > 1 else n - 1  # on a path of n - 1 ring steps
     path = 2 * (crossings * far + (n - 1 - crossings) * near)  # a block's way round, twice
     port = 2 * (n - 1) * nbytes / n / inter.beta + inter.alpha if nodes > 1 else 0.0  # a node's last rank sends all
@@ -232,7 +232,7 @@ def allreduce_times(
         "recursive_doubling": fold + sum(one(nbytes, d) for d in masks),
         "rabenseifner": fold + 2 * sum(one(nbytes / (p // d), d) for d in masks),
     }
-    inside = (k - 1) * (intra.alpha + nbytes / k / intra.beta)
+    inside = ring_reduce_scatter(intra, k, nbytes)  # and as long for the allgather after
     if nodes < 2:
         across = 0.0
     elif nbytes / k < 64 << 10:  # each of a node's k ranks sends its block at once

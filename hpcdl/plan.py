@@ -41,7 +41,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from collectives.cost import LINKS, AlphaBeta, allreduce_times, link_from_allreduce, parse_link, ring_allreduce
+from collectives.cost import (
+    LINKS,
+    AlphaBeta,
+    allreduce_times,
+    link_from_allreduce,
+    parse_link,
+    ring_allreduce,
+    send_time,
+)
 
 __all__ = [
     "GPT",
@@ -309,7 +317,7 @@ def estimate(model: GPT, batch: int, lay: Layout, cl: Cluster) -> Estimate:
     tp_link = cl.intra if t <= cl.gpus_per_node else cl.inter_per_gpu()
     tp = per * (6 if lay.recompute else 4) * ring_allreduce(tp_link, t, act)
     pp_link = cl.intra if t * p <= cl.gpus_per_node else cl.inter_per_gpu()
-    pp = 0.0 if p == 1 else 2 * v * (pp_link.alpha + act / t / pp_link.beta)
+    pp = 0.0 if p == 1 else 2 * v * send_time(pp_link, act / t)
     stage = layers + tp + pp
     phi = _stage_params(model, lay)
     shard = phi / d if lay.zero >= 1 else phi
