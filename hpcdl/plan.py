@@ -235,12 +235,15 @@ allocator's slack."""
 
 def _stage_params(model: GPT, lay: Layout) -> float:
     """Parameters one GPU of the heaviest stage holds: its layers' share, and the
-    embeddings where the first (and, tied, the last) stage holds them."""
+    embeddings where the first stage holds them (the token embedding, its share, and the
+    positions) and the last (the final norm, and the token embedding again where it is not
+    the first: the output layer is tied to it)."""
     h, per = model.hidden, model.layers // lay.pp
     layers = per * model.layer_params() / lay.tp
-    first = (model.vocab * h) / lay.tp + model.seq * h
-    last = (model.vocab * h) / lay.tp + 2 * h
-    return layers + (first + last if lay.pp == 1 else max(first, last))
+    tokens = model.vocab * h / lay.tp
+    if lay.pp == 1:
+        return layers + tokens + model.seq * h + 2 * h
+    return layers + max(tokens + model.seq * h, tokens + 2 * h)
 
 
 def _states_bytes(phi: float, lay: Layout) -> dict[str, float]:

@@ -117,11 +117,14 @@ def test_memory_follows_the_zero_stage_and_recomputation():
     m, batch = MODELS["gpt-7.5b"], 512
     cl = replace(SELENE, gpus=64)
     mem = {z: estimate(m, batch, Layout(dp=16, tp=4, pp=1, micro_batch=2, zero=z), cl).memory for z in range(4)}
-    phi = (m.layers * m.layer_params() + 2 * m.vocab * m.hidden) / 4 + m.seq * m.hidden + 2 * m.hidden
+    phi = (m.layers * m.layer_params() + m.vocab * m.hidden) / 4 + m.seq * m.hidden + 2 * m.hidden
     assert mem[0]["parameters"] + mem[0]["gradients"] + mem[0]["optimizer"] == pytest.approx(16 * phi)
     assert mem[1]["optimizer"] == pytest.approx(12 * phi / 16) and mem[1]["gradients"] == mem[0]["gradients"]
     assert mem[2]["gradients"] == pytest.approx(2 * phi / 16) and mem[2]["parameters"] == mem[0]["parameters"]
     assert mem[3]["parameters"] == pytest.approx(2 * phi / 16)
+    # on one GPU of one stage, every parameter of the model, the tied output layer once
+    alone = estimate(m, batch, Layout(dp=64, tp=1, pp=1, micro_batch=8), cl).memory["parameters"]
+    assert alone == 2 * m.params()
     keep = estimate(m, batch, Layout(dp=16, tp=4, pp=1, micro_batch=2, recompute=False), cl)
     again = estimate(m, batch, Layout(dp=16, tp=4, pp=1, micro_batch=2, recompute=True), cl)
     assert keep.memory["activations"] > 5 * again.memory["activations"]
