@@ -22,7 +22,7 @@ from collectives.select import choose
 
 WORLD = MPI.COMM_WORLD
 N, ME = WORLD.Get_size(), WORLD.Get_rank()
-SLOW = "latency=5ms,bandwidth=100MB/s"
+SLOW = "latency=20ms,bandwidth=100MB/s"  # so that this machine's own cost of a message is a few % at most
 
 
 def linked(link: str = SLOW, per_node: int = 1) -> MPI.Comm:
@@ -56,7 +56,7 @@ def test_a_ping_pong_across_the_link_measures_its_latency_and_bandwidth():
     t = get_context(comm).transport
     assert isinstance(t, LinkTransport) and len(set(t.nodes)) == N
     points = []
-    for nbytes in (8, 1 << 20):
+    for nbytes in (8, 4 << 20):
         buf = np.zeros(nbytes, np.uint8)
 
         def pingpong(buf=buf) -> None:
@@ -67,9 +67,9 @@ def test_a_ping_pong_across_the_link_measures_its_latency_and_bandwidth():
                 t.irecv(buf, 0, 7).Wait()
                 t.isend(buf, 0, 8).Wait()
 
-        points.append((nbytes, _best(pingpong) / 2))
+        points.append((nbytes, _best(pingpong, reps=5) / 2))
     got = fit(points)
-    assert got.alpha == pytest.approx(5e-3, rel=0.10) and got.beta == pytest.approx(100e6, rel=0.10), got
+    assert got.alpha == pytest.approx(20e-3, rel=0.10) and got.beta == pytest.approx(100e6, rel=0.10), got
     comm.Free()
 
 
@@ -82,9 +82,9 @@ def test_a_flat_ring_allreduce_across_the_link_measures_its_latency_and_bandwidt
     points = []
     for nbytes in sizes:
         x = np.ones(nbytes // 4, np.float32)
-        points.append((nbytes, _best(lambda x=x: C.allreduce(x, algorithm="ring", comm=comm))))
+        points.append((nbytes, _best(lambda x=x: C.allreduce(x, algorithm="ring", comm=comm), reps=5)))
     got = link_from_allreduce(fit(points), N)
-    assert got.alpha == pytest.approx(5e-3, rel=0.10) and got.beta == pytest.approx(100e6, rel=0.10), got
+    assert got.alpha == pytest.approx(20e-3, rel=0.10) and got.beta == pytest.approx(100e6, rel=0.10), got
     for nbytes, seconds in points:  # the one cost model the planner uses predicts each call
         assert seconds == pytest.approx(ring_allreduce(parse_link(SLOW), N, nbytes), rel=0.10)
     comm.Free()
