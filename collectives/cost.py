@@ -242,3 +242,46 @@ def allreduce_times(
         across = 2 * (nodes - 1) * _step(nbytes / k / nodes, True, share, intra, inter)
     times["hierarchical"] = 2 * inside + across
     return times
+
+
+def ps_times(
+    nbytes: float,
+    workers: int,
+    per_node: int,
+    intra: AlphaBeta,
+    inter: AlphaBeta,
+    server_nodes: int = 0,
+    piece: float = 4 << 20,
+) -> dict[str, float]:
+    """Seconds one synchronous push and pull of ``nbytes`` of gradients takes through the
+    parameter servers of :mod:`hpcdl.ps`, ``workers`` placed ``per_node`` to a node in
+    rank order, with dedicated servers on ``server_nodes`` nodes of their own or, with 0, a
+    server on every node (co-located, sharing the node's port):
+
+    - ``ps-sync``: every worker pushes its whole gradient (a node's port sends
+      ``per_node · S``); the servers send each worker the sum (``workers · S`` over the
+      servers' nodes);
+    - ``hybrid``: a ring reduce-scatter inside the node, each worker pushes its shard (a
+      node's port sends ``S``), the servers send each node's workers their shards (``nodes
+      · S`` over the servers' nodes), a ring allgather inside the node.
+
+    With dedicated servers, pushes and replies leave by different ports, so partitions of
+    ``piece`` bytes overlap them: the replies start once every node has pushed a first
+    partition, its workers' first partitions leaving its port together (``per_node`` of
+    them), and end no earlier than the pushes. A co-located server's replies leave by the
+    port its node's pushes take, one after the other. One latency each way.
+    """
+    k = max(1, min(per_node, workers))
+    nodes = -(-workers // k)
+    if nodes < 2 and server_nodes == 0:
+        return {"ps-sync": 0.0, "hybrid": ring_reduce_scatter(intra, k, nbytes) + ring_allgather(intra, k, nbytes)}
+    times = {}
+    for name, pushed, replied in (("ps-sync", k * nbytes, workers * nbytes), ("hybrid", nbytes, nodes * nbytes)):
+        if server_nodes:
+            first = k * min(piece, pushed / k)  # every worker's first partition, through the port together
+            wire = max(pushed, first + replied / server_nodes)
+        else:  # a node's pushes to the other nodes' servers, then its server's replies to the other nodes
+            wire = (pushed + replied / nodes) * (nodes - 1) / nodes
+        times[name] = 2 * inter.alpha + wire / inter.beta
+    times["hybrid"] += ring_reduce_scatter(intra, k, nbytes) + ring_allgather(intra, k, nbytes)
+    return times

@@ -19,13 +19,23 @@ link. Messages inside a node go straight through; so do MPI's own collective cal
 ``auto`` therefore leaves across emulated nodes. The port's clock lives in a shared window
 of the node's ranks, reserved by MPI's atomic compare-and-swap. A waiting rank sleeps
 rather than polls, so ranks that share a core do not slow each other's emulated time.
+
+The same link applies outside the collectives, to communicators wrapped by
+:func:`emulate_comm` (a :class:`LinkComm`: the parameter servers' data and the pipeline's
+point-to-point): their ``Isend``/``Irecv``/``Mprobe`` take the link's time, and
+:func:`testall`, :func:`waitall` and :func:`testsome` wait on their requests and MPI's
+alike. Everything crossing a node shares one port: :func:`locate`, collective over the
+job's ranks, numbers the nodes and makes each node's port once, and every emulated
+transport and communicator of its ranks takes both from there (without it, each
+collectives context makes its own).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
@@ -34,7 +44,20 @@ from .cost import AlphaBeta
 from .errors import ConfigError
 from .transport import MPITransport
 
-__all__ = ["LinkRequest", "LinkTransport", "Port", "emulate"]
+__all__ = [
+    "LinkComm",
+    "LinkRequest",
+    "LinkTransport",
+    "Located",
+    "Port",
+    "emulate",
+    "emulate_comm",
+    "locate",
+    "located",
+    "testall",
+    "testsome",
+    "waitall",
+]
 
 
 class Port:
@@ -53,10 +76,15 @@ class Port:
         self._seen = np.zeros(1, np.int64)
         self._want = np.zeros(1, np.int64)
         self._old = np.zeros(1, np.int64)
+        self._lock = threading.Lock()  # a rank's threads (engine, server, training) share the buffers
 
     def reserve(self, nanoseconds: int, now: int) -> int:
         """Occupy the port for ``nanoseconds`` from when it is next free (``now`` at the
         earliest); the time the occupation ends."""
+        with self._lock:
+            return self._reserve(nanoseconds, now)
+
+    def _reserve(self, nanoseconds: int, now: int) -> int:
         self.win.Get(self._seen, 0, 0)
         self.win.Flush(0)
         while True:
@@ -88,6 +116,10 @@ class LinkRequest:
 
     def Wait(self) -> None:  # noqa: N802
         LinkRequest.Waitall([self])
+
+    def Cancel(self) -> None:  # noqa: N802
+        for r in self.reqs:
+            r.Cancel()
 
     @classmethod
     def Testall(cls, reqs: list[LinkRequest]) -> bool:  # noqa: N802
@@ -161,10 +193,67 @@ class LinkTransport(MPITransport):
         self.stamps.Free()
 
 
+class Located(NamedTuple):
+    """Where :func:`locate` put this process: its ``node`` (a number, the same on every rank
+    of the node), the node's :class:`Port`, the emulated ``link`` (None without one) and the
+    ``ranks_per_node`` that cut the nodes."""
+
+    node: int
+    port: Port | None
+    link: AlphaBeta | None
+    ranks_per_node: int
+
+
+_LOCATED: Located | None = None
+
+
+def located() -> Located | None:
+    """This process's :class:`Located`, once :func:`locate` has run (else None)."""
+    return _LOCATED
+
+
+def locate(comm: MPI.Comm, ranks_per_node: int, link: AlphaBeta | None) -> Located:
+    """Number the nodes of ``comm``'s ranks as the collectives see them (the ranks sharing
+    memory, cut into ``ranks_per_node`` where that is set) and, with a ``link``, make each
+    node's :class:`Port`; collective over ``comm``. Contexts and :func:`emulate_comm` made
+    afterwards over any subset of these ranks take their nodes, and port, from here: a
+    subset's own shared-memory split would not know where the cuts between nodes fall.
+
+    Raises:
+        ConfigError: on every rank, where the ranks' links differ.
+    """
+    global _LOCATED
+    links = comm.allgather(None if link is None else tuple(link))
+    if len(set(links)) > 1:
+        raise ConfigError(f"link: the ranks' links differ: {sorted(set(links), key=str)}; set HPCDL_LINK alike")
+    shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    cut = shared.Get_rank() // ranks_per_node if ranks_per_node else 0
+    leader = shared.bcast(comm.Get_rank(), root=0)  # names the machine; cut, the node on it
+    keys = comm.allgather((leader, cut))
+    node = shared.Split(cut, shared.Get_rank())
+    port = Port(node) if link is not None else None  # lives as long as MPI
+    node.Free()
+    shared.Free()
+    _LOCATED = Located(sorted(set(keys)).index((leader, cut)), port, link, ranks_per_node)
+    return _LOCATED
+
+
+def located_nodes(comm: MPI.Comm, ranks_per_node: int, link: Any = False) -> list[int] | None:
+    """Each rank's node as :func:`locate` numbered it, by rank of ``comm``, where every
+    rank of it was located with this ``ranks_per_node`` (and this ``link``, unless False);
+    else None (collective over ``comm``)."""
+    mine = _LOCATED
+    ok = mine is not None and mine.ranks_per_node == ranks_per_node and (link is False or mine.link == link)
+    nodes = comm.allgather(mine.node if ok else None)  # type: ignore[union-attr]
+    return None if None in nodes else nodes
+
+
 def emulate(t: MPITransport, link: AlphaBeta, ranks_per_node: int) -> LinkTransport:
     """``t`` with its messages between nodes taking ``link``'s time (collective over ``t``).
-    The nodes are those the collectives see: the ranks sharing memory, cut into
-    ``ranks_per_node`` where that is set. Each rank's link must be the same.
+    The nodes are those the collectives see: :func:`locate`'s, with its ports, where every
+    rank was located with this link and ``ranks_per_node``; else the ranks sharing memory, cut into
+    ``ranks_per_node`` where that is set, with ports of their own. Each rank's link must be
+    the same.
 
     Raises:
         ConfigError: on every rank, where the ranks' links differ.
@@ -172,6 +261,9 @@ def emulate(t: MPITransport, link: AlphaBeta, ranks_per_node: int) -> LinkTransp
     links = t.comm.allgather(tuple(link))
     if len(set(links)) > 1:
         raise ConfigError(f"link: the ranks' links differ: {sorted(set(links))}; set HPCDL_LINK alike on every rank")
+    nodes = located_nodes(t.comm, ranks_per_node, link)
+    if nodes is not None:
+        return LinkTransport(t.comm, link, nodes, _LOCATED.port)  # type: ignore[union-attr,arg-type]
     shared = t.comm.Split_type(MPI.COMM_TYPE_SHARED, key=t.rank)
     cut = shared.Get_rank() // ranks_per_node if ranks_per_node else 0
     node = shared.Split(cut, shared.Get_rank())
@@ -180,3 +272,121 @@ def emulate(t: MPITransport, link: AlphaBeta, ranks_per_node: int) -> LinkTransp
     node.Free()
     shared.Free()
     return LinkTransport(t.comm, link, t.comm.allgather((leader, cut)), port)
+
+
+class LinkMessage:
+    """A matched message of :meth:`LinkComm.Mprobe`; its ``Recv`` returns once the bytes have
+    arrived across the link."""
+
+    __slots__ = ("msg", "stamp")
+
+    def __init__(self, msg: Any, stamp: np.ndarray | None) -> None:
+        self.msg, self.stamp = msg, stamp
+
+    def Recv(self, buf: Any) -> None:  # noqa: N802 - mpi4py's spelling
+        self.msg.Recv(buf)
+        if self.stamp is not None:
+            _sleep_until(int(self.stamp[0]))
+
+
+def _nbytes(buf: Any) -> int:
+    """The bytes of an mpi4py buffer argument: an array, or ``[array, datatype]``."""
+    return memoryview(buf[0] if isinstance(buf, (list, tuple)) else buf).nbytes
+
+
+class LinkComm:
+    """An mpi4py communicator whose ``Isend``, ``Irecv`` and ``Mprobe`` between ranks of
+    different nodes take the time ``link`` says (module docstring), through ``port`` (this
+    rank's node's); everything else (pickled ``send``/``recv``, probes, attributes) is the
+    communicator's own, untimed. ``nodes``: each rank's node, by rank. Wait on its requests
+    with :func:`testall`, :func:`waitall` or :func:`testsome`."""
+
+    def __init__(self, comm: MPI.Comm, link: AlphaBeta, nodes: list[Any], port: Port) -> None:
+        self.comm, self.link, self.nodes, self.port = comm, link, nodes, port
+        self.me = nodes[comm.Get_rank()]
+        self.stamps = comm.Dup()
+        """Where each message across nodes sends its arrival time (same peer and tag)."""
+        self.crossed = 0
+        """Bytes this rank sent to other nodes."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.comm, name)
+
+    def __eq__(self, other: object) -> bool:  # as its communicator (MPI.COMM_NULL once freed)
+        return self.comm == (other.comm if isinstance(other, LinkComm) else other)
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def Isend(self, buf: Any, dest: int, tag: int = 0) -> LinkRequest:  # noqa: N802
+        req = self.comm.Isend(buf, dest, tag)
+        if self.nodes[dest] == self.me:
+            return LinkRequest([req])
+        nbytes = _nbytes(buf)
+        self.crossed += nbytes
+        left = self.port.reserve(round(nbytes / self.link.beta * 1e9), time.perf_counter_ns())
+        stamp = np.array([left + round(self.link.alpha * 1e9)], np.int64)
+        return LinkRequest([req, self.stamps.Isend(stamp, dest, tag)], left, stamp)
+
+    def Irecv(self, buf: Any, source: int, tag: int = MPI.ANY_TAG) -> LinkRequest:  # noqa: N802
+        if source < 0 or tag < 0:
+            raise ValueError("an emulated link's receive names its source and tag")
+        req = self.comm.Irecv(buf, source, tag)
+        if self.nodes[source] == self.me:
+            return LinkRequest([req])
+        stamp = np.zeros(1, np.int64)
+        return LinkRequest([req, self.stamps.Irecv(stamp, source, tag)], 0, stamp)
+
+    def Mprobe(self, source: int, tag: int = MPI.ANY_TAG, status: MPI.Status | None = None) -> LinkMessage:  # noqa: N802
+        status = status if status is not None else MPI.Status()
+        msg = self.comm.Mprobe(source, tag, status)
+        src = status.Get_source()
+        if self.nodes[src] == self.me:
+            return LinkMessage(msg, None)
+        stamp = np.zeros(1, np.int64)
+        self.stamps.Recv(stamp, src, status.Get_tag())
+        return LinkMessage(msg, stamp)
+
+    def Dup(self) -> LinkComm:  # noqa: N802
+        return LinkComm(self.comm.Dup(), self.link, self.nodes, self.port)
+
+    def Free(self) -> None:  # noqa: N802
+        self.stamps.Free()
+        self.comm.Free()
+
+
+def emulate_comm(comm: MPI.Comm) -> Any:
+    """``comm`` as a :class:`LinkComm` where :func:`locate` set a link up on every rank of it,
+    else ``comm`` itself (collective over ``comm``)."""
+    mine = _LOCATED
+    link = mine.link if mine is not None else None
+    nodes = located_nodes(comm, mine.ranks_per_node if mine is not None else -1, link)
+    if nodes is None or link is None:
+        return comm
+    return LinkComm(comm, _LOCATED.link, nodes, _LOCATED.port)  # type: ignore[union-attr,arg-type]
+
+
+def _plain(reqs: list[Any]) -> bool:
+    return not any(type(r) is LinkRequest for r in reqs)
+
+
+def testall(reqs: list[Any]) -> bool:
+    """``MPI.Request.Testall`` for MPI's requests and :class:`LinkRequest` objects alike."""
+    return MPI.Request.Testall(reqs) if _plain(reqs) else all([r.Test() for r in reqs])
+
+
+def waitall(reqs: list[Any]) -> None:
+    """``MPI.Request.Waitall`` for MPI's requests and :class:`LinkRequest` objects alike."""
+    if _plain(reqs):
+        MPI.Request.Waitall(reqs)
+    else:
+        LinkRequest.Waitall([r if type(r) is LinkRequest else LinkRequest([r]) for r in reqs])
+
+
+def testsome(reqs: list[Any]) -> list[int]:
+    """The indices of the requests in ``reqs`` that have completed, as
+    ``MPI.Request.Testsome`` gives them (a request reported once is done with), for MPI's
+    requests and :class:`LinkRequest` objects alike."""
+    if _plain(reqs):
+        return MPI.Request.Testsome(reqs) or []
+    return [i for i, r in enumerate(reqs) if r.Test()]

@@ -17,8 +17,11 @@ from typing import Any
 from mpi4py import MPI
 
 from collectives import unchecked
+from collectives.config import load_config as load_collectives_config
+from collectives.cost import parse_link
 from collectives.device.nccl import available as nccl_available
 from collectives.errors import combined_problem
+from collectives.link import locate
 
 from . import ps as ps_roles
 from . import state
@@ -195,6 +198,8 @@ def _start(base: MPI.Comm, args: _InitArgs) -> Runtime:
     """The runtime on the agreed ranks, its engine started: on a parameter server this
     serves, then ends the process."""
     ps_job = None
+    cfg = load_collectives_config()  # the nodes, and the link between them, every rank of the job sees alike
+    locate(base, cfg.ranks_per_node, parse_link(cfg.link) if cfg.link else None)
     if args.servers:
         base, ps_job = ps_roles.split_roles(base, args.servers, args.config.stall_check_time_seconds)
     comm, owned = base, ps_job is not None

@@ -102,8 +102,14 @@ def equivalence(servers: str | None) -> None:
         runs = {}
         for mode in ("sync", "ssp"):
             m = model()
-            opt = hvd.HybridOptimizer(
-                make_inner(kind, m), m.named_parameters(), mode=mode, staleness=0, servers=servers, partition_bytes=96
+            opt = hvd.HybridOptimizer(  # node_reduce: the hybrid's path wherever nodes hold several workers
+                make_inner(kind, m),
+                m.named_parameters(),
+                mode=mode,
+                staleness=0,
+                servers=servers,
+                partition_bytes=96,
+                node_reduce=True,
             )
             assert isinstance(opt, torch.optim.SGD if kind == "sgd" else torch.optim.Adam)
             train(opt, m, batches(STEPS), sched=True)
@@ -460,6 +466,38 @@ def init_errors() -> None:
     print("OK init_errors", flush=True)
 
 
+def link(servers: str | None) -> None:
+    """Run under ``HPCDL_LINK`` or not: 4 steps of a sync HybridOptimizer over one 4 MiB
+    parameter in two partitions, ``node_reduce="auto"``. Prints whether it reduced inside
+    the node, the parameters' digest (the gradients are small integers, whose sums are
+    exact whichever path adds them) and the fastest step."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.zeros(1 << 20))
+    opt = hvd.HybridOptimizer(
+        torch.optim.SGD([w], lr=0.125), [("w", w)], mode="sync", servers=servers, partition_bytes=2 << 20
+    )
+    x = torch.randint(-8, 8, (1 << 20,), generator=torch.Generator().manual_seed(hvd.rank())).float()
+    times = []
+    start = hvd.state.current().comm.Dup()  # MPI's own barrier: hvd.barrier's messages would cross the link
+    for step in range(4):
+        start.Barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        ((step + 1) * w * x).sum().backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    reduced = opt.node_set is not None
+    opt.close()
+    start.Free()
+    step_s = hvd.allreduce(torch.tensor(min(times[1:]), dtype=torch.float64), op=hvd.Max).item()
+    print(f"LINK reduced {reduced} digest {_digest_of(w)} step {step_s:.6f}", flush=True)
+    print("OK link", flush=True)
+
+
+def _digest_of(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
 def main() -> None:
     scenario, *args = sys.argv[1:]
     if scenario == "init_errors":
@@ -481,6 +519,7 @@ def main() -> None:
         "train_resume": lambda: train_resume(arg or "ssp"),
         "stall": stall,
         "forever": serve_forever,
+        "link": lambda: link(arg),
     }[scenario]()
     hvd.shutdown()
     if dedicated and scenario == "errors":  # the servers are gone: a later init says so, not hangs

@@ -1,7 +1,8 @@
 """Emulated links between nodes (``HPCDL_LINK``): messages across nodes take the link's
 latency and bandwidth, the node's port is shared by the flows that leave it, and results
 are bitwise those without a link. Timings are checked where the emulated cost dwarfs
-this machine's own (milliseconds against tens of microseconds)."""
+this machine's own (milliseconds against tens of microseconds). The same holds for the
+communicators the parameter servers and the pipeline wrap (tests/test_ps.py times the servers)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from mpi4py import MPI
 from reference import digest, make_input
 
@@ -17,8 +19,11 @@ from collectives.config import Config
 from collectives.context import get_context
 from collectives.cost import AlphaBeta, fit, link_from_allreduce, parse_link, ring_allreduce
 from collectives.errors import ConfigError
-from collectives.link import LinkTransport
+from collectives.context import node_transport
+from collectives.link import LinkComm, LinkTransport, emulate_comm, locate
+from collectives.transport import MPITransport
 from collectives.select import choose
+from hpcdl.parallel.pp_comm import ACT, Link
 
 WORLD = MPI.COMM_WORLD
 N, ME = WORLD.Get_size(), WORLD.Get_rank()
@@ -199,3 +204,42 @@ def test_auto_across_a_slow_link_takes_what_the_model_says_and_it_wins():
     auto = _best(lambda: C.allreduce(x, comm=comm), reps=2)
     assert auto < 0.5 * ring
     comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_pipeline_stages_tensor_crosses_the_link_whole_in_its_time():
+    locate(WORLD, 1, parse_link(SLOW))
+    try:
+        comm = emulate_comm(WORLD.Dup())
+        assert isinstance(comm, LinkComm)
+        pp = Link(comm)
+        x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(5))  # 4 MiB
+
+        def hop() -> None:  # the first carries the shape too, which crosses beside the bytes
+            if ME == 0:
+                pp.send(x, 1, ACT)
+                pp.finish()
+            elif ME == 1:
+                assert torch.equal(pp.recv(0, ACT), x)
+
+        assert _best(hop) == pytest.approx(20e-3 + x.nbytes / 100e6, rel=0.10)
+        assert comm.crossed == (3 * x.nbytes if ME == 0 else 0) + (8 * 3 if ME == 0 else 0)
+        comm.Free()
+    finally:
+        locate(WORLD, 0, None)
+
+
+@pytest.mark.mpi(min_size=4)
+def test_a_subset_of_located_ranks_keeps_the_nodes_of_the_whole():
+    # nodes of 2 ranks: 0 and 2 are on different nodes, which a communicator of the even
+    # ranks cannot tell from its own shared-memory split (all of it on one machine)
+    sub = WORLD.Split(ME % 2, ME)
+    assert node_transport(MPITransport(sub), 2).comm.Get_size() == min(2, sub.Get_size())  # without locate
+    locate(WORLD, 2, None)
+    try:
+        node = node_transport(MPITransport(sub), 2)
+        assert node.comm.Get_size() == 1
+        node.comm.Free()
+    finally:
+        locate(WORLD, 0, None)
+    sub.Free()

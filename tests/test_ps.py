@@ -3,7 +3,8 @@ its invariants, then whole jobs under mpiexec (tests/ps_job.py) with dedicated s
 (HPCDL_PS_SERVERS), on simulated nodes (HPCDL_RANKS_PER_NODE) and with co-located ones:
 sync equals DistributedOptimizer and ssp with s=0 equals sync (float64, 20 steps);
 bounded staleness under a straggler; async progress past a stalled worker; checkpoints
-that resume bitwise; bad input on every rank; stalls named; a dead server ends the job."""
+that resume bitwise; bad input on every rank; stalls named; a dead server ends the job;
+across an emulated link (HPCDL_LINK), the same parameters in the link's time."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from conftest import mpiexec_job, mpiexec_start
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from collectives.cost import parse_link, ps_times
+from collectives.select import NODE_PATH
 from hpcdl.ps import PartitionPlan
 from hpcdl.train.config import ConfigError, parse_config
 
@@ -88,6 +91,67 @@ def test_sync_equals_distributed_optimizer_and_ssp_zero_equals_sync(shape):
 def test_staleness_stays_bounded_with_a_straggler_and_async_passes_a_stalled_worker(shape):
     n, env, args = SHAPES[shape]
     run(["straggler", *args], n, env, 2)
+
+
+# (ranks, environment, arguments, workers, workers a node, the servers' nodes (0: co-located),
+# link, tolerance): a 4 MiB gradient in two partitions. The hybrid's reduce-scatter and
+# allgather inside the node each wait for a negotiation of the runtime across the nodes, which
+# ps_times leaves out: a few latencies, so its link has a short one, and 25% (the planner's bar)
+LINKED = {
+    "2 workers + 1 server": (
+        3,
+        {"HPCDL_PS_SERVERS": "1", "HPCDL_RANKS_PER_NODE": "1"},
+        [],
+        2,
+        1,
+        1,
+        "latency=20ms,bandwidth=100MB/s",
+        0.1,
+    ),
+    "co-located, 2 nodes x 1 worker": (
+        2,
+        {"HPCDL_RANKS_PER_NODE": "1"},
+        ["colocated"],
+        2,
+        1,
+        0,
+        "latency=20ms,bandwidth=100MB/s",
+        0.1,
+    ),
+    "2 nodes x 2 workers + 2 servers": (
+        6,
+        {"HPCDL_PS_SERVERS": "2", "HPCDL_RANKS_PER_NODE": "2"},
+        [],
+        4,
+        2,
+        1,
+        "latency=2ms,bandwidth=50MB/s",
+        0.25,
+    ),
+}
+
+
+@pytest.mark.parametrize("shape", list(LINKED))
+def test_across_an_emulated_link_the_servers_give_the_same_parameters_in_the_time_the_model_says(shape):
+    n, env, args, workers, per_node, server_nodes, link, tolerance = LINKED[shape]
+    found = {}
+    for with_link in ("", link):
+        out = run(["link", *args], n, {**env, "HPCDL_LINK": with_link}, workers)
+        lines = re.findall(r"LINK reduced (\w+) digest (\w+) step ([\d.]+)", out)
+        assert len(lines) == workers and len(set(lines)) == 1, out[-2000:]
+        found[with_link] = lines[0]
+    (plain_reduced, plain, plain_s), (reduced, linked, linked_s) = found[""], found[link]
+    assert plain == linked, "the link changed the parameters"
+    assert plain_reduced == "False", "node_reduce='auto' reduced inside the node on one machine without a link"
+    model = ps_times(4 << 20, workers, per_node, NODE_PATH, parse_link(link), server_nodes, 2 << 20)
+    path = min(model, key=model.__getitem__)
+    assert reduced == str(path == "hybrid" and per_node > 1), (reduced, model)  # auto took the model's path
+    # the step without a link is this machine's own work, which the link's time may hide or not
+    want, mine, took = model[path], float(plain_s), float(linked_s)
+    assert (1 - tolerance) * want <= took <= (1 + tolerance) * (want + mine), (
+        f"a step took {took * 1e3:.1f} ms across the link and {mine * 1e3:.1f} ms without; the link's model says "
+        f"{want * 1e3:.1f} ms"
+    )
 
 
 @pytest.mark.parametrize("mode", ["sync", "ssp"])

@@ -38,6 +38,9 @@ import torch
 from mpi4py import MPI
 
 from collectives.context import node_groups
+from collectives.cost import ps_times
+from collectives.link import LinkComm, emulate_comm, located, waitall
+from collectives.select import NODE_PATH
 
 from .. import state
 from ..compression import Compression, Compressor
@@ -63,7 +66,7 @@ def HybridOptimizer(  # noqa: N802 - a factory that looks like a class, as Distr
     partition_bytes: int = 4 << 20,
     process_set: ProcessSet = global_process_set,
     *,
-    node_reduce: bool = True,
+    node_reduce: bool | str = "auto",
     backward_passes_per_step: int = 1,
     op: ReduceOp = Average,
     compression: type[Compressor] = Compression.none,
@@ -87,8 +90,12 @@ def HybridOptimizer(  # noqa: N802 - a factory that looks like a class, as Distr
             ``"colocated"``: a server thread on every node leader.
         partition_bytes: the most bytes in one partition.
         process_set: the workers that train together.
-        node_reduce: ``sync``: reduce-scatter inside a node before pushing (the hybrid);
-            False: every worker pushes its whole gradient (a pure parameter server).
+        node_reduce: ``sync``: True: reduce-scatter inside a node before pushing (the
+            hybrid); False: every worker pushes its whole gradient (a pure parameter server);
+            ``"auto"``: whichever :func:`collectives.cost.ps_times` says is faster for the
+            whole gradient, across the emulated link (``HPCDL_LINK``) where one is set; else
+            the hybrid between machines, and between simulated nodes of one machine (whose
+            bytes all share its memory) the pure parameter server.
         backward_passes_per_step, op, bucket_bytes: as for :func:`DistributedOptimizer`
             (``op`` is ``Average`` or ``Sum``; ``ssp`` and ``async`` average).
         compression: only ``Compression.none``.
@@ -101,7 +108,7 @@ def HybridOptimizer(  # noqa: N802 - a factory that looks like a class, as Distr
     problem = None
     try:  # checked here, then agreed: a rank alone with bad arguments must not leave the others waiting
         obj._hpcdl_setup(named_parameters, compression, backward_passes_per_step, op, 1.0, process_set, bucket_bytes)
-        _check_arguments(obj, base, mode, staleness, servers, partition_bytes)
+        _check_arguments(obj, base, mode, staleness, servers, partition_bytes, node_reduce)
     except HpcdlArgumentError as exc:
         problem = str(exc)
     check_on_every_rank(problem, HpcdlArgumentError, process_set=process_set)
@@ -110,9 +117,11 @@ def HybridOptimizer(  # noqa: N802 - a factory that looks like a class, as Distr
 
 
 def _check_arguments(
-    opt: Any, base: type, mode: str, staleness: int, servers: str | None, partition_bytes: int
+    opt: Any, base: type, mode: str, staleness: int, servers: str | None, partition_bytes: int, node_reduce: Any
 ) -> None:
     """Raise :class:`HpcdlArgumentError` for arguments :func:`HybridOptimizer` cannot use."""
+    if node_reduce not in (True, False, "auto"):
+        raise HpcdlArgumentError(f"HybridOptimizer: node_reduce={node_reduce!r} must be True, False or 'auto'")
     if mode not in MODES:
         raise HpcdlArgumentError(f"HybridOptimizer: mode={mode!r} must be one of {MODES}")
     if mode == "ssp" and (not isinstance(staleness, int) or isinstance(staleness, bool) or staleness < 0):
@@ -176,14 +185,15 @@ class _BucketBuffers:
 
 def _members_comm_and_nodes(world: MPI.Comm, members: list[int]) -> tuple[MPI.Comm, list[list[int]]]:
     """The communicator of ``members`` (runtime ranks) cut from ``world`` (collective over
-    the members), and the members' nodes as runtime ranks: who reduces with whom before
-    pushing."""
+    the members; across an emulated link, a :class:`collectives.link.LinkComm`), and the
+    members' nodes as runtime ranks: who reduces with whom before pushing."""
     grp_all = world.Get_group()
     grp = grp_all.Incl(members)
     sub = world.Create_group(grp)
     grp.Free()
     grp_all.Free()
-    return sub, [[members[r] for r in g] for g in node_groups(sub)]
+    nodes = [[members[r] for r in g] for g in node_groups(sub)]
+    return emulate_comm(sub), nodes
 
 
 def _start_colocated_servers(sub: MPI.Comm, leaders: list[int], rt: state.Runtime) -> PSJob:
@@ -242,11 +252,11 @@ class HybridReducer(Reducer):
         self.partition_bytes = partition_bytes
         job: PSJob | None = rt.ps if servers is None else None
         sub, nodes = _members_comm_and_nodes(rt.comm, members)
+        machines = len(set(sub.allgather(socket.gethostname())))
         mine = next(n for n in nodes if rt.rank in n)
         same = len({len(n) for n in nodes}) == 1
         # the node sets are registered by every rank of the runtime: only a set of all of them can
         whole = len(members) == rt.size
-        per_node = len(mine) if (mode == "sync" and node_reduce and same and whole) else 1
         self._agree_setup(base, node_reduce, "dedicated" if job is not None else "colocated")
         if job is None:  # co-located: a server thread on every node leader, over the members' communicator
             job = _start_colocated_servers(sub, [members.index(n[0]) for n in nodes], rt)
@@ -257,13 +267,35 @@ class HybridReducer(Reducer):
             self._own_job = False
             to_ps = lambda r: r  # noqa: E731 - dedicated: a worker's rank there is its runtime rank
         self._job = job
+        if node_reduce == "auto":
+            node_reduce = self._node_reduce_pays(nodes, machines, partition_bytes)
+        per_node = len(mine) if (mode == "sync" and node_reduce and same and whole) else 1
         self._workers_ps = [to_ps(r) for r in members]
         nodes_ps = [[to_ps(r) for r in n] for n in nodes] if per_node > 1 else [[w] for w in self._workers_ps]
         self._make_node_sets(nodes, mine, per_node)
         self._lay_out(per_node)
         self._register_table(base, nodes_ps)
 
-    def _agree_setup(self, base: type, node_reduce: bool, where: str) -> None:
+    def _node_reduce_pays(self, nodes: list[list[int]], machines: int, partition_bytes: int) -> bool:
+        """``node_reduce="auto"``: whether the hybrid's exchange of the whole gradient takes
+        less time than every worker pushing its own, by :func:`collectives.cost.ps_times`
+        across the emulated link. Without one: between machines, yes; between simulated
+        nodes of one machine, no: there both move 2 S bytes a worker through the same
+        memory, and the hybrid adds a reduce-scatter's and an allgather's steps. The same
+        on every rank: every input is agreed."""
+        where = located()
+        link = where.link if where is not None else None
+        if link is None:  # one machine's ranks move 2 n S bytes through its memory either way: no steps added
+            return machines > 1
+        job = self._job
+        ranks = job.comm.nodes if isinstance(job.comm, LinkComm) else list(range(job.comm.Get_size()))
+        server_nodes = len({ranks[s] for s in job.servers}) if job.dedicated else 0
+        nbytes = sum(p.numel() * p.element_size() for b in self._buckets for p in b.params)
+        workers, per_node = sum(len(n) for n in nodes), max(len(n) for n in nodes)
+        times = ps_times(nbytes, workers, per_node, NODE_PATH, link, server_nodes, partition_bytes)
+        return times["hybrid"] < times["ps-sync"]
+
+    def _agree_setup(self, base: type, node_reduce: bool | str, where: str) -> None:
         """Compare the setup every worker asks for (collective over the process set) and
         raise on every rank naming what differs: the tables only line up when it is one."""
         self._agree(
@@ -271,7 +303,7 @@ class HybridReducer(Reducer):
                 "mode": self.mode,
                 "staleness": self.staleness,
                 "partition_bytes": self.partition_bytes,
-                "node_reduce": bool(node_reduce),
+                "node_reduce": node_reduce if node_reduce == "auto" else bool(node_reduce),
                 "servers": where,
                 "optimizer": base.__name__,
                 "buckets": [[(tuple(p.shape), str(p.dtype)) for p in b.params] for b in self._buckets],
@@ -368,7 +400,7 @@ class HybridReducer(Reducer):
             v = self.param_groups[gi][key]
             vec.extend([float(x) for x in v] if n > 1 else [float(v)])
         buf = np.asarray(vec, np.float64)
-        MPI.Request.Waitall(self._hyper_reqs)
+        waitall(self._hyper_reqs)
         job = self._job
         self._hyper_buf = buf
         self._hyper_reqs = [job.comm.Isend(buf, job.servers[s], self._tags[s].hyper) for s in self._holding]

@@ -29,6 +29,8 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from collectives.link import emulate_comm
+
 from .. import state
 from ..errors import HpcdlArgumentError, PipelineError
 from ..functions import check_on_every_rank
@@ -232,7 +234,7 @@ class Pipeline(nn.Module):
         written."""
         # the pipeline's own communicator: its stages, ranked by stage (collective over the world)
         line = grid.dp_rank * grid.tp + grid.tp_rank
-        self._link = Link(state.running().comm.Split(line, grid.pp_rank))
+        self._link = Link(emulate_comm(state.running().comm.Split(line, grid.pp_rank)))
 
     def close(self) -> None:
         """Free the pipeline's communicator (collective over its stages). After a failed

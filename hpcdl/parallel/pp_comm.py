@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from collectives.link import waitall
+
 from ..errors import PipelineError
 
 __all__ = ["Link", "ACT", "GRAD"]
@@ -149,7 +151,7 @@ class Link:
 
     def finish(self) -> None:
         """Wait for every send of this schedule (all matched when no stage failed)."""
-        MPI.Request.Waitall(self.pending)
+        waitall(self.pending)
         self.pending, self._keep = [], []
 
     def abandon(self) -> MPI.Comm:

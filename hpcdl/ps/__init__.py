@@ -20,6 +20,8 @@ from typing import Any
 
 from mpi4py import MPI
 
+from collectives.link import emulate_comm
+
 from ..errors import HpcdlError
 from .partitions import PartitionPlan, Piece
 from .server import Server, serve
@@ -155,7 +157,7 @@ def split_roles(world: MPI.Comm, k: int, stall_seconds: float) -> tuple[MPI.Comm
         )
     first = n - k
     is_server = world.rank >= first
-    comm = world.Dup()
+    comm = emulate_comm(world.Dup())  # the data between nodes takes an emulated link's time
     where = comm.allgather((socket.gethostname(), os.getpid()))[first:]
     part = world.Split(1 if is_server else 0, world.rank)
     if not is_server:

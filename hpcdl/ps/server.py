@@ -39,6 +39,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from collectives.link import testall, testsome, waitall
+
 from .partitions import PartitionPlan, Piece
 from .wire import (
     CTRL,
@@ -188,7 +190,7 @@ class _Table:
     def retire(self) -> None:
         """Free the snapshots whose replies have all been sent."""
         if self.mode != "sync":
-            self.retiring = [s for s in self.retiring if not MPI.Request.Testall(s[2])]
+            self.retiring = [s for s in self.retiring if not testall(s[2])]
 
     def requests(self) -> list[tuple[Any, tuple]]:
         out: list[tuple[Any, tuple]] = [(r, ("data", key)) for key, r in self.reqs.items() if r is not None]
@@ -225,7 +227,7 @@ class _Table:
         who = self.contrib[i]
         if len(self.arrived[i]) < len(who):
             return
-        MPI.Request.Waitall(self.sends[i])
+        waitall(self.sends[i])
         acc = self.acc[i]
         acc.copy_(self.bufs[i, who[0]])
         for w in who[1:]:
@@ -399,10 +401,10 @@ class _Table:
                 r.Cancel()
                 r.Wait()
         for sends in self.sends.values():
-            MPI.Request.Waitall(sends)
+            waitall(sends)
         if self.mode != "sync":
             for snap in [*self.snaps.values(), *self.retiring]:
-                MPI.Request.Waitall(snap[2])
+                waitall(snap[2])
 
 
 class Server:
@@ -438,7 +440,7 @@ class Server:
             if self._reqs is None:
                 self._collect()
             if self._reqs:
-                done = MPI.Request.Testsome(self._reqs)
+                done = testsome(self._reqs)
                 if done:
                     busy = True
                     what = [self._what[k] for k in done]

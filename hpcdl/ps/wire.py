@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from collectives.link import testall
+
 __all__ = [
     "CTRL",
     "CTRL_REPLY",
@@ -172,11 +174,11 @@ def wait_politely(
     every wake-up. ``stall(seconds)`` is called about once a second while the wait goes on."""
     if not reqs:
         return
-    if MPI.Request.Testall(reqs):
+    if testall(reqs):
         return
     start = told = time.perf_counter()
     sleep = 0.0
-    while not MPI.Request.Testall(reqs):
+    while not testall(reqs):
         now = time.perf_counter()
         if now - start > spin:
             sleep = min(nap, max(sleep * 2, 20e-6)) if nap else 0.0
