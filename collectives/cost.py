@@ -250,38 +250,74 @@ def ps_times(
     per_node: int,
     intra: AlphaBeta,
     inter: AlphaBeta,
-    server_nodes: int = 0,
+    servers: int = 0,
     piece: float = 4 << 20,
+    servers_per_node: int = 0,
 ) -> dict[str, float]:
     """Seconds one synchronous push and pull of ``nbytes`` of gradients takes through the
     parameter servers of :mod:`hpcdl.ps`, ``workers`` placed ``per_node`` to a node in
-    rank order, with dedicated servers on ``server_nodes`` nodes of their own or, with 0, a
-    server on every node (co-located, sharing the node's port):
+    rank order, with ``servers`` dedicated servers on nodes of their own after the workers'
+    (``servers_per_node`` to a node, by default ``per_node``) or, with 0, a server on every
+    node's first worker (co-located: its replies share the node's port with the pushes):
 
-    - ``ps-sync``: every worker pushes its whole gradient (a node's port sends
-      ``per_node · S``); the servers send each worker the sum (``workers · S`` over the
-      servers' nodes);
-    - ``hybrid``: a ring reduce-scatter inside the node, each worker pushes its shard (a
-      node's port sends ``S``), the servers send each node's workers their shards (``nodes
-      · S`` over the servers' nodes), a ring allgather inside the node.
+    - ``ps-sync``: every worker pushes its whole gradient and pulls the sum;
+    - ``hybrid``: a ring reduce-scatter inside the node, then each worker pushes and pulls
+      its shard (``nbytes / per_node``), then a ring allgather inside the node.
 
-    With dedicated servers, pushes and replies leave by different ports, so partitions of
-    ``piece`` bytes overlap them: the replies start once every node has pushed a first
-    partition, its workers' first partitions leaving its port together (``per_node`` of
-    them), and end no earlier than the pushes. A co-located server's replies leave by the
-    port its node's pushes take, one after the other. One latency each way.
+    The pushed bytes are cut into partitions of at most ``piece`` bytes, spread over the
+    servers as :class:`hpcdl.ps.PartitionPlan` spreads them (largest first onto the least
+    loaded). A node's workers push together, sharing its port: their first partitions
+    leave it first, then their second ones, and so on. A partition is summed once every
+    worker's has arrived (a latency after leaving), and its server's node port then sends it
+    to each worker in turn. The result is when the last reply has arrived.
     """
     k = max(1, min(per_node, workers))
-    nodes = -(-workers // k)
-    if nodes < 2 and server_nodes == 0:
-        return {"ps-sync": 0.0, "hybrid": ring_reduce_scatter(intra, k, nbytes) + ring_allgather(intra, k, nbytes)}
-    times = {}
-    for name, pushed, replied in (("ps-sync", k * nbytes, workers * nbytes), ("hybrid", nbytes, nodes * nbytes)):
-        if server_nodes:
-            first = k * min(piece, pushed / k)  # every worker's first partition, through the port together
-            wire = max(pushed, first + replied / server_nodes)
-        else:  # a node's pushes to the other nodes' servers, then its server's replies to the other nodes
-            wire = (pushed + replied / nodes) * (nodes - 1) / nodes
-        times[name] = 2 * inter.alpha + wire / inter.beta
+    times = {
+        name: _ps_exchange(nbytes, workers, k, reduce, inter, servers, piece, servers_per_node or k)
+        for name, reduce in (("ps-sync", False), ("hybrid", True))
+    }
     times["hybrid"] += ring_reduce_scatter(intra, k, nbytes) + ring_allgather(intra, k, nbytes)
     return times
+
+
+def _ps_exchange(
+    nbytes: float, workers: int, k: int, reduce: bool, inter: AlphaBeta, servers: int, piece: float, spn: int
+) -> float:
+    """:func:`ps_times`' wire time of one path (``reduce``: the hybrid's shards)."""
+    nodes = -(-workers // k)
+    shards = k if reduce else 1
+    shard = nbytes / shards
+    m = max(1, math.ceil(shard / piece))
+    sizes = [min(piece, shard - j * piece) for j in range(m)]
+    cuts = [sizes[j] for _ in range(shards) for j in range(m)]  # cut s * m + j: partition j of shard s
+    count = servers or nodes
+    load, owner = [0.0] * count, [0] * len(cuts)
+    for i in sorted(range(len(cuts)), key=lambda i: (-cuts[i], i)):
+        owner[i] = min(range(count), key=lambda j: (load[j], j))
+        load[owner[i]] += cuts[i]
+    home = [nodes + s // spn for s in range(count)] if servers else list(range(count))
+    free = [0.0] * (nodes + (-(-count // spn) if servers else 0))  # each node's port: busy until
+    ready = [0.0] * len(cuts)
+    pushers: list[list[int]] = [[] for _ in cuts]
+    for node in range(nodes):
+        ranks = range(node * k, min(workers, (node + 1) * k))
+        for j in range(m):  # the node's workers' partitions j leave together
+            crossing = []
+            for w in ranks:
+                i = ((w - node * k) if reduce else 0) * m + j
+                pushers[i].append(w)
+                if home[owner[i]] != node:
+                    crossing.append(i)
+            free[node] += sum(cuts[i] for i in crossing) / inter.beta
+            for i in crossing:
+                ready[i] = max(ready[i], free[node] + inter.alpha)
+    done = 0.0
+    for i in sorted(range(len(cuts)), key=lambda i: (ready[i], i)):
+        port = home[owner[i]]
+        for w in pushers[i]:
+            if w // k == port:  # a co-located server's own node: no port
+                done = max(done, ready[i])
+                continue
+            free[port] = max(free[port], ready[i]) + cuts[i] / inter.beta
+            done = max(done, free[port] + inter.alpha)
+    return done

@@ -438,3 +438,29 @@ def test_the_link_sweep_names_each_sizes_winner_and_auto_against_it(tmp_path):
     link_sweep.svg([run, run], tmp_path / "w.svg")
     svg = (tmp_path / "w.svg").read_text()
     assert svg.count('<rect x="190"') == 2 and svg.count(">x</text>") == 2  # auto over 1.10 x the winner, twice
+
+
+def test_the_parameter_server_sweep_names_each_sizes_winner_beside_the_model(tmp_path):
+    from benchmarks import ps_links
+    from collectives.cost import parse_link, ps_times
+
+    assert ps_links.parse_layout("2x2+4") == (2, 2, 4)
+    with pytest.raises(ValueError, match="NODESxWORKERS_PER_NODE"):
+        ps_links.parse_layout("2x2")
+    us = [
+        {"ring": 900.0, "hierarchical": 800.0, "ps-sync": 700.0, "hybrid": 750.0, "auto": 770.0},
+        {"ring": 9e4, "hierarchical": 7e4, "ps-sync": 8e4, "hybrid": 6e4, "auto": 6.3e4},
+    ]
+    rows = [{"size": s, "us": u, "auto_took": t} for s, u, t in zip((1 << 20, 16 << 20), us, ("ps-sync", "hybrid"))]
+    plain = [{"size": r["size"], "us": {k: v / 10 for k, v in r["us"].items()}} for r in rows]
+    run = ps_links.summarize("eth-10g", "2x2+4", rows, plain)
+    small, large = run["sizes"]
+    assert (small["winner"], large["winner"]) == ("ps-sync", "hybrid")
+    assert small["auto_over_best_ps"] == pytest.approx(1.1) and large["auto_over_best_ps"] == pytest.approx(1.05)
+    want = ps_times(16 << 20, 4, 2, ps_links.NODE_PATH, parse_link("eth-10g"), 4, 1 << 20)  # 4 partitions a server
+    assert large["predicted_us"]["hybrid"] == pytest.approx(want["hybrid"] * 1e6)
+    lines = ps_links.table(run)
+    assert lines[0].startswith("### eth-10g: 2 nodes of 2 workers, 4 servers")
+    assert lines[5].startswith("| 16 MiB | 90.0 (") and lines[5].endswith("| hybrid | 1.05 | 9.0 / 7.0 / 8.0 / 6.0 |")
+    ps_links.svg([run], tmp_path / "p.svg")
+    assert (tmp_path / "p.svg").read_text().count("<rect") == 2 * 4 + 4  # a bar per contender and size, the key

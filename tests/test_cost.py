@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from collectives.cost import AlphaBeta, fit
+from collectives.cost import AlphaBeta, fit, ps_times
 
 
 def test_fit_recovers_the_model_that_made_the_points():
@@ -39,3 +39,28 @@ def test_fit_clamps_what_has_no_meaning():
 def test_fit_refuses_too_few_sizes_or_a_time_that_is_not_positive(points):
     with pytest.raises(ValueError, match="fit: "):
         fit(points)
+
+
+def test_the_parameter_servers_exchange_counts_each_ports_bytes():
+    link, inside, s = AlphaBeta(1e-3, 1e8), AlphaBeta(1e-6, 1e10), 4 << 20
+    half = s / 2 / link.beta  # one partition of two through a port
+    # 2 nodes of 1 worker, 1 dedicated server, 2 partitions: each worker's first leaves its
+    # port (S/2) and arrives; the server's port sends it to both (S), then the second likewise
+    t = ps_times(s, 2, 1, inside, link, servers=1, piece=s // 2)
+    assert t["ps-sync"] == pytest.approx(2 * link.alpha + 5 * half)
+    assert t["hybrid"] == pytest.approx(t["ps-sync"])  # one worker a node: nothing to reduce inside it
+    # 2 nodes of 2 workers, 2 servers on one node of their own: the hybrid's two shards leave
+    # each node together (S), then the servers' port sends each shard's sum to 2 workers (2S),
+    # between a ring reduce-scatter and a ring allgather inside the node
+    t = ps_times(s, 4, 2, inside, link, servers=2, piece=s // 2)
+    ring = 2 * (inside.alpha + s / 2 / inside.beta)
+    assert t["hybrid"] == pytest.approx(2 * link.alpha + 6 * half + ring)
+    # ps-sync there: the node's 4 partitions (2S) leave in two rounds, each server's arrives
+    # with the first round or the second, and the port sends 4 workers each of them (4S)
+    assert t["ps-sync"] == pytest.approx(2 * link.alpha + 2 * half + 8 * half)
+    # co-located on 2 nodes of 1: each pushes its half that the other's server holds (S/2), which
+    # then sends the sum of it back (S/2) through the same port
+    t = ps_times(s, 2, 1, inside, link, piece=s // 2)
+    assert t["ps-sync"] == pytest.approx(2 * link.alpha + 2 * half)
+    assert ps_times(s, 2, 1, inside, link)["ps-sync"] == pytest.approx(2 * link.alpha + 4 * half)  # one partition
+    assert ps_times(s, 2, 2, inside, link)["ps-sync"] == 0.0  # one node, its own server

@@ -93,7 +93,7 @@ def test_staleness_stays_bounded_with_a_straggler_and_async_passes_a_stalled_wor
     run(["straggler", *args], n, env, 2)
 
 
-# (ranks, environment, arguments, workers, workers a node, the servers' nodes (0: co-located),
+# (ranks, environment, arguments, workers, workers a node, dedicated servers (0: co-located),
 # link, tolerance): a 4 MiB gradient in two partitions. The hybrid's reduce-scatter and
 # allgather inside the node each wait for a negotiation of the runtime across the nodes, which
 # ps_times leaves out: a few latencies, so its link has a short one, and 25% (the planner's bar)
@@ -124,7 +124,7 @@ LINKED = {
         [],
         4,
         2,
-        1,
+        2,
         "latency=2ms,bandwidth=50MB/s",
         0.25,
     ),
@@ -133,7 +133,7 @@ LINKED = {
 
 @pytest.mark.parametrize("shape", list(LINKED))
 def test_across_an_emulated_link_the_servers_give_the_same_parameters_in_the_time_the_model_says(shape):
-    n, env, args, workers, per_node, server_nodes, link, tolerance = LINKED[shape]
+    n, env, args, workers, per_node, servers, link, tolerance = LINKED[shape]
     found = {}
     for with_link in ("", link):
         out = run(["link", *args], n, {**env, "HPCDL_LINK": with_link}, workers)
@@ -143,7 +143,7 @@ def test_across_an_emulated_link_the_servers_give_the_same_parameters_in_the_tim
     (plain_reduced, plain, plain_s), (reduced, linked, linked_s) = found[""], found[link]
     assert plain == linked, "the link changed the parameters"
     assert plain_reduced == "False", "node_reduce='auto' reduced inside the node on one machine without a link"
-    model = ps_times(4 << 20, workers, per_node, NODE_PATH, parse_link(link), server_nodes, 2 << 20)
+    model = ps_times(4 << 20, workers, per_node, NODE_PATH, parse_link(link), servers, 2 << 20)
     path = min(model, key=model.__getitem__)
     assert reduced == str(path == "hybrid" and per_node > 1), (reduced, model)  # auto took the model's path
     # the step without a link is this machine's own work, which the link's time may hide or not

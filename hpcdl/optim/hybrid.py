@@ -288,11 +288,13 @@ class HybridReducer(Reducer):
         if link is None:  # one machine's ranks move 2 n S bytes through its memory either way: no steps added
             return machines > 1
         job = self._job
-        ranks = job.comm.nodes if isinstance(job.comm, LinkComm) else list(range(job.comm.Get_size()))
-        server_nodes = len({ranks[s] for s in job.servers}) if job.dedicated else 0
+        servers, per_server_node = (len(job.servers), 1) if job.dedicated else (0, 1)
+        if job.dedicated and isinstance(job.comm, LinkComm):  # the servers' nodes, as located
+            homes = [job.comm.nodes[s] for s in job.servers]
+            per_server_node = max(homes.count(h) for h in homes)
         nbytes = sum(p.numel() * p.element_size() for b in self._buckets for p in b.params)
         workers, per_node = sum(len(n) for n in nodes), max(len(n) for n in nodes)
-        times = ps_times(nbytes, workers, per_node, NODE_PATH, link, server_nodes, partition_bytes)
+        times = ps_times(nbytes, workers, per_node, NODE_PATH, link, servers, partition_bytes, per_server_node)
         return times["hybrid"] < times["ps-sync"]
 
     def _agree_setup(self, base: type, node_reduce: bool | str, where: str) -> None:
