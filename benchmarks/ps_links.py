@@ -15,6 +15,9 @@ machine's own cost), for:
   worker's shard, allgather inside the node (Herring's scheme);
 - ``auto``: ``node_reduce="auto"``, which takes one of the last two by the cost model.
 
+With one worker a node the last three are one path; the winner is then named among
+the first three.
+
 Each gradient is cut into ``--partitions`` partitions a server (``partition_bytes``): with
 one a server, the pushes of every worker reach the last server only at their end, and its
 replies start then. The figures are the fastest of
@@ -163,7 +166,8 @@ def summarize(
         pred = allreduce_times(size, workers, per_node, NODE_PATH, model)
         pred.update(ps_times(size, workers, per_node, NODE_PATH, model, servers, -(-size // (servers * partitions))))
         got = row["us"]
-        winner = min(CONTENDERS, key=got.__getitem__)
+        names = CONTENDERS if per_node > 1 else [c for c in CONTENDERS if c != "hybrid"]  # one a node: the same path
+        winner = min(names, key=got.__getitem__)
         best_ps = min(("ps-sync", "hybrid"), key=got.__getitem__)
         out.append(
             {
@@ -172,7 +176,7 @@ def summarize(
                 "no_link_us": own["us"],
                 "predicted_us": {c: pred[c] * 1e6 for c in CONTENDERS},
                 "winner": winner,
-                "predicted_winner": min(CONTENDERS, key=pred.__getitem__),
+                "predicted_winner": min(names, key=pred.__getitem__),
                 "auto_took": row["auto_took"],
                 "auto_over_best_ps": got["auto"] / got[best_ps],
             }
@@ -183,7 +187,8 @@ def summarize(
 def table(run: dict[str, Any]) -> list[str]:
     nodes, per_node, servers = parse_layout(run["layout"])
     lines = [
-        f"### {run['link']}: {nodes} nodes of {per_node} workers, {servers} servers on nodes of their own",
+        f"### {run['link']}: {nodes} nodes of {per_node} worker{'s' if per_node > 1 else ''}, {servers} servers on "
+        "nodes of their own",
         "",
         "| size | " + " | ".join(CONTENDERS) + " | winner (model's) | auto took | auto / better PS | no link |",
         "|---" * (len(CONTENDERS) + 5) + "|",
