@@ -12,9 +12,11 @@ message, ``beta`` bytes per second each way. :data:`LINKS` names common ones at 
 rates, :func:`parse_link` reads ``"latency=5us,bandwidth=12.5GB/s"`` or a name, and
 :func:`link_from_allreduce` turns a measured allreduce model back into the link a ring
 over ``n`` ranks implies. :func:`ring_allreduce`, :func:`ring_allgather`,
-:func:`ring_reduce_scatter` and :func:`send_time` give the time of each over a link, and
-:func:`allreduce_times` that of each allreduce algorithm over nodes joined by a link (what
-``auto`` chooses by across emulated links, :mod:`.link`).
+:func:`ring_reduce_scatter` and :func:`send_time` give the time of each over a link;
+:func:`allreduce_times`, :func:`reduce_scatter_times` and :func:`allgather_times` that of
+each algorithm over nodes joined by a link (what ``auto`` chooses by across emulated
+links, :mod:`.link`), and :func:`ps_times` that of a push and pull through the parameter
+servers (what ``HybridOptimizer(node_reduce="auto")`` chooses by).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from typing import NamedTuple
 
 __all__ = [
     "LINKS",
+    "COLLECTIVE_TIMES",
+    "reduce_scatter_times",
+    "allgather_times",
     "AlphaBeta",
     "allreduce_times",
     "fit",
@@ -34,6 +39,7 @@ __all__ = [
     "ring_allreduce",
     "ring_reduce_scatter",
     "send_time",
+    "ps_times",
 ]
 
 
@@ -242,6 +248,30 @@ def allreduce_times(
         across = 2 * (nodes - 1) * _step(nbytes / k / nodes, True, share, intra, inter)
     times["hierarchical"] = 2 * inside + across
     return times
+
+
+def reduce_scatter_times(
+    nbytes: float, ranks: int, per_node: int, intra: AlphaBeta, inter: AlphaBeta, ports: float = 1.0
+) -> dict[str, float]:
+    """Seconds each reduce-scatter of :mod:`collectives.algorithms` takes on ``nbytes`` (the
+    whole input), placed as :func:`allreduce_times` places ranks: ``ring`` is the ring
+    allreduce's first half, ``recursive_halving`` Rabenseifner's."""
+    t = allreduce_times(nbytes, ranks, per_node, intra, inter, ports)
+    return {"ring": t["ring"] / 2, "recursive_halving": t["rabenseifner"] / 2}
+
+
+def allgather_times(
+    nbytes: float, ranks: int, per_node: int, intra: AlphaBeta, inter: AlphaBeta, ports: float = 1.0
+) -> dict[str, float]:
+    """Seconds each allgather of :mod:`collectives.algorithms` takes on ``nbytes`` (the whole
+    output), placed as :func:`allreduce_times` places ranks: ``ring`` is the ring
+    allreduce's second half, ``recursive_doubling`` Rabenseifner's."""
+    t = allreduce_times(nbytes, ranks, per_node, intra, inter, ports)
+    return {"ring": t["ring"] / 2, "recursive_doubling": t["rabenseifner"] / 2}
+
+
+COLLECTIVE_TIMES = {"allreduce": allreduce_times, "reduce_scatter": reduce_scatter_times, "allgather": allgather_times}
+"""The collectives whose algorithms the model times, and the function that times them."""
 
 
 def ps_times(

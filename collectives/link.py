@@ -226,16 +226,23 @@ def locate(comm: MPI.Comm, ranks_per_node: int, link: AlphaBeta | None) -> Locat
     links = comm.allgather(None if link is None else tuple(link))
     if len(set(links)) > 1:
         raise ConfigError(f"link: the ranks' links differ: {sorted(set(links), key=str)}; set HPCDL_LINK alike")
+    key, node = _node_of(comm, ranks_per_node)
+    keys = comm.allgather(key)
+    port = Port(node) if link is not None else None  # lives as long as MPI
+    node.Free()
+    _LOCATED = Located(sorted(set(keys)).index(key), port, link, ranks_per_node)
+    return _LOCATED
+
+
+def _node_of(comm: MPI.Comm, ranks_per_node: int) -> tuple[tuple[int, int], MPI.Comm]:
+    """This rank's node among ``comm``'s (collective): its key, (the lowest rank of ``comm``
+    on this machine, the cut of ``ranks_per_node`` on it), and a communicator of its ranks."""
     shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     cut = shared.Get_rank() // ranks_per_node if ranks_per_node else 0
     leader = shared.bcast(comm.Get_rank(), root=0)  # names the machine; cut, the node on it
-    keys = comm.allgather((leader, cut))
     node = shared.Split(cut, shared.Get_rank())
-    port = Port(node) if link is not None else None  # lives as long as MPI
-    node.Free()
     shared.Free()
-    _LOCATED = Located(sorted(set(keys)).index((leader, cut)), port, link, ranks_per_node)
-    return _LOCATED
+    return (leader, cut), node
 
 
 def located_nodes(comm: MPI.Comm, ranks_per_node: int, link: Any = False) -> list[int] | None:
@@ -251,9 +258,9 @@ def located_nodes(comm: MPI.Comm, ranks_per_node: int, link: Any = False) -> lis
 def emulate(t: MPITransport, link: AlphaBeta, ranks_per_node: int) -> LinkTransport:
     """``t`` with its messages between nodes taking ``link``'s time (collective over ``t``).
     The nodes are those the collectives see: :func:`locate`'s, with its ports, where every
-    rank was located with this link and ``ranks_per_node``; else the ranks sharing memory, cut into
-    ``ranks_per_node`` where that is set, with ports of their own. Each rank's link must be
-    the same.
+    rank was located with this link and ``ranks_per_node``; else the ranks sharing memory,
+    cut into ``ranks_per_node`` where that is set, with ports of their own. Each rank's
+    link must be the same.
 
     Raises:
         ConfigError: on every rank, where the ranks' links differ.
@@ -264,14 +271,10 @@ def emulate(t: MPITransport, link: AlphaBeta, ranks_per_node: int) -> LinkTransp
     nodes = located_nodes(t.comm, ranks_per_node, link)
     if nodes is not None:
         return LinkTransport(t.comm, link, nodes, _LOCATED.port)  # type: ignore[union-attr,arg-type]
-    shared = t.comm.Split_type(MPI.COMM_TYPE_SHARED, key=t.rank)
-    cut = shared.Get_rank() // ranks_per_node if ranks_per_node else 0
-    node = shared.Split(cut, shared.Get_rank())
-    leader = shared.bcast(t.rank, root=0)  # names the machine; cut, the node on it
+    key, node = _node_of(t.comm, ranks_per_node)
     port = Port(node)  # lives as long as MPI: every transport split from this one shares it
     node.Free()
-    shared.Free()
-    return LinkTransport(t.comm, link, t.comm.allgather((leader, cut)), port)
+    return LinkTransport(t.comm, link, t.comm.allgather(key), port)
 
 
 class LinkMessage:

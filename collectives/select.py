@@ -22,7 +22,7 @@ from typing import Any
 from .algorithms import hierarchical as hier
 from .algorithms import native, pairwise, rabenseifner, recursive_doubling, ring, shm, tree
 from .config import read_tuning_file
-from .cost import AlphaBeta, allreduce_times
+from .cost import COLLECTIVE_TIMES, AlphaBeta
 from .node import staged
 
 __all__ = ["REGISTRY", "DEVICE", "algorithms", "choose", "rules", "rules_for", "load_table"]
@@ -123,13 +123,14 @@ NODE_PATH = AlphaBeta(5e-6, 5e9)
 few µs and a few GB/s, negligible beside the links it is used with."""
 
 
-def link_rules(ranks: int, per_node: int, link: AlphaBeta) -> list[list[Any]]:
-    """``auto``'s allreduce rules across nodes joined by ``link`` (emulated): at each power of
-    two from 4 B to 16 GiB, the algorithm :func:`.cost.allreduce_times` predicts fastest,
-    as ``[max_bytes, algorithm]`` rules."""
+def link_rules(ranks: int, per_node: int, link: AlphaBeta, collective: str = "allreduce") -> list[list[Any]]:
+    """``auto``'s rules for ``collective`` (one of :data:`.cost.COLLECTIVE_TIMES`) across
+    nodes joined by ``link`` (emulated): at each power of two from 4 B to 16 GiB, the
+    algorithm the cost model predicts fastest, as ``[max_bytes, algorithm]`` rules."""
+    model = COLLECTIVE_TIMES[collective]
     out: list[list[Any]] = []
     for i in range(2, 35):
-        times = allreduce_times(1 << i, ranks, per_node, NODE_PATH, link)
+        times = model(1 << i, ranks, per_node, NODE_PATH, link)
         best = min(times, key=times.__getitem__)
         if out and out[-1][1] == best:
             out[-1][0] = 1 << i
@@ -149,9 +150,9 @@ def choose(ctx: Any, collective: str, nbytes: int) -> str:
         link = getattr(ctx.transport, "link", None) if multi else None
         unusable = not mpi or link is not None
         found = rules_for(ctx, collective)
-        lay = ctx.topology() if link is not None and collective == "allreduce" else None
+        lay = ctx.topology() if link is not None and collective in COLLECTIVE_TIMES else None
         if lay is not None and lay.homogeneous:  # the link's model, not a table measured without it
-            found = link_rules(ctx.transport.size, lay.node.size, link)
+            found = link_rules(ctx.transport.size, lay.node.size, link, collective)
         picks = []
         for limit, name in found:
             if (name == "native" and unusable) or (name == "shm" and multi and collective != "allreduce"):

@@ -206,6 +206,34 @@ def test_auto_across_a_slow_link_takes_what_the_model_says_and_it_wins():
     comm.Free()
 
 
+@pytest.mark.mpi(min_size=4)
+def test_auto_reduce_scatters_and_allgathers_across_a_slow_link_as_the_model_says():
+    from collectives.cost import allgather_times, reduce_scatter_times
+    from collectives.select import NODE_PATH
+
+    if N != 4:
+        pytest.skip("two nodes of two ranks")
+    link = parse_link(SLOW)
+    comm = linked(SLOW, per_node=2)
+    ctx = get_context(comm)
+    for collective, model in (("reduce_scatter", reduce_scatter_times), ("allgather", allgather_times)):
+        for size in (8, 4 << 10, 1 << 16, 16 << 20):
+            times = model(size, 4, 2, NODE_PATH, link)
+            assert choose(ctx, collective, size) == min(times, key=times.__getitem__), (collective, size)
+    x = np.ones(1024, np.float32)  # 4 KiB: one latency across by halving or doubling, two round the ring
+    fast = {
+        "reduce_scatter": lambda alg: C.reduce_scatter(x, algorithm=alg, comm=comm),
+        "allgather": lambda alg: C.allgather(x[:256], algorithm=alg, comm=comm),
+    }
+    for collective, run in fast.items():
+        ring = _best(lambda run=run: run("ring"), reps=2)
+        auto = _best(lambda run=run: run("auto"), reps=2)
+        assert auto < 0.75 * ring, (collective, auto, ring)
+    want = C.reduce_scatter(x * (ME + 1), algorithm="ring", comm=comm)
+    assert digest(C.reduce_scatter(x * (ME + 1), comm=comm)) == digest(want)  # sums of small integers: exact
+    comm.Free()
+
+
 @pytest.mark.mpi(min_size=2)
 def test_a_pipeline_stages_tensor_crosses_the_link_whole_in_its_time():
     locate(WORLD, 1, parse_link(SLOW))
