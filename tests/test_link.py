@@ -235,6 +235,24 @@ def test_auto_reduce_scatters_and_allgathers_across_a_slow_link_as_the_model_say
 
 
 @pytest.mark.mpi(min_size=2)
+def test_device_arrays_cross_the_link_staged_even_where_mpi_takes_device_memory(monkeypatch):
+    import fakecupy
+
+    from collectives.cost import allreduce_times
+    from collectives.select import NODE_PATH
+
+    cp = fakecupy.install(monkeypatch)
+    comm = WORLD.Dup()
+    get_context(comm, Config(link=SLOW, ranks_per_node=1, cuda_aware_mpi="1"))  # native would skip the link
+    x = cp.asarray(np.full(1 << 20, ME + 1, np.float32))  # 4 MiB of small integers: exact sums
+    got = C.allreduce(x, comm=comm)
+    assert isinstance(got, cp.ndarray) and np.array_equal(cp.asnumpy(got), np.full(1 << 20, N * (N + 1) / 2))
+    least = min(allreduce_times(x.nbytes, N, 1, NODE_PATH, parse_link(SLOW)).values())  # what any algorithm pays
+    assert _best(lambda: C.allreduce(x, comm=comm), reps=2) >= 0.9 * least
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_pipeline_stages_tensor_crosses_the_link_whole_in_its_time():
     locate(WORLD, 1, parse_link(SLOW))
     try:

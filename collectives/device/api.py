@@ -138,6 +138,8 @@ def _resolve(ctx: Context, call: Call, nbytes: int) -> str:
     if "survey" not in st:
         st["survey"] = survey(ctx.transport)
     where = st["survey"]
+    if getattr(ctx.transport, "link", None) is not None and ctx.topology().nodes > 1:
+        return "staged"  # across emulated links: NCCL's and MPI's own messages would not pay the link
     if where.nccl is None and call.x.dtype.name in NCCL_DTYPES and call.collective != "alltoall":
         return "nccl"
     if ctx.topology().nodes == 1 and call.collective != "alltoall":
