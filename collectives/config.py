@@ -229,6 +229,10 @@ def _table_problem(table: Any) -> str | None:
         )
         if not ok:
             return f'tables[{i}] needs "rules", a list of [max_bytes, algorithm] pairs (max_bytes null: any size)'
+    for i, e in enumerate(table.get("node_paths", [])):
+        good = isinstance(e, dict) and isinstance(e.get("size"), int) and e["size"] >= 2
+        if not good or not all(isinstance(e.get(k), (int, float)) and e[k] > 0 for k in ("alpha", "beta")):
+            return f'node_paths[{i}] needs "size" (ranks, at least 2) and positive "alpha" (s) and "beta" (B/s)'
     return None
 
 

@@ -25,7 +25,18 @@ from .config import read_tuning_file
 from .cost import COLLECTIVE_TIMES, AlphaBeta
 from .node import staged
 
-__all__ = ["REGISTRY", "DEVICE", "algorithms", "choose", "rules", "rules_for", "load_table"]
+__all__ = [
+    "REGISTRY",
+    "DEVICE",
+    "NODE_PATH",
+    "algorithms",
+    "choose",
+    "link_rules",
+    "load_table",
+    "node_path",
+    "rules",
+    "rules_for",
+]
 
 #: collective -> algorithm name -> schedule function. Order is the wire code order.
 REGISTRY: dict[str, dict[str, Callable[..., Any]]] = {
@@ -119,18 +130,34 @@ def rules_for(ctx: Any, collective: str) -> list[list[Any]]:
 
 
 NODE_PATH = AlphaBeta(5e-6, 5e9)
-"""What a message between two ranks of one node costs, as :func:`link_rules` assumes: a
-few µs and a few GB/s, negligible beside the links it is used with."""
+"""What a message between two ranks of one node costs where nothing measured it (a few µs
+and a few GB/s, negligible beside the links it is used with); a tuning table's
+``node_paths`` (:func:`node_path`) takes its place."""
 
 
-def link_rules(ranks: int, per_node: int, link: AlphaBeta, collective: str = "allreduce") -> list[list[Any]]:
+def node_path(table: dict[str, Any] | None, ranks: int) -> AlphaBeta:
+    """What a message between two of ``ranks`` ranks of one node costs: the tuning table's
+    measured ``node_paths`` entry (``python -m collectives.tune`` fits it to the ring
+    allreduce on one node) for that many ranks, or the nearest count; :data:`NODE_PATH`
+    without one."""
+    paths = (table or {}).get("node_paths") or []
+    if not paths or ranks < 2:
+        return NODE_PATH
+    e = min(paths, key=lambda e: (abs(e["size"] - ranks), e["size"]))
+    return AlphaBeta(float(e["alpha"]), float(e["beta"]))
+
+
+def link_rules(
+    ranks: int, per_node: int, link: AlphaBeta, collective: str = "allreduce", intra: AlphaBeta = NODE_PATH
+) -> list[list[Any]]:
     """``auto``'s rules for ``collective`` (one of :data:`.cost.COLLECTIVE_TIMES`) across
-    nodes joined by ``link`` (emulated): at each power of two from 4 B to 16 GiB, the
-    algorithm the cost model predicts fastest, as ``[max_bytes, algorithm]`` rules."""
+    nodes joined by ``link`` (emulated), messages inside a node over ``intra``: at each
+    power of two from 4 B to 16 GiB, the algorithm the cost model predicts fastest, as
+    ``[max_bytes, algorithm]`` rules."""
     model = COLLECTIVE_TIMES[collective]
     out: list[list[Any]] = []
     for i in range(2, 35):
-        times = model(1 << i, ranks, per_node, NODE_PATH, link)
+        times = model(1 << i, ranks, per_node, intra, link)
         best = min(times, key=times.__getitem__)
         if out and out[-1][1] == best:
             out[-1][0] = 1 << i
@@ -152,7 +179,8 @@ def choose(ctx: Any, collective: str, nbytes: int) -> str:
         found = rules_for(ctx, collective)
         lay = ctx.topology() if link is not None and collective in COLLECTIVE_TIMES else None
         if lay is not None and lay.homogeneous:  # the link's model, not a table measured without it
-            found = link_rules(ctx.transport.size, lay.node.size, link, collective)
+            intra = node_path(ctx.tuning, lay.node.size)  # rules_for loaded the table
+            found = link_rules(ctx.transport.size, lay.node.size, link, collective, intra)
         picks = []
         for limit, name in found:
             if (name == "native" and unusable) or (name == "shm" and multi and collective != "allreduce"):

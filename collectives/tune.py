@@ -12,13 +12,17 @@ gains nothing; a round's time is the ranks' average), the median round decides, 
 of sizes won by the same algorithm become one rule. With ``--sweeps K`` every size is
 measured K times and each goes to the algorithm that won the most sweeps. The table is
 keyed by collective, rank count and node count, so tables from several runs (2 ranks,
-4 ranks, 2 nodes, ...) are merged into one file with ``--merge``.
+4 ranks, 2 nodes, ...) are merged into one file with ``--merge``. On one node it also
+records, under ``node_paths``, the α-β of one message between two of its ranks that the
+ring allreduce's times imply: the cost model (:mod:`.cost`) takes a node's messages at
+that, where ``auto`` chooses across emulated links and where the planner costs a node.
 """
 
 from __future__ import annotations
 
 import collections
 import json
+import math
 import statistics
 import sys
 from collections.abc import Callable
@@ -31,6 +35,7 @@ from . import api
 from .blocks import block_counts
 from .cli import ArgumentParser, dump_json, parse_size, run_main
 from .context import get_context
+from .cost import AlphaBeta, fit, link_from_allreduce
 from .select import REGISTRY
 
 __all__ = ["measure", "vote", "rules_from", "main"]
@@ -104,6 +109,14 @@ def vote(sweeps: list[dict[str, float]]) -> str:
     return min(tied, key=lambda name: statistics.median(m[name] for m in sweeps))
 
 
+def measured_node_path(meds: dict[int, list[dict[str, float]]], ranks: int) -> AlphaBeta:
+    """The per-message cost inside a node that the ring allreduce's median times (by size,
+    one dict per sweep) imply on ``ranks`` ranks: :func:`.cost.fit` to them, turned back into
+    one message's α-β by :func:`.cost.link_from_allreduce`."""
+    points = [(nbytes, statistics.median(m["ring"] for m in sweeps)) for nbytes, sweeps in meds.items()]
+    return link_from_allreduce(fit(points), ranks)
+
+
 def rules_from(winners: list[tuple[int, str]]) -> list[list[Any]]:
     """Turn (size, best algorithm) pairs, by increasing size, into ``[max_bytes, name]`` rules;
     a boundary falls halfway (geometrically) between the last size one algorithm won and the
@@ -156,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
         s *= 4
     sizes.append(hi)
     entries = []
+    path = None
     for coll in args.collectives.split(","):
         names = candidates(coll, comm)
         meds: dict[int, list[dict[str, float]]] = {nbytes: [] for nbytes in sizes}
@@ -169,6 +183,8 @@ def main(argv: list[str] | None = None) -> None:
                     print(f"{coll:>15} {nbytes:>10} sweep {sweep} best={best:<20} us: {cells}", flush=True)
         winners = [(nbytes, vote(meds[nbytes])) for nbytes in sizes]
         entries.append({"collective": coll, "size": comm.size, "nodes": nodes, "rules": rules_from(winners)})
+        if coll == "allreduce" and nodes == 1 and comm.size > 1 and "ring" in names and len(sizes) > 1:
+            path = measured_node_path(meds, comm.size)
     if comm.rank == 0:
         table: dict[str, Any] = {"machine": args.machine, "tables": []}
         if args.merge:
@@ -179,6 +195,11 @@ def main(argv: list[str] | None = None) -> None:
         table["tables"] = sorted(kept + entries, key=lambda e: (e["collective"], e["nodes"], e["size"]))
         if args.machine:
             table["machine"] = args.machine
+        if path is not None and path.alpha > 0 and math.isfinite(path.beta):  # else the sizes told too little
+            # what auto across emulated links, and the planner, take a node's messages to cost
+            entry = {"size": comm.size, "alpha": path.alpha, "beta": path.beta}
+            kept_paths = [e for e in table.get("node_paths", []) if e["size"] != comm.size]
+            table["node_paths"] = sorted([*kept_paths, entry], key=lambda e: e["size"])
         runs = table.setdefault("runs", [])
         words = sys.argv[1:] if argv is None else argv
         runs.append(f"mpiexec -n {comm.size} python -m collectives.tune " + " ".join(words))

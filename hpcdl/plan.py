@@ -24,7 +24,7 @@ The model (Megatron-LM's, Narayanan et al., SC21, and Korthikanti et al., 2022):
   forward and backward); then the optimizer step at the GPU's memory bandwidth.
 - Communication times come from :mod:`collectives.cost` (α-β links, the model ``auto``
   chooses its allreduce by across links), which a node report's measurements calibrate
-  (``--intra report.json``).
+  (``--intra report.json``), or a tuning table's measured node path (``--intra T.json``).
 - Memory per GPU on the heaviest stage: 16 bytes per parameter for mixed-precision Adam
   (2 parameters, 2 gradients, 12 fp32 states), divided over ``dp`` as the ZeRO stage says;
   activations per layer ``s b h (10 + 24 / tp + 5 a s / h tp)`` bytes, or ``2 s b h`` with
@@ -50,6 +50,7 @@ from collectives.cost import (
     ring_allreduce,
     send_time,
 )
+from collectives.select import node_path
 
 __all__ = [
     "GPT",
@@ -457,11 +458,14 @@ def validate(anchor: str, cl: Cluster) -> list[dict[str, Any]]:
 
 
 # -- the command ---------------------------------------------------------------------------
-def _link(text: str, what: str) -> AlphaBeta:
-    """A link by name or α-β, or the link a node report's measured allreduce implies."""
+def _link(text: str, what: str, ranks: int = 8) -> AlphaBeta:
+    """A link by name or α-β; the link a node report's measured allreduce implies; or a
+    tuning table's measured node path for ``ranks`` ranks (``python -m collectives.tune``)."""
     if text.endswith(".json"):
         with open(text) as fh:
             report = json.load(fh)
+        if isinstance(report, dict) and report.get("node_paths"):
+            return node_path(report, ranks)
         entries = report.get("pipeline") if isinstance(report, dict) else None
         for entry in entries if isinstance(entries, list) else []:
             model = entry.get("tp_models", {}).get("allreduce") if isinstance(entry, dict) else None
@@ -485,7 +489,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", choices=sorted(GPUS), default="a100")
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument(
-        "--intra", help="link inside a node: a name, 'latency=..,bandwidth=..' or a node report's report.json"
+        "--intra",
+        help="link inside a node: a name, 'latency=..,bandwidth=..', a node report's report.json or a tuning table "
+        "(python -m collectives.tune --out T.json)",
     )
     p.add_argument("--inter", default="ib-hdr", help="port between nodes: a name or 'latency=..,bandwidth=..'")
     p.add_argument("--nics-per-node", type=int, help="ports per node (default: one per GPU)")
@@ -606,7 +612,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error("--gpus, --global-batch and --gpus-per-node must be positive")
     gpu = GPUS[a.gpu]
     try:
-        intra = _link(a.intra or gpu.intra, "--intra")
+        intra = _link(a.intra or gpu.intra, "--intra", a.gpus_per_node)
         inter = _link(a.inter, "--inter")
     except (OSError, ValueError) as exc:
         p.error(str(exc))

@@ -223,6 +223,8 @@ def test_tuner_writes_a_table_that_auto_follows():
             table = json.load(fh)
         mine = {(e["collective"], e["size"], e["nodes"]): e["rules"] for e in table["tables"]}
         rules = mine[("allreduce", WORLD.size, 1)]
+        for e in table.get("node_paths", []):  # the ring's times as one message's α-β, where 4-64 B tell it
+            assert e["size"] == WORLD.size > 1 and e["alpha"] > 0 and 0 < e["beta"] < 1e15, e
         assert rules[-1][0] is None and all(name in C.algorithms("allreduce") for _, name in rules)
         comm = WORLD.Dup()
         ctx = get_context(comm, Config(tuning_file=path))

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from collectives.cost import AlphaBeta, fit, ps_times
+from collectives.cost import AlphaBeta, fit, ps_times, ring_allreduce
 
 
 def test_fit_recovers_the_model_that_made_the_points():
@@ -64,3 +64,17 @@ def test_the_parameter_servers_exchange_counts_each_ports_bytes():
     assert t["ps-sync"] == pytest.approx(2 * link.alpha + 2 * half)
     assert ps_times(s, 2, 1, inside, link)["ps-sync"] == pytest.approx(2 * link.alpha + 4 * half)  # one partition
     assert ps_times(s, 2, 2, inside, link)["ps-sync"] == 0.0  # one node, its own server
+
+
+def test_the_tuner_reads_a_nodes_message_cost_back_from_the_ring_allreduces_times():
+    from collectives.tune import measured_node_path
+
+    link = AlphaBeta(7e-6, 3e9)
+    for ranks in (2, 4, 8):  # medians of two sweeps, one 5% slow
+        meds = {
+            s: [{"ring": ring_allreduce(link, ranks, s)}, {"ring": 1.05 * ring_allreduce(link, ranks, s)}]
+            for s in (4 << 10, 64 << 10, 1 << 20, 16 << 20)
+        }
+        got = measured_node_path(meds, ranks)
+        assert got.alpha == pytest.approx(1.025 * link.alpha, rel=1e-6)
+        assert got.beta == pytest.approx(link.beta / 1.025, rel=1e-6)

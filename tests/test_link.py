@@ -207,6 +207,33 @@ def test_auto_across_a_slow_link_takes_what_the_model_says_and_it_wins():
 
 
 @pytest.mark.mpi(min_size=4)
+def test_auto_across_a_link_costs_a_nodes_messages_as_the_tuning_table_measured_them():
+    import json
+    import os
+    import tempfile
+
+    from collectives.cost import allreduce_times
+
+    if N != 4:
+        pytest.skip("two nodes of two ranks")
+    slow = AlphaBeta(5e-3, 1e7)  # a node path as slow as this: the in-node rings of hierarchical cost
+    path = WORLD.bcast(tempfile.mkstemp(suffix=".json")[1] if ME == 0 else None)
+    if ME == 0:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump({"tables": [], "node_paths": [{"size": 2, "alpha": slow.alpha, "beta": slow.beta}]}, fh)
+    WORLD.Barrier()
+    comm = WORLD.Dup()
+    ctx = get_context(comm, Config(link=SLOW, ranks_per_node=2, tuning_file=path))
+    for size in (8, 4 << 10, 1 << 20, 4 << 20):  # hierarchical wins at 4 KiB and 4 MiB over the assumed path
+        times = allreduce_times(size, 4, 2, slow, parse_link(SLOW))
+        assert choose(ctx, "allreduce", size) == min(times, key=times.__getitem__) != "hierarchical"
+    comm.Free()
+    WORLD.Barrier()
+    if ME == 0:
+        os.remove(path)
+
+
+@pytest.mark.mpi(min_size=4)
 def test_auto_reduce_scatters_and_allgathers_across_a_slow_link_as_the_model_says():
     from collectives.cost import allgather_times, reduce_scatter_times
     from collectives.select import NODE_PATH

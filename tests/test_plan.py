@@ -182,6 +182,21 @@ def test_the_command_ranks_layouts_as_json_best_first(capsys, tmp_path):
     assert code == 0 and "GPT of 1.65B parameters" in out.out
 
 
+def test_the_command_takes_a_tuning_tables_measured_node_path(capsys, tmp_path):
+    table = tmp_path / "t.json"
+    paths = [{"size": 2, "alpha": 1e-3, "beta": 1e8}, {"size": 8, "alpha": 2e-5, "beta": 2e9}]
+    table.write_text(json.dumps({"tables": [], "node_paths": paths}))
+    base = ["--model", "gpt-1.7b", "--global-batch", "64", "--gpus", "8", "--tp", "8", "--micro-batch", "1", "--json"]
+    rows = {}
+    for intra in (str(table), "latency=20us,bandwidth=2GB/s", "nvlink3"):  # the 8-rank entry, by hand, a preset
+        code, out = _run(capsys, *base, "--intra", intra)
+        assert code == 0
+        rows[intra] = json.loads(out.out)
+    steps = {k: [r["step_s"] for r in v] for k, v in rows.items()}
+    assert steps[str(table)] == pytest.approx(steps["latency=20us,bandwidth=2GB/s"], rel=1e-12)
+    assert steps[str(table)] != pytest.approx(steps["nvlink3"], rel=0.01)
+
+
 def test_the_command_takes_a_node_reports_link_and_refuses_bad_input(capsys, tmp_path):
     report = tmp_path / "report.json"
     report.write_text(
