@@ -365,8 +365,8 @@ def node_transport(t: Any, ranks_per_node: int) -> Any:
     """The transport over the ranks of ``t`` on this rank's node (collective over ``t``):
     those sharing its memory, cut into nodes of ``ranks_per_node`` ranks where that is set
     (``HPCDL_RANKS_PER_NODE``, simulated nodes). Where every rank of ``t`` was located
-    (:func:`.link.locate`) with these ``ranks_per_node``, its nodes are those: a subset of the located ranks cannot tell
-    from its own shared-memory split where the cuts fall."""
+    (:func:`.link.locate`) with these ``ranks_per_node``, its nodes are those: a subset of
+    the located ranks cannot tell from its own shared-memory split where the cuts fall."""
     comm = getattr(t, "comm", None)
     nodes = located_nodes(comm, ranks_per_node) if isinstance(comm, MPI.Comm) else None
     if nodes is not None:
