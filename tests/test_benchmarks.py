@@ -16,7 +16,7 @@ from benchmarks import osu
 from collectives import tune
 from collectives.config import Config
 from collectives.context import get_context
-from collectives.select import choose
+from collectives.select import NODE_PATH, choose
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -433,7 +433,7 @@ def test_the_link_sweep_names_each_sizes_winner_and_auto_against_it(tmp_path):
     # the model's figures are allreduce_times' for 2 nodes of 2 ranks at 10 Gbit/s, in µs
     from collectives.cost import allreduce_times, parse_link
 
-    want = allreduce_times(1 << 20, 4, 2, link_sweep.NODE_PATH, parse_link("eth-10g"))
+    want = allreduce_times(1 << 20, 4, 2, NODE_PATH, parse_link("eth-10g"))
     assert large["predicted_us"]["ring"] == pytest.approx(want["ring"] * 1e6)
     lines = link_sweep.table(run)
     assert lines[0] == "### eth-10g, 2 nodes of 2" and "| 1048576 |" in lines[5] and lines[5].endswith("| 1.20 |")
@@ -459,7 +459,7 @@ def test_the_parameter_server_sweep_names_each_sizes_winner_beside_the_model(tmp
     small, large = run["sizes"]
     assert (small["winner"], large["winner"]) == ("ps-sync", "hybrid")
     assert small["auto_over_best_ps"] == pytest.approx(1.1) and large["auto_over_best_ps"] == pytest.approx(1.05)
-    want = ps_times(16 << 20, 4, 2, ps_links.NODE_PATH, parse_link("eth-10g"), 4, 1 << 20)  # 4 partitions a server
+    want = ps_times(16 << 20, 4, 2, NODE_PATH, parse_link("eth-10g"), 4, 1 << 20)  # 4 partitions a server
     assert large["predicted_us"]["hybrid"] == pytest.approx(want["hybrid"] * 1e6)
     lines = ps_links.table(run)
     assert lines[0].startswith("### eth-10g: 2 nodes of 2 workers, 4 servers")
