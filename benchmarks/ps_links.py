@@ -33,6 +33,7 @@ layout)::
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -250,7 +251,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--partitions", type=int, default=4, help="partitions a server")
     p.add_argument("--out", help="directory for ps_links.{json,md,svg}")
-    p.add_argument("--work", help=argparse_hidden())
+    p.add_argument("--work", help=argparse.SUPPRESS)  # the worker part, under mpiexec: where to write its rows
     args = p.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     if args.work:
@@ -278,12 +279,6 @@ def main() -> None:
         dump_json({"command": " ".join(["python -m benchmarks.ps_links", *sys.argv[1:]]), "runs": runs}, fh, indent=1)
     (out / "ps_links.md").write_text("\n".join(line for run in runs for line in table(run)))
     svg(runs, out / "ps_links.svg")
-
-
-def argparse_hidden() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":
