@@ -159,26 +159,19 @@ class LinkTransport(MPITransport):
     def __init__(self, comm: MPI.Comm, link: AlphaBeta, nodes: list[Any], port: Port) -> None:
         super().__init__(comm)
         self.link, self.nodes, self.port = link, nodes, port
-        self.stamps = comm.Dup()
-        """Where each message across nodes sends its arrival time (same peer and tag)."""
-        self.crossed = 0
+        self.wire = LinkComm(comm, link, nodes, port)
+        """Times the messages: the transport's are stamped as :class:`LinkComm`'s are."""
+
+    @property
+    def crossed(self) -> int:
         """Bytes this rank sent to other nodes."""
+        return self.wire.crossed
 
     def isend(self, buf: np.ndarray, dest: int, tag: int) -> LinkRequest:
-        req = super().isend(buf, dest, tag)
-        if self.nodes[dest] == self.nodes[self.rank]:
-            return LinkRequest([req])
-        self.crossed += buf.nbytes
-        left = self.port.reserve(round(buf.nbytes / self.link.beta * 1e9), time.perf_counter_ns())
-        stamp = np.array([left + round(self.link.alpha * 1e9)], np.int64)
-        return LinkRequest([req, self.stamps.Isend(stamp, dest, tag)], left, stamp)
+        return self.wire.stamp_send(super().isend(buf, dest, tag), buf.nbytes, dest, tag)
 
     def irecv(self, buf: np.ndarray, source: int, tag: int) -> LinkRequest:
-        req = super().irecv(buf, source, tag)
-        if self.nodes[source] == self.nodes[self.rank]:
-            return LinkRequest([req])
-        stamp = np.zeros(1, np.int64)
-        return LinkRequest([req, self.stamps.Irecv(stamp, source, tag)], 0, stamp)
+        return self.wire.stamp_recv(super().irecv(buf, source, tag), source, tag)
 
     def split(self, color: int, key: int) -> LinkTransport:
         sub = self.comm.Split(color, key)
@@ -190,7 +183,7 @@ class LinkTransport(MPITransport):
 
     def free(self) -> None:
         super().free()
-        self.stamps.Free()
+        self.wire.stamps.Free()
 
 
 class Located(NamedTuple):
@@ -223,15 +216,23 @@ def locate(comm: MPI.Comm, ranks_per_node: int, link: AlphaBeta | None) -> Locat
         ConfigError: on every rank, where the ranks' links differ.
     """
     global _LOCATED
-    links = comm.allgather(None if link is None else tuple(link))
-    if len(set(links)) > 1:
-        raise ConfigError(f"link: the ranks' links differ: {sorted(set(links), key=str)}; set HPCDL_LINK alike")
+    _agree_link(comm, link)
     key, node = _node_of(comm, ranks_per_node)
     keys = comm.allgather(key)
     port = Port(node) if link is not None else None  # lives as long as MPI
     node.Free()
     _LOCATED = Located(sorted(set(keys)).index(key), port, link, ranks_per_node)
     return _LOCATED
+
+
+def _agree_link(comm: MPI.Comm, link: AlphaBeta | None) -> None:
+    """Raise :class:`ConfigError` on every rank of ``comm`` (collective) where the ranks'
+    links differ."""
+    links = set(comm.allgather(None if link is None else tuple(link)))
+    if len(links) > 1:
+        raise ConfigError(
+            f"link: the ranks' links differ: {sorted(links, key=str)}; set HPCDL_LINK alike on every rank"
+        )
 
 
 def _node_of(comm: MPI.Comm, ranks_per_node: int) -> tuple[tuple[int, int], MPI.Comm]:
@@ -265,9 +266,7 @@ def emulate(t: MPITransport, link: AlphaBeta, ranks_per_node: int) -> LinkTransp
     Raises:
         ConfigError: on every rank, where the ranks' links differ.
     """
-    links = t.comm.allgather(tuple(link))
-    if len(set(links)) > 1:
-        raise ConfigError(f"link: the ranks' links differ: {sorted(set(links))}; set HPCDL_LINK alike on every rank")
+    _agree_link(t.comm, link)
     nodes = located_nodes(t.comm, ranks_per_node, link)
     if nodes is not None:
         return LinkTransport(t.comm, link, nodes, _LOCATED.port)  # type: ignore[union-attr,arg-type]
@@ -321,24 +320,31 @@ class LinkComm:
     def __hash__(self) -> int:
         return id(self)
 
-    def Isend(self, buf: Any, dest: int, tag: int = 0) -> LinkRequest:  # noqa: N802
-        req = self.comm.Isend(buf, dest, tag)
+    def stamp_send(self, req: Any, nbytes: int, dest: int, tag: int) -> LinkRequest:
+        """The started send ``req`` of ``nbytes`` to ``dest``, timed: across nodes it takes
+        the port for its bytes and sends its arrival time beside them."""
         if self.nodes[dest] == self.me:
             return LinkRequest([req])
-        nbytes = _nbytes(buf)
         self.crossed += nbytes
         left = self.port.reserve(round(nbytes / self.link.beta * 1e9), time.perf_counter_ns())
         stamp = np.array([left + round(self.link.alpha * 1e9)], np.int64)
         return LinkRequest([req, self.stamps.Isend(stamp, dest, tag)], left, stamp)
 
-    def Irecv(self, buf: Any, source: int, tag: int = MPI.ANY_TAG) -> LinkRequest:  # noqa: N802
-        if source < 0 or tag < 0:
-            raise ValueError("an emulated link's receive names its source and tag")
-        req = self.comm.Irecv(buf, source, tag)
+    def stamp_recv(self, req: Any, source: int, tag: int) -> LinkRequest:
+        """The started receive ``req`` from ``source``, timed: across nodes it completes no
+        earlier than the arrival time the sender passes along."""
         if self.nodes[source] == self.me:
             return LinkRequest([req])
         stamp = np.zeros(1, np.int64)
         return LinkRequest([req, self.stamps.Irecv(stamp, source, tag)], 0, stamp)
+
+    def Isend(self, buf: Any, dest: int, tag: int = 0) -> LinkRequest:  # noqa: N802
+        return self.stamp_send(self.comm.Isend(buf, dest, tag), _nbytes(buf), dest, tag)
+
+    def Irecv(self, buf: Any, source: int, tag: int = MPI.ANY_TAG) -> LinkRequest:  # noqa: N802
+        if source < 0 or tag < 0:
+            raise ValueError("an emulated link's receive names its source and tag")
+        return self.stamp_recv(self.comm.Irecv(buf, source, tag), source, tag)
 
     def Mprobe(self, source: int, tag: int = MPI.ANY_TAG, status: MPI.Status | None = None) -> LinkMessage:  # noqa: N802
         status = status if status is not None else MPI.Status()
