@@ -324,6 +324,7 @@ def errors() -> None:
         ({"mode": "ssp", "staleness": -1}, "staleness=-1 must be an integer >= 0"),
         ({"partition_bytes": 0}, "partition_bytes=0 must be a positive integer"),
         ({"mode": "ssp", "op": hvd.Sum}, "op must be Average"),
+        ({"node_reduce": "sometimes"}, "node_reduce='sometimes' must be True, False or 'auto'"),
     ):
         try:
             hvd.HybridOptimizer(make_inner("sgd", m), m.named_parameters(), **kwargs)

@@ -34,6 +34,9 @@ def test_config_reads_env_and_rejects_unknown_names():
         ('{"machine": "x"}', 'it needs an object with a "tables" list'),
         ('{"tables": [{"collective": "allreduce", "size": 0, "nodes": 1, "rules": []}]}', 'tables[0] needs "size"'),
         ('{"tables": [{"collective": "allreduce", "size": 2, "nodes": 1, "rules": [[1, 2]]}]}', 'tables[0] needs "rules"'),
+        ('{"tables": [], "node_paths": [{"size": 1, "alpha": 1e-6, "beta": 1e9}]}', 'node_paths[0] needs "size"'),
+        ('{"tables": [], "node_paths": [{"size": 2, "alpha": 0, "beta": 1e9}]}', 'positive "alpha"'),
+        ('{"tables": [], "node_paths": [{"size": 2, "alpha": 1e-6}]}', 'and "beta" (B/s)'),
     ],
 )
 def test_a_tuning_file_that_is_not_a_tuning_table_is_named_with_what_is_wrong(tmp_path, text, problem):

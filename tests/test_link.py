@@ -141,6 +141,8 @@ def test_ranks_with_different_links_fail_alike():
     comm = WORLD.Dup()
     with pytest.raises(ConfigError, match="set HPCDL_LINK alike on every rank"):
         get_context(comm, Config(link="eth-10g" if ME == 0 else "eth-25g", ranks_per_node=1))
+    with pytest.raises(ConfigError, match="set HPCDL_LINK alike on every rank"):  # and where the job is located
+        locate(comm, 1, parse_link("eth-10g") if ME == 0 else None)
     comm.Free()
 
 
