@@ -63,6 +63,8 @@ __all__ = [
     "Layout",
     "calibrate",
     "estimate",
+    "fit_compute",
+    "layer_pass",
     "main",
     "plan",
     "published",
@@ -113,14 +115,19 @@ class GPT:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GPU:
-    """A GPU: dense half-precision ``peak`` FLOP/s, ``memory`` bytes, ``hbm`` bytes/s, and
-    the link between the GPUs of a node it usually comes with."""
+    """A GPU: dense half-precision ``peak`` FLOP/s, ``memory`` bytes, ``hbm`` bytes/s, the
+    link between the GPUs of a node it usually comes with, and ``overhead``: the seconds a
+    layer's forward or backward pass spends beside its arithmetic and memory traffic (kernel
+    launches, the framework's dispatch), which matters only for small layers. A processor
+    core that trains on its own is described the same way, from its measured rates
+    (:func:`fit_compute`)."""
 
     name: str
     peak: float
     memory: float
     hbm: float
     intra: str
+    overhead: float = 0.0
 
 
 GPUS: dict[str, GPU] = {
@@ -166,7 +173,16 @@ pipeline-parallel size, GPUs, global batch and achieved TFLOP/s per GPU."""
 class Cluster:
     """``gpus`` GPUs of kind ``gpu``, ``gpus_per_node`` to a node joined by ``intra``; the
     nodes by ``inter`` ports, ``nics_per_node`` of them; the matrix kernels reach
-    ``efficiency`` of the GPU's peak."""
+    ``efficiency`` of the GPU's peak; activations and gradients travel in ``word`` bytes a
+    value (2: the mixed precision Megatron-LM trains in; 4: fp32).
+
+    Each call between ranks costs ``call_overhead`` seconds beside its link's time: the
+    framework's own work for a call, the wait for the slower peer, and, where ranks share
+    cores, the wait for a peer that was not running to be run again. Ranks that are
+    processes on processor cores can outnumber the cores: with ``cores_per_node`` given
+    and fewer than a node's ranks, the ranks share them and their compute takes
+    :meth:`share` times as long. ``benchmarks.plan_check`` measures both on a machine.
+    The GPU presets leave both out: the GPU's kernels, not the host, bound their steps."""
 
     gpus: int
     gpu: GPU
@@ -175,12 +191,27 @@ class Cluster:
     inter: AlphaBeta = LINKS["ib-hdr"]
     nics_per_node: int = 8
     efficiency: float = 0.5
+    word: int = 2
+    cores_per_node: int | None = None
+    call_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1 or self.nics_per_node < 1:
             raise ValueError("gpus, gpus_per_node and nics_per_node must be positive")
         if not 0 < self.efficiency <= 1:
             raise ValueError(f"efficiency={self.efficiency} must lie in (0, 1]")
+        if self.word not in (2, 4):
+            raise ValueError(f"word={self.word} must be 2 or 4 bytes")
+        if self.cores_per_node is not None and self.cores_per_node < 1:
+            raise ValueError(f"cores_per_node={self.cores_per_node} must be positive")
+        if self.call_overhead < 0:
+            raise ValueError(f"call_overhead={self.call_overhead} must not be negative")
+
+    def share(self) -> float:
+        """How many times as long compute takes because a node's ranks share its cores
+        (1: a processor per rank)."""
+        ranks = min(self.gpus, self.gpus_per_node)
+        return max(1.0, ranks / self.cores_per_node) if self.cores_per_node else 1.0
 
     def inter_per_gpu(self) -> AlphaBeta:
         """The share of the node's ports each GPU gets when all send at once."""
@@ -267,13 +298,53 @@ def _activation_bytes(model: GPT, lay: Layout, m: int) -> float:
     return acts + logits
 
 
-def _elementwise_bytes(model: GPT, lay: Layout) -> float:
+def _elementwise_bytes(model: GPT, micro_batch: int, tp: int) -> float:
     """Bytes one layer's forward moves through memory on one GPU outside its matrix
     products: the attention scores' scale, mask, softmax and dropout (9 bytes per score,
     split over ``tp``), bias and GeLU on the MLP's 4h (16 bytes per token and h, split),
     and the two layer norms, dropouts and residual adds (24, repeated on every ``tp`` rank)."""
-    s, b, h, a, t = model.seq, lay.micro_batch, model.hidden, model.heads, lay.tp
+    s, b, h, a, t = model.seq, micro_batch, model.hidden, model.heads, tp
     return 9 * b * a * s * s / t + b * s * h * (24 + 16 / t)
+
+
+def layer_pass(model: GPT, micro_batch: int, tp: int, gpu: GPU, efficiency: float) -> float:
+    """Seconds of one layer's forward on one of ``tp`` GPUs (a backward costs two): its
+    matrix products, ``24 b s h² (1 + s / 6h) / tp`` FLOPs at ``efficiency`` of the GPU's
+    peak, what moves through memory beside them at the GPU's memory bandwidth, and the
+    GPU's ``overhead``."""
+    s, h = model.seq, model.hidden
+    flops = 24 * micro_batch * s * h * h * (1 + s / (6 * h)) / tp
+    return flops / (efficiency * gpu.peak) + _elementwise_bytes(model, micro_batch, tp) / gpu.hbm + gpu.overhead
+
+
+def fit_compute(model: GPT, gpu: GPU, points: Sequence[tuple[int, int, float]]) -> GPU:
+    """``gpu`` with the ``peak`` and ``overhead`` that make :func:`layer_pass` (at efficiency
+    1) nearest the measured ``points``: ``(micro_batch, tp, seconds)`` of one layer's
+    forward and backward on one GPU (or core), least squares in relative terms, as
+    :func:`collectives.cost.fit` fits links. Its ``hbm`` is taken as given.
+
+    Raises:
+        ValueError: fewer than two points of different sizes, or a fit without a positive
+            rate.
+    """
+    rows, rhs = [], []
+    for b, t, seconds in points:
+        s, h = model.seq, model.hidden
+        flops = 24 * b * s * h * h * (1 + s / (6 * h)) / t
+        rest = seconds / 3 - _elementwise_bytes(model, b, t) / gpu.hbm  # = flops / peak + overhead
+        rows.append((flops / seconds, 1.0 / seconds))
+        rhs.append(rest / seconds)
+    if len({r[0] for r in rows}) < 2:
+        raise ValueError("fit_compute needs points at two or more sizes")
+    (a11, a12, a22), (b1, b2) = (
+        (sum(r[0] * r[0] for r in rows), sum(r[0] * r[1] for r in rows), sum(r[1] * r[1] for r in rows)),
+        (sum(r[0] * y for r, y in zip(rows, rhs, strict=True)), sum(r[1] * y for r, y in zip(rows, rhs, strict=True))),
+    )
+    det = a11 * a22 - a12 * a12
+    inverse_peak, overhead = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
+    if inverse_peak <= 0:
+        raise ValueError(f"fit_compute: the points give no positive rate ({points})")
+    return replace(gpu, peak=1.0 / inverse_peak, overhead=max(0.0, overhead))
 
 
 def _dp_time(phi: float, lay: Layout, cl: Cluster, m: int) -> float:
@@ -282,7 +353,7 @@ def _dp_time(phi: float, lay: Layout, cl: Cluster, m: int) -> float:
     (the model ``auto`` chooses by across links), as ZeRO-1's reduce-scatter and allgather
     cost; ZeRO-2 reduce-scatters every micro-batch's gradients, and ZeRO-3 also allgathers
     the parameters for each micro-batch's forward and backward."""
-    d, nbytes = lay.dp, 2 * phi
+    d, nbytes = lay.dp, cl.word * phi
     if d < 2:
         return 0.0
     here = max(1, min(d, cl.gpus_per_node // (lay.tp * lay.pp)))  # replicas sharing a node
@@ -290,7 +361,7 @@ def _dp_time(phi: float, lay: Layout, cl: Cluster, m: int) -> float:
     ports = cl.nics_per_node * here / cl.gpus_per_node
     t = min(allreduce_times(nbytes, d, here, cl.intra, cl.inter, ports).values())
     halves = {0: 2, 1: 2, 2: m + 1, 3: 3 * m}[lay.zero]  # a reduce-scatter or allgather each
-    return halves / 2 * t
+    return halves / 2 * (t + cl.call_overhead)
 
 
 def estimate(model: GPT, batch: int, lay: Layout, cl: Cluster) -> Estimate:
@@ -312,23 +383,27 @@ def estimate(model: GPT, batch: int, lay: Layout, cl: Cluster) -> Estimate:
     m = batch // (d * b)
     s, h, gpu = model.seq, model.hidden, cl.gpu
     rate = cl.efficiency * gpu.peak
+    share, call = cl.share(), cl.call_overhead
     per = model.layers // p
-    fwd = 24 * b * s * h * h * (1 + s / (6 * h)) / t  # one layer's forward on one GPU
     passes = 4 if lay.recompute else 3  # forward, (recomputed forward,) backward twice over
-    layers = per * passes * (fwd / rate + _elementwise_bytes(model, lay) / gpu.hbm)
+    layers = per * passes * layer_pass(model, b, t, gpu, cl.efficiency)
     logits = 6 * b * s * h * model.vocab / t / rate
-    act = 2 * b * s * h  # bytes of a micro-batch's activations
+    act = cl.word * b * s * h  # bytes of a micro-batch's activations
     tp_link = cl.intra if t <= cl.gpus_per_node else cl.inter_per_gpu()
-    tp = per * (6 if lay.recompute else 4) * ring_allreduce(tp_link, t, act)
+    tp = 0.0
+    if t > 1:  # each layer's, the vocabulary-parallel head's input gradient, its cross-entropy's 3 sums
+        tp = (per * (6 if lay.recompute else 4) + 1) * (ring_allreduce(tp_link, t, act) + call)
+        tp += 3 * (ring_allreduce(tp_link, t, 4 * b * s) + call)
+        if p == 1:  # and the vocabulary-parallel embedding's output, on the first stage
+            tp += ring_allreduce(tp_link, t, act) + call
     pp_link = cl.intra if t * p <= cl.gpus_per_node else cl.inter_per_gpu()
-    pp = 0.0 if p == 1 else 2 * v * send_time(pp_link, act / t)
-    stage = layers + tp + pp
+    pp = 0.0 if p == 1 else 2 * v * (send_time(pp_link, act / t) + call)
     phi = _stage_params(model, lay)
     shard = phi / d if lay.zero >= 1 else phi
     optimizer = 28 * shard / gpu.hbm  # Adam: fp32 master, m, v and fp16 copies, read and written
     parts = {
-        "compute": m * (layers + logits) + optimizer,
-        "bubble": (p - 1) / v * stage,
+        "compute": share * (m * (layers + logits) + optimizer),
+        "bubble": (p - 1) / v * (share * layers + tp + pp),
         "tp_comm": m * tp,
         "pp_comm": m * pp,
         "dp_comm": _dp_time(phi, lay, cl, m),

@@ -221,3 +221,54 @@ def test_the_command_takes_a_node_reports_link_and_refuses_bad_input(capsys, tmp
         assert why in capsys.readouterr().err, args
     code, out = _run(capsys, "--model", "gpt-1t", "--global-batch", "64", "--gpus", "8")
     assert code == 1 and "no layout fits" in out.out and "refused" in out.out and "out of memory" in out.out
+
+
+def test_a_processor_core_fits_back_to_the_rate_and_overhead_it_ran_at():
+    from hpcdl.plan import GPU, fit_compute, layer_pass
+
+    model = GPT(layers=4, hidden=128, heads=4, seq=64, vocab=256)
+    core = GPU(name="core", peak=25e9, memory=24e9, hbm=20e9, intra="-", overhead=5e-4)
+    points = [(b, t, 3 * layer_pass(model, b, t, core, 1.0)) for b, t in ((1, 1), (4, 2), (16, 4), (16, 1))]
+    got = fit_compute(model, replace(core, peak=1.0, overhead=0.0), points)
+    assert got.peak == pytest.approx(25e9, rel=1e-9) and got.overhead == pytest.approx(5e-4, rel=1e-9)
+    assert got.hbm == core.hbm  # taken as given
+    with pytest.raises(ValueError, match="two or more sizes"):
+        fit_compute(model, core, points[:1] * 3)
+
+
+def test_ranks_that_share_cores_and_each_calls_overhead_enter_the_parts_they_belong_to():
+    from hpcdl.plan import GPU, layer_pass
+
+    model = GPT(layers=4, hidden=128, heads=4, seq=64, vocab=256)
+    core = GPU(name="core", peak=25e9, memory=24e9, hbm=20e9, intra="-", overhead=5e-4)
+    link = AlphaBeta(1e-5, 2e9)
+    base = Cluster(gpus=4, gpu=core, gpus_per_node=4, intra=link, inter=link, nics_per_node=4, efficiency=1.0, word=4)
+    assert base.share() == 1.0
+    shared = replace(base, cores_per_node=2, call_overhead=1.5e-3)
+    assert shared.share() == 2.0 and replace(base, cores_per_node=8).share() == 1.0
+    assert replace(base, gpus=2, cores_per_node=1).share() == 2.0  # two ranks on the node, one core
+    c = shared.call_overhead
+    for dp, tp, pp, calls in ((2, 2, 1, 4 * 4 + 1 + 3 + 1), (1, 2, 2, 2 * 4 + 1 + 3), (2, 1, 2, 0), (1, 4, 1, 21)):
+        lay = Layout(dp=dp, tp=tp, pp=pp, micro_batch=4, zero=0, recompute=False)
+        a, b = estimate(model, 32 * dp, lay, base), estimate(model, 32 * dp, lay, shared)
+        m = a.micro_batches
+        assert b.time["compute"] == pytest.approx(2 * a.time["compute"])
+        assert b.time["tp_comm"] - a.time["tp_comm"] == pytest.approx(m * calls * c)
+        assert b.time["pp_comm"] - a.time["pp_comm"] == pytest.approx(m * 2 * c if pp > 1 else 0.0)
+        assert b.time["dp_comm"] - a.time["dp_comm"] == pytest.approx(c if dp > 1 else 0.0)
+        # the bubble: p - 1 stages' time, their compute shared, their calls each paying c more
+        layers = model.layers // pp * 3 * layer_pass(model, 4, tp, core, 1.0)
+        assert a.time["bubble"] == pytest.approx((pp - 1) * (layers + (a.time["tp_comm"] + a.time["pp_comm"]) / m))
+        assert b.time["bubble"] - a.time["bubble"] == pytest.approx((pp - 1) * (layers + calls * c + 2 * c))
+    # gradients in fp32 move twice the bytes of mixed precision: a link of bandwidth alone
+    wide = replace(base, intra=AlphaBeta(0.0, 1e9), inter=AlphaBeta(0.0, 1e9))
+    lay = Layout(dp=4, tp=1, pp=1, micro_batch=4, zero=0, recompute=False)
+    half = estimate(model, 128, lay, replace(wide, word=2)).time["dp_comm"]
+    assert estimate(model, 128, lay, wide).time["dp_comm"] == pytest.approx(2 * half)
+    for bad, text in (
+        ({"word": 3}, "word=3"),
+        ({"cores_per_node": 0}, "cores_per_node=0"),
+        ({"call_overhead": -1}, "call_overhead=-1"),
+    ):
+        with pytest.raises(ValueError, match=text):
+            replace(base, **bad)
