@@ -118,6 +118,32 @@ def _asleep_unless(mine: bool, work: Any) -> Any:
     return out
 
 
+def contention(a: Any, cores: int, repeats: int = 3) -> float:
+    """How many times as long compute takes when every rank computes at once as when one
+    does alone, beyond their share of the cores: each rank trains ``--n-layer`` blocks
+    (:class:`BlockShare`, tp 1) on ``--chunks`` micro-batches, one forward and backward
+    after another as a replica does. Alone on rank 0 (the others asleep), then on every
+    rank from one barrier; the last rank's end over ``repeats`` times the time alone and
+    the ranks' share of a core (collective over the world)."""
+    b = a.batch_size // a.chunks
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[BlockShare(a.d_model, a.n_head, 1) for _ in range(a.n_layer)])
+    x = torch.randn(b, a.block_size, a.d_model, requires_grad=True)
+
+    def step() -> None:
+        for _ in range(a.chunks):
+            blocks(x).sum().backward()
+
+    alone = hvd.broadcast_object(_asleep_unless(hvd.rank() == 0, lambda: _median_seconds(step, repeats)), 0)
+    step()
+    hvd.barrier()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    took = hvd.allreduce(torch.tensor([time.perf_counter() - t0], dtype=torch.float64), op=hvd.Max).item()
+    return max(1.0, took / (repeats * alone * max(1.0, hvd.size() / cores)))
+
+
 def call_seconds(a: Any, link: AlphaBeta, share: float, rounds: int = 12) -> float:
     """What a call between ranks costs beside its link's time (the planner's
     ``call_overhead``): every rank runs forward and backward through a tensor-parallel
@@ -163,11 +189,12 @@ def calibrate(a: Any, cores: int) -> dict[str, Any]:
     models = _asleep_unless(hvd.rank() < 2, lambda: alpha_beta(grid.tp_group))
     grid.close()
     link = link_from_allreduce(hvd.broadcast_object(models, 0)["allreduce"], 2)
-    share = max(1.0, n / cores)
+    crowd = contention(a, cores)
+    share = max(1.0, n / cores) * crowd
     call = call_seconds(a, link, share)
     cl = Cluster(
         gpus=n, gpu=gpu, gpus_per_node=n, intra=link, inter=link, nics_per_node=n, efficiency=1.0, word=4,
-        cores_per_node=cores, call_overhead=call,
+        cores_per_node=cores, contention=crowd, call_overhead=call,
     )  # fmt: skip
     return {"model": model, "cluster": cl, "block_times": times}
 
@@ -200,7 +227,7 @@ def report(rows: list[dict[str, Any]], cal: dict[str, Any], command: str, a: Any
         f"{a.batch_size} sequences per replica in {a.chunks} micro-batches, 1f1b, fp32; median of {a.steps} steps",
         f"# measured: compute {cl.gpu.peak / 1e9:.1f} GFLOP/s + {cl.gpu.overhead * 1e6:.0f} us a layer pass, "
         f"memory {cl.gpu.hbm / 1e9:.2f} GB/s; link {cl.intra.alpha * 1e6:.1f} us + {cl.intra.beta / 1e9:.2f} GB/s; "
-        f"{cl.gpus} ranks on {cl.cores_per_node} cores: share {cl.share():.2f}; a call {cl.call_overhead * 1e3:.2f} ms beside its link",
+        f"{cl.gpus} ranks on {cl.cores_per_node} cores, contention {cl.contention:.2f}: share {cl.share():.2f}; a call {cl.call_overhead * 1e3:.2f} ms beside its link",
         f"{'grid':<7} {'step ms':>8} {'predicted':>9} {'ratio':>6} {'tokens/s':>9} {'rank':>4} {'predicted':>9} "
         f"{'rank':>4}  predicted parts ms: compute bubble tp pp dp",
     ]

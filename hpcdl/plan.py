@@ -25,6 +25,10 @@ The model (Megatron-LM's, Narayanan et al., SC21, and Korthikanti et al., 2022):
 - Communication times come from :mod:`collectives.cost` (α-β links, the model ``auto``
   chooses its allreduce by across links), which a node report's measurements calibrate
   (``--intra report.json``), or a tuning table's measured node path (``--intra T.json``).
+- What matters only for small models on processor cores, measured by
+  ``benchmarks.plan_check`` and zero for the GPU presets: a fixed ``overhead`` per layer
+  pass beside its arithmetic (:func:`fit_compute`); a fixed ``call_overhead`` per call
+  between ranks; and, where a node's ranks outnumber its cores, their compute shared.
 - Memory per GPU on the heaviest stage: 16 bytes per parameter for mixed-precision Adam
   (2 parameters, 2 gradients, 12 fp32 states), divided over ``dp`` as the ZeRO stage says;
   activations per layer ``s b h (10 + 24 / tp + 5 a s / h tp)`` bytes, or ``2 s b h`` with
@@ -180,8 +184,10 @@ class Cluster:
     framework's own work for a call, the wait for the slower peer, and, where ranks share
     cores, the wait for a peer that was not running to be run again. Ranks that are
     processes on processor cores can outnumber the cores: with ``cores_per_node`` given
-    and fewer than a node's ranks, the ranks share them and their compute takes
-    :meth:`share` times as long. ``benchmarks.plan_check`` measures both on a machine.
+    and fewer than a node's ranks, the ranks share them; ranks that compute at once also
+    share caches and memory bandwidth, ``contention`` times as slow as one alone (beyond
+    sharing cores). Their compute takes :meth:`share` times as long.
+    ``benchmarks.plan_check`` measures these on a machine.
     The GPU presets leave both out: the GPU's kernels, not the host, bound their steps."""
 
     gpus: int
@@ -193,6 +199,7 @@ class Cluster:
     efficiency: float = 0.5
     word: int = 2
     cores_per_node: int | None = None
+    contention: float = 1.0
     call_overhead: float = 0.0
 
     def __post_init__(self) -> None:
@@ -204,14 +211,17 @@ class Cluster:
             raise ValueError(f"word={self.word} must be 2 or 4 bytes")
         if self.cores_per_node is not None and self.cores_per_node < 1:
             raise ValueError(f"cores_per_node={self.cores_per_node} must be positive")
+        if self.contention < 1:
+            raise ValueError(f"contention={self.contention} must be at least 1")
         if self.call_overhead < 0:
             raise ValueError(f"call_overhead={self.call_overhead} must not be negative")
 
     def share(self) -> float:
         """How many times as long compute takes because a node's ranks share its cores
-        (1: a processor per rank)."""
+        (``ranks / cores_per_node`` where more than 1) and the caches and memory behind them
+        (``contention``); 1 for a processor per rank with nothing shared."""
         ranks = min(self.gpus, self.gpus_per_node)
-        return max(1.0, ranks / self.cores_per_node) if self.cores_per_node else 1.0
+        return self.contention * (max(1.0, ranks / self.cores_per_node) if self.cores_per_node else 1.0)
 
     def inter_per_gpu(self) -> AlphaBeta:
         """The share of the node's ports each GPU gets when all send at once."""
@@ -403,7 +413,7 @@ def estimate(model: GPT, batch: int, lay: Layout, cl: Cluster) -> Estimate:
     optimizer = 28 * shard / gpu.hbm  # Adam: fp32 master, m, v and fp16 copies, read and written
     parts = {
         "compute": share * (m * (layers + logits) + optimizer),
-        "bubble": (p - 1) / v * (share * layers + tp + pp),
+        "bubble": (p - 1) / v * (share * (layers + logits) + tp + pp),
         "tp_comm": m * tp,
         "pp_comm": m * pp,
         "dp_comm": _dp_time(phi, lay, cl, m),

@@ -247,6 +247,7 @@ def test_ranks_that_share_cores_and_each_calls_overhead_enter_the_parts_they_bel
     shared = replace(base, cores_per_node=2, call_overhead=1.5e-3)
     assert shared.share() == 2.0 and replace(base, cores_per_node=8).share() == 1.0
     assert replace(base, gpus=2, cores_per_node=1).share() == 2.0  # two ranks on the node, one core
+    assert replace(shared, contention=1.25).share() == 2.5 and replace(base, contention=1.1).share() == 1.1
     c = shared.call_overhead
     for dp, tp, pp, calls in ((2, 2, 1, 4 * 4 + 1 + 3 + 1), (1, 2, 2, 2 * 4 + 1 + 3), (2, 1, 2, 0), (1, 4, 1, 21)):
         lay = Layout(dp=dp, tp=tp, pp=pp, micro_batch=4, zero=0, recompute=False)
@@ -256,8 +257,9 @@ def test_ranks_that_share_cores_and_each_calls_overhead_enter_the_parts_they_bel
         assert b.time["tp_comm"] - a.time["tp_comm"] == pytest.approx(m * calls * c)
         assert b.time["pp_comm"] - a.time["pp_comm"] == pytest.approx(m * 2 * c if pp > 1 else 0.0)
         assert b.time["dp_comm"] - a.time["dp_comm"] == pytest.approx(c if dp > 1 else 0.0)
-        # the bubble: p - 1 stages' time, their compute shared, their calls each paying c more
+        # the bubble: p - 1 times the last stage's time, its compute shared, its calls each paying c more
         layers = model.layers // pp * 3 * layer_pass(model, 4, tp, core, 1.0)
+        layers += 6 * 4 * 64 * 128 * 256 / tp / core.peak  # the last stage's logits
         assert a.time["bubble"] == pytest.approx((pp - 1) * (layers + (a.time["tp_comm"] + a.time["pp_comm"]) / m))
         assert b.time["bubble"] - a.time["bubble"] == pytest.approx((pp - 1) * (layers + calls * c + 2 * c))
     # gradients in fp32 move twice the bytes of mixed precision: a link of bandwidth alone
@@ -269,6 +271,7 @@ def test_ranks_that_share_cores_and_each_calls_overhead_enter_the_parts_they_bel
         ({"word": 3}, "word=3"),
         ({"cores_per_node": 0}, "cores_per_node=0"),
         ({"call_overhead": -1}, "call_overhead=-1"),
+        ({"contention": 0.5}, "contention=0.5"),
     ):
         with pytest.raises(ValueError, match=text):
             replace(base, **bad)
