@@ -28,7 +28,8 @@ The model (Megatron-LM's, Narayanan et al., SC21, and Korthikanti et al., 2022):
 - What matters only for small models on processor cores, measured by
   ``benchmarks.plan_check`` and zero for the GPU presets: a fixed ``overhead`` per layer
   pass beside its arithmetic (:func:`fit_compute`); a fixed ``call_overhead`` per call
-  between ranks; and, where a node's ranks outnumber its cores, their compute shared.
+  between ranks; and compute slowed by the ranks sharing a node's cores (where they
+  outnumber them), caches and memory (``contention``).
 - Memory per GPU on the heaviest stage: 16 bytes per parameter for mixed-precision Adam
   (2 parameters, 2 gradients, 12 fp32 states), divided over ``dp`` as the ZeRO stage says;
   activations per layer ``s b h (10 + 24 / tp + 5 a s / h tp)`` bytes, or ``2 s b h`` with
@@ -187,8 +188,8 @@ class Cluster:
     and fewer than a node's ranks, the ranks share them; ranks that compute at once also
     share caches and memory bandwidth, ``contention`` times as slow as one alone (beyond
     sharing cores). Their compute takes :meth:`share` times as long.
-    ``benchmarks.plan_check`` measures these on a machine.
-    The GPU presets leave both out: the GPU's kernels, not the host, bound their steps."""
+    ``benchmarks.plan_check`` measures these on a machine; the command leaves them out
+    (GPUs, whose kernels, not their hosts, bound a large model's step)."""
 
     gpus: int
     gpu: GPU
@@ -337,19 +338,17 @@ def fit_compute(model: GPT, gpu: GPU, points: Sequence[tuple[int, int, float]]) 
         ValueError: fewer than two points of different sizes, or a fit without a positive
             rate.
     """
-    rows, rhs = [], []
+    # seconds / 3 - elementwise / hbm = flops * (1 / peak) + overhead, each point weighed by 1 / seconds
+    s, h = model.seq, model.hidden
+    rows = []
     for b, t, seconds in points:
-        s, h = model.seq, model.hidden
         flops = 24 * b * s * h * h * (1 + s / (6 * h)) / t
-        rest = seconds / 3 - _elementwise_bytes(model, b, t) / gpu.hbm  # = flops / peak + overhead
-        rows.append((flops / seconds, 1.0 / seconds))
-        rhs.append(rest / seconds)
+        rest = seconds / 3 - _elementwise_bytes(model, b, t) / gpu.hbm
+        rows.append((flops / seconds, 1.0 / seconds, rest / seconds))
     if len({r[0] for r in rows}) < 2:
         raise ValueError("fit_compute needs points at two or more sizes")
-    (a11, a12, a22), (b1, b2) = (
-        (sum(r[0] * r[0] for r in rows), sum(r[0] * r[1] for r in rows), sum(r[1] * r[1] for r in rows)),
-        (sum(r[0] * y for r, y in zip(rows, rhs, strict=True)), sum(r[1] * y for r, y in zip(rows, rhs, strict=True))),
-    )
+    a11, a12, a22 = (sum(r[i] * r[j] for r in rows) for i, j in ((0, 0), (0, 1), (1, 1)))
+    b1, b2 = (sum(r[i] * r[2] for r in rows) for i in (0, 1))
     det = a11 * a22 - a12 * a12
     inverse_peak, overhead = (b1 * a22 - b2 * a12) / det, (a11 * b2 - a12 * b1) / det
     if inverse_peak <= 0:
