@@ -13,11 +13,14 @@ First the job measures the planner's inputs, none of them fitted to the grids' s
   per-pass overhead to those times; the memory bandwidth is one copy of 64 MiB;
 - the link between ranks: the α-β of the tensor-parallel allreduce on ranks 0 and 1, the
   others asleep (:func:`benchmarks.parallel_gpt.alpha_beta`);
+- contention: every rank trains a replica's stack of blocks at once, and how much longer
+  that takes than on one rank alone, beyond the ranks' share of the cores (``--cores``,
+  default the cores this process may run on), is the planner's ``contention`` (caches and
+  memory);
 - a call's cost beside its link's time: every rank runs forward and backward through a
   tensor-parallel block of two ranks, and what a round takes beyond the block's compute
-  alone (times the ranks' share of a core where they outnumber the cores, ``--cores``,
-  default the cores this process may run on) and the link's time is shared by its 4
-  calls: the planner's ``call_overhead``.
+  alone (times the share of a core and the contention) and the link's time is shared by
+  its 4 calls: the planner's ``call_overhead``.
 
 Then each grid trains as ``benchmarks.parallel_gpt`` trains it (``--batch-size`` sequences
 per replica in ``--chunks`` micro-batches, 1F1B, Adam in fp32), and the table gives per
@@ -32,7 +35,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import numpy as np
@@ -189,13 +192,11 @@ def calibrate(a: Any, cores: int) -> dict[str, Any]:
     models = _asleep_unless(hvd.rank() < 2, lambda: alpha_beta(grid.tp_group))
     grid.close()
     link = link_from_allreduce(hvd.broadcast_object(models, 0)["allreduce"], 2)
-    crowd = contention(a, cores)
-    share = max(1.0, n / cores) * crowd
-    call = call_seconds(a, link, share)
     cl = Cluster(
         gpus=n, gpu=gpu, gpus_per_node=n, intra=link, inter=link, nics_per_node=n, efficiency=1.0, word=4,
-        cores_per_node=cores, contention=crowd, call_overhead=call,
+        cores_per_node=cores, contention=contention(a, cores),
     )  # fmt: skip
+    cl = replace(cl, call_overhead=call_seconds(a, link, cl.share()))
     return {"model": model, "cluster": cl, "block_times": times}
 
 
