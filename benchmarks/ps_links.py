@@ -29,6 +29,10 @@ layout)::
 
     python -m benchmarks.ps_links --out DIR
     python -m benchmarks.ps_links --link eth-10g --layouts 4x1+4 --sizes 4M,16M --out DIR
+
+Below each table, each contender's prediction over its measurement, by the model alone
+and by the model plus the exchange's time without a link. ``--render F.json --out DIR``
+writes the tables and the plot of a stored run again.
 """
 
 from __future__ import annotations
@@ -203,7 +207,27 @@ def table(run: dict[str, Any]) -> list[str]:
             f"| {_label(s['size'])} | {cells} | {s['winner']} ({s['predicted_winner']}) | {s['auto_took']} "
             f"| {s['auto_over_best_ps']:.2f} | {own} |"
         )
-    return lines + [""]
+    return lines + ["", *accuracy(run), ""]
+
+
+def accuracy(run: dict[str, Any]) -> list[str]:
+    """Each contender's prediction over its measurement: the model alone (the link's time
+    and a node's messages at the measured path), and the model plus the same exchange's
+    time without a link (this machine's own cost: its copies, reductions, waits and, for
+    the parameter servers, the runtime's negotiations, which the model leaves out)."""
+    lines = [
+        "prediction / measurement: the model alone / the model plus the time without a link",
+        "",
+        "| size | " + " | ".join(CONTENDERS) + " |",
+        "|---" * (len(CONTENDERS) + 1) + "|",
+    ]
+    for s in run["sizes"]:
+        cells = " | ".join(
+            f"{s['predicted_us'][c] / s['us'][c]:.2f} / {(s['predicted_us'][c] + s['no_link_us'][c]) / s['us'][c]:.2f}"
+            for c in CONTENDERS
+        )
+        lines.append(f"| {_label(s['size'])} | {cells} |")
+    return lines
 
 
 def _label(size: int) -> str:
@@ -251,8 +275,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--partitions", type=int, default=4, help="partitions a server")
     p.add_argument("--out", help="directory for ps_links.{json,md,svg}")
+    p.add_argument("--render", metavar="JSON", help="instead: write the tables and plot of a stored ps_links.json")
     p.add_argument("--work", help=argparse.SUPPRESS)  # the worker part, under mpiexec: where to write its rows
     args = p.parse_args()
+    if args.render:
+        if not args.out:
+            p.error("--out is required")
+        with open(args.render, encoding="utf-8") as fh:
+            write(json.load(fh)["runs"], Path(args.out), None)
+        return
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     if args.work:
         work(sizes, args.steps, args.partitions, args.work)
@@ -273,10 +304,16 @@ def main() -> None:
             run = summarize(link, layout, rows, plain[layout], args.partitions)
             print("\n".join(table(run)), flush=True)
             runs.append(run)
-    out = Path(args.out)
+    write(runs, Path(args.out), " ".join(["python -m benchmarks.ps_links", *sys.argv[1:]]))
+
+
+def write(runs: list[dict[str, Any]], out: Path, command: str | None) -> None:
+    """``out/ps_links.md`` and ``.svg`` of ``runs``, and with the ``command`` that measured
+    them, ``out/ps_links.json``."""
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "ps_links.json", "w", encoding="utf-8") as fh:
-        dump_json({"command": " ".join(["python -m benchmarks.ps_links", *sys.argv[1:]]), "runs": runs}, fh, indent=1)
+    if command is not None:
+        with open(out / "ps_links.json", "w", encoding="utf-8") as fh:
+            dump_json({"command": command, "runs": runs}, fh, indent=1)
     (out / "ps_links.md").write_text("\n".join(line for run in runs for line in table(run)))
     svg(runs, out / "ps_links.svg")
 

@@ -443,7 +443,7 @@ def test_the_link_sweep_names_each_sizes_winner_and_auto_against_it(tmp_path):
     assert svg.count('<rect x="190"') == 2 and svg.count(">x</text>") == 2  # auto over 1.10 x the winner, twice
 
 
-def test_the_parameter_server_sweep_names_each_sizes_winner_beside_the_model(tmp_path):
+def test_the_parameter_server_sweep_names_each_sizes_winner_beside_the_model(tmp_path, monkeypatch):
     from benchmarks import ps_links
     from collectives.cost import parse_link, ps_times
 
@@ -467,6 +467,17 @@ def test_the_parameter_server_sweep_names_each_sizes_winner_beside_the_model(tmp
     assert lines[5].startswith("| 16 MiB | 90.0 (") and lines[5].endswith("| hybrid | 1.05 | 9.0 / 7.0 / 8.0 / 6.0 |")
     ps_links.svg([run], tmp_path / "p.svg")
     assert (tmp_path / "p.svg").read_text().count("<rect") == 2 * 4 + 4  # a bar per contender and size, the key
+    # below the table: each prediction over its measurement, alone and with the time without a link
+    hybrid = want["hybrid"] * 1e6
+    assert lines[-2].startswith("| 16 MiB | ") and lines[-2].endswith(
+        f"| {hybrid / 6e4:.2f} / {(hybrid + 6e3) / 6e4:.2f} |"
+    )
+    stored = tmp_path / "ps_links.json"
+    stored.write_text(json.dumps({"command": "python -m benchmarks.ps_links", "runs": [run]}))
+    monkeypatch.setattr("sys.argv", ["ps_links", "--render", str(stored), "--out", str(tmp_path / "again")])
+    ps_links.main()
+    assert (tmp_path / "again" / "ps_links.md").read_text() == "\n".join(lines)
+    assert (tmp_path / "again" / "ps_links.svg").read_text() == (tmp_path / "p.svg").read_text()
 
 
 def test_the_planner_check_predicts_each_grid_from_the_rates_it_measured():
