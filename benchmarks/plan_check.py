@@ -228,7 +228,8 @@ def report(rows: list[dict[str, Any]], cal: dict[str, Any], command: str, a: Any
         f"{a.batch_size} sequences per replica in {a.chunks} micro-batches, 1f1b, fp32; median of {a.steps} steps",
         f"# measured: compute {cl.gpu.peak / 1e9:.1f} GFLOP/s + {cl.gpu.overhead * 1e6:.0f} us a layer pass, "
         f"memory {cl.gpu.hbm / 1e9:.2f} GB/s; link {cl.intra.alpha * 1e6:.1f} us + {cl.intra.beta / 1e9:.2f} GB/s; "
-        f"{cl.gpus} ranks on {cl.cores_per_node} cores, contention {cl.contention:.2f}: share {cl.share():.2f}; a call {cl.call_overhead * 1e3:.2f} ms beside its link",
+        f"{cl.gpus} ranks on {cl.cores_per_node} cores, contention {cl.contention:.2f}: share {cl.share():.2f}; "
+        f"a call {cl.call_overhead * 1e3:.2f} ms beside its link",
         f"{'grid':<7} {'step ms':>8} {'predicted':>9} {'ratio':>6} {'tokens/s':>9} {'rank':>4} {'predicted':>9} "
         f"{'rank':>4}  predicted parts ms: compute bubble tp pp dp",
     ]
@@ -239,21 +240,32 @@ def report(rows: list[dict[str, Any]], cal: dict[str, Any], command: str, a: Any
             f"{r['predicted_step_s'] / r['step_s']:>6.2f} {r['tokens_per_s']:>9.0f} {rk:>4} {pt:>9.0f} {prk:>4}  "
             + " ".join(f"{p[k] * 1e3:.1f}" for k in ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm"))
         )
-    worst = max((r["predicted_step_s"] / r["step_s"] - 1 for r in rows), key=abs)
-    swapped = discordant(tok, ptok)
+    lines.append(verdict_line(verdict(rows)))
+    return "\n".join(lines)
+
+
+def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The check's outcome: the prediction furthest from its measurement (relative, signed)
+    and the pairs of grids whose tokens/s the prediction orders the other way round, with
+    how far apart they measured."""
+    tok = [r["tokens_per_s"] for r in rows]
+    ptok = [r["tokens_per_s"] * r["step_s"] / r["predicted_step_s"] for r in rows]
+    return {
+        "worst": max((r["predicted_step_s"] / r["step_s"] - 1 for r in rows), key=abs),
+        "bound": BOUND,
+        "swapped": [[rows[i]["grid"], rows[j]["grid"], abs(tok[i] / tok[j] - 1)] for i, j in discordant(tok, ptok)],
+    }
+
+
+def verdict_line(v: dict[str, Any]) -> str:
+    """One line of :func:`verdict`'s outcome."""
     agree = (
         "agree"
-        if not swapped
-        else "differ: "
-        + ", ".join(
-            f"{rows[i]['grid']} and {rows[j]['grid']} (measured {abs(tok[i] / tok[j] - 1):.1%} apart)"
-            for i, j in swapped
-        )
+        if not v["swapped"]
+        else "differ: " + ", ".join(f"{a} and {b} (measured {gap:.1%} apart)" for a, b, gap in v["swapped"])
     )
-    lines.append(
-        f"worst prediction {worst:+.1%} of its measurement (the bound is {BOUND:.0%}); rankings by tokens/s {agree}"
-    )
-    return "\n".join(lines)
+    bound = f"the bound is {v['bound']:.0%}"
+    return f"worst prediction {v['worst']:+.1%} of its measurement ({bound}); rankings by tokens/s {agree}"
 
 
 def discordant(measured: list[float], predicted: list[float]) -> list[tuple[int, int]]:
@@ -308,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
         if a.json:
             cl = cal["cluster"]
             out = {"calibration": {**asdict(cl), "share": cl.share()}, "block_times": cal["block_times"], "rows": rows}
+            out["verdict"] = verdict(rows)
             with open(a.json, "w") as fh:
                 dump_json(out, fh, indent=1)
 
