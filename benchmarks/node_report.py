@@ -24,7 +24,11 @@ core (or ``--max-ranks``):
    against ``(p-1)/(m+p-1)``, and the TP grid's traffic per step (calls, bytes, the time
    spent in them) against what α-β models fitted on its group predict
    (``benchmarks.parallel_gpt``);
-7. ``gpu`` (when torch sees a GPU): the device path against staging through host memory and
+7. ``plan``: the planner (``hpcdl.plan``) against the GPT's measured step on every grid of
+   4 ranks (2 where the node has fewer cores), from this node's measured compute, links
+   and per-call cost (``benchmarks.plan_check``; the bound is 25%, and the two rankings
+   should agree);
+8. ``gpu`` (when torch sees a GPU): the device path against staging through host memory and
    gloo by size at 2 ranks (``benchmarks.osu_allreduce -d cuda``), without NVIDIA's MPS and
    with it where ``nvidia-cuda-mps-control`` is found (the daemon started and stopped for
    the run), the crossover ``auto`` should use; NCCL at one rank.
@@ -71,6 +75,7 @@ SHARES = {
     "tuner": 0.20,
     "training": 0.20,
     "pipeline": 0.10,
+    "plan": 0.08,
     "gpu": 0.15,
 }
 """Each step's share of the budget (the GPU's only where there is one; the shares of steps
@@ -235,6 +240,7 @@ def summarize(report: dict[str, Any]) -> str:
         "tuner": _tuner_lines,
         "training": _training_lines,
         "pipeline": _pipeline_lines,
+        "plan": _plan_lines,
     }
     for step, section in sections.items():
         if step in report.get("steps", SHARES):
@@ -376,6 +382,35 @@ def _pipeline_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _plan_lines(report: dict[str, Any]) -> list[str]:
+    lines = ["## The planner against the GPT's measured steps", ""]
+    got = report.get("plan")
+    if not got:
+        return lines + ["- did not finish (see below)"]
+    cal = got["calibration"]
+    lines.append(
+        f"- measured here: compute {cal['gpu']['peak'] / 1e9:.1f} GFLOP/s a rank and {cal['gpu']['overhead'] * 1e6:.0f} "
+        f"us a layer pass, a call {cal['call_overhead'] * 1e3:.2f} ms beside its link, contention "
+        f"{cal['contention']:.2f} ({cal['gpus']} ranks on {cal['cores_per_node']} cores)"
+    )
+    for row in got["rows"]:
+        lines.append(
+            f"- {row['grid']}: measured {row['step_s'] * 1e3:.1f} ms, predicted {row['predicted_step_s'] * 1e3:.1f} "
+            f"({row['predicted_step_s'] / row['step_s']:.2f} x)"
+        )
+    v = got["verdict"]
+    swapped = ", ".join(f"{a} and {b} ({gap:.1%} apart)" for a, b, gap in v["swapped"]) or "none"
+    lines.append(
+        f"- worst {v['worst']:+.1%} (the bound is {v['bound']:.0%}); pairs the planner orders the other way: {swapped}"
+    )
+    if report.get("quick"):
+        lines.append(
+            "- (--quick: a GPT of width 32 whose steps are mostly the framework's own work around its layers, "
+            "which the model leaves out; the check is the full run's)"
+        )
+    return lines
+
+
 def crossover(rows: list[dict[str, Any]], below: str = "staged", above: str = "ipc") -> int | None:
     """The largest size up to which ``below`` is faster than ``above`` at every measured
     size (0: not even at the smallest; None: neither measured)."""
@@ -481,7 +516,7 @@ def _ends(r: Runner, chosen: list[str]) -> dict[str, float]:
 def _steps(r: Runner, counts: list[int], args: argparse.Namespace, gpus: int) -> dict[str, Any]:
     """Run every chosen step under the budget; their figures by step and rank count."""
     got: dict[str, Any] = {step: {} for step in ("collectives", "small_calls", "stores", "tuner", "training")}
-    got.update(pipeline=[], gpu=None)
+    got.update(pipeline=[], plan=None, gpu=None)
     chosen = [k for k in SHARES if k in args.steps and (gpus or k != "gpu")]
     ends = _ends(r, chosen) if chosen else {}
     for step in ("collectives", "small_calls", "stores", "tuner"):
@@ -504,6 +539,8 @@ def _steps(r: Runner, counts: list[int], args: argparse.Namespace, gpus: int) ->
         _training(r, counts, args, got, ends["training"])
     if "pipeline" in ends:
         _pipeline(r, args, got, ends["pipeline"])
+    if "plan" in ends:
+        _plan(r, counts, args, got, ends["plan"])
     if "gpu" in ends:
         got["gpu"] = _gpu(r, args)
     return got
@@ -550,6 +587,16 @@ def _pipeline(r: Runner, args: argparse.Namespace, got: dict[str, Any], end: flo
         end - time.monotonic(),
     )
     got["pipeline"] = r.load("pipeline_np2") or []
+
+
+def _plan(r: Runner, counts: list[int], args: argparse.Namespace, got: dict[str, Any], end: float) -> None:
+    n = 4 if 4 in counts else 2
+    name = f"plan_np{n}"
+    tiny = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--block-size", "16", "--batch-size", "4"]
+    grids = ["--grids", "2x1x1,1x1x2" if n == 2 else "2x2x1,1x2x2,2x1x2"]
+    steps = [*tiny, *grids, "--chunks", "2", "--steps", "1"] if args.quick else ["--steps", "3"]
+    r.run(name, n, ["benchmarks.plan_check", *steps, "--json", str(r.raw / f"{name}.json")], end - time.monotonic())
+    got["plan"] = r.load(name)
 
 
 def _gpu(r: Runner, args: argparse.Namespace) -> dict[str, Any]:
@@ -627,6 +674,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": time.monotonic() - t0,
         "rank_counts": counts,
         "steps": args.steps,
+        "quick": args.quick,
         **got,
         "runs": r.runs,
     }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Characterise this node in one command (about 8 minutes): the collectives against MPI and
 # the tuner at 2, 4, 8 ... ranks up to one per core, training-step ratios, the pipeline
-# bubble, and the GPU paths where there is a GPU. Writes DIR (default node_report/):
+# bubble, the planner against the GPT's measured steps, and the GPU paths where there is a GPU. Writes DIR (default node_report/):
 # summary.md first, report.json, ratios.png, raw/. Extra arguments go to the report
 # (--budget SECONDS, --max-ranks N, --quick).
 source "$(dirname "$0")/env.sh"

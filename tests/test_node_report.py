@@ -84,6 +84,14 @@ def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_f
     tp = [r for r in json.loads((tmp_path / "raw" / "pipeline_np2.json").read_text()) if r["grid"] == "1x2x1"][0]
     assert tp["tp_calls"] > 0 and tp["tp_bytes"] > 0 and 0 < tp["tp_seconds"] < tp["step_s"]
     assert f"{tp['tp_calls']:.0f} tensor-parallel calls of {tp['tp_bytes'] / (1 << 20):.2f} MiB" in summary
+    # the planner against the GPT's steps, each grid's line from the check's own JSON
+    plan = json.loads((tmp_path / "raw" / "plan_np2.json").read_text())
+    assert [r["grid"] for r in plan["rows"]] == ["2x1x1", "1x1x2"]
+    section = summary.split("## The planner against the GPT's measured steps")[1]
+    for row in plan["rows"]:
+        line = f"- {row['grid']}: measured {row['step_s'] * 1e3:.1f} ms, predicted {row['predicted_step_s'] * 1e3:.1f} "
+        assert line in section, (line, section)
+    assert f"- worst {plan['verdict']['worst']:+.1%} (the bound is 25%)" in section
 
 
 def test_a_budget_too_small_for_a_step_skips_it_and_says_so(tmp_path):
