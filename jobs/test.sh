@@ -34,7 +34,8 @@ STALLS=(HPCDL_STALL_TIMEOUT="${HPCDL_STALL_TIMEOUT:-60}"
 status=0
 
 echo "== single process"
-in_bg timeout -k 10 1200 python -m pytest "${PYTEST_OPTS[@]}" tests || status=1
+# the slowest tests listed at the end: where the suite's time goes
+in_bg timeout -k 10 1200 python -m pytest "${PYTEST_OPTS[@]}" --durations=15 tests || status=1
 
 # mpirun N [VAR=value ...] -- test files
 mpirun() {
