@@ -293,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", default=None, help="also write the figures to this file (rank 0)")
     argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
-    p.require_at_least(("--steps", a.steps, 1), ("--chunks", a.chunks, 1), ("--cores", a.cores or 1, 1))
+    cores = 1 if a.cores is None else a.cores
+    p.require_at_least(("--steps", a.steps, 1), ("--chunks", a.chunks, 1), ("--cores", cores, 1))
     if a.batch_size % a.chunks:
         p.error(f"--batch-size {a.batch_size} is not a multiple of --chunks {a.chunks}")
     torch.set_num_threads(1)
@@ -301,7 +302,10 @@ def main(argv: list[str] | None = None) -> None:
     n = hvd.size()
     if n % 2 or (a.grids is None and n not in GRIDS):
         p.error(f"run on an even number of ranks; without --grids on one of {sorted(GRIDS)}")
-    shapes = [tuple(int(v) for v in text.lower().split("x")) for text in (a.grids or GRIDS[n]).split(",")]
+    try:
+        shapes = [tuple(int(v) for v in text.lower().split("x")) for text in (a.grids or GRIDS[n]).split(",")]
+    except ValueError:
+        p.error(f"--grids: {a.grids!r} is not a comma-separated list of dp x tp x pp")
     bad = [s for s in shapes if len(s) != 3 or s[0] * s[1] * s[2] != n or a.n_layer % s[2] or a.n_head % s[1]]
     if bad:
         p.error(f"--grids: {bad} do not have {n} ranks, or do not divide the layers and heads")

@@ -186,6 +186,7 @@ def test_options_the_tuner_refuses_are_refused(argv, text, capsys):
         ("train_throughput", ["--steps", "0"], "--steps 0: must be at least 1"),
         ("parallel_gpt", ["--steps", "0"], "--steps 0: must be at least 1"),
         ("plan_check", ["--chunks", "0"], "--chunks 0: must be at least 1"),
+        ("plan_check", ["--cores", "0"], "--cores 0: must be at least 1"),
         ("ps_vs_allreduce", ["--section", "steps", "--steps", "0"], "--steps 0: must be at least 1"),
         ("ps_vs_allreduce", ["--section", "bytes", "--mib", "0"], "--mib 0: must be at least 1"),
         ("profile", ["--calls", "0"], "--calls 0: must be at least 1"),
