@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from collectives.cli import ArgumentParser, dump_json, parse_size, run_main
-from collectives.config import load_config
 from collectives.cost import allreduce_times, parse_link
-from collectives.select import load_table, node_path
+from collectives.select import configured_node_path
 
 ALGORITHMS = ("ring", "recursive_doubling", "rabenseifner", "hierarchical")
 COLORS = {"ring": "#4c72b0", "recursive_doubling": "#dd8452", "rabenseifner": "#55a868", "hierarchical": "#c44e52"}
@@ -48,7 +47,7 @@ def measure(link: str, nodes: int, per_node: int, lo: int, hi: int, iterations: 
 def summarize(link: str, nodes: int, per_node: int, rows: list[dict]) -> dict[str, Any]:
     """Per size: µs of each contender, the measured winner, the modelled winner and times."""
     model = parse_link(link)
-    intra = node_path(load_table(load_config().tuning_file), per_node)  # as auto costs a node's messages
+    intra = configured_node_path(per_node)  # as auto costs a node's messages
     sizes = []
     for row in rows:
         got = {n: row["results"][n]["avg"] for n in [*ALGORITHMS, "auto"]}

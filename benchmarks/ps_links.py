@@ -48,9 +48,8 @@ from pathlib import Path
 from typing import Any
 
 from collectives.cli import ArgumentParser, dump_json, parse_size, run_main
-from collectives.config import load_config
 from collectives.cost import allreduce_times, parse_link, ps_times
-from collectives.select import load_table, node_path
+from collectives.select import configured_node_path
 
 CONTENDERS = ("ring", "hierarchical", "ps-sync", "hybrid")
 COLORS = {"ring": "#4c72b0", "hierarchical": "#c44e52", "ps-sync": "#55a868", "hybrid": "#8172b3"}
@@ -165,7 +164,7 @@ def summarize(
     machine's own cost), the measured and the modelled winner, auto's pick."""
     nodes, per_node, servers = parse_layout(layout)
     model = parse_link(link)
-    intra = node_path(load_table(load_config().tuning_file), per_node)  # as auto costs a node's messages
+    intra = configured_node_path(per_node)  # as auto costs a node's messages
     workers = nodes * per_node
     out = []
     for row, own in zip(rows, plain, strict=True):

@@ -21,7 +21,7 @@ from typing import Any
 
 from .algorithms import hierarchical as hier
 from .algorithms import native, pairwise, rabenseifner, recursive_doubling, ring, shm, tree
-from .config import read_tuning_file
+from .config import load_config, read_tuning_file
 from .cost import COLLECTIVE_TIMES, AlphaBeta
 from .node import staged
 
@@ -31,6 +31,7 @@ __all__ = [
     "NODE_PATH",
     "algorithms",
     "choose",
+    "configured_node_path",
     "link_rules",
     "load_table",
     "node_path",
@@ -145,6 +146,13 @@ def node_path(table: dict[str, Any] | None, ranks: int) -> AlphaBeta:
         return NODE_PATH
     e = min(paths, key=lambda e: (abs(e["size"] - ranks), e["size"]))
     return AlphaBeta(float(e["alpha"]), float(e["beta"]))
+
+
+def configured_node_path(ranks: int) -> AlphaBeta:
+    """:func:`node_path` of the tuning table the configuration names (``HPCDL_TUNING_FILE``,
+    else the packaged one): what ``auto`` across emulated links takes a node's messages to
+    cost, for the models that must cost them alike."""
+    return node_path(load_table(load_config().tuning_file), ranks)
 
 
 def link_rules(

@@ -37,11 +37,10 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from collectives.config import load_config
 from collectives.context import node_groups
 from collectives.cost import ps_times
 from collectives.link import LinkComm, emulate_comm, located, waitall
-from collectives.select import load_table, node_path
+from collectives.select import configured_node_path
 
 from .. import state
 from ..compression import Compression, Compressor
@@ -295,7 +294,7 @@ class HybridReducer(Reducer):
             per_server_node = max(homes.count(h) for h in homes)
         nbytes = sum(p.numel() * p.element_size() for b in self._buckets for p in b.params)
         workers, per_node = sum(len(n) for n in nodes), max(len(n) for n in nodes)
-        intra = node_path(load_table(load_config().tuning_file), per_node)  # measured by the tuner, or assumed
+        intra = configured_node_path(per_node)  # measured by the tuner, or assumed
         times = ps_times(nbytes, workers, per_node, intra, link, servers, partition_bytes, per_server_node)
         return times["hybrid"] < times["ps-sync"]
 
