@@ -105,8 +105,8 @@ class _Held:
         self.meter.release(self.key)
 
 
-def _max_over_ranks(x: float) -> float:
-    """Through hpcdl's engine, as every other call here (a rank blocked in an MPI
+def max_over_ranks(x: float) -> float:
+    """The largest of every rank's ``x`` (collective), through hpcdl's engine, as every other call here (a rank blocked in an MPI
     collective of its own while its peers wait on the engine is not a pattern to time)."""
     return float(hvd.allreduce(torch.tensor([float(x)], dtype=torch.float64), op=hvd.Max, name="bench.max"))
 
@@ -187,8 +187,8 @@ def _tp_columns(grid: Grid, counts: dict[str, dict[str, float]], steps: int, mod
     return {
         "tp_calls": calls,
         "tp_bytes": nbytes,
-        "tp_seconds": _max_over_ranks(measured),
-        "tp_predicted_seconds": _max_over_ranks(predicted),
+        "tp_seconds": max_over_ranks(measured),
+        "tp_predicted_seconds": max_over_ranks(predicted),
         "tp_models": {k: {"alpha_s": m.alpha, "beta_Bps": m.beta} for k, m in models.items()},
     }
 
@@ -281,7 +281,7 @@ def measure(
         hvd.barrier()
         t0 = time.perf_counter()
         step(2 + k)
-        times.append(_max_over_ranks(time.perf_counter() - t0))
+        times.append(max_over_ranks(time.perf_counter() - t0))
     counts = traffic.snapshot()
     meter = ActivationMeter()
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
@@ -306,9 +306,9 @@ def measure(
         "schedule": schedule,
         "step_s": statistics.median(times),
         "tokens_per_s": grid.dp * tokens_per_batch / statistics.median(times),
-        "activation_bytes": _max_over_ranks(meter.peak),
-        "live": int(_max_over_ranks(live)),
-        "param_bytes": _max_over_ranks(param_bytes),
+        "activation_bytes": max_over_ranks(meter.peak),
+        "live": int(max_over_ranks(live)),
+        "param_bytes": max_over_ranks(param_bytes),
         "bubble": hvd.broadcast_object(bubble, 0),
         "bubble_replayed": hvd.broadcast_object(replayed, 0),
         "bubble_formula": (grid.pp - 1) / (chunks + grid.pp - 1),

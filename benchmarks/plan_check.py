@@ -38,14 +38,14 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from mpi4py import MPI
 from torch import nn
 
 import hpcdl as hvd
-from benchmarks.parallel_gpt import alpha_beta, gpt_row
+from benchmarks.osu import copy_bandwidth
+from benchmarks.parallel_gpt import alpha_beta, gpt_row, max_over_ranks
 from collectives.cli import ArgumentParser, dump_json, run_main
 from collectives.cost import AlphaBeta, link_from_allreduce, ring_allreduce
 from hpcdl.parallel import Grid
@@ -105,12 +105,6 @@ def block_seconds(d: int, heads: int, seq: int, micro_batch: int, tp: int, repea
     return _median_seconds(lambda: block(x).sum().backward(), repeats)
 
 
-def copy_rate(nbytes: int = 64 << 20) -> float:
-    """Bytes per second moved (read and written) by one numpy copy of ``nbytes``."""
-    src, dst = np.ones(nbytes // 8), np.empty(nbytes // 8)
-    return 2 * nbytes / _median_seconds(lambda: np.copyto(dst, src), 5)
-
-
 def _asleep_unless(mine: bool, work: Any) -> Any:
     """``work()`` on the ranks where ``mine``; the others wait for them asleep (polling a
     nonblocking barrier every 5 ms), so that they leave the cores to it."""
@@ -143,7 +137,7 @@ def contention(a: Any, cores: int, repeats: int = 3) -> float:
     t0 = time.perf_counter()
     for _ in range(repeats):
         step()
-    took = hvd.allreduce(torch.tensor([time.perf_counter() - t0], dtype=torch.float64), op=hvd.Max).item()
+    took = max_over_ranks(time.perf_counter() - t0)
     return max(1.0, took / (repeats * alone * max(1.0, hvd.size() / cores)))
 
 
@@ -171,7 +165,7 @@ def call_seconds(a: Any, link: AlphaBeta, share: float, rounds: int = 12) -> flo
         block(x).sum().backward()
     took = (time.perf_counter() - t0) / rounds
     grid.close()
-    took = hvd.allreduce(torch.tensor([took], dtype=torch.float64), op=hvd.Max).item()
+    took = max_over_ranks(took)
     links = 4 * ring_allreduce(link, 2, 4 * b * a.block_size * a.d_model)
     return max(0.0, (took - share * alone - links) / 4)
 
@@ -185,7 +179,7 @@ def calibrate(a: Any, cores: int) -> dict[str, Any]:
         return [(b, t, block_seconds(a.d_model, a.n_head, a.block_size, b, t)) for b, t in POINTS if a.n_head % t == 0]
 
     times = hvd.broadcast_object(_asleep_unless(hvd.rank() == 0, timed), 0)
-    hbm = hvd.broadcast_object(_asleep_unless(hvd.rank() == 0, copy_rate), 0)
+    hbm = hvd.broadcast_object(_asleep_unless(hvd.rank() == 0, lambda: 2 * copy_bandwidth()), 0)  # read and written
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     gpu = fit_compute(model, GPU(name="this machine's core", peak=1.0, memory=memory, hbm=hbm, intra="-"), times)
     grid = Grid(dp=n // 2, tp=2, pp=1)
