@@ -318,13 +318,19 @@ def _elementwise_bytes(model: GPT, micro_batch: int, tp: int) -> float:
     return 9 * b * a * s * s / t + b * s * h * (24 + 16 / t)
 
 
+def _layer_flops(model: GPT, micro_batch: int, tp: int) -> float:
+    """FLOPs of one layer's forward matrix products on one of ``tp`` GPUs:
+    ``24 b s h² (1 + s / 6h) / tp``."""
+    s, h = model.seq, model.hidden
+    return 24 * micro_batch * s * h * h * (1 + s / (6 * h)) / tp
+
+
 def layer_pass(model: GPT, micro_batch: int, tp: int, gpu: GPU, efficiency: float) -> float:
     """Seconds of one layer's forward on one of ``tp`` GPUs (a backward costs two): its
     matrix products, ``24 b s h² (1 + s / 6h) / tp`` FLOPs at ``efficiency`` of the GPU's
     peak, what moves through memory beside them at the GPU's memory bandwidth, and the
     GPU's ``overhead``."""
-    s, h = model.seq, model.hidden
-    flops = 24 * micro_batch * s * h * h * (1 + s / (6 * h)) / tp
+    flops = _layer_flops(model, micro_batch, tp)
     return flops / (efficiency * gpu.peak) + _elementwise_bytes(model, micro_batch, tp) / gpu.hbm + gpu.overhead
 
 
@@ -339,10 +345,9 @@ def fit_compute(model: GPT, gpu: GPU, points: Sequence[tuple[int, int, float]]) 
             rate.
     """
     # seconds / 3 - elementwise / hbm = flops * (1 / peak) + overhead, each point weighed by 1 / seconds
-    s, h = model.seq, model.hidden
     rows = []
     for b, t, seconds in points:
-        flops = 24 * b * s * h * h * (1 + s / (6 * h)) / t
+        flops = _layer_flops(model, b, t)
         rest = seconds / 3 - _elementwise_bytes(model, b, t) / gpu.hbm
         rows.append((flops / seconds, 1.0 / seconds, rest / seconds))
     if len({r[0] for r in rows}) < 2:
