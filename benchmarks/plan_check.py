@@ -16,11 +16,11 @@ First the job measures the planner's inputs, none of them fitted to the grids' s
 - contention: every rank trains a replica's stack of blocks at once, and how much longer
   that takes than on one rank alone, beyond the ranks' share of the cores (``--cores``,
   default the cores this process may run on), is the planner's ``contention`` (caches and
-  memory);
+  memory); the two are timed in turn, nine pairs, and the median of their ratios taken;
 - a call's cost beside its link's time: every rank runs forward and backward through a
-  tensor-parallel block of two ranks, and what a round takes beyond the block's compute
-  alone (times the share of a core and the contention) and the link's time is shared by
-  its 4 calls: the planner's ``call_overhead``.
+  tensor-parallel block of two ranks and, alternately with it, through the same block's
+  compute without its calls, under the same load; what the first takes beyond the second
+  and the link's time is shared by its 4 calls: the planner's ``call_overhead``.
 
 Then each grid trains as ``benchmarks.parallel_gpt`` trains it (``--batch-size`` sequences
 per replica in ``--chunks`` micro-batches, 1F1B, Adam in fp32), and the table gives per
@@ -85,15 +85,16 @@ class BlockShare(nn.Module):
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
+def _seconds(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def _median_seconds(fn: Any, repeats: int) -> float:
     fn()
     fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(_seconds(fn) for _ in range(repeats))
 
 
 def block_seconds(d: int, heads: int, seq: int, micro_batch: int, tp: int, repeats: int = 9) -> float:
@@ -115,59 +116,77 @@ def _asleep_unless(mine: bool, work: Any) -> Any:
     return out
 
 
-def contention(a: Any, cores: int, repeats: int = 3) -> float:
+def _replica_blocks(a: Any, tp: int) -> tuple[nn.Module, torch.Tensor]:
+    """``--n-layer`` blocks' shares (:class:`BlockShare` of ``tp`` ranks) and one
+    micro-batch's input, as a replica trains them."""
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[BlockShare(a.d_model, a.n_head, tp) for _ in range(a.n_layer)])
+    return blocks, torch.randn(a.batch_size // a.chunks, a.block_size, a.d_model, requires_grad=True)
+
+
+def _slowest_rank_seconds(fn: Any, rounds: int) -> float:
+    """The slowest rank's mean seconds of ``fn`` over ``rounds``, every rank starting from
+    one barrier (collective over the world)."""
+    hvd.barrier()
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        fn()
+    return max_over_ranks((time.perf_counter() - t0) / rounds)
+
+
+def contention(a: Any, cores: int, samples: int = 9) -> float:
     """How many times as long compute takes when every rank computes at once as when one
     does alone, beyond their share of the cores: each rank trains ``--n-layer`` blocks
     (:class:`BlockShare`, tp 1) on ``--chunks`` micro-batches, one forward and backward
     after another as a replica does. Alone on rank 0 (the others asleep), then on every
-    rank from one barrier; the last rank's end over ``repeats`` times the time alone and
-    the ranks' share of a core (collective over the world)."""
-    b = a.batch_size // a.chunks
-    torch.manual_seed(0)
-    blocks = nn.Sequential(*[BlockShare(a.d_model, a.n_head, 1) for _ in range(a.n_layer)])
-    x = torch.randn(b, a.block_size, a.d_model, requires_grad=True)
+    rank at once from a barrier (the slowest rank's time), ``samples`` pairs in turn; the
+    median of the pairs' ratios, so that a passing slowdown of the machine, which falls on
+    both of a pair, cancels; over the ranks' share of a core (collective over the world)."""
+    blocks, x = _replica_blocks(a, 1)
 
     def step() -> None:
         for _ in range(a.chunks):
             blocks(x).sum().backward()
 
-    alone = hvd.broadcast_object(_asleep_unless(hvd.rank() == 0, lambda: _median_seconds(step, repeats)), 0)
     step()
-    hvd.barrier()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        step()
-    took = max_over_ranks(time.perf_counter() - t0)
-    return max(1.0, took / (repeats * alone * max(1.0, hvd.size() / cores)))
+    ratios = []
+    for _ in range(samples):
+        alone = hvd.broadcast_object(_asleep_unless(hvd.rank() == 0, lambda: _seconds(step)), 0)
+        ratios.append(_slowest_rank_seconds(step, 1) / alone)
+    return max(1.0, statistics.median(ratios) / max(1.0, hvd.size() / cores))
 
 
-def call_seconds(a: Any, link: AlphaBeta, share: float, rounds: int = 12) -> float:
+def call_seconds(a: Any, link: AlphaBeta, rounds: int = 6, samples: int = 3) -> float:
     """What a call between ranks costs beside its link's time (the planner's
     ``call_overhead``): every rank runs forward and backward through a tensor-parallel
-    transformer block of two ranks (``hpcdl.train.models.ParallelBlock``: 4 allreduces)
-    ``rounds`` times. The mean round (the slowest rank's), less ``share`` times the
-    block's compute alone and the allreduces' link time, shared by the 4 calls
-    (collective over the world)."""
+    transformer block of two ranks (``hpcdl.train.models.ParallelBlock``: 4 allreduces),
+    and, alternately with it, through the same block's compute alone (:class:`BlockShare`
+    of 2 ranks) under the same load, every rank at once. The two medians' difference (the
+    slowest rank's rounds), less the allreduces' link time, shared by the 4 calls. Neither
+    the share of a core nor the contention enters it (collective over the world)."""
     n, b = hvd.size(), a.batch_size // a.chunks
-    first = hvd.rank() == 0
-    alone = hvd.broadcast_object(
-        _asleep_unless(first, lambda: block_seconds(a.d_model, a.n_head, a.block_size, b, 2)), 0
-    )
     grid = Grid(dp=n // 2, tp=2, pp=1)
     torch.manual_seed(0)
     block = ParallelBlock(TinyGPT(a.block_size, 1, a.n_head, a.d_model).blocks[0], 0, grid)
+    twin = BlockShare(a.d_model, a.n_head, 2)
     x = torch.randn(b, a.block_size, a.d_model, requires_grad=True)
+
+    def parallel() -> None:
+        block(x).sum().backward()
+
+    def alone() -> None:
+        twin(x).sum().backward()
+
     for _ in range(2):
-        block(x).sum().backward()
-    hvd.barrier()
-    t0 = time.perf_counter()
-    for _ in range(rounds):
-        block(x).sum().backward()
-    took = (time.perf_counter() - t0) / rounds
+        parallel()
+        alone()
+    with_calls, without = [], []
+    for _ in range(samples):
+        with_calls.append(_slowest_rank_seconds(parallel, rounds))
+        without.append(_slowest_rank_seconds(alone, rounds))
     grid.close()
-    took = max_over_ranks(took)
     links = 4 * ring_allreduce(link, 2, 4 * b * a.block_size * a.d_model)
-    return max(0.0, (took - share * alone - links) / 4)
+    return max(0.0, (statistics.median(with_calls) - statistics.median(without) - links) / 4)
 
 
 def calibrate(a: Any, cores: int) -> dict[str, Any]:
@@ -190,7 +209,7 @@ def calibrate(a: Any, cores: int) -> dict[str, Any]:
         gpus=n, gpu=gpu, gpus_per_node=n, intra=link, inter=link, nics_per_node=n, efficiency=1.0, word=4,
         cores_per_node=cores, contention=contention(a, cores),
     )  # fmt: skip
-    cl = replace(cl, call_overhead=call_seconds(a, link, cl.share()))
+    cl = replace(cl, call_overhead=call_seconds(a, link))
     return {"model": model, "cluster": cl, "block_times": times}
 
 
