@@ -70,7 +70,7 @@ done
 for n in 3 4; do
     mpirun "$n" -- $(ls tests/test_*.py | grep -v -x -F "$(printf '%s\n' "${NOT_AT_3_4[@]}")")
 done
-mpirun 2 HPCDL_SHM_SPIN=0 -- tests/test_collectives.py tests/test_compiled_channel.py tests/test_window_buffers.py
+mpirun 2 HPCDL_SHM_SPIN=0 -- tests/test_collectives.py tests/test_compiled_channel.py tests/test_window_buffers.py tests/test_pipeline.py
 mpirun 5 -- "${AT_5[@]}"
 mpirun 8 -- "${AT_8[@]}"
 rm -f .pytest-rank*.log

@@ -101,9 +101,10 @@ def test_shapes_travel_once_per_micro_batch_and_a_changed_batch_shape_gives_the_
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_link_sends_a_shape_only_when_it_changes_and_both_ends_forget_shapes_on_abandon():
+@pytest.mark.parametrize("spin", [None, 0, 64])  # MPI's blocking probe; sleeping at once; 64 looks, then sleeping
+def test_a_link_sends_a_shape_only_when_it_changes_and_both_ends_forget_shapes_on_abandon(spin):
     rank = MPI.COMM_WORLD.rank
-    link = Link(MPI.COMM_WORLD.Dup())
+    link = Link(MPI.COMM_WORLD.Dup(), spin)
     g = torch.Generator().manual_seed(3)
     sent = [  # (micro-batch slot, tensor): 10 of the 12 need their shape sent
         (0, torch.randn(2, 3, generator=g)),
@@ -328,6 +329,26 @@ def test_the_timeline_shows_every_micro_batchs_forward_and_backward_on_its_stage
     assert MPI.COMM_WORLD.bcast(seen, root=0) == want
     pipe.close()
     grid.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_stage_waits_in_mpi_with_a_core_per_rank_and_sleeps_between_looks_where_ranks_outnumber_them():
+    import os
+
+    from collectives.config import Config
+    from collectives.context import get_context
+    from collectives.node.channel import POLITE_SPIN
+    from hpcdl.parallel.pipeline import wait_spin
+
+    cores = len(os.sched_getaffinity(0))
+    # HPCDL_SHM_SPIN: by cores; sleep at once; spin throughout; a budget of its own
+    for spin, fits, outnumbers in ((-1, None, POLITE_SPIN), (0, 0, 0), (10**9, None, None), (100, 100, 100)):
+        comm = MPI.COMM_WORLD.Dup()
+        get_context(comm, Config(shm_spin=spin))
+        assert (wait_spin(comm, cores), wait_spin(comm, cores + 1)) == (fits, outnumbers), spin
+        comm.Free()
+    with pytest.raises(ValueError, match="spin=-1 must be None or >= 0"):
+        Link(MPI.COMM_WORLD, -1)
 
 
 @pytest.mark.mpi(min_size=2)

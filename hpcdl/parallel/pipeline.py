@@ -29,7 +29,9 @@ import torch
 from mpi4py import MPI
 from torch import nn
 
+from collectives.context import get_context
 from collectives.link import emulate_comm
+from collectives.node.channel import SPIN, spin_budget
 
 from .. import state
 from ..errors import HpcdlArgumentError, PipelineError
@@ -173,6 +175,17 @@ def _partition(weights: Sequence[float], stages: int) -> list[int]:
     return counts[::-1]
 
 
+def wait_spin(comm: MPI.Comm, local_size: int) -> int | None:
+    """How a pipeline stage waits for its neighbours (:class:`~.pp_comm.Link`'s ``spin``):
+    as the collectives' shared-memory waits do (``HPCDL_SHM_SPIN``, by default
+    :func:`collectives.node.channel.spin_budget` of the node's ``local_size`` ranks). A full
+    budget (a core per rank) waits in MPI's blocking calls; a smaller one looks that many
+    times, then sleeps between looks."""
+    spin = get_context(comm).config.shm_spin
+    spin = spin_budget(local_size) if spin < 0 else spin
+    return None if spin >= SPIN else spin
+
+
 class Pipeline(nn.Module):
     """This rank's stage of ``layers`` on the grid's pipeline (building it is collective
     over every rank, as the grid is).
@@ -234,7 +247,8 @@ class Pipeline(nn.Module):
         written."""
         # the pipeline's own communicator: its stages, ranked by stage (collective over the world)
         line = grid.dp_rank * grid.tp + grid.tp_rank
-        self._link = Link(emulate_comm(state.running().comm.Split(line, grid.pp_rank)))
+        rt = state.running()
+        self._link = Link(emulate_comm(rt.comm.Split(line, grid.pp_rank)), wait_spin(rt.comm, rt.local_size))
 
     def close(self) -> None:
         """Free the pipeline's communicator (collective over its stages). After a failed

@@ -19,7 +19,11 @@ recorded dtype and shape (then moved to the receiving stage's device: the bytes 
 through host memory), an ERROR is raised as :class:`~hpcdl.errors.PipelineError`.
 
 Sends, errors included, are nonblocking; a stage waits for them at the end of its
-schedule. A stage that fails, or learns that a neighbour failed, sends the error on to
+schedule. How a stage waits, for a message or for its sends, depends on whether its node's
+ranks have a core each (``spin``): with one, in MPI's own blocking probe, which polls the
+core; where they outnumber the cores, the stage it waits for is likely not running, and a
+waiter that polled would only delay it, so it looks ``spin`` times, then sleeps between
+looks. A stage that fails, or learns that a neighbour failed, sends the error on to
 both neighbours, so a stage blocked on a receive always gets either its tensor or the
 error, never waits for ever. After a failure every stage calls :meth:`Link.abandon`, which
 moves to a fresh communicator and forgets both sides' records, so the next step starts
@@ -29,13 +33,14 @@ again with shapes.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from collectives.link import waitall
+from collectives.link import testall, waitall
 
 from ..errors import PipelineError
 
@@ -62,6 +67,11 @@ def _tensor_of(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> t
     return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
 
 
+_DOZE = 50e-6
+"""Seconds a polite wait (``Link.spin`` set) sleeps between looks: a few percent of a
+micro-batch's compute on the smallest stages, so a hop wakes up late by little."""
+
+
 def _tag(stream: int, kind: int) -> int:
     return 3 * stream + kind
 
@@ -71,12 +81,16 @@ class Link:
 
     Attributes:
         comm: the communicator in use (a fresh one after :meth:`abandon`).
+        spin: None to wait in MPI's blocking calls (a core per rank); else how many times
+            a wait looks before it sleeps between looks (where ranks outnumber cores).
         headers_sent: SHAPE messages sent so far (over the link's whole life).
         messages_sent: tensors (DATA messages) sent so far.
     """
 
-    def __init__(self, comm: MPI.Comm) -> None:
-        self.comm = comm
+    def __init__(self, comm: MPI.Comm, spin: int | None = None) -> None:
+        if spin is not None and spin < 0:
+            raise ValueError(f"Link: spin={spin} must be None or >= 0")
+        self.comm, self.spin = comm, spin
         self.pending: list[MPI.Request] = []
         self._keep: list[Any] = []  # buffers of sends in flight
         # (peer, stream, slot) -> (dtype, shape) last sent to / received from the peer
@@ -113,6 +127,8 @@ class Link:
         failed stage's text) if it sent an error."""
         status = MPI.Status()
         while True:
+            if self.spin is not None:
+                self._await(lambda: self.comm.Iprobe(source, MPI.ANY_TAG))
             msg = self.comm.Mprobe(source, MPI.ANY_TAG, status)
             tag, size = status.Get_tag(), status.Get_count(MPI.BYTE)
             if tag == _tag(stream, _SHAPE):
@@ -149,8 +165,18 @@ class Link:
         self._keep.append(raw)
         self.pending.append(self.comm.Isend([raw, MPI.BYTE], dest, _tag(stream, _ERROR)))
 
+    def _await(self, ready: Any) -> None:
+        """Return once ``ready()`` is true: ``spin`` looks, then a sleep between looks."""
+        looks = 0
+        while not ready():
+            looks += 1
+            if looks > self.spin:
+                time.sleep(_DOZE)
+
     def finish(self) -> None:
         """Wait for every send of this schedule (all matched when no stage failed)."""
+        if self.spin is not None:
+            self._await(lambda: testall(self.pending))
         waitall(self.pending)
         self.pending, self._keep = [], []
 
