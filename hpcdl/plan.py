@@ -187,7 +187,10 @@ class Cluster:
     processes on processor cores can outnumber the cores: with ``cores_per_node`` given
     and fewer than a node's ranks, the ranks share them; ranks that compute at once also
     share caches and memory bandwidth, ``contention`` times as slow as one alone (beyond
-    sharing cores). Their compute takes :meth:`share` times as long.
+    sharing cores). Their compute takes :meth:`share` times as long, but for the
+    pipeline's fill and drain: the stages idle there leave their cores to those computing
+    (a waiting stage sleeps where ranks outnumber cores), which compute ``contention``
+    times as long.
     ``benchmarks.plan_check`` measures these on a machine; the command leaves them out
     (GPUs, whose kernels, not their hosts, bound a large model's step)."""
 
@@ -417,7 +420,7 @@ def estimate(model: GPT, batch: int, lay: Layout, cl: Cluster) -> Estimate:
     optimizer = 28 * shard / gpu.hbm  # Adam: fp32 master, m, v and fp16 copies, read and written
     parts = {
         "compute": share * (m * (layers + logits) + optimizer),
-        "bubble": (p - 1) / v * (share * (layers + logits) + tp + pp),
+        "bubble": (p - 1) / v * (cl.contention * (layers + logits) + tp + pp),
         "tp_comm": m * tp,
         "pp_comm": m * pp,
         "dp_comm": _dp_time(phi, lay, cl, m),

@@ -257,11 +257,15 @@ def test_ranks_that_share_cores_and_each_calls_overhead_enter_the_parts_they_bel
         assert b.time["tp_comm"] - a.time["tp_comm"] == pytest.approx(m * calls * c)
         assert b.time["pp_comm"] - a.time["pp_comm"] == pytest.approx(m * 2 * c if pp > 1 else 0.0)
         assert b.time["dp_comm"] - a.time["dp_comm"] == pytest.approx(c if dp > 1 else 0.0)
-        # the bubble: p - 1 times the last stage's time, its compute shared, its calls each paying c more
+        # the bubble: p - 1 times the last stage's time, its calls each paying c more; the
+        # stages idle in the fill and drain leave their cores to it: contention, not the share
         layers = model.layers // pp * 3 * layer_pass(model, 4, tp, core, 1.0)
         layers += 6 * 4 * 64 * 128 * 256 / tp / core.peak  # the last stage's logits
         assert a.time["bubble"] == pytest.approx((pp - 1) * (layers + (a.time["tp_comm"] + a.time["pp_comm"]) / m))
-        assert b.time["bubble"] - a.time["bubble"] == pytest.approx((pp - 1) * (layers + calls * c + 2 * c))
+        assert b.time["bubble"] - a.time["bubble"] == pytest.approx((pp - 1) * (calls * c + 2 * c))
+        hot = estimate(model, 32 * dp, lay, replace(shared, contention=1.25))
+        assert hot.time["bubble"] - b.time["bubble"] == pytest.approx((pp - 1) * 0.25 * layers)
+        assert hot.time["compute"] == pytest.approx(1.25 * b.time["compute"])
     # gradients in fp32 move twice the bytes of mixed precision: a link of bandwidth alone
     wide = replace(base, intra=AlphaBeta(0.0, 1e9), inter=AlphaBeta(0.0, 1e9))
     lay = Layout(dp=4, tp=1, pp=1, micro_batch=4, zero=0, recompute=False)
