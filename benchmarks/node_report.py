@@ -399,7 +399,12 @@ def _plan_lines(report: dict[str, Any]) -> list[str]:
             f"({row['predicted_step_s'] / row['step_s']:.2f} x)"
         )
     v = got["verdict"]
-    swapped = ", ".join(f"{a} and {b} ({gap:.1%} apart)" for a, b, gap in v["swapped"]) or "none"
+    unordered = {tuple(p) for p in v.get("unordered", [])}
+    pairs = []
+    for a, b, gap in v["swapped"]:
+        spread = ", within their steps' spread" if (a, b) in unordered else ""
+        pairs.append(f"{a} and {b} ({gap:.1%} apart{spread})")
+    swapped = ", ".join(pairs) or "none"
     lines.append(
         f"- worst {v['worst']:+.1%} (the bound is {v['bound']:.0%}); pairs the planner orders the other way: {swapped}"
     )

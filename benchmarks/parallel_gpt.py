@@ -305,6 +305,7 @@ def measure(
         "chunks": chunks,
         "schedule": schedule,
         "step_s": statistics.median(times),
+        "step_range_s": [min(times), max(times)],
         "tokens_per_s": grid.dp * tokens_per_batch / statistics.median(times),
         "activation_bytes": max_over_ranks(meter.peak),
         "live": int(max_over_ranks(live)),

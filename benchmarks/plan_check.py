@@ -26,7 +26,9 @@ Then each grid trains as ``benchmarks.parallel_gpt`` trains it (``--batch-size``
 per replica in ``--chunks`` micro-batches, 1F1B, Adam in fp32), and the table gives per
 grid the measured step, the predicted one and their ratio, tokens per second measured and
 predicted with their ranks, and the predicted step's parts. The planner's check is that
-every prediction falls within 25% of its measurement and the two rankings agree.
+every prediction falls within 25% of its measurement and the two rankings agree; a pair the
+prediction orders the other way whose timed steps overlap is marked "within their steps'
+spread": the measurement does not order it either.
 """
 
 from __future__ import annotations
@@ -271,25 +273,43 @@ def report(rows: list[dict[str, Any]], cal: dict[str, Any], command: str, a: Any
 
 
 def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The check's outcome: the prediction furthest from its measurement (relative, signed)
-    and the pairs of grids whose tokens/s the prediction orders the other way round, with
-    how far apart they measured."""
+    """The check's outcome: the prediction furthest from its measurement (relative, signed),
+    the pairs of grids whose tokens/s the prediction orders the other way round, with how
+    far apart they measured, and of those the pairs whose steps' ranges overlap, which the
+    measurement does not order (``unordered``)."""
     tok = [r["tokens_per_s"] for r in rows]
     ptok = [r["tokens_per_s"] * r["step_s"] / r["predicted_step_s"] for r in rows]
+    swapped = discordant(tok, ptok)
     return {
         "worst": max((r["predicted_step_s"] / r["step_s"] - 1 for r in rows), key=abs),
         "bound": BOUND,
-        "swapped": [[rows[i]["grid"], rows[j]["grid"], abs(tok[i] / tok[j] - 1)] for i, j in discordant(tok, ptok)],
+        "swapped": [[rows[i]["grid"], rows[j]["grid"], abs(tok[i] / tok[j] - 1)] for i, j in swapped],
+        "unordered": [[rows[i]["grid"], rows[j]["grid"]] for i, j in swapped if _overlap(rows[i], rows[j])],
     }
+
+
+def _overlap(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two grids' tokens/s over their timed steps (``step_range_s``) overlap."""
+    if "step_range_s" not in a or "step_range_s" not in b:
+        return False
+
+    def span(r: dict[str, Any]) -> tuple[float, float]:
+        tokens = r["tokens_per_s"] * r["step_s"]
+        return tokens / r["step_range_s"][1], tokens / r["step_range_s"][0]
+
+    (lo_a, hi_a), (lo_b, hi_b) = span(a), span(b)
+    return lo_a <= hi_b and lo_b <= hi_a
 
 
 def verdict_line(v: dict[str, Any]) -> str:
     """One line of :func:`verdict`'s outcome."""
-    agree = (
-        "agree"
-        if not v["swapped"]
-        else "differ: " + ", ".join(f"{a} and {b} (measured {gap:.1%} apart)" for a, b, gap in v["swapped"])
-    )
+    unordered = {tuple(p) for p in v.get("unordered", [])}
+
+    def pair(a: str, b: str, gap: float) -> str:
+        spread = ", within their steps' spread" if (a, b) in unordered else ""
+        return f"{a} and {b} (measured {gap:.1%} apart{spread})"
+
+    agree = "agree" if not v["swapped"] else "differ: " + ", ".join(pair(*s) for s in v["swapped"])
     bound = f"the bound is {v['bound']:.0%}"
     return f"worst prediction {v['worst']:+.1%} of its measurement ({bound}); rankings by tokens/s {agree}"
 

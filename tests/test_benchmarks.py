@@ -488,6 +488,16 @@ def test_the_planner_check_predicts_each_grid_from_the_rates_it_measured():
 
     assert plan_check.ranks([3.0, 9.0, 5.0]) == [3, 1, 2]
     assert plan_check.discordant([3.0, 9.0, 5.0], [4.0, 8.0, 9.0]) == [(1, 2)]
+    # measured a > b > c, predicted the other way round; a's and b's steps overlap: 95-105
+    # and 96-101 tokens/s, which the measurement does not order; c's (49.5-50.5) overlap neither
+    made = [("a", 100.0, 1.2, [0.95, 1.05]), ("b", 98.0, 0.9, [0.97, 1.02]), ("c", 50.0, 0.4, [0.99, 1.01])]
+    keys = ("grid", "tokens_per_s", "predicted_step_s", "step_range_s")
+    rows = [{"step_s": 1.0, **dict(zip(keys, m, strict=True))} for m in made]
+    v = plan_check.verdict(rows)
+    assert [s[:2] for s in v["swapped"]] == [["a", "b"], ["a", "c"], ["b", "c"]] and v["unordered"] == [["a", "b"]]
+    line = plan_check.verdict_line(v)
+    assert "a and b (measured 2.0% apart, within their steps' spread), a and c (measured 100.0% apart)," in line
+    assert plan_check.verdict([{k: v for k, v in r.items() if k != "step_range_s"} for r in rows])["unordered"] == []
     path = shared_path(".json")
     argv = ["--grids", "2x1x1,1x2x1,1x1x2", "--steps", "1", "--n-layer", "2", "--d-model", "32", "--n-head", "2"]
     argv += ["--block-size", "16", "--batch-size", "4", "--chunks", "2", "--cores", "1", "--json", path]
