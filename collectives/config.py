@@ -130,8 +130,9 @@ class Config:
 
     shm_spin: int = -1
     """Polls of a peer's counter before a waiting rank sleeps on it (0: sleep at once); -1
-    decides by the cores this process may use (see :func:`.channel.spin_budget`). Tests set
-    it to force the sleeping or the spinning wait whatever the machine."""
+    decides by the cores the node's ranks may use together, so that ranks bound to a core
+    each still spin (see :func:`.channel.spin_budget`). Tests set it to force the sleeping
+    or the spinning wait whatever the machine."""
 
     stall_timeout: float = 600.0
     """Seconds a collective waits for another rank before it raises

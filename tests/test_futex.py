@@ -19,6 +19,11 @@ def test_waiting_ranks_sleep_soon_only_when_the_node_is_oversubscribed():
     assert channel.spin_budget(1) == channel.SPIN
     assert channel.spin_budget(cores) == channel.SPIN
     assert channel.spin_budget(cores + 1) == channel.POLITE_SPIN < channel.SPIN
+    # a node's channel counts the cores its ranks may run on together: bound to one each,
+    # 4 ranks have 4; sharing 2, they have 2; a rank that cannot say leaves the machine's count
+    assert channel.node_cores([[0], [1], [2], [3]]) == 4 and channel.spin_budget(4, 4) == channel.SPIN
+    assert channel.node_cores([[0, 1]] * 4) == 2 and channel.spin_budget(4, 2) == channel.POLITE_SPIN
+    assert channel.node_cores([[0], []]) == (os.cpu_count() or 1) == channel.node_cores([])
 
 
 def test_non_temporal_stores_where_the_ranks_span_last_level_caches():

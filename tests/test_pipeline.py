@@ -332,21 +332,34 @@ def test_the_timeline_shows_every_micro_batchs_forward_and_backward_on_its_stage
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_stage_waits_in_mpi_with_a_core_per_rank_and_sleeps_between_looks_where_ranks_outnumber_them():
+def test_a_stage_waits_in_mpi_with_a_core_per_rank_and_sleeps_between_looks_where_ranks_outnumber_them(monkeypatch):
     import os
 
     from collectives.config import Config
     from collectives.context import get_context
-    from collectives.node.channel import POLITE_SPIN
+    from collectives.node import channel
     from hpcdl.parallel.pipeline import wait_spin
 
-    cores = len(os.sched_getaffinity(0))
-    # HPCDL_SHM_SPIN: by cores; sleep at once; spin throughout; a budget of its own
-    for spin, fits, outnumbers in ((-1, None, POLITE_SPIN), (0, 0, 0), (10**9, None, None), (100, 100, 100)):
+    n, me = MPI.COMM_WORLD.size, MPI.COMM_WORLD.rank
+
+    def waits(config: Config) -> int | None:
         comm = MPI.COMM_WORLD.Dup()
-        get_context(comm, Config(shm_spin=spin))
-        assert (wait_spin(comm, cores), wait_spin(comm, cores + 1)) == (fits, outnumbers), spin
-        comm.Free()
+        get_context(comm, config)
+        try:
+            return wait_spin(comm)
+        finally:
+            comm.Free()
+
+    cores = len(os.sched_getaffinity(0))  # every rank's here: the node's ranks share them
+    assert waits(Config()) == (None if n <= cores else channel.POLITE_SPIN)
+    # HPCDL_SHM_SPIN: sleep at once; spin throughout; a budget of its own
+    assert (waits(Config(shm_spin=0)), waits(Config(shm_spin=10**9)), waits(Config(shm_spin=100))) == (0, None, 100)
+    # ranks bound to a core each (srun, mpiexec --bind-to core) may each run on one core
+    # only, but have one each: they wait in MPI; bound to one core together, they sleep
+    monkeypatch.setattr(channel, "_cpus", lambda: [me])
+    assert waits(Config()) is None
+    monkeypatch.setattr(channel, "_cpus", lambda: [0])
+    assert waits(Config()) == channel.POLITE_SPIN
     with pytest.raises(ValueError, match="spin=-1 must be None or >= 0"):
         Link(MPI.COMM_WORLD, -1)
 

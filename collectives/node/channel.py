@@ -57,7 +57,7 @@ try:
 except ImportError:  # not built (no compiler where it was installed): the Python loop below
     Core = None
 
-__all__ = ["Channel", "LINE", "SPIN", "POLITE_SPIN", "spin_budget", "Schedule"]
+__all__ = ["Channel", "LINE", "SPIN", "POLITE_SPIN", "spin_budget", "node_cores", "Schedule"]
 
 Schedule = Generator[list, None, None]
 
@@ -94,15 +94,24 @@ REDUCE_READ_PIECE = 256 << 10
 holds one such piece per peer."""
 
 
-def spin_budget(ranks: int) -> int:
-    """:data:`SPIN`, or :data:`POLITE_SPIN` when the node's ranks outnumber the cores this
-    process may run on: then the peer being waited for is likely not running, and spinning
-    only delays it."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
+def spin_budget(ranks: int, cores: int | None = None) -> int:
+    """:data:`SPIN`, or :data:`POLITE_SPIN` when the node's ranks outnumber the ``cores``
+    they may run on together: then the peer being waited for is likely not running, and
+    spinning only delays it. ``cores`` defaults to those this process may run on; a node's
+    channel passes the union of its ranks' (:func:`node_cores`), so that ranks bound to a
+    core each (``srun``'s and ``mpiexec --bind-to core``'s placement), each of which may run
+    on one core only, still spin."""
+    if cores is None:
+        cores = len(_cpus()) or os.cpu_count() or 1
     return SPIN if ranks <= cores else POLITE_SPIN
+
+
+def node_cores(cpus: list[list[int]]) -> int:
+    """The cores a node's ranks may run on together: the union of each rank's CPUs
+    (:func:`_cpus`, gathered), or the machine's count where a rank's are unknown."""
+    if not cpus or any(not c for c in cpus):
+        return os.cpu_count() or 1
+    return len(set().union(*cpus))
 
 
 NONTEMPORAL = 4096
@@ -230,19 +239,20 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def _agree_layout(t: Any, settings: dict[str, int], caches: bool) -> list[dict[str, int]]:
+def _agree_layout(t: Any, settings: dict[str, int], caches: bool) -> tuple[list[dict[str, int]], int]:
     """Raise :class:`~.errors.ConfigError` on every rank when the node's ranks were given
     different channel ``settings`` (by name): their windows and their choices of path would
     differ, and the ranks would wait for one another forever instead of failing. Return
     every rank's last-level caches where ``caches`` asks (the non-temporal settings decided
-    by them), gathered at once."""
-    everyone = t.allgather_obj((list(settings.values()), last_level_caches() if caches else {}))
+    by them) and the cores the ranks may run on together (:func:`node_cores`), gathered at
+    once."""
+    everyone = t.allgather_obj((list(settings.values()), last_level_caches() if caches else {}, _cpus()))
     for k, name in enumerate(settings):
         values = [e[0][k] for e in everyone]
         if len(set(values)) > 1:
             said = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
             raise ConfigError(f"{name} differs between the ranks of a node ({said}); give every rank the same")
-    return [e[1] for e in everyone]
+    return [e[1] for e in everyone], node_cores([e[2] for e in everyone])
 
 
 class Channel:
@@ -273,7 +283,7 @@ class Channel:
             "shm_single_copy_bytes": single_copy,
             "shm_single_copy_broadcast_bytes": single_copy_broadcast,
         }
-        caches = _agree_layout(t, settings, min(nontemporal, nontemporal_out) < 0)
+        caches, cores = _agree_layout(t, settings, min(nontemporal, nontemporal_out) < 0)
         self.nontemporal = nontemporal_bytes(nontemporal, caches)
         """Copies into the window from this many bytes use non-temporal stores, in the
         compiled loop (0: never): :func:`nontemporal_bytes` of the setting."""
@@ -307,7 +317,7 @@ class Channel:
         self._map_slots(segs, slot)
         self.stage = 0
         self.progress = progress
-        self._spin = spin_budget(n)
+        self._spin = spin_budget(n, cores)
         self._polite: Callable[[], bool] | None = None
         self.core: Any = None
         """The compiled loop (:mod:`.cslots`) on this window, when built and ``compiled``: it
@@ -410,7 +420,7 @@ class Channel:
         mark[0] = os.getpid()
         everyone = t.allgather_obj((os.getpid(), mark.ctypes.data, self.core is not None, _cpus()))
         ok = all(e[2] for e in everyone)
-        self._cores = len(set().union(*(e[3] for e in everyone)))
+        self._cores = node_cores([e[3] for e in everyone])
         if ok:
             pid, addr = everyone[(me + 1) % n][:2]
             got = np.zeros(1, np.int64)

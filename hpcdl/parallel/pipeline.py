@@ -31,7 +31,7 @@ from torch import nn
 
 from collectives.context import get_context
 from collectives.link import emulate_comm
-from collectives.node.channel import SPIN, spin_budget
+from collectives.node.channel import SPIN
 
 from .. import state
 from ..errors import HpcdlArgumentError, PipelineError
@@ -175,14 +175,16 @@ def _partition(weights: Sequence[float], stages: int) -> list[int]:
     return counts[::-1]
 
 
-def wait_spin(comm: MPI.Comm, local_size: int) -> int | None:
+def wait_spin(comm: MPI.Comm) -> int | None:
     """How a pipeline stage waits for its neighbours (:class:`~.pp_comm.Link`'s ``spin``):
-    as the collectives' shared-memory waits do (``HPCDL_SHM_SPIN``, by default
-    :func:`collectives.node.channel.spin_budget` of the node's ``local_size`` ranks). A full
-    budget (a core per rank) waits in MPI's blocking calls; a smaller one looks that many
-    times, then sleeps between looks."""
-    spin = get_context(comm).config.shm_spin
-    spin = spin_budget(local_size) if spin < 0 else spin
+    as the collectives' shared-memory waits on ``comm``'s node do (its channel's ``spin``:
+    ``HPCDL_SHM_SPIN``, by default full where the node's ranks have a core each, counted
+    over the cores they may run on together). A full budget waits in MPI's blocking calls;
+    a smaller one looks that many times, then sleeps between looks (collective over
+    ``comm``'s node, where its channel is not made yet)."""
+    if comm.Get_size() < 2:
+        return None
+    spin = get_context(comm).channel().spin
     return None if spin >= SPIN else spin
 
 
@@ -248,7 +250,7 @@ class Pipeline(nn.Module):
         # the pipeline's own communicator: its stages, ranked by stage (collective over the world)
         line = grid.dp_rank * grid.tp + grid.tp_rank
         rt = state.running()
-        self._link = Link(emulate_comm(rt.comm.Split(line, grid.pp_rank)), wait_spin(rt.comm, rt.local_size))
+        self._link = Link(emulate_comm(rt.comm.Split(line, grid.pp_rank)), wait_spin(rt.comm))
 
     def close(self) -> None:
         """Free the pipeline's communicator (collective over its stages). After a failed
