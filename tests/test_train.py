@@ -931,7 +931,8 @@ def test_output_is_terminal_looks_through_the_launchers_pipes(tmp_path):
         subprocess.run([sys.executable, "-c", code], stdout=fh, timeout=60)
     assert log.read_text().strip() == "False"
     status, shown, err = _on_a_terminal(["-c", code])
-    assert status == 0 and shown.split() == ["True", "True"], (shown, err)  # both ranks, behind hydra's pipes
+    # both ranks, behind hydra's pipes (whose lines may interleave: "TrueTrue" then the newlines)
+    assert status == 0 and shown.count("True") == 2 and "False" not in shown, (shown, err)
 
 
 def test_a_checkpoint_of_an_older_configuration_resumes_with_a_warning(tmp_path, capsys):
