@@ -106,8 +106,9 @@ class _Held:
 
 
 def max_over_ranks(x: float) -> float:
-    """The largest of every rank's ``x`` (collective), through hpcdl's engine, as every other call here (a rank blocked in an MPI
-    collective of its own while its peers wait on the engine is not a pattern to time)."""
+    """The largest of every rank's ``x`` (collective), through hpcdl's engine, as every
+    other call here (a rank blocked in an MPI collective of its own while its peers wait on
+    the engine is not a pattern to time)."""
     return float(hvd.allreduce(torch.tensor([float(x)], dtype=torch.float64), op=hvd.Max, name="bench.max"))
 
 

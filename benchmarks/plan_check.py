@@ -119,14 +119,6 @@ def _asleep_unless(mine: bool, work: Any) -> Any:
     return out
 
 
-def _replica_blocks(a: Any, tp: int) -> tuple[nn.Module, torch.Tensor]:
-    """``--n-layer`` blocks' shares (:class:`BlockShare` of ``tp`` ranks) and one
-    micro-batch's input, as a replica trains them."""
-    torch.manual_seed(0)
-    blocks = nn.Sequential(*[BlockShare(a.d_model, a.n_head, tp) for _ in range(a.n_layer)])
-    return blocks, torch.randn(a.batch_size // a.chunks, a.block_size, a.d_model, requires_grad=True)
-
-
 def _slowest_rank_seconds(fn: Any, rounds: int) -> float:
     """The slowest rank's mean seconds of ``fn`` over ``rounds``, every rank starting from
     one barrier (collective over the world)."""
@@ -145,7 +137,9 @@ def contention(a: Any, cores: int, samples: int = 9) -> float:
     rank at once from a barrier (the slowest rank's time), ``samples`` pairs in turn; the
     median of the pairs' ratios, so that a passing slowdown of the machine, which falls on
     both of a pair, cancels; over the ranks' share of a core (collective over the world)."""
-    blocks, x = _replica_blocks(a, 1)
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[BlockShare(a.d_model, a.n_head, 1) for _ in range(a.n_layer)])
+    x = torch.randn(a.batch_size // a.chunks, a.block_size, a.d_model, requires_grad=True)
 
     def step() -> None:
         for _ in range(a.chunks):

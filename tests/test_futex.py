@@ -16,9 +16,9 @@ def test_waiting_ranks_sleep_soon_only_when_the_node_is_oversubscribed():
     from collectives.node import channel
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert channel.spin_budget(1) == channel.SPIN
-    assert channel.spin_budget(cores) == channel.SPIN
-    assert channel.spin_budget(cores + 1) == channel.POLITE_SPIN < channel.SPIN
+    assert channel.spin_budget(1, cores) == channel.SPIN
+    assert channel.spin_budget(cores, cores) == channel.SPIN
+    assert channel.spin_budget(cores + 1, cores) == channel.POLITE_SPIN < channel.SPIN
     # a node's channel counts the cores its ranks may run on together: bound to one each,
     # 4 ranks have 4; sharing 2, they have 2; a rank that cannot say leaves the machine's count
     assert channel.node_cores([[0], [1], [2], [3]]) == 4 and channel.spin_budget(4, 4) == channel.SPIN

@@ -94,15 +94,11 @@ REDUCE_READ_PIECE = 256 << 10
 holds one such piece per peer."""
 
 
-def spin_budget(ranks: int, cores: int | None = None) -> int:
+def spin_budget(ranks: int, cores: int) -> int:
     """:data:`SPIN`, or :data:`POLITE_SPIN` when the node's ranks outnumber the ``cores``
-    they may run on together: then the peer being waited for is likely not running, and
-    spinning only delays it. ``cores`` defaults to those this process may run on; a node's
-    channel passes the union of its ranks' (:func:`node_cores`), so that ranks bound to a
-    core each (``srun``'s and ``mpiexec --bind-to core``'s placement), each of which may run
-    on one core only, still spin."""
-    if cores is None:
-        cores = len(_cpus()) or os.cpu_count() or 1
+    they may run on together (:func:`node_cores`: the union of the ranks' CPUs, so that
+    ranks bound to a core each, as ``srun`` and ``mpiexec --bind-to core`` place them, still
+    spin): then the peer being waited for is likely not running, and spinning only delays it."""
     return SPIN if ranks <= cores else POLITE_SPIN
 
 
