@@ -94,10 +94,11 @@ class Config:
 
     shm_single_copy_broadcast_bytes: int = -1
     """Broadcasts of at least this many bytes on one node are copied once, each rank
-    reading the root's data out of its memory with cross-memory attach, where the kernel
-    allows it (0: never); -1: from the size where the node's ranks measured it faster than
-    the root's slot when the channel was made, or never where it was slower at every size
-    measured (:func:`.node.channel.broadcast_single_copy_bytes`)."""
+    reading the root's data out of its memory with cross-memory attach (a root in place
+    writes 1/n of it into each reader's memory meanwhile), where the kernel allows it (0:
+    never); -1: from the size where the node's ranks measured it faster than the root's
+    slot when the channel was made, or never where it was slower at every size measured
+    (:func:`.node.channel.broadcast_single_copy_bytes`)."""
 
     shm_chunk_bytes: int = 1 << 20
     """Pipeline chunk of the single-node ``shm`` algorithms (each rank holds two), in bytes."""

@@ -252,7 +252,8 @@ def test_large_broadcasts_and_allgathers_read_the_senders_memory_once(comms, mix
     # from shm_single_copy_bytes per rank every receiver of an allgather reads the sender's
     # data straight out of its memory (cross-memory attach), and of a broadcast from
     # shm_single_copy_broadcast_bytes (by default from where the ranks measured it faster
-    # than the root's slot, when not oversubscribed): roots, in place, a strided input,
+    # than the root's slot, when not oversubscribed), a root in place also writing a share
+    # of it into every reader's memory: roots, in place, a strided input,
     # nonblocking, within the one-step size too; even, uneven and empty blocks; the same
     # bytes as through the slots. Ranks mixing the compiled loop with Python's keep the
     # slots, all of them
@@ -284,6 +285,15 @@ def test_large_broadcasts_and_allgathers_read_the_senders_memory_once(comms, mix
             took = receivers if ME in senders else [ME]
             return all(c.streams[r][0] == done for r in senders) and all(c.takes[r][0] == done for r in took)
 
+        def broadcast_once(c, root, share):  # the root offered its data and `share`; this rank
+            # offered its buffer and read all but the last `share` bytes, which the root wrote
+            # into it, publishing | 2 once done (a root returns once every reader has read)
+            base = c.seq << STREAM_SHIFT
+            took = [r for r in range(N) if r != root] if ME == root else [ME]
+            wrote = c.streams[root][0] == base + 2 if share or ME == root else c.streams[root][0] > base
+            published = int(c.slots[root][c.seq & 1][8:16].view(np.int64)[0])
+            return wrote and published == share and all(c.streams[r][0] == c.takes[r][0] == base + 1 for r in took)
+
         # past the one-step size, and within it (the compiled one-step call, streamed), down
         # to within the reductions' one-step size, whose broadcasts otherwise go with the call
         sizes = [(ch.copy_small // 8 + 3, r) for r in range(N)] + [(ch.small // 8 + 8, N - 1), (ch.small // 16, 0)]
@@ -291,12 +301,15 @@ def test_large_broadcasts_and_allgathers_read_the_senders_memory_once(comms, mix
             want = np.arange(count, dtype=np.float64) * (root + 1) + 0.5
             x = np.repeat(want, 2)[::2].copy() if ME == root else np.zeros(count)
             assert digest(C.broadcast(x, root=root, comm=one)) == digest(want), root
-            assert read_once(ch, [root])
+            assert broadcast_once(ch, root, 0)  # the root copies x into its output: no share
             strided = np.repeat(x, 2)[::2]
             assert digest(C.broadcast(strided, root=root, comm=one)) == digest(want)
             assert digest(C.ibroadcast(x, root=root, comm=one).wait()) == digest(want)
-            C.broadcast(x, root=root, out=x, comm=one)
-            assert digest(x) == digest(want) and read_once(ch, [root])
+            C.broadcast(x, root=root, out=x, comm=one)  # in place: the root writes a share of
+            # whole cache lines into every reader, while they read the rest
+            assert digest(x) == digest(want) and broadcast_once(ch, root, x.nbytes // N // 64 * 64)
+            y = x.copy() if ME == root else np.full(count, -1.0)
+            assert digest(C.ibroadcast(y, root=root, out=y, comm=one).wait()) == digest(want)
         big = ch.copy_small // 8 + 1
         for rows_of in (lambda r: big, lambda r: big + 3001 * r, lambda r: 3 * big if r == N - 1 else r):
             rows = [rows_of(r) for r in range(N)]
@@ -367,8 +380,8 @@ def test_large_reduce_scatters_read_each_block_once_with_the_windows_bits(comms,
 @needs_core
 def test_broadcasts_timed_for_single_copy_agree_on_every_rank_and_leave_the_calls_in_step():
     # the measurement behind shm_single_copy_broadcast_bytes=-1, taken at any rank count:
-    # every rank gets the same seconds (the slowest rank's), and the calls after it keep
-    # the channel's own single-copy size and give the root's bytes
+    # every rank gets the same seconds (averaged over the ranks), and the calls after it
+    # keep the channel's own single-copy size and give the root's bytes
     from collectives.node.channel import SINGLE_COPY_PROBE, STREAM_SHIFT
 
     one = WORLD.Dup()
@@ -380,28 +393,35 @@ def test_broadcasts_timed_for_single_copy_agree_on_every_rank_and_leave_the_call
         assert sorted(got) == ["single", "slots"]
         assert all(len(v) == len(SINGLE_COPY_PROBE) and min(v) > 0 for v in got.values())
         assert WORLD.allgather(got) == [got] * N
-        for count, single in ((SINGLE_COPY_PROBE[1] // 8, False), ((1 << 20) // 8, True)):
+        for count, single in (((1 << 19) // 8, False), ((1 << 20) // 8, True), (SINGLE_COPY_PROBE[1] // 8, True)):
             want = np.arange(count, dtype=np.float64) - 7.5
             x = want.copy() if ME == N - 1 else np.zeros(count)
             assert digest(C.broadcast(x, root=N - 1, comm=one)) == digest(want)
-            pieces = 1 if single else -(-count * 8 // ch.piece)
-            assert ch.streams[N - 1][0] == (ch.seq << STREAM_SHIFT) + pieces, count
+            # the root's word: every piece streamed, or by single copy offered (1), then done
+            # (2; a reader of a root not in place returns without waiting for that)
+            pieces = ((2,) if ME == N - 1 else (1, 2)) if single else (-(-count * 8 // ch.piece),)
+            assert ch.streams[N - 1][0] - (ch.seq << STREAM_SHIFT) in pieces, count
     finally:
         one.Free()
 
 
 @pytest.mark.mpi(min_size=2)
 @needs_core
-def test_single_copy_is_off_everywhere_when_one_rank_cannot_read_a_peer(comms):
-    # the kernel refuses process_vm_readv on one rank (a strict ptrace_scope, a seccomp
-    # profile): no rank takes the single-copy path, so none waits for a read never made
+@pytest.mark.parametrize("refused", ["cma_read", "cma_write"])
+def test_single_copy_is_off_everywhere_when_one_rank_cannot_read_a_peer(comms, refused):
+    # the kernel refuses process_vm_readv, or only process_vm_writev (with which a
+    # broadcast's root writes its share), on one rank (a strict ptrace_scope, a seccomp
+    # profile): no rank takes the single-copy path, so none waits for a copy never made
     fast, _ = comms
     ch = get_context(fast).chan
     core = ch.core
 
     class Refusing:
-        def cma_read(self, pid, address, buf):
-            raise PermissionError(1, "Operation not permitted")
+        def __getattr__(self, name):
+            def refuse(*args):
+                raise PermissionError(1, "Operation not permitted")
+
+            return refuse if name == refused else getattr(core, name)
 
     try:
         ch.core = Refusing() if ME == N - 1 else core

@@ -206,7 +206,7 @@ def nontemporal_out_bytes(setting: int, caches: list[dict[str, int]]) -> int:
     return max(share * 3 // 4, LINE)
 
 
-SINGLE_COPY_PROBE = (64 << 10, 512 << 10)
+SINGLE_COPY_PROBE = (64 << 10, 2 << 20)
 """Sizes at which the ranks time a broadcast through the root's slot and by single copy when
 the channel is made (:meth:`Channel.measure_broadcasts`): one within a slot, one that wraps it."""
 
@@ -405,10 +405,10 @@ class Channel:
 
     def _can_read_peers(self, t: Any, wanted: bool) -> bool:
         """True where single copy is ``wanted`` and every rank of the node runs the compiled
-        loop and can read a peer's memory with cross-memory attach (Linux's
-        ``process_vm_readv``: the kernel refuses it under a strict ``ptrace_scope`` or a
-        container's seccomp profile); the same on every rank. Each rank reads its next
-        peer's process id out of that peer's memory to find out."""
+        loop and can read and write a peer's memory with cross-memory attach (Linux's
+        ``process_vm_readv`` and ``process_vm_writev``: the kernel refuses them under a strict
+        ``ptrace_scope`` or a container's seccomp profile); the same on every rank. Each rank
+        reads its next peer's process id out of that peer's memory, and writes it back."""
         me, n = self.me, self.n
         if not wanted or n == 1:  # the settings are agreed: every rank returns here alike
             return False
@@ -423,6 +423,7 @@ class Channel:
             try:
                 self.core.cma_read(pid, addr, got)
                 ok = int(got[0]) == pid
+                self.core.cma_write(pid, addr, got)  # the same value: the peer sees no change
             except OSError:
                 ok = False
         self._pids = [e[0] for e in everyone]
@@ -443,7 +444,7 @@ class Channel:
         self.broadcast_times: dict[str, list[float]] = {}
         """Where :attr:`single_copy_broadcast` was measured: the seconds a broadcast took at
         the :data:`SINGLE_COPY_PROBE` sizes, through the root's slot (``"slots"``) and by
-        single copy (``"single"``), the slowest rank's."""
+        single copy (``"single"``), averaged over the ranks."""
         if not cma:
             return
         if self.single_copy_broadcast < 0 and self._cores < self.n:
@@ -455,13 +456,18 @@ class Channel:
             )
         self.core.single_copy(self._pids, self.single_copy, self.single_copy_broadcast)
 
-    def measure_broadcasts(self, t: Any, rounds: int = 2, calls: int = 3) -> dict[str, list[float]]:
+    def measure_broadcasts(self, t: Any, rounds: int = 5, calls: int = 10) -> dict[str, list[float]]:
         """Time broadcasts from rank 0 at the :data:`SINGLE_COPY_PROBE` sizes, through the
-        root's slot and by single copy (collective; the compiled loop, with single copy
-        allowed): the seconds per call of the slowest rank, the fastest of ``rounds``
-        rounds of ``calls`` calls, after one call to warm up, as ``{"slots": [...],
-        "single": [...]}``. Each call is posted and agreed as a broadcast is, so every rank
-        stays in step; where a rank stalls it raises as any call would."""
+        root's slot (with the call, up to :attr:`small`) and by single copy (collective; the
+        compiled loop, with single copy allowed): each call by itself after a collective of
+        the transport, as OSU times one after an MPI barrier, so that the ranks start it as
+        unevenly as they do there (single copy starts copying only once both root and
+        reader have come; through the slot the root copies in as soon as it comes) and a
+        root that returns before its readers are done counts as such; the seconds per call
+        of the fastest of ``rounds`` rounds of ``calls`` calls (after one call to warm up),
+        averaged over the ranks, as ``{"slots": [...], "single": [...]}``. Each call is
+        posted and agreed as a broadcast is; where a rank stalls it raises as any call
+        would."""
         buf = np.ones(max(SINGLE_COPY_PROBE), np.uint8)  # written: not the kernel's one page of zeros
         mine: list[float] = []
         try:
@@ -470,17 +476,29 @@ class Channel:
                 for size in SINGLE_COPY_PROBE:
                     best = math.inf
                     for r in range(rounds + 1):
-                        start = time.perf_counter()
+                        took = 0.0
                         for _ in range(calls if r else 1):
-                            seq = self.exchange(0, size, single)
-                            self.core.stream(seq, 0, buf[:size], self.piece)
-                        best = min(best, (time.perf_counter() - start) / calls) if r else best
+                            t.allgather_obj(None)
+                            start = time.perf_counter()
+                            if single or size > self.small:
+                                seq = self.exchange(0, size, single)
+                                self.core.stream(seq, 0, buf[:size], self.piece)
+                            else:  # within the one-step size the data goes with the call, as
+                                # a broadcast's root copies it in (non-temporal from its size)
+                                self.core.nontemporal = self.nontemporal_broadcast
+                                seq = self.exchange(0, size, single, None if self.me else buf[:size])
+                                self.core.nontemporal = self.nontemporal
+                                if self.me:
+                                    buf[:size] = self.slots[0][seq & 1][:size]
+                            took += time.perf_counter() - start
+                        best = min(best, took / calls) if r else best
                     mine.append(best)
         finally:
+            self.core.nontemporal = self.nontemporal
             self.core.single_copy(self._pids, self.single_copy, max(self.single_copy_broadcast, 0))
-        slowest = np.max(np.array(t.allgather_obj(mine)), axis=0).tolist()
+        mean = np.mean(np.array(t.allgather_obj(mine)), axis=0).tolist()
         k = len(SINGLE_COPY_PROBE)
-        return {"slots": slowest[:k], "single": slowest[k:]}
+        return {"slots": mean[:k], "single": mean[k:]}
 
     @property
     def seq(self) -> int:

@@ -86,6 +86,8 @@
 #define DOZE_NS 1000000
 /* a streams word holds seq << STREAM_SHIFT | pieces (channel.STREAM_SHIFT) */
 #define STREAM_SHIFT 24
+/* a cache line's bytes, to which a root's share of a single-copy broadcast is rounded */
+#define LINE_BYTES 64
 
 /* the wire codes of collectives.ops.DTYPES */
 enum { F16 = 0, BF16 = 1, F32 = 2, F64 = 3, I8 = 4, I16 = 5, I32 = 6, I64 = 7, U8 = 8 };
@@ -403,21 +405,26 @@ static int64_t exchange(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payl
  * receives reads the data straight out of the sender's memory with cross-memory attach
  * (Linux's process_vm_readv: one copy, by the kernel, where the slots take two) and
  * publishes the same value in its takes word; a sender returns once every receiver has,
- * so its buffer is not changed while read.
+ * so its buffer is not changed while read. A broadcast's root in place, whose core would
+ * otherwise wait, also writes a share of the message into each reader's memory
+ * (process_vm_writev) while the readers read the rest.
  * Every rank of the node takes this path or none: the sizes are agreed when the channel is
- * made, and 0 unless every rank could read a peer's memory then. */
+ * made, and 0 unless every rank could read and write a peer's memory then. */
 
-/* Read n bytes at `remote` in process pid into dst; 0, or -1 with an exception set. */
-static int cma_read(pid_t pid, char *dst, uintptr_t remote, size_t n) {
+/* Move n bytes between dst here and `remote` in process pid: read them into dst
+ * (process_vm_readv), or with `write` write dst's bytes there (process_vm_writev); 0, or -1
+ * with an exception set. */
+static int cma_move(pid_t pid, char *dst, uintptr_t remote, size_t n, int write) {
 #if defined(__linux__)
     while (n) {
         struct iovec here = {dst, n}, there = {(void *)remote, n};
-        ssize_t got = process_vm_readv(pid, &here, 1, &there, 1, 0);
+        ssize_t got = write ? process_vm_writev(pid, &here, 1, &there, 1, 0)
+                            : process_vm_readv(pid, &here, 1, &there, 1, 0);
         if (got < 0 && errno == EINTR)
             continue;
         if (got <= 0) {
-            PyErr_Format(PyExc_OSError, "cross-memory attach: reading %zu bytes of process %d failed: %s", n,
-                         (int)pid, got < 0 ? strerror(errno) : "nothing read");
+            PyErr_Format(PyExc_OSError, "cross-memory attach: %s %zu bytes of process %d failed: %s",
+                         write ? "writing" : "reading", n, (int)pid, got < 0 ? strerror(errno) : "nothing moved");
             return -1;
         }
         dst += got;
@@ -426,11 +433,13 @@ static int cma_read(pid_t pid, char *dst, uintptr_t remote, size_t n) {
     }
     return 0;
 #else
-    (void)pid, (void)dst, (void)remote, (void)n;
+    (void)pid, (void)dst, (void)remote, (void)n, (void)write;
     PyErr_SetString(PyExc_OSError, "cross-memory attach is Linux's");
     return -1;
 #endif
 }
+
+static int cma_read(pid_t pid, char *dst, uintptr_t remote, size_t n) { return cma_move(pid, dst, remote, n, 0); }
 
 /* Read rank r's data of call seq, n bytes from byte `from` of what it offered, into dst. */
 static int read_peer(Core *c, int64_t seq, int r, char *dst, Py_ssize_t from, Py_ssize_t n) {
@@ -447,19 +456,49 @@ static void offer(Core *c, int64_t seq, const char *buf) {
     publish(c, c->streams[c->me], (seq << STREAM_SHIFT) + 1);
 }
 
+/* The bytes at the end of an n-byte broadcast that a root in place writes into each of its
+ * `ranks` - 1 readers while they read the rest: 1 / ranks of it, where the root's writes
+ * take as long as each reader's read, in whole cache lines (0 below one). */
+static Py_ssize_t root_share(Py_ssize_t nbytes, int ranks) { return nbytes / ranks / LINE_BYTES * LINE_BYTES; }
+
 /* src: where the root's data lies when not in buf (NULL: in buf); the root offers it and
- * copies it into buf while the others read it. */
+ * copies it into buf while the others read it; in place, it writes the last root_share
+ * bytes into every reader's buf instead, in turn from its next rank, once the reader has
+ * offered it (its address in the reader's slot of the call, its streams word at | 1), and
+ * then publishes | 2 in its streams word. The share is published in the root's slot
+ * beside its address, so the readers need not know whether it broadcast in place. */
 static int single_copy_broadcast(Core *c, int64_t seq, int root, char *buf, Py_ssize_t nbytes, const char *src) {
-    int64_t done = (seq << STREAM_SHIFT) + 1;
+    int64_t base = seq << STREAM_SHIFT;
+    int parity = (int)(seq & 1);
+    int64_t *at_root = (int64_t *)c->slots[2 * root + parity];
     if (c->me == root) {
+        Py_ssize_t share = src ? 0 : root_share(nbytes, c->n), from = nbytes - share;
+        store(at_root + 1, share);
         offer(c, seq, src ? src : buf);
         if (src)
             copy_out(c, buf, src, (size_t)nbytes, nbytes);
-        return wait_all(c, c->takes, done, 6);
+        for (int k = 1; share && k < c->n; k++) {
+            int r = (root + k) % c->n;
+            if (wait_one(c, r, c->streams[r], base + 1, 5) < 0)
+                return -1;
+            fence(); /* the reader's address after the word that published it */
+            uintptr_t there = (uintptr_t)load((int64_t *)c->slots[2 * r + parity]) + (uintptr_t)from;
+            if (cma_move((pid_t)c->pids[r], buf + from, there, (size_t)share, 1) < 0)
+                return -1;
+        }
+        publish(c, c->streams[root], base + 2);
+        return wait_all(c, c->takes, base + 1, 6);
     }
-    if (read_peer(c, seq, root, buf, 0, nbytes) < 0)
+    offer(c, seq, buf); /* where the root writes its share */
+    if (wait_one(c, root, c->streams[root], base + 1, 5) < 0)
         return -1;
-    publish(c, c->takes[c->me], done);
+    fence(); /* the address and share after the word that published them */
+    Py_ssize_t share = (Py_ssize_t)load(at_root + 1);
+    if (cma_read((pid_t)c->pids[root], buf, (uintptr_t)load(at_root), (size_t)(nbytes - share)) < 0)
+        return -1;
+    if (share && wait_one(c, root, c->streams[root], base + 2, 5) < 0)
+        return -1;
+    publish(c, c->takes[c->me], base + 1);
     return 0;
 }
 
@@ -1115,11 +1154,11 @@ static PyObject *Core_single_copy(Core *c, PyObject *const *args, Py_ssize_t nar
     Py_RETURN_NONE;
 }
 
-/* core.cma_read(pid, address, buf): fill buf with the bytes at `address` in process pid */
-static PyObject *Core_cma_read(Core *c, PyObject *const *args, Py_ssize_t nargs) {
-    (void)c;
+/* core.cma_read(pid, address, buf) and core.cma_write(pid, address, buf): fill buf with the
+ * bytes at `address` in process pid, or write buf's bytes there */
+static PyObject *cma_method(PyObject *const *args, Py_ssize_t nargs, int write) {
     if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "cma_read(pid, address, buf)");
+        PyErr_SetString(PyExc_TypeError, write ? "cma_write(pid, address, buf)" : "cma_read(pid, address, buf)");
         return NULL;
     }
     long long pid = PyLong_AsLongLong(args[0]);
@@ -1127,13 +1166,23 @@ static PyObject *Core_cma_read(Core *c, PyObject *const *args, Py_ssize_t nargs)
     if (PyErr_Occurred())
         return NULL;
     Py_buffer view;
-    if (PyObject_GetBuffer(args[2], &view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+    if (PyObject_GetBuffer(args[2], &view, write ? PyBUF_C_CONTIGUOUS : PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
         return NULL;
-    int rc = cma_read((pid_t)pid, (char *)view.buf, (uintptr_t)addr, (size_t)view.len);
+    int rc = cma_move((pid_t)pid, (char *)view.buf, (uintptr_t)addr, (size_t)view.len, write);
     PyBuffer_Release(&view);
     if (rc < 0)
         return NULL;
     Py_RETURN_NONE;
+}
+
+static PyObject *Core_cma_read(Core *c, PyObject *const *args, Py_ssize_t nargs) {
+    (void)c;
+    return cma_method(args, nargs, 0);
+}
+
+static PyObject *Core_cma_write(Core *c, PyObject *const *args, Py_ssize_t nargs) {
+    (void)c;
+    return cma_method(args, nargs, 1);
 }
 
 /* core.reduce_scatter(seq, src, lo, hi, out, dtype, op): the agreed reduce-scatter seq read
@@ -1530,6 +1579,9 @@ static PyMethodDef Core_methods[] = {
      "into out; False, having done nothing, where numpy must reduce the dtype and op."},
     {"cma_read", (PyCFunction)(void (*)(void))Core_cma_read, METH_FASTCALL,
      "cma_read(pid, address, buf): fill buf with the bytes at address in process pid (process_vm_readv); "
+     "OSError where the kernel refuses."},
+    {"cma_write", (PyCFunction)(void (*)(void))Core_cma_write, METH_FASTCALL,
+     "cma_write(pid, address, buf): write buf's bytes at address in process pid (process_vm_writev); "
      "OSError where the kernel refuses."},
     {"put", (PyCFunction)(void (*)(void))Core_put, METH_FASTCALL,
      "put(dst, src, total=None): copy src's bytes into the shared buffer dst (C-contiguous, as long), with "
