@@ -33,7 +33,10 @@ core (or ``--max-ranks``):
    with it where ``nvidia-cuda-mps-control`` is found (the daemon started and stopped for
    the run), the crossover ``auto`` should use; NCCL at one rank.
 
-``--steps`` runs some of the steps only (the budget then goes to them).
+``--steps`` runs some of the steps only (the budget then goes to them). Every rank is bound
+to a core of its own, as ``srun`` and Open MPI's ``mpirun`` place them and as a node with a
+core per rank runs its collectives' spinning waits; ``--bind none`` leaves the ranks unbound
+(MPICH's default), where the node's ranks may move between its cores.
 
 Every step has a share of ``--budget`` seconds (default 480) and ends at it; what a step
 did not finish is said in the summary, and the steps after it still run. The directory
@@ -133,35 +136,68 @@ def machine() -> dict[str, Any]:
     return info
 
 
-class Runner:
-    """Runs the steps' commands under one deadline, writing each one's output under ``raw``."""
+def binding_flags(version: str, bind: str) -> list[str] | None:
+    """The launcher's options that bind each rank to a core of its own (``bind="core"``;
+    ranks past the cores share them) or leave the ranks unbound (``"none"``), given the
+    text its ``--version`` prints: MPICH's Hydra binds nothing unless told, Open MPI binds by
+    default and refuses more ranks than cores bound unless allowed. None where the launcher
+    is neither: it then runs as it chooses."""
+    if "HYDRA" in version:
+        return ["-bind-to", "core"] if bind == "core" else []
+    if "Open MPI" in version or "OpenRTE" in version:
+        return ["--bind-to", "core:overload-allowed" if bind == "core" else "none"]
+    return None
 
-    def __init__(self, out: Path, budget: float) -> None:
+
+class Runner:
+    """Runs the steps' commands under one deadline, writing each one's output under ``raw``;
+    every rank bound to a core (``bind="core"``), as ``srun`` and Open MPI's ``mpirun`` place
+    them by default, or left unbound (``"none"``)."""
+
+    def __init__(self, out: Path, budget: float, bind: str = "core") -> None:
         self.raw = out / "raw"
         self.raw.mkdir(parents=True, exist_ok=True)
         self.deadline = time.monotonic() + budget
         self.runs: list[dict[str, Any]] = []
         exe = Path(sys.executable).parent / "mpiexec"
         self.mpiexec = str(exe) if exe.exists() else (shutil.which("mpiexec") or "mpiexec")
+        try:
+            version = subprocess.run(
+                [self.mpiexec, "--version"], capture_output=True, text=True, timeout=30, check=False
+            ).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            version = ""
+        flags = binding_flags(version, bind)
+        self.flags = flags or []
+        """What every command passes the launcher before ``-n``."""
+        # how the ranks were placed, in words, for the summary
+        if flags is None:
+            self.binding = (
+                f"as the launcher places them (neither MPICH's Hydra nor Open MPI: --bind {bind} not applied)"
+            )
+        elif bind == "core":
+            self.binding = f"each rank bound to a core (mpiexec {' '.join(flags)})"
+        else:
+            self.binding = "unbound"
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
     def run(self, name: str, ranks: int, args: list[str], limit: float, env: dict[str, str] | None = None) -> bool:
-        """``mpiexec -n ranks python -m args`` with its output in ``raw/name.txt``, for at most
+        """``mpiexec [binding] -n ranks python -m args`` with its output in ``raw/name.txt``, for at most
         ``limit`` seconds (and never past the deadline), with ``env`` added to the
         environment; True when it ended well."""
         limit = min(limit, self.left())
         entry: dict[str, Any] = {
             "name": name,
             "ranks": ranks,
-            "command": f"mpiexec -n {ranks} python -m " + " ".join(args),
+            "command": " ".join(["mpiexec", *self.flags, "-n", str(ranks), "python", "-m", *args]),
         }
         self.runs.append(entry)
         if limit < 5:
             entry["status"] = "skipped: the budget was spent"
             return False
-        cmd = [self.mpiexec, "-n", str(ranks), sys.executable, "-m", *args]
+        cmd = [self.mpiexec, *self.flags, "-n", str(ranks), sys.executable, "-m", *args]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
         t0 = time.monotonic()
         with open(self.raw / f"{name}.txt", "w", encoding="utf-8") as log:
@@ -231,7 +267,8 @@ def summarize(report: dict[str, Any]) -> str:
         f"{m.get('cores')} cores ({m.get('cpu', '?')}, {m.get('sockets', '?')} socket(s)), "
         f"{m.get('memory_gib', '?')} GiB, {m.get('gpus', 0)} GPU(s){' (' + m['gpu'] + ')' if m.get('gpu') else ''}; "
         f"Python {m.get('python')}, torch {m.get('torch', '?')}, {m.get('mpi', 'MPI ?')}. "
-        f"{report['date']}, {report['seconds']:.0f} s of a {report['budget']:.0f} s budget.",
+        f"{report['date']}, {report['seconds']:.0f} s of a {report['budget']:.0f} s budget. "
+        f"Ranks: {report.get('binding', 'unbound')}.",
     ]
     sections = {
         "collectives": _collective_lines,
@@ -652,6 +689,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-ranks", type=int, default=None, help="the largest rank count (default: one per core)")
     p.add_argument("--quick", action="store_true", help="a few small sizes and one round each: a smoke run")
     p.add_argument(
+        "--bind",
+        choices=("core", "none"),
+        default="core",
+        help="core (default): each rank bound to a core, as srun and Open MPI place them; none: unbound",
+    )
+    p.add_argument(
         "--steps",
         type=lambda v: v.split(","),
         default=list(SHARES),
@@ -670,10 +713,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     info = machine()
     counts = rank_counts(info["cores"] or 2, args.max_ranks)
-    r = Runner(out, args.budget)
+    r = Runner(out, args.budget, args.bind)
     got = _steps(r, counts, args, info.get("gpus", 0))
     report = {
         "machine": info,
+        "binding": r.binding,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "budget": args.budget,
         "seconds": time.monotonic() - t0,

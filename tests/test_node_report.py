@@ -10,7 +10,15 @@ import sys
 
 import pytest
 
-from benchmarks.node_report import BAR, crossover, rank_counts, single_copy_line, summarize, worst_ratios
+from benchmarks.node_report import (
+    BAR,
+    binding_flags,
+    crossover,
+    rank_counts,
+    single_copy_line,
+    summarize,
+    worst_ratios,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,6 +66,10 @@ def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_f
     report = json.loads((tmp_path / "report.json").read_text())
     summary = (tmp_path / "summary.md").read_text()
     assert report["rank_counts"] == [2] and all(r["status"] == "ok" for r in report["runs"])
+    # every rank bound to a core of its own (the wheel's MPICH is Hydra), as the summary says
+    assert report["binding"] == "each rank bound to a core (mpiexec -bind-to core)"
+    assert all(r["command"].startswith("mpiexec -bind-to core -n ") for r in report["runs"])
+    assert f"Ranks: {report['binding']}." in summary
     # every collective's worst small ratio, recomputed from the benchmark's own JSON
     raw = json.loads((tmp_path / "raw" / "collectives_np2.json").read_text())
     for coll, rows in raw["bars"].items():
@@ -92,6 +104,17 @@ def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_f
         line = f"- {row['grid']}: measured {row['step_s'] * 1e3:.1f} ms, predicted {row['predicted_step_s'] * 1e3:.1f} "
         assert line in section, (line, section)
     assert f"- worst {plan['verdict']['worst']:+.1%} (the bound is 25%)" in section
+
+
+def test_ranks_are_bound_to_a_core_each_by_the_launchers_own_option():
+    hydra = "HYDRA build details:\n    Version:                                 5.0.2\n"
+    assert binding_flags(hydra, "core") == ["-bind-to", "core"] and binding_flags(hydra, "none") == []
+    ompi = "mpiexec (Open MPI) 5.0.3\n\nReport bugs to https://www.open-mpi.org/community/help/\n"
+    assert binding_flags(ompi, "core") == ["--bind-to", "core:overload-allowed"]
+    assert binding_flags(ompi, "none") == ["--bind-to", "none"]  # Open MPI binds unless told not to
+    assert binding_flags("mpirun (OpenRTE) 4.1.5\n", "none") == ["--bind-to", "none"]
+    assert binding_flags("Intel(R) MPI Library for Linux* OS, Version 2021.9\n", "core") is None
+    assert binding_flags("", "core") is None  # no launcher answered
 
 
 def test_a_budget_too_small_for_a_step_skips_it_and_says_so(tmp_path):
