@@ -456,7 +456,7 @@ class Channel:
             )
         self.core.single_copy(self._pids, self.single_copy, self.single_copy_broadcast)
 
-    def measure_broadcasts(self, t: Any, rounds: int = 5, calls: int = 10) -> dict[str, list[float]]:
+    def measure_broadcasts(self, t: Any, rounds: int = 3, calls: int = 4) -> dict[str, list[float]]:
         """Time broadcasts from rank 0 at the :data:`SINGLE_COPY_PROBE` sizes, through the
         root's slot (with the call, up to :attr:`small`) and by single copy (collective; the
         compiled loop, with single copy allowed): each call by itself after a collective of
