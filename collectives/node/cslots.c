@@ -505,13 +505,15 @@ static int single_copy_broadcast(Core *c, int64_t seq, int root, char *buf, Py_s
 static int single_copy_allgather(Core *c, int64_t seq, char *buf, const Py_ssize_t *off, const char *src) {
     int me = c->me, n = c->n;
     offer(c, seq, src ? src : buf + off[me]);
-    if (src) /* the peers read src, which this call does not write: no line of it moves to and fro */
-        copy_out(c, buf + off[me], src, (size_t)(off[me + 1] - off[me]), off[n]);
     for (int k = 1; k < n; k++) { /* each rank starts at its next peer: the reads spread over the senders */
         int r = (me + k) % n;
         if (off[r + 1] > off[r] && read_peer(c, seq, r, buf + off[r], 0, off[r + 1] - off[r]) < 0)
             return -1;
     }
+    /* its own block last (measured faster at 4 and 16 MiB per rank than first); the peers
+     * read src, which this call does not write: no line of it moves to and fro */
+    if (src)
+        copy_out(c, buf + off[me], src, (size_t)(off[me + 1] - off[me]), off[n]);
     publish(c, c->takes[me], (seq << STREAM_SHIFT) + 1);
     return wait_all(c, c->takes, (seq << STREAM_SHIFT) + 1, 6);
 }
