@@ -3,6 +3,8 @@ ranks and bad input raise on every rank, quickly, and nothing hangs."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -291,6 +293,52 @@ def test_a_read_the_kernel_refuses_mid_call_raises_there_and_stalls_nobody_forev
             ch.reduce_scatter_read(seq, np.ones(16 * n, np.float32), (16,) * n, np.empty(16, np.float32), "sum")
     # the root gave up waiting: its next call says it stopped, the readers' that it gave up
     _next_call_raises_then_reset_recovers(comm, sync, cfg, "stopped after a stall" if r == 0 else "gave up")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_reader_whose_read_fails_waits_for_the_roots_share_before_it_raises():
+    """A single-copy broadcast's root in place writes the last bytes into every reader's
+    buffer while the readers read the rest. Rank 0 offers an address its memory does not
+    hold and a share of 64 bytes, and writes its share into each reader 0.2 s after the
+    reader offered its buffer: each reader's read fails at once, but it raises OSError only
+    once the root's share is in its buffer (never handing back memory still being
+    written); rank 0, left waiting for the readers, raises StallError."""
+    from collectives.node.channel import STREAM_SHIFT
+
+    if get_context(WORLD).topology().nodes != 1:
+        pytest.skip("ranks span nodes")
+    comm, sync = WORLD.Dup(), WORLD.Dup()
+    cfg = Config(stall_timeout=2.0, shm_single_copy_bytes=1, shm_single_copy_broadcast_bytes=1)
+    ch = get_context(comm, cfg).channel()
+    if not ch.single_copy_broadcast:
+        comm.Free()
+        sync.Free()
+        pytest.skip("no single copy here: the Python loop, or the kernel refuses cross-memory attach")
+    n, r = comm.size, comm.rank
+    seq = ch.exchange(7, 7, 7)  # a call every rank agreed on
+    base, share = seq << STREAM_SHIFT, 64
+    got = None
+    if r == 0:
+        ch.slots[0][seq & 1][:16].view(np.int64)[:] = (8, share)  # an address no page holds
+        ch._publish(ch.streams, ch._stream_addr, base + 1)
+        tail = np.arange(share, dtype=np.uint8)
+        for q in range(1, n):
+            deadline = time.monotonic() + 30
+            while ch.streams[q][0] < base + 1 and time.monotonic() < deadline:
+                time.sleep(0.001)  # until reader q has offered its buffer
+            time.sleep(0.2)  # its read has failed by now
+            ch.core.cma_write(ch._pids[q], int(ch.slots[q][seq & 1][:8].view(np.int64)[0]) + share, tail)
+        ch._publish(ch.streams, ch._stream_addr, base + 2)
+        with pytest.raises(C.StallError, match=r"rank\(s\) \[\d+(, \d+)*\] to reach the streamed pieces|gave up"):
+            ch._wait_peers(ch._peer_takes, base + 1, 6)
+    else:
+        buf = np.zeros(2 * share, np.uint8)
+        with pytest.raises(OSError, match="cross-memory attach: reading 64 bytes of process"):
+            ch.stream(seq, 0, buf)
+        got = buf.copy()
+    _next_call_raises_then_reset_recovers(comm, sync, cfg, "stopped after a stall" if r == 0 else "gave up")
+    if got is not None:  # the share, nothing read (checked once every rank is past the call)
+        assert np.array_equal(got, np.r_[np.zeros(share), np.arange(share)]), got
 
 
 @pytest.mark.mpi(min_size=2)

@@ -494,9 +494,20 @@ static int single_copy_broadcast(Core *c, int64_t seq, int root, char *buf, Py_s
         return -1;
     fence(); /* the address and share after the word that published them */
     Py_ssize_t share = (Py_ssize_t)load(at_root + 1);
-    if (cma_read((pid_t)c->pids[root], buf, (uintptr_t)load(at_root), (size_t)(nbytes - share)) < 0)
-        return -1;
-    if (share && wait_one(c, root, c->streams[root], base + 2, 5) < 0)
+    share = share < 0 || share > nbytes ? 0 : share; /* as root_share gives it; a stray word counts as none */
+    int rc = cma_read((pid_t)c->pids[root], buf, (uintptr_t)load(at_root), (size_t)(nbytes - share));
+    if (share) { /* the root writes into buf until it publishes | 2: wait for that even where the read
+                  * failed, so buf is not given back while written; the read's error wins */
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        int waited = wait_one(c, root, c->streams[root], base + 2, 5);
+        if (type != NULL) {
+            PyErr_Clear();
+            PyErr_Restore(type, value, tb);
+        } else if (waited < 0)
+            rc = -1;
+    }
+    if (rc < 0)
         return -1;
     publish(c, c->takes[c->me], base + 1);
     return 0;
