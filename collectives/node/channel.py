@@ -715,7 +715,8 @@ class Channel:
         sees that, so the copies in and out overlap. Where the message wraps the ring, a
         reader also publishes each piece it has copied, and the root waits for every
         reader's before it overwrites a place; from :attr:`single_copy_broadcast` bytes the
-        readers read the root's memory instead. ``src`` (the root's, C-contiguous, as many
+        readers read the root's memory instead (a root in place writing the last 1/n of it
+        into each reader's meanwhile). ``src`` (the root's, C-contiguous, as many
         bytes): its data where it lies when not yet in ``buf``, which the root copies into
         ``buf`` while the others read it: piece by piece after publishing each, or, read by
         single copy, all at once. The compiled loop's ``stream`` where it is
