@@ -313,6 +313,8 @@ class Channel:
         self._map_slots(segs, slot)
         self.stage = 0
         self.progress = progress
+        self._cores = cores
+        """The cores the node's ranks may run on together (:func:`node_cores`)."""
         self._spin = spin_budget(n, cores)
         self._polite: Callable[[], bool] | None = None
         self.core: Any = None
@@ -414,9 +416,8 @@ class Channel:
             return False
         mark = self.slots[me][1][:8].view(np.int64)  # slot 1's data: unused until the first call
         mark[0] = os.getpid()
-        everyone = t.allgather_obj((os.getpid(), mark.ctypes.data, self.core is not None, _cpus()))
+        everyone = t.allgather_obj((os.getpid(), mark.ctypes.data, self.core is not None))
         ok = all(e[2] for e in everyone)
-        self._cores = node_cores([e[3] for e in everyone])
         if ok:
             pid, addr = everyone[(me + 1) % n][:2]
             got = np.zeros(1, np.int64)
