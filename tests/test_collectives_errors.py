@@ -260,6 +260,23 @@ def _next_call_raises_then_reset_recovers(comm, sync, cfg, said: str) -> None:
     sync.Free()
 
 
+def _single_copy_channel(stall_timeout: float):
+    """A communicator (with a twin to synchronize on, and its config) whose node channel
+    copies every agreed broadcast, allgather and reduce-scatter once, by cross-memory
+    attach, and ends a wait for a peer after ``stall_timeout`` seconds, and that channel;
+    the test skips where the ranks span nodes or single copy is off."""
+    if get_context(WORLD).topology().nodes != 1:
+        pytest.skip("ranks span nodes")
+    comm, sync = WORLD.Dup(), WORLD.Dup()
+    cfg = Config(stall_timeout=stall_timeout, shm_single_copy_bytes=1, shm_single_copy_broadcast_bytes=1)
+    ch = get_context(comm, cfg).channel()
+    if not ch.single_copy_broadcast:
+        comm.Free()
+        sync.Free()
+        pytest.skip("no single copy here: the Python loop, or the kernel refuses cross-memory attach")
+    return comm, sync, cfg, ch
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("collective", ["broadcast", "reduce_scatter"])
 def test_a_read_the_kernel_refuses_mid_call_raises_there_and_stalls_nobody_forever(collective):
@@ -269,15 +286,7 @@ def test_a_read_the_kernel_refuses_mid_call_raises_there_and_stalls_nobody_forev
     collectives.reset makes the communicator usable again."""
     from collectives.node.channel import STREAM_SHIFT
 
-    if get_context(WORLD).topology().nodes != 1:
-        pytest.skip("ranks span nodes")
-    comm, sync = WORLD.Dup(), WORLD.Dup()
-    cfg = Config(stall_timeout=1.0, shm_single_copy_bytes=1, shm_single_copy_broadcast_bytes=1)
-    ch = get_context(comm, cfg).channel()
-    if not ch.single_copy_broadcast:
-        comm.Free()
-        sync.Free()
-        pytest.skip("no single copy here: the Python loop, or the kernel refuses cross-memory attach")
+    comm, sync, cfg, ch = _single_copy_channel(1.0)
     n, r = comm.size, comm.rank
     seq = ch.exchange(7, 7, 7)  # a call every rank agreed on
     if r == 0:  # offer an address no page of this process holds
@@ -305,15 +314,7 @@ def test_a_reader_whose_read_fails_waits_for_the_roots_share_before_it_raises():
     written); rank 0, left waiting for the readers, raises StallError."""
     from collectives.node.channel import STREAM_SHIFT
 
-    if get_context(WORLD).topology().nodes != 1:
-        pytest.skip("ranks span nodes")
-    comm, sync = WORLD.Dup(), WORLD.Dup()
-    cfg = Config(stall_timeout=2.0, shm_single_copy_bytes=1, shm_single_copy_broadcast_bytes=1)
-    ch = get_context(comm, cfg).channel()
-    if not ch.single_copy_broadcast:
-        comm.Free()
-        sync.Free()
-        pytest.skip("no single copy here: the Python loop, or the kernel refuses cross-memory attach")
+    comm, sync, cfg, ch = _single_copy_channel(2.0)
     n, r = comm.size, comm.rank
     seq = ch.exchange(7, 7, 7)  # a call every rank agreed on
     base, share = seq << STREAM_SHIFT, 64
