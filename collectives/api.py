@@ -5,11 +5,12 @@ with the other ranks (:mod:`.agreement`), so that bad input on any rank, or rank
 with different arguments, raises on every rank before any data moves, and the
 communicator stays usable. Small calls on one node finish in one step (:mod:`.node.onestep`).
 
-Every public call goes the same way: a blocking call on a host array first tries the one
-step (:func:`_one_step`); then :func:`_dispatch` sends a device array to :mod:`.device.api`
-and anything else (or a call the one step does not cover) along the collective's general
-path. A collective's row (:func:`_paths`) names those two; its nonblocking form is the same
-row returning a :class:`Request` (:func:`_nonblocking`). The window-resident buffers that
+Every public call goes the same way: a blocking call goes through its collective's front
+door (:func:`_front`), which finishes a host array's small call in one step; then
+:func:`_dispatch` sends a device array to :mod:`.device.api` and anything else (or a call
+the one step does not cover) along the collective's general path. A collective's row
+(:func:`_paths`) names those two; its nonblocking form is the same row returning a
+:class:`Request` (:func:`_nonblocking`). The window-resident buffers that
 the in-place paths read are allocated by :mod:`.buffers`.
 """
 
@@ -29,7 +30,7 @@ from .device.arrays import is_device
 from .errors import InvalidArgumentError, OutputMismatchError
 from .node import inplace, slots, staged
 from .node.arena import address
-from .node.onestep import raise_mismatch, remember
+from .node.onestep import call_path, raise_mismatch
 from .ops import finalize
 from .select import REGISTRY
 
@@ -133,29 +134,23 @@ def _nonblocking(paths: tuple) -> tuple:
     return (device, general, False)
 
 
-def _one_step(name: str, x: np.ndarray, arg: Any, algorithm: str, out: Any, comm: Any) -> Any:
-    """The common small case on one node, with less Python: the call ``name`` on the host
-    array ``x`` finished in one step through the node channel's slots, or ``_SLOW`` when it
-    takes the general path. Its function comes from the context's cache
-    (:mod:`.node.onestep`) and posts the same words as the general path; ranks whose
-    signatures differ raise the agreement error, and an allgather whose ranks' rows differ,
-    posted and agreed already, is finished on the general path."""
-    ctx = get_context(comm)
-    key = (name, x.dtype, x.shape, arg, algorithm)
-    try:
-        fn = ctx.fast[key]
-    except KeyError:
-        fn = remember(ctx, key)
-    except TypeError:  # an unhashable argument: the general path says what is wrong with it
-        return _SLOW
-    if not fn:
-        return _SLOW
-    res = fn(x) if out is None else fn(x, out)
-    if res is _MISMATCH or res is _UNEVEN:
-        if res is _MISMATCH:
-            raise_mismatch(ctx, key, x)
-        return _allgather(x, None, algorithm, out, comm, True, None, posted=True)
-    return res
+def _front(name: str, paths: tuple) -> Any:
+    """The front door of the blocking collective ``name``, ``path(x, arg, algorithm, out,
+    comm, agreed)`` (:func:`.node.onestep.call_path`): the common small case on one node
+    finished in one step by the function the context caches for it (:mod:`.node.onestep`),
+    which posts the same words as the general path; anything else along ``paths``
+    (:func:`_dispatch`). Ranks whose one-step signatures differ raise the agreement error,
+    and an allgather whose ranks' rows differ, posted and agreed already, is finished on
+    the general path."""
+
+    def general(x, arg, algorithm, out, comm, agreed, why):
+        if why is _MISMATCH:
+            raise_mismatch(get_context(comm), (name, x.dtype, x.shape, arg, algorithm), x)
+        if why is _UNEVEN:
+            return _allgather(x, None, algorithm, out, comm, True, None, posted=True)
+        return _dispatch(paths, x, arg, algorithm, out, comm, agreed)
+
+    return call_path(name, general)
 
 
 def _dispatch(paths: tuple, x: Any, arg: Any, algorithm: str, out: Any, comm: Any, agreed: Any) -> Any:
@@ -232,6 +227,7 @@ def _gpu_allreduce(x, op, algorithm, out, comm):
 
 
 _ALLREDUCE = _paths(_gpu_allreduce, _allreduce)
+_ALLREDUCE_CALL = _front("allreduce", _ALLREDUCE)
 _IALLREDUCE = _nonblocking(_ALLREDUCE)
 
 
@@ -250,9 +246,7 @@ def allreduce(
     Returns:
         The reduced array, of x's shape and dtype (``out`` when given).
     """
-    if type(x) is _ndarray and (res := _one_step("allreduce", x, op, algorithm, out, comm)) is not _SLOW:
-        return res
-    return _dispatch(_ALLREDUCE, x, op, algorithm, out, comm, None)
+    return _ALLREDUCE_CALL(x, op, algorithm, out, comm, None)
 
 
 def iallreduce(
@@ -313,6 +307,7 @@ def _gpu_reduce_scatter(x, op, algorithm, out, comm):
 
 
 _REDUCE_SCATTER = _paths(_gpu_reduce_scatter, _reduce_scatter)
+_REDUCE_SCATTER_CALL = _front("reduce_scatter", _REDUCE_SCATTER)
 _IREDUCE_SCATTER = _nonblocking(_REDUCE_SCATTER)
 
 
@@ -334,9 +329,7 @@ def reduce_scatter(
     Returns:
         A 1-D array: this rank's block (``out`` when given).
     """
-    if type(x) is _ndarray and (res := _one_step("reduce_scatter", x, op, algorithm, out, comm)) is not _SLOW:
-        return res
-    return _dispatch(_REDUCE_SCATTER, x, op, algorithm, out, comm, None)
+    return _REDUCE_SCATTER_CALL(x, op, algorithm, out, comm, None)
 
 
 def ireduce_scatter(
@@ -434,6 +427,7 @@ def _gpu_allgather(x, arg, algorithm, out, comm):
 
 
 _ALLGATHER = _paths(_gpu_allgather, _allgather)
+_ALLGATHER_CALL = _front("allgather", _ALLGATHER)
 _IALLGATHER = _nonblocking(_ALLGATHER)
 
 
@@ -452,9 +446,7 @@ def allgather(x: np.ndarray, *, algorithm: str = "auto", out: np.ndarray | None 
     Returns:
         The concatenation (``out`` when given).
     """
-    if type(x) is _ndarray and (res := _one_step("allgather", x, None, algorithm, out, comm)) is not _SLOW:
-        return res
-    return _dispatch(_ALLGATHER, x, None, algorithm, out, comm, None)
+    return _ALLGATHER_CALL(x, None, algorithm, out, comm, None)
 
 
 def iallgather(x: np.ndarray, *, algorithm: str = "auto", out: np.ndarray | None = None, comm: Any = None) -> Request:
@@ -512,6 +504,7 @@ def _gpu_broadcast(x, root, algorithm, out, comm):
 
 
 _BROADCAST = _paths(_gpu_broadcast, _broadcast)
+_BROADCAST_CALL = _front("broadcast", _BROADCAST)
 _IBROADCAST = _nonblocking(_BROADCAST)
 
 
@@ -530,9 +523,7 @@ def broadcast(
     Returns:
         The root's data (``out`` when given).
     """
-    if type(x) is _ndarray and (res := _one_step("broadcast", x, root, algorithm, out, comm)) is not _SLOW:
-        return res
-    return _dispatch(_BROADCAST, x, root, algorithm, out, comm, None)
+    return _BROADCAST_CALL(x, root, algorithm, out, comm, None)
 
 
 def ibroadcast(
@@ -547,9 +538,7 @@ def allreduce_agreed(x: np.ndarray, *, op: str = "sum", out: np.ndarray | None =
     """:func:`collectives.allreduce` with ``algorithm="auto"``, without the signature exchange
     (see :mod:`collectives.unchecked`). Device arrays are agreed again: a rank may have passed
     a host one."""
-    if type(x) is _ndarray and (res := _one_step("allreduce", x, op, "auto", out, comm)) is not _SLOW:
-        return res
-    return _dispatch(_ALLREDUCE, x, op, "auto", out, comm, True)
+    return _ALLREDUCE_CALL(x, op, "auto", out, comm, True)
 
 
 def reduce_scatter_agreed(
@@ -557,17 +546,13 @@ def reduce_scatter_agreed(
 ) -> np.ndarray:
     """:func:`collectives.reduce_scatter` with ``algorithm="auto"``, without the signature exchange
     (see :mod:`collectives.unchecked`)."""
-    if type(x) is _ndarray and (res := _one_step("reduce_scatter", x, op, "auto", out, comm)) is not _SLOW:
-        return res
-    return _dispatch(_REDUCE_SCATTER, x, op, "auto", out, comm, True)
+    return _REDUCE_SCATTER_CALL(x, op, "auto", out, comm, True)
 
 
 def broadcast_agreed(x: np.ndarray, root: int = 0, *, out: np.ndarray | None = None, comm: Any = None) -> np.ndarray:
     """:func:`collectives.broadcast` with ``algorithm="auto"``, without the signature exchange
     (see :mod:`collectives.unchecked`)."""
-    if type(x) is _ndarray and (res := _one_step("broadcast", x, root, "auto", out, comm)) is not _SLOW:
-        return res
-    return _dispatch(_BROADCAST, x, root, "auto", out, comm, True)
+    return _BROADCAST_CALL(x, root, "auto", out, comm, True)
 
 
 def allgather_agreed(
@@ -577,9 +562,7 @@ def allgather_agreed(
     (``rows[r]``: the first dimension of rank r's ``x``), without the signature exchange
     (see :mod:`collectives.unchecked`). On device arrays the rows are agreed again, with the
     memory kind."""
-    if type(x) is _ndarray and (res := _one_step("allgather", x, None, "auto", out, comm)) is not _SLOW:
-        return res
-    return _dispatch(_ALLGATHER, x, None, "auto", out, comm, rows)
+    return _ALLGATHER_CALL(x, None, "auto", out, comm, rows)
 
 
 # -- reduce ------------------------------------------------------------------------------
@@ -631,6 +614,7 @@ def _gpu_reduce(x, arg, algorithm, out, comm):
 
 
 _REDUCE = _paths(_gpu_reduce, _reduce)
+_REDUCE_CALL = _front("reduce", _REDUCE)
 
 
 def reduce(
@@ -648,9 +632,7 @@ def reduce(
     Returns:
         The reduced array of x's shape on ``root``; None on every other rank.
     """
-    if type(x) is _ndarray and (res := _one_step("reduce", x, (op, root), algorithm, None, comm)) is not _SLOW:
-        return res
-    return _dispatch(_REDUCE, x, (op, root), algorithm, None, comm, None)
+    return _REDUCE_CALL(x, (op, root), algorithm, None, comm, None)
 
 
 # -- alltoall ----------------------------------------------------------------------------

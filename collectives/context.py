@@ -23,7 +23,7 @@ from .config import Config, load_config
 from .cost import parse_link
 from .link import emulate, located_nodes
 from .node.arena import Arena
-from .node.channel import Channel
+from .node.channel import Channel, forget_calls
 from .transport import MPITransport
 
 __all__ = ["Context", "get_context", "reset", "node_transport", "node_groups", "Pending", "Topology"]
@@ -254,6 +254,7 @@ class Context:
 
     def free(self) -> None:
         """Release sub-communicators and windows."""
+        forget_calls()  # the public calls' remembered one-step functions may use this channel
         for obj in list(self.device.values()):
             if hasattr(obj, "free"):
                 obj.free()  # before the node transport its windows were exchanged over

@@ -60,7 +60,8 @@ mpirun() {
 # optimizer tests also run at 8, a power of two as 4 is); Adasum (powers of two only) and the
 # parameter servers keep their 3- and 4-rank runs
 AT_5=(tests/test_collectives.py tests/test_collectives_errors.py tests/test_compiled_channel.py tests/test_memory_layouts.py
-    tests/test_ops.py tests/test_optimizers.py tests/test_adasum.py tests/test_ps.py tests/test_device_arrays.py)
+    tests/test_ops.py tests/test_optimizers.py tests/test_adasum.py tests/test_ps.py tests/test_device_arrays.py
+    tests/test_front_door.py)
 AT_8=(tests/test_collectives.py tests/test_ops.py tests/test_optimizers.py)
 NOT_AT_3_4=(tests/test_collectives.py tests/test_collectives_errors.py tests/test_compiled_channel.py tests/test_memory_layouts.py
     tests/test_ops.py tests/test_optimizers.py tests/test_device_arrays.py)

@@ -54,10 +54,21 @@ from . import futex
 
 try:
     from .cslots import Core
+    from .cslots import forget as _forget_paths
 except ImportError:  # not built (no compiler where it was installed): the Python loop below
     Core = None
+    _forget_paths = None
 
-__all__ = ["Channel", "LINE", "SPIN", "POLITE_SPIN", "spin_budget", "node_cores", "Schedule"]
+
+def forget_calls() -> None:
+    """Make every public collective's compiled front door (:func:`.onestep.call_path`)
+    forget the last call it remembers: called as a context's channel goes away, so that no
+    later call runs a one-step function of a freed channel."""
+    if _forget_paths is not None:
+        _forget_paths()
+
+
+__all__ = ["Channel", "forget_calls", "LINE", "SPIN", "POLITE_SPIN", "spin_budget", "node_cores", "Schedule"]
 
 Schedule = Generator[list, None, None]
 

@@ -1634,6 +1634,180 @@ static PyTypeObject CoreType = {
     .tp_getset = Core_getset,
 };
 
+/* A public collective's front door, compiled: path(x, arg, algorithm, out, comm, agreed)
+ * runs the call through the one-step function that lookup(name, x, arg, algorithm, comm)
+ * gives for it (False: none), and hands it to general(x, arg, algorithm, out, comm, agreed,
+ * why) where there is none, x is not an ndarray, or the function returned slow, mismatch or
+ * uneven (why: that result, or slow). It remembers the last call's communicator, dtype, shape, arg and
+ * algorithm with their function, so that a call like the last one skips the lookup: equal
+ * by identity or ==, as a dict key's parts are. forget() drops what every path remembers,
+ * as a context's channel goes away. */
+typedef struct Path {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    PyObject *name, *lookup, *general, *ndarray, *slow, *mismatch, *uneven;
+    /* the remembered call, NULL when none */
+    PyObject *comm, *dtype, *shape, *arg, *algorithm, *fn;
+    struct Path *next; /* every live path, for forget() */
+} Path;
+
+static Path *paths = NULL;
+static PyObject *str_dtype = NULL, *str_shape = NULL;
+
+static void Path_forget(Path *p) {
+    PyObject *old[6] = {p->comm, p->dtype, p->shape, p->arg, p->algorithm, p->fn};
+    p->comm = p->dtype = p->shape = p->arg = p->algorithm = p->fn = NULL;
+    for (int i = 0; i < 6; i++) Py_XDECREF(old[i]); /* last: a decref may run Python code */
+}
+
+/* a and b are equal as a dict compares keys; 0 where they are not or cannot be compared */
+static int same(PyObject *a, PyObject *b) {
+    if (a == b)
+        return 1;
+    int eq = PyObject_RichCompareBool(a, b, Py_EQ);
+    if (eq < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    return eq;
+}
+
+static PyObject *Path_general(Path *p, PyObject *const *args, PyObject *why) {
+    PyObject *call[7] = {args[0], args[1], args[2], args[3], args[4], args[5], why};
+    return PyObject_Vectorcall(p->general, call, 7, NULL);
+}
+
+static PyObject *Path_call(Path *p, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    if (PyVectorcall_NARGS(nargsf) != 6 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "path(x, arg, algorithm, out, comm, agreed)");
+        return NULL;
+    }
+    PyObject *x = args[0], *arg = args[1], *algorithm = args[2], *out = args[3], *comm = args[4];
+    if ((PyObject *)Py_TYPE(x) != p->ndarray)
+        return Path_general(p, args, p->slow);
+    PyObject *dtype = PyObject_GetAttr(x, str_dtype);
+    PyObject *shape = dtype == NULL ? NULL : PyObject_GetAttr(x, str_shape);
+    if (shape == NULL) {
+        Py_XDECREF(dtype);
+        return NULL;
+    }
+    PyObject *fn = NULL;
+    if (p->fn != NULL && comm == p->comm) {
+        /* held while compared: an __eq__ may run Python code that changes what p remembers */
+        PyObject *m[5] = {p->dtype, p->shape, p->arg, p->algorithm, p->fn};
+        for (int i = 0; i < 5; i++) Py_INCREF(m[i]);
+        if (same(dtype, m[0]) && same(shape, m[1]) && same(arg, m[2]) && same(algorithm, m[3]))
+            fn = Py_NewRef(m[4]);
+        for (int i = 0; i < 5; i++) Py_DECREF(m[i]);
+    }
+    if (fn != NULL) {
+        Py_DECREF(dtype);
+        Py_DECREF(shape);
+    } else {
+        PyObject *look[5] = {p->name, x, arg, algorithm, comm};
+        fn = PyObject_Vectorcall(p->lookup, look, 5, NULL);
+        if (fn == NULL) {
+            Py_DECREF(dtype);
+            Py_DECREF(shape);
+            return NULL;
+        }
+        PyObject *old[6] = {p->comm, p->dtype, p->shape, p->arg, p->algorithm, p->fn};
+        p->comm = Py_NewRef(comm);
+        p->dtype = dtype;
+        p->shape = shape;
+        p->arg = Py_NewRef(arg);
+        p->algorithm = Py_NewRef(algorithm);
+        p->fn = Py_NewRef(fn);
+        for (int i = 0; i < 6; i++) Py_XDECREF(old[i]); /* last: a decref may run Python code */
+    }
+    int truth = PyObject_IsTrue(fn);
+    if (truth <= 0) {
+        Py_DECREF(fn);
+        return truth < 0 ? NULL : Path_general(p, args, p->slow);
+    }
+    PyObject *call[2] = {x, out};
+    PyObject *res = PyObject_Vectorcall(fn, call, out == Py_None ? 1 : 2, NULL);
+    Py_DECREF(fn);
+    if (res == p->slow || res == p->mismatch || res == p->uneven) {
+        PyObject *why = res;
+        res = Path_general(p, args, why);
+        Py_DECREF(why);
+    }
+    return res;
+}
+
+static void Path_dealloc(Path *p) {
+    for (Path **q = &paths; *q != NULL; q = &(*q)->next)
+        if (*q == p) {
+            *q = p->next;
+            break;
+        }
+    Path_forget(p);
+    PyObject *own[7] = {p->name, p->lookup, p->general, p->ndarray, p->slow, p->mismatch, p->uneven};
+    for (int i = 0; i < 7; i++) Py_XDECREF(own[i]);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+/* Path(name, lookup, general, ndarray, slow, mismatch, uneven) */
+static PyObject *Path_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    PyObject *o[7];
+    if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "Path() takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_UnpackTuple(args, "Path", 7, 7, &o[0], &o[1], &o[2], &o[3], &o[4], &o[5], &o[6]))
+        return NULL;
+    if (!PyCallable_Check(o[1]) || !PyCallable_Check(o[2]) || !PyType_Check(o[3])) {
+        PyErr_SetString(PyExc_TypeError, "Path(name, lookup, general, ndarray, slow, mismatch, uneven): "
+                                         "lookup and general callables, ndarray a type");
+        return NULL;
+    }
+    Path *p = (Path *)type->tp_alloc(type, 0);
+    if (p == NULL)
+        return NULL;
+    p->vectorcall = (vectorcallfunc)Path_call;
+    p->name = Py_NewRef(o[0]);
+    p->lookup = Py_NewRef(o[1]);
+    p->general = Py_NewRef(o[2]);
+    p->ndarray = Py_NewRef(o[3]);
+    p->slow = Py_NewRef(o[4]);
+    p->mismatch = Py_NewRef(o[5]);
+    p->uneven = Py_NewRef(o[6]);
+    p->next = paths;
+    paths = p;
+    return (PyObject *)p;
+}
+
+static PyObject *Path_get_remembered(Path *p, void *closure) {
+    (void)closure;
+    return PyBool_FromLong(p->fn != NULL);
+}
+
+static PyGetSetDef Path_getset[] = {
+    {"remembered", (getter)Path_get_remembered, NULL, "True while the path remembers a call.", NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject PathType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "collectives.cslots.Path",
+    .tp_basicsize = sizeof(Path),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "A public collective's front door, compiled: path(x, arg, algorithm, out, comm, agreed) "
+              "(see the module docstring).",
+    .tp_vectorcall_offset = offsetof(Path, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_new = Path_new,
+    .tp_dealloc = (destructor)Path_dealloc,
+    .tp_getset = Path_getset,
+};
+
+/* forget(): every path drops the call it remembers */
+static PyObject *forget(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    for (Path *p = paths; p != NULL; p = p->next) Path_forget(p);
+    Py_RETURN_NONE;
+}
+
 /* address(obj) -> int or None: where obj's buffer starts (its first element, any layout),
  * or None for an object without a buffer (a bfloat16 array: no buffer format) */
 static PyObject *address(PyObject *self, PyObject *obj) {
@@ -1651,6 +1825,7 @@ static PyObject *address(PyObject *self, PyObject *obj) {
 static PyMethodDef module_methods[] = {
     {"address", (PyCFunction)address, METH_O,
      "address(obj) -> int or None: where obj's buffer starts; None when it has no buffer."},
+    {"forget", (PyCFunction)forget, METH_NOARGS, "forget(): every Path drops the call it remembers."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {
@@ -1662,7 +1837,10 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit_cslots(void) {
-    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&StepType) < 0)
+    if (PyType_Ready(&CoreType) < 0 || PyType_Ready(&StepType) < 0 || PyType_Ready(&PathType) < 0)
+        return NULL;
+    if ((str_dtype = PyUnicode_InternFromString("dtype")) == NULL ||
+        (str_shape = PyUnicode_InternFromString("shape")) == NULL)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -1670,6 +1848,12 @@ PyMODINIT_FUNC PyInit_cslots(void) {
     Py_INCREF(&CoreType);
     if (PyModule_AddObject(m, "Core", (PyObject *)&CoreType) < 0) {
         Py_DECREF(&CoreType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&PathType);
+    if (PyModule_AddObject(m, "Path", (PyObject *)&PathType) < 0) {
+        Py_DECREF(&PathType);
         Py_DECREF(m);
         return NULL;
     }
