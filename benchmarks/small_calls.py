@@ -8,7 +8,7 @@ interleaved rounds of each part's time per call (µs, averaged over ranks):
 
 - ``total``: the public call, ``collectives.allreduce(x, out=out)``;
 - ``python``: the same call with its one-step function swapped for one that returns at
-  once: argument checks, the dispatch and the cache lookup;
+  once: the public function and its front door (the remembered call, or the cache lookup);
 - ``step``: the cached one-step function called directly: post, wait for every peer,
   compare their signatures, reduce or copy (in the compiled loop where it is built);
 - ``copy``: the bytes the call reads and writes on this rank (every rank's data once, the
@@ -31,6 +31,7 @@ from mpi4py import MPI
 import collectives as C
 from collectives.cli import ArgumentParser, dump_json, parse_size, run_main
 from collectives.context import get_context
+from collectives.node.channel import forget_calls
 
 __all__ = ["measure", "main"]
 
@@ -104,9 +105,11 @@ def measure(comm: MPI.Comm, coll: str, size: int, calls: int, rounds: int, rate:
         for name in names:
             if name == "python":  # the one step answers at once: what is left is Python's
                 held, ctx.fast[key] = ctx.fast.get(key), noop
+                forget_calls()  # the front door looks the swapped function up
             times[name].append(_time(comm, parts[name], calls))
             if name == "python":
                 ctx.fast[key] = held
+                forget_calls()
     row: dict[str, Any] = {"collective": coll, "size": size, "ranks": comm.size}
     for name, ts in times.items():
         row[name] = statistics.median(ts)
