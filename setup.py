@@ -17,6 +17,7 @@ setup(
             # the reduction loops into vector instructions (element by element, the same
             # bits), which -O2's cheapest cost model leaves scalar where inputs may alias
             extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math"],
+            libraries=["m"],
         )
     ]
 )

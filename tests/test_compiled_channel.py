@@ -246,6 +246,70 @@ def test_non_temporal_stores_move_the_same_bytes(comms):
         nt.Free()
 
 
+def _note_everywhere(core, plain, nt, rank=None) -> None:
+    """``rank`` (every rank where None) notes a probe's times; then every rank reads the
+    ranks' calls again."""
+    WORLD.Barrier()
+    if rank is None or ME == rank:
+        core.note_stores(plain, nt)
+    WORLD.Barrier()
+    core.note_stores(0, 0)
+    WORLD.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+@needs_core
+def test_measured_stores_turn_non_temporal_on_every_rank_once_one_rank_measures_plain_slow(comms):
+    fast, slow = comms
+    ch = get_context(fast).chan
+    assert ch.measured_stores == (ch.nontemporal == 0)  # by default, unless the caches call for them
+    ch.core.measured = True
+    try:
+        for _ in range(12):  # the average back to plain and non-temporal equally fast
+            _note_everywhere(ch.core, 1.0, 1.0)
+        assert not ch.core.stores[0] and abs(ch.core.stores[1] - 1.0) < 0.01
+        last = N - 1
+        _note_everywhere(ch.core, 10.0, 1.0, rank=last)  # averaged as logarithms: 10 ** 0.5 < 5
+        assert not ch.core.stores[0]
+        _note_everywhere(ch.core, 10.0, 1.0, rank=last)  # 10 ** 0.75 > 5
+        assert ch.core.stores[0], "every rank takes non-temporal stores once one calls for them"
+        if ME == last:
+            assert 5 < ch.core.stores[1] < 6
+        _note_everywhere(ch.core, 4.0, 1.0, rank=last)  # between the two bounds: the choice stands
+        assert ch.core.stores[0]
+        # the copies move the same bytes with either stores, whatever the probes inside them say
+        big = 2 * ch.chunk + 4099
+        for count in (17, ch.small // 4 + 3, big // 4):
+            xs = _inputs(count, np.dtype(np.float32), "sum", seed=count)
+            got = C.allreduce(xs[ME], comm=fast)
+            check_close(got, expected(xs, "sum"), "sum", N, f"allreduce of {count}")
+            assert digest(got) == digest(C.allreduce(xs[ME], comm=slow))  # Python's loop: numpy's bits
+            assert digest(C.broadcast(xs[ME].copy(), root=last, comm=fast)) == digest(xs[last])
+            assert digest(C.allgather(xs[ME], algorithm="shm", comm=fast)) == digest(np.concatenate(xs))
+        for _ in range(3):
+            _note_everywhere(ch.core, 1.0, 1.0)
+        assert not ch.core.stores[0], "plain again below the lower bound"
+        ch.core.measured = False
+        _note_everywhere(ch.core, 100.0, 1.0)
+        _note_everywhere(ch.core, 100.0, 1.0)
+        assert not ch.core.stores[0], "only where measured"
+    finally:
+        for _ in range(12):
+            _note_everywhere(ch.core, 1.0, 1.0)
+        ch.core.measured = ch.measured_stores
+
+
+@pytest.mark.mpi(min_size=2)
+@needs_core
+def test_measured_stores_only_where_the_setting_leaves_them_to_the_caches():
+    set_ = WORLD.Dup()
+    try:
+        ch = get_context(set_, config=Config(shm_nontemporal_bytes=0)).channel()
+        assert not ch.measured_stores and not ch.core.measured
+    finally:
+        set_.Free()
+
+
 @pytest.mark.mpi(min_size=2)
 @needs_core
 def test_large_broadcasts_and_allgathers_read_the_senders_memory_once(comms, mixed):

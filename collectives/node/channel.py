@@ -4,7 +4,8 @@ the counters, slots and buffers the ``shm`` algorithms (:mod:`.slots`, :mod:`.st
 Every rank owns one segment of the window (``MPI_Win_allocate_shared``, or plain arrays
 for the thread transport), laid out as::
 
-    [seq sleeping abort done streamed taken][stage] [slot 0: header | small data] [slot 1: ...] [buffer 0] [buffer 1]
+    [seq sleeping abort done streamed taken stores][stage]
+    [slot 0: header | small data] [slot 1: ...] [buffer 0] [buffer 1]
 
 ``seq`` counts the calls this rank has *posted*; a call posts its argument signature
 (three int64 words) and where its input and output lie in the node's arena (two more:
@@ -17,6 +18,8 @@ reached it. ``done`` counts the allreduces that finish in two steps through the 
 data, and publishes the call there; the peers copy the block once it is. ``streamed``
 counts the pieces of a broadcast or allgather streamed through a slot (:meth:`Channel.stream`,
 :meth:`Channel.gather`), and ``taken`` the rounds of an allgather's pieces a rank has copied out.
+``stores`` is 1 while the compiled loop's measured stores call for non-temporal ones on
+that rank (:attr:`Channel.measured_stores`): every rank then takes them.
 Loads and stores are ordered by the window's ``MPI_Win_sync`` around every publication.
 
 A rank waiting for a peer's counter polls it a while (:data:`SPIN` polls when every rank
@@ -175,7 +178,12 @@ def nontemporal_bytes(setting: int, caches: list[dict[str, int]]) -> int:
     A plain store into a line a peer read last first pulls the line back from that peer's
     cache; between cores that share a last-level cache that is cheap, between others
     (another CCX or socket) several times slower than writing to memory, which is what a
-    non-temporal store does. Where sysfs says nothing the stores stay plain."""
+    non-temporal store does. Where sysfs says nothing, or names one cache (a VM may move its
+    virtual CPUs between cores that share one and cores that do not while its caches name
+    one), the compiled loop measures: each rank times plain and non-temporal stores in its
+    own copies now and then, and every rank takes non-temporal ones while plain ones take
+    several times as long on any rank (:attr:`Channel.measured_stores`,
+    :attr:`.cslots.Core.stores`)."""
     if setting >= 0:
         return setting
     if any(not c for c in caches):
@@ -294,6 +302,8 @@ class Channel:
         self.nontemporal = nontemporal_bytes(nontemporal, caches)
         """Copies into the window from this many bytes use non-temporal stores, in the
         compiled loop (0: never): :func:`nontemporal_bytes` of the setting."""
+        self.measured_stores = nontemporal < 0 and not self.nontemporal
+        """Whether the compiled loop's other copies into the window measure their stores."""
         self.nontemporal_broadcast = nontemporal_broadcast_bytes(nontemporal)
         """And a broadcast root's copies: :func:`nontemporal_broadcast_bytes` of the setting."""
         self.nontemporal_out = nontemporal_out_bytes(nontemporal_out, caches)
@@ -409,9 +419,11 @@ class Channel:
             self._done_addr,
             self._stream_addr,
             self._take_addr,
+            [s[48:56].ctypes.data for s in segs],
         )
         core.stall = stall_timeout
         core.nontemporal = self.nontemporal
+        core.measured = self.measured_stores
         core.nontemporal_broadcast = self.nontemporal_broadcast
         core.nontemporal_out = self.nontemporal_out
         self.post, self.exchange, self.wait_posted = core.post, core.exchange, core.wait_posted
@@ -564,8 +576,8 @@ class Channel:
     def put(self, dst: np.ndarray, src: np.ndarray) -> None:
         """Copy ``src`` into ``dst``, a view of the shared window that peers read next (both
         contiguous, of one dtype and size): with non-temporal stores from :attr:`nontemporal`
-        bytes (:meth:`_copy`)."""
-        self._copy(dst, src, dst.nbytes >= self.nontemporal > 0)
+        bytes, or as the compiled loop measures where :attr:`measured_stores` (:meth:`_copy`)."""
+        self._copy(dst, src, dst.nbytes >= self.nontemporal > 0 or self.measured_stores)
 
     def take(self, dst: np.ndarray, src: np.ndarray, total: int) -> None:
         """Copy ``src``, a view of the window, into ``dst``, a piece of the caller's message

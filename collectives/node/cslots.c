@@ -8,10 +8,10 @@
  * docstring), so a rank using it and a rank using the pure-Python loop interoperate:
  *
  *   Core(me, seqs, sleeping, heads, slots, slot_bytes, spin, progress, contiguous, futex, aborts, stalled, dones,
- *        streams, takes)
- *       seqs, sleeping, aborts, dones, streams, takes: every rank's counter, sleeping-flag,
- *       abort-word, reduced-block counter, streamed-piece counter and taken-piece counter
- *       address (int64 words);
+ *        streams, takes, stores)
+ *       seqs, sleeping, aborts, dones, streams, takes, stores: every rank's counter,
+ *       sleeping-flag, abort-word, reduced-block counter, streamed-piece counter, taken-piece
+ *       counter and measured-stores flag address (int64 words);
  *       heads, slots: every rank's slot 0 and slot 1 header and data addresses, as
  *       [r0p0, r0p1, r1p0, ...]; progress(): called while waiting; contiguous(x): a
  *       C-contiguous copy of x (numpy.ascontiguousarray); stalled(rank, want, kind): raises
@@ -49,6 +49,7 @@
 #include <Python.h>
 
 #include <limits.h>
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -102,6 +103,7 @@ typedef struct {
     int64_t **dones;    /* n: the last call whose reduced block the rank published (split allreduces) */
     int64_t **streams;  /* n: seq << STREAM_SHIFT | pieces the rank has streamed in or out (broadcasts) */
     int64_t **takes;    /* n: seq << STREAM_SHIFT | rounds of its peers' pieces the rank has copied out (allgathers) */
+    int64_t **stores;   /* n: 1 while the rank's measured stores call for non-temporal ones (copy_measured) */
     int64_t stall_ns;   /* a wait for one peer ends in a stall error after this long (0: never) */
     PyObject *stalled;  /* raises the stall's error */
     int64_t **heads;    /* 2n: rank r, slot p at 2r + p */
@@ -110,6 +112,12 @@ typedef struct {
     Py_ssize_t nt_bytes;     /* copies into shared memory from this many bytes use non-temporal stores (0: never) */
     Py_ssize_t nt_bcast;     /* and a broadcast root's (0: never) */
     Py_ssize_t out_nt_bytes; /* and copies out of it, into messages of this many bytes (0: never) */
+    int measured;            /* copies into shared memory below nt_bytes choose their stores by measurement */
+    int measured_nt;         /* the choice: non-temporal from NONTEMPORAL_BYTES (this rank's or a peer's call) */
+    int own_nt;              /* this rank's own call, from its probes */
+    double store_log_ratio;  /* log of a plain store's time over a non-temporal one's, averaged over the probes */
+    int64_t probes;          /* probes made */
+    int64_t probe_due;       /* measured bytes still to copy before the next probe */
     Py_ssize_t cma_bytes;    /* allgathers from this many bytes per rank read the sender's memory (0: never) */
     Py_ssize_t cma_bcast;    /* and broadcasts (0: never) */
     Py_ssize_t *pids;        /* n: every rank's process id (cross-memory attach) */
@@ -177,14 +185,108 @@ static void copy_nt(char *dst, const char *src, size_t len) {
 #endif
 }
 
+#if defined(__x86_64__) || defined(__i386__)
+static inline uint64_t ticks(void) { return __builtin_ia32_rdtsc(); }
+#else
+static inline uint64_t ticks(void) { return (uint64_t)now_ns(); }
+#endif
+
+/* Measured stores. Where the node's caches do not say whether its ranks share a last-level
+ * cache (a VM may move its virtual CPUs between cores that do and cores that do not), each
+ * rank measures its own copies into shared memory. Once per PROBE_PLAIN bytes of copies of
+ * at least 2 * PROBE_BYTES (PROBE_NT while it uses non-temporal stores, where the plain
+ * half of a probe is the slow one), it writes a copy's first PROBE_BYTES with plain stores
+ * and the next with non-temporal ones (the other order every other time), timed. The
+ * ratio of the two times, averaged as logarithms, chooses the stores of its copies from
+ * NONTEMPORAL_BYTES: non-temporal once plain ones take NT_ABOVE times as long, plain again
+ * below PLAIN_BELOW. On the 2-vCPU reference VM, 16 KiB of plain stores into lines a peer
+ * read took 5-23 times as long as non-temporal ones on one of the ranks while its cores
+ * shared no cache, and 0.5-3 times while they did, where plain stores leave the data in the
+ * cache the peer reads it from. The stores change only the time a copy takes, never its
+ * bytes. */
+#define PROBE_BYTES (16 << 10)
+#define PROBE_PLAIN (1 << 20)
+#define PROBE_NT (4 << 20)
+#define NONTEMPORAL_BYTES 4096
+#define NT_ABOVE 5.0
+#define PLAIN_BELOW 3.5
+
+/* One probe's times (ticks) of PROBE_BYTES of plain and of non-temporal stores: averaged
+ * in, this rank's call published in its stores word, and the choice taken from every
+ * rank's word: every rank takes non-temporal stores while any calls for them, since a rank
+ * whose own plain stores measure no slower (the cores' traffic need not be symmetric)
+ * still writes lines its peers hold. */
+static void note_probe(Core *c, double plain, double nt) {
+    if (nt > 0 && plain > 0) { /* averaged as logarithms: one disturbed probe moves it little */
+        double r = log(plain / nt);
+        c->store_log_ratio = c->probes ? 0.5 * (c->store_log_ratio + r) : r;
+        c->probes++;
+        if (c->store_log_ratio > log(NT_ABOVE))
+            c->own_nt = 1;
+        else if (c->store_log_ratio < log(PLAIN_BELOW))
+            c->own_nt = 0;
+    }
+    if (load(c->stores[c->me]) != c->own_nt)
+        store(c->stores[c->me], c->own_nt);
+    int any = 0;
+    for (int r = 0; r < c->n; r++) any |= load(c->stores[r]) != 0;
+    c->measured_nt = any;
+}
+
+static void copy_measured(Core *c, char *dst, const char *src, size_t len, int probe) {
+    if (probe && len >= 2 * PROBE_BYTES && (c->probe_due -= (int64_t)len) < 0) {
+        c->probe_due = c->measured_nt ? PROBE_NT : PROBE_PLAIN;
+        int nt_first = (int)(c->probes & 1);
+        uint64_t t0, t1, t2;
+        fence(); /* earlier stores out of the way of the timing */
+        t0 = ticks();
+        if (nt_first)
+            copy_nt(dst, src, PROBE_BYTES);
+        else
+            memcpy(dst, src, PROBE_BYTES);
+        fence();
+        t1 = ticks();
+        if (nt_first)
+            memcpy(dst + PROBE_BYTES, src + PROBE_BYTES, PROBE_BYTES);
+        else
+            copy_nt(dst + PROBE_BYTES, src + PROBE_BYTES, PROBE_BYTES);
+        fence();
+        t2 = ticks();
+        note_probe(c, (double)(nt_first ? t2 - t1 : t1 - t0), (double)(nt_first ? t1 - t0 : t2 - t1));
+        dst += 2 * PROBE_BYTES;
+        src += 2 * PROBE_BYTES;
+        len -= 2 * PROBE_BYTES;
+    }
+    if (c->measured_nt && len >= NONTEMPORAL_BYTES)
+        copy_nt(dst, src, len);
+    else
+        memcpy(dst, src, len);
+}
+
 /* Copy len bytes into shared memory that a peer core reads next: non-temporal from `nt`
- * bytes up (0: never; c->nt_bytes, or c->nt_bcast for a broadcast's root). A plain store
- * would first pull each line back from the cache of the peer that read it last, one line
- * at a time: between cores that share no cache (another CCX or socket) several times
- * slower than writing to memory. */
-static void copy_shared(char *dst, const char *src, size_t len, Py_ssize_t nt) {
+ * bytes up (0: never; c->nt_bytes, or c->nt_bcast for a broadcast's root), below that by
+ * measurement where c->measured (copy_measured). A plain store would first pull each line
+ * back from the cache of the peer that read it last, one line at a time: between cores
+ * that share no cache (another CCX or socket) several times slower than writing to
+ * memory. */
+static void copy_shared(Core *c, char *dst, const char *src, size_t len, Py_ssize_t nt) {
     if (nt > 0 && len >= (size_t)nt)
         copy_nt(dst, src, len);
+    else if (c->measured)
+        copy_measured(c, dst, src, len, 1);
+    else
+        memcpy(dst, src, len);
+}
+
+/* copy_shared without probes: for the chunked algorithms' staging (Core.put), whose
+ * destinations the peers read a chunk earlier; there plain stores measured about as fast
+ * as non-temporal ones on the reference VM however its cores lay, where the slots' showed
+ * the difference, but the stores the slots' probes choose helped them too. */
+static void copy_staged(Core *c, char *dst, const char *src, size_t len, Py_ssize_t nt) {
+    if (nt > 0 && len >= (size_t)nt)
+        copy_nt(dst, src, len);
+    else if (c->measured)
+        copy_measured(c, dst, src, len, 0);
     else
         memcpy(dst, src, len);
 }
@@ -337,7 +439,7 @@ static int copy_object(Core *c, PyObject *obj, char *dst, Py_ssize_t limit, Py_s
         PyErr_Format(PyExc_ValueError, "payload of %zd bytes exceeds the %zd it goes to", view.len, limit);
         rc = -1;
     } else if (view.len && view.buf != dst) {
-        copy_shared(dst, view.buf, (size_t)view.len, nt);
+        copy_shared(c, dst, view.buf, (size_t)view.len, nt);
     }
     PyBuffer_Release(&view);
     Py_XDECREF(held);
@@ -554,7 +656,7 @@ static int stream(Core *c, int64_t seq, int root, char *buf, Py_ssize_t nbytes, 
         if (me == root) {
             if (k >= places && wait_all(c, c->streams, base + k - places + 1, 5) < 0)
                 return -1;
-            copy_shared(at, from ? from + off : buf + off, (size_t)len, c->nt_bcast);
+            copy_shared(c, at, from ? from + off : buf + off, (size_t)len, c->nt_bcast);
             if (from) { /* published first, then into buf while the piece is in the cache */
                 publish(c, c->streams[me], base + k + 1);
                 copy_out(c, buf + off, from + off, (size_t)len, nbytes);
@@ -598,7 +700,7 @@ static int gather_stream(Core *c, int64_t seq, char *buf, const Py_ssize_t *off,
             Py_ssize_t len = off[me + 1] - off[me] - from < piece ? off[me + 1] - off[me] - from : piece;
             if (k >= places && wait_all(c, c->takes, base + k - places + 1, 6) < 0)
                 return -1;
-            copy_shared(c->slots[2 * me + p] + at, mine + from, (size_t)len, c->nt_bytes);
+            copy_shared(c, c->slots[2 * me + p] + at, mine + from, (size_t)len, c->nt_bytes);
             if (src) /* this rank's own piece too, while it is in the cache */
                 copy_out(c, buf + off[me] + from, mine + from, (size_t)len, off[n]);
             publish(c, c->streams[me], base + k + 1);
@@ -823,14 +925,16 @@ static int read_sizes(PyObject *seq, Py_ssize_t want, Py_ssize_t **out, const ch
 
 static int Core_init(Core *c, PyObject *args, PyObject *kw) {
     static char *names[] = {"me",         "seqs",  "sleeping", "heads",   "slots", "slot_bytes", "spin",  "progress",
-                            "contiguous", "futex", "aborts",   "stalled", "dones", "streams",    "takes", NULL};
+                            "contiguous", "futex", "aborts",   "stalled", "dones", "streams",    "takes", "stores",
+                            NULL};
     int me, futex;
-    PyObject *seqs, *sleeping, *heads, *slots, *progress, *contiguous, *aborts, *stalled, *dones, *streams, *takes;
+    PyObject *seqs, *sleeping, *heads, *slots, *progress, *contiguous, *aborts, *stalled, *dones, *streams, *takes,
+        *stores;
     Py_ssize_t slot_bytes;
     long spin;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOOOnlOOpOOOOO", names, &me, &seqs, &sleeping, &heads, &slots,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOOOnlOOpOOOOOO", names, &me, &seqs, &sleeping, &heads, &slots,
                                      &slot_bytes, &spin, &progress, &contiguous, &futex, &aborts, &stalled, &dones,
-                                     &streams, &takes))
+                                     &streams, &takes, &stores))
         return -1;
     Py_ssize_t n = PySequence_Size(seqs);
     if (n < 1 || n > INT_MAX || me < 0 || me >= n) {
@@ -852,6 +956,7 @@ static int Core_init(Core *c, PyObject *args, PyObject *kw) {
         read_addrs(dones, n, (void ***)&c->dones, "dones") < 0 ||
         read_addrs(streams, n, (void ***)&c->streams, "streams") < 0 ||
         read_addrs(takes, n, (void ***)&c->takes, "takes") < 0 ||
+        read_addrs(stores, n, (void ***)&c->stores, "stores") < 0 ||
         read_addrs(heads, 2 * n, (void ***)&c->heads, "heads") < 0 ||
         read_addrs(slots, 2 * n, (void ***)&c->slots, "slots") < 0)
         return -1;
@@ -879,6 +984,7 @@ static void Core_dealloc(Core *c) {
     PyMem_Free(c->dones);
     PyMem_Free(c->streams);
     PyMem_Free(c->takes);
+    PyMem_Free(c->stores);
     PyMem_Free(c->heads);
     PyMem_Free(c->slots);
     PyMem_Free(c->pids);
@@ -1131,7 +1237,7 @@ static PyObject *Core_put(Core *c, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_Format(PyExc_ValueError, "put: %zd bytes into %zd", src.len, dst.len);
     else {
         if (total < 0)
-            copy_shared(dst.buf, src.buf, (size_t)src.len, c->nt_bytes);
+            copy_staged(c, dst.buf, src.buf, (size_t)src.len, c->nt_bytes);
         else
             copy_out(c, dst.buf, src.buf, (size_t)src.len, total);
         res = Py_NewRef(Py_None);
@@ -1561,6 +1667,21 @@ static PyTypeObject StepType = {
     .tp_dealloc = (destructor)Step_dealloc,
 };
 
+/* core.note_stores(plain, nt): one probe's two times, as a copy's probe notes them */
+static PyObject *Core_note_stores(Core *c, PyObject *const *args, Py_ssize_t nargs) {
+    if (!ready(c))
+        return NULL;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "note_stores(plain, nt)");
+        return NULL;
+    }
+    double plain = PyFloat_AsDouble(args[0]), nt = PyFloat_AsDouble(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    note_probe(c, plain, nt);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Core_methods[] = {
     {"post", (PyCFunction)(void (*)(void))Core_post, METH_FASTCALL,
      "post(a, b, c, payload=None, win=0, wout=0) -> seq: publish this rank's next call."},
@@ -1600,11 +1721,43 @@ static PyMethodDef Core_methods[] = {
      "put(dst, src, total=None): copy src's bytes into the shared buffer dst (C-contiguous, as long), with "
      "non-temporal stores from `nontemporal` bytes; given `total`, out of the shared buffer src into a piece of "
      "a message of `total` bytes, with non-temporal stores once it reaches `nontemporal_out`."},
+    {"note_stores", (PyCFunction)(void (*)(void))Core_note_stores, METH_FASTCALL,
+     "note_stores(plain, nt): note one probe's times of plain and of non-temporal stores, as a measured copy "
+     "does (0 for either: only take the ranks' calls again)."},
     {"has_kernel", (PyCFunction)(void (*)(void))Core_has_kernel, METH_FASTCALL,
      "has_kernel(dtype, op) -> bool: reduce takes this dtype code and op code."},
     {NULL, NULL, 0, NULL}};
 
+static PyObject *Core_get_measured(Core *c, void *closure) {
+    (void)closure;
+    return PyBool_FromLong(c->measured);
+}
+
+static int Core_set_measured(Core *c, PyObject *v, void *closure) {
+    (void)closure;
+    int on = v == NULL ? -1 : PyObject_IsTrue(v);
+    if (on < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "measured cannot be deleted");
+        return -1;
+    }
+    c->measured = on;
+    return 0;
+}
+
+static PyObject *Core_get_stores(Core *c, void *closure) {
+    (void)closure;
+    return Py_BuildValue("(Ndn)", PyBool_FromLong(c->measured && c->measured_nt), exp(c->store_log_ratio),
+                         (Py_ssize_t)c->probes);
+}
+
 static PyGetSetDef Core_getset[] = {
+    {"measured", (getter)Core_get_measured, (setter)Core_set_measured,
+     "Copies into shared memory below `nontemporal` choose plain or non-temporal stores by measuring them.", NULL},
+    {"stores", (getter)Core_get_stores, NULL,
+     "(non-temporal, ratio, probes): what measured copies use now, a plain store's time over a non-temporal "
+     "one's averaged over the probes, and the probes made.",
+     NULL},
     {"polite", (getter)Core_get_polite, (setter)Core_set_polite,
      "None, or a callable: while it returns True, waits poll briefly before sleeping.", NULL},
     {"spin", (getter)Core_get_spin, (setter)Core_set_spin, "Polls (of the Python loop's length) before sleeping.",
