@@ -260,14 +260,16 @@ def test_the_stores_benchmark_times_both_kinds_and_checks_each(capsys):
         pytest.skip("the compiled loop is not built")
     rows = stores.measure(WORLD, "bcast", [4096, 1 << 20], 2, 1)
     assert [r["size"] for r in rows] == [4096, 1 << 20]
-    assert all(r["valid"] and min(r["nt"], r["plain"], r["mpi"]) > 0 for r in rows)
+    assert all(r["valid"] and min(r["nt"], r["plain"], r["auto"], r["mpi"]) > 0 for r in rows)
     ch = get_context(WORLD).chan
-    assert (ch.core.nontemporal, ch.core.nontemporal_broadcast) == (ch.nontemporal, ch.nontemporal_broadcast)
+    assert (ch.core.nontemporal, ch.core.nontemporal_broadcast, ch.core.measured) == (
+        ch.nontemporal,
+        ch.nontemporal_broadcast,
+        ch.measured_stores,
+    )
     text = stores.table("bcast", rows, WORLD.size, 1)
-    assert text.splitlines()[1].split() == ["size", "nt", "us", "plain", "us", "mpi", "us", "nt/plain", "nt/mpi"] + [
-        "plain/mpi",
-        "valid",
-    ]
+    head = ["size", "nt", "us", "plain", "us", "auto", "us", "mpi", "us", "nt/plain", "nt/mpi", "plain/mpi"]
+    assert text.splitlines()[1].split() == [*head, "auto/mpi", "valid"]
     # what the channel chose for broadcasts read from the root's memory, and by what times
     from benchmarks.node_report import single_copy_line
 
