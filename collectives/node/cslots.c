@@ -115,7 +115,8 @@ typedef struct {
     int measured;            /* copies into shared memory below nt_bytes choose their stores by measurement */
     int measured_nt;         /* the choice: non-temporal from NONTEMPORAL_BYTES (this rank's or a peer's call) */
     int own_nt;              /* this rank's own call, from its probes */
-    double store_log_ratio;  /* log of a plain store's time over a non-temporal one's, averaged over the probes */
+    double store_logs[3];    /* the last three probes' logs of a plain store's time over a non-temporal one's */
+    double store_log_ratio;  /* their median (their mean before the third) */
     int64_t probes;          /* probes made */
     int64_t probe_due;       /* measured bytes still to copy before the next probe */
     Py_ssize_t cma_bytes;    /* allgathers from this many bytes per rank read the sender's memory (0: never) */
@@ -197,9 +198,9 @@ static inline uint64_t ticks(void) { return (uint64_t)now_ns(); }
  * at least 2 * PROBE_BYTES (PROBE_NT while it uses non-temporal stores, where the plain
  * half of a probe is the slow one), it writes a copy's first PROBE_BYTES with plain stores
  * and the next with non-temporal ones (the other order every other time), timed. The
- * ratio of the two times, averaged as logarithms, chooses the stores of its copies from
- * NONTEMPORAL_BYTES: non-temporal once plain ones take NT_ABOVE times as long, plain again
- * below PLAIN_BELOW. On the 2-vCPU reference VM, 16 KiB of plain stores into lines a peer
+ * median ratio of the two times over the last three probes chooses the stores of its
+ * copies from NONTEMPORAL_BYTES: non-temporal once plain ones take NT_ABOVE times as long,
+ * plain again below PLAIN_BELOW. On the 2-vCPU reference VM, 16 KiB of plain stores into lines a peer
  * read took 5-23 times as long as non-temporal ones on one of the ranks while its cores
  * shared no cache, and 0.5-3 times while they did, where plain stores leave the data in the
  * cache the peer reads it from. The stores change only the time a copy takes, never its
@@ -217,10 +218,16 @@ static inline uint64_t ticks(void) { return (uint64_t)now_ns(); }
  * whose own plain stores measure no slower (the cores' traffic need not be symmetric)
  * still writes lines its peers hold. */
 static void note_probe(Core *c, double plain, double nt) {
-    if (nt > 0 && plain > 0) { /* averaged as logarithms: one disturbed probe moves it little */
-        double r = log(plain / nt);
-        c->store_log_ratio = c->probes ? 0.5 * (c->store_log_ratio + r) : r;
+    if (nt > 0 && plain > 0) {
+        /* the median of the last three ratios: a probe the scheduler interrupted (ranks
+         * sharing cores) moves nothing, and two of a new kind turn the choice */
+        double *h = c->store_logs;
+        h[c->probes % 3] = log(plain / nt);
         c->probes++;
+        if (c->probes < 3)
+            c->store_log_ratio = c->probes == 1 ? h[0] : 0.5 * (h[0] + h[1]);
+        else
+            c->store_log_ratio = fmax(fmin(h[0], h[1]), fmin(fmax(h[0], h[1]), h[2]));
         if (c->store_log_ratio > log(NT_ABOVE))
             c->own_nt = 1;
         else if (c->store_log_ratio < log(PLAIN_BELOW))
