@@ -63,6 +63,7 @@ def test_the_step_kinds_are_the_compiled_loops():
     from collectives.node import channel  # a reduce-scatter read by single copy: the same pieces on both loops
 
     assert cslots.REDUCE_PIECE == channel.REDUCE_READ_PIECE
+    assert cslots.NONTEMPORAL_BYTES == channel.NONTEMPORAL  # measured stores start where set ones do
 
 
 @pytest.fixture(scope="module")

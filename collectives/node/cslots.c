@@ -200,10 +200,10 @@ static inline uint64_t ticks(void) { return (uint64_t)now_ns(); }
  * and the next with non-temporal ones (the other order every other time), timed. The
  * median ratio of the two times over the last three probes chooses the stores of its
  * copies from NONTEMPORAL_BYTES: non-temporal once plain ones take NT_ABOVE times as long,
- * plain again below PLAIN_BELOW. On the 2-vCPU reference VM, 16 KiB of plain stores into lines a peer
- * read took 5-23 times as long as non-temporal ones on one of the ranks while its cores
- * shared no cache, and 0.5-3 times while they did, where plain stores leave the data in the
- * cache the peer reads it from. The stores change only the time a copy takes, never its
+ * plain again below PLAIN_BELOW. On the 2-vCPU reference VM, 16 KiB of plain stores into
+ * lines a peer read took 5-23 times as long as non-temporal ones on one of the ranks while
+ * its cores shared no cache, and 0.5-3 times while they did, where plain stores leave the
+ * data in the cache the peer reads it from. The stores change only the time a copy takes, never its
  * bytes. */
 #define PROBE_BYTES (16 << 10)
 #define PROBE_PLAIN (1 << 20)
@@ -212,8 +212,8 @@ static inline uint64_t ticks(void) { return (uint64_t)now_ns(); }
 #define NT_ABOVE 5.0
 #define PLAIN_BELOW 3.5
 
-/* One probe's times (ticks) of PROBE_BYTES of plain and of non-temporal stores: averaged
- * in, this rank's call published in its stores word, and the choice taken from every
+/* One probe's times (ticks) of PROBE_BYTES of plain and of non-temporal stores: taken
+ * into the median, this rank's call published in its stores word, and the choice taken from every
  * rank's word: every rank takes non-temporal stores while any calls for them, since a rank
  * whose own plain stores measure no slower (the cores' traffic need not be symmetric)
  * still writes lines its peers hold. */
@@ -272,28 +272,19 @@ static void copy_measured(Core *c, char *dst, const char *src, size_t len, int p
 
 /* Copy len bytes into shared memory that a peer core reads next: non-temporal from `nt`
  * bytes up (0: never; c->nt_bytes, or c->nt_bcast for a broadcast's root), below that by
- * measurement where c->measured (copy_measured). A plain store would first pull each line
- * back from the cache of the peer that read it last, one line at a time: between cores
- * that share no cache (another CCX or socket) several times slower than writing to
- * memory. */
-static void copy_shared(Core *c, char *dst, const char *src, size_t len, Py_ssize_t nt) {
+ * measurement where c->measured (copy_measured), which probes the stores where `probe`. A
+ * plain store would first pull each line back from the cache of the peer that read it
+ * last, one line at a time: between cores that share no cache (another CCX or socket)
+ * several times slower than writing to memory. The chunked algorithms' staging (Core.put)
+ * does not probe: its destinations the peers read a chunk earlier, and there plain stores
+ * measured about as fast as non-temporal ones on the reference VM however its cores lay,
+ * where the slots' showed the difference; the stores the slots' probes choose helped it
+ * too. */
+static void copy_shared(Core *c, char *dst, const char *src, size_t len, Py_ssize_t nt, int probe) {
     if (nt > 0 && len >= (size_t)nt)
         copy_nt(dst, src, len);
     else if (c->measured)
-        copy_measured(c, dst, src, len, 1);
-    else
-        memcpy(dst, src, len);
-}
-
-/* copy_shared without probes: for the chunked algorithms' staging (Core.put), whose
- * destinations the peers read a chunk earlier; there plain stores measured about as fast
- * as non-temporal ones on the reference VM however its cores lay, where the slots' showed
- * the difference, but the stores the slots' probes choose helped them too. */
-static void copy_staged(Core *c, char *dst, const char *src, size_t len, Py_ssize_t nt) {
-    if (nt > 0 && len >= (size_t)nt)
-        copy_nt(dst, src, len);
-    else if (c->measured)
-        copy_measured(c, dst, src, len, 0);
+        copy_measured(c, dst, src, len, probe);
     else
         memcpy(dst, src, len);
 }
@@ -446,7 +437,7 @@ static int copy_object(Core *c, PyObject *obj, char *dst, Py_ssize_t limit, Py_s
         PyErr_Format(PyExc_ValueError, "payload of %zd bytes exceeds the %zd it goes to", view.len, limit);
         rc = -1;
     } else if (view.len && view.buf != dst) {
-        copy_shared(c, dst, view.buf, (size_t)view.len, nt);
+        copy_shared(c, dst, view.buf, (size_t)view.len, nt, 1);
     }
     PyBuffer_Release(&view);
     Py_XDECREF(held);
@@ -663,7 +654,7 @@ static int stream(Core *c, int64_t seq, int root, char *buf, Py_ssize_t nbytes, 
         if (me == root) {
             if (k >= places && wait_all(c, c->streams, base + k - places + 1, 5) < 0)
                 return -1;
-            copy_shared(c, at, from ? from + off : buf + off, (size_t)len, c->nt_bcast);
+            copy_shared(c, at, from ? from + off : buf + off, (size_t)len, c->nt_bcast, 1);
             if (from) { /* published first, then into buf while the piece is in the cache */
                 publish(c, c->streams[me], base + k + 1);
                 copy_out(c, buf + off, from + off, (size_t)len, nbytes);
@@ -707,7 +698,7 @@ static int gather_stream(Core *c, int64_t seq, char *buf, const Py_ssize_t *off,
             Py_ssize_t len = off[me + 1] - off[me] - from < piece ? off[me + 1] - off[me] - from : piece;
             if (k >= places && wait_all(c, c->takes, base + k - places + 1, 6) < 0)
                 return -1;
-            copy_shared(c, c->slots[2 * me + p] + at, mine + from, (size_t)len, c->nt_bytes);
+            copy_shared(c, c->slots[2 * me + p] + at, mine + from, (size_t)len, c->nt_bytes, 1);
             if (src) /* this rank's own piece too, while it is in the cache */
                 copy_out(c, buf + off[me] + from, mine + from, (size_t)len, off[n]);
             publish(c, c->streams[me], base + k + 1);
@@ -1244,7 +1235,7 @@ static PyObject *Core_put(Core *c, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_Format(PyExc_ValueError, "put: %zd bytes into %zd", src.len, dst.len);
     else {
         if (total < 0)
-            copy_staged(c, dst.buf, src.buf, (size_t)src.len, c->nt_bytes);
+            copy_shared(c, dst.buf, src.buf, (size_t)src.len, c->nt_bytes, 0);
         else
             copy_out(c, dst.buf, src.buf, (size_t)src.len, total);
         res = Py_NewRef(Py_None);
@@ -2019,6 +2010,7 @@ PyMODINIT_FUNC PyInit_cslots(void) {
     }
     if (PyModule_AddIntConstant(m, "FUTEX", HAVE_FUTEX) < 0 || PyModule_AddIntConstant(m, "STREAM_SHIFT", STREAM_SHIFT) < 0 ||
         PyModule_AddIntConstant(m, "REDUCE_PIECE", REDUCE_PIECE) < 0 ||
+        PyModule_AddIntConstant(m, "NONTEMPORAL_BYTES", NONTEMPORAL_BYTES) < 0 ||
         PyModule_AddIntConstant(m, "STEP_REDUCE", STEP_REDUCE) < 0 ||
         PyModule_AddIntConstant(m, "STEP_BROADCAST", STEP_BROADCAST) < 0 ||
         PyModule_AddIntConstant(m, "STEP_ALLGATHER", STEP_ALLGATHER) < 0) {
