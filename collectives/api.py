@@ -30,7 +30,7 @@ from .device.arrays import is_device
 from .errors import InvalidArgumentError, OutputMismatchError
 from .node import inplace, slots, staged
 from .node.arena import address
-from .node.onestep import call_path, raise_mismatch
+from .node.onestep import call_key, call_path, raise_mismatch
 from .ops import finalize
 from .select import REGISTRY
 
@@ -145,7 +145,7 @@ def _front(name: str, paths: tuple) -> Any:
 
     def general(x, arg, algorithm, out, comm, agreed, why):
         if why is _MISMATCH:
-            raise_mismatch(get_context(comm), (name, x.dtype, x.shape, arg, algorithm), x)
+            raise_mismatch(get_context(comm), call_key(name, x, arg, algorithm), x)
         if why is _UNEVEN:
             return _allgather(x, None, algorithm, out, comm, True, None, posted=True)
         return _dispatch(paths, x, arg, algorithm, out, comm, agreed)

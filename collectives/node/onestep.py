@@ -31,7 +31,7 @@ try:
 except ImportError:  # not built: every call looks its function up (PythonPath)
     Path = None
 
-__all__ = ["onestep_fn", "remember", "raise_mismatch", "lookup", "call_path", "PythonPath"]
+__all__ = ["onestep_fn", "remember", "raise_mismatch", "call_key", "lookup", "call_path", "PythonPath"]
 
 
 def onestep_fn(ctx: Context, key: tuple) -> Any:
@@ -108,12 +108,18 @@ def raise_mismatch(ctx: Context, key: tuple, x: np.ndarray) -> None:
     call.mismatch_from_channel()
 
 
+def call_key(name: str, x: np.ndarray, arg: Any, algorithm: str) -> tuple:
+    """The key of the call ``name`` on ``x`` in the context's cache of one-step functions
+    (``ctx.fast``), as :func:`onestep_fn` and :func:`raise_mismatch` take it."""
+    return (name, x.dtype, x.shape, arg, algorithm)
+
+
 def lookup(name: str, x: np.ndarray, arg: Any, algorithm: str, comm: Any) -> Any:
     """The one-step function of the call ``name`` on the host array ``x`` (from the
     context's cache, built on a miss), or False where it takes the general path: no such
     function, or an unhashable argument, which the general path names."""
     ctx = get_context(comm)
-    key = (name, x.dtype, x.shape, arg, algorithm)
+    key = call_key(name, x, arg, algorithm)
     try:
         return ctx.fast[key]
     except KeyError:
