@@ -88,9 +88,10 @@ class Config:
     ``process_vm_readv``), instead of twice through the shared window; and reduce-scatters
     past the one-step size with at least this many bytes of input, each rank reading only
     its block of the others' inputs, which are not staged (of 2 ranks, or of more where
-    broadcasts read the root's memory: ``shm_single_copy_broadcast_bytes``). Where the
-    kernel refuses it (a strict ``ptrace_scope``, a container's seccomp profile) every rank
-    keeps the window (0: never)."""
+    broadcasts read the root's memory: ``shm_single_copy_broadcast_bytes``). A peer's data
+    in the node's arena (:func:`collectives.empty`) is copied through the arena's mapping
+    instead. Where the kernel refuses it (a strict ``ptrace_scope``, a container's seccomp
+    profile) every rank keeps the window (0: never)."""
 
     shm_single_copy_broadcast_bytes: int = -1
     """Broadcasts of at least this many bytes on one node are copied once, each rank

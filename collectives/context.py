@@ -164,6 +164,7 @@ class Context:
             if self.config.shm_arena_bytes:
                 segs, _ = lay.node.shared_window(self.config.shm_arena_bytes)
                 self.arena = Arena(segs, lay.node.rank)
+                self.chan.map_arena(lay.node, segs)
         elif comm is not None and transport.size > 1:
             self.agree_comm = comm.Dup()
 

@@ -397,6 +397,71 @@ def test_large_broadcasts_and_allgathers_read_the_senders_memory_once(comms, mix
 
 @pytest.mark.mpi(min_size=2)
 @needs_core
+def test_single_copies_of_window_arrays_copy_through_the_peers_mapped_segments(monkeypatch):
+    # a single-copy allgather or broadcast whose sender's data lies in its segment of the
+    # node's arena copies it through that segment as mapped here, not by cross-memory attach
+    # (which pins those shared pages one by one); a root in place writes its share into a
+    # reader's buffer there so too. Equal blocks (the one-step call) and uneven, every
+    # rank's x in the arena or only some; the bytes counted, and the same as numpy's. (The
+    # in-place path, which copies arrays that all lie in the arena otherwise, is off here:
+    # it takes them only up to its size)
+    from collectives.node import inplace
+
+    monkeypatch.setattr(inplace, "COPY_INPLACE_MAX", 0)
+    one = WORLD.Dup()
+    try:
+        ch = get_context(one, config=Config(shm_single_copy_bytes=1, shm_single_copy_broadcast_bytes=1)).channel()
+        if ch.single_copy == 0:
+            pytest.skip("the kernel refuses cross-memory attach here")
+        core, isz = ch.core, 4
+
+        def window(a):
+            w = C.empty(a.shape, a.dtype, comm=one)
+            w[...] = a
+            return w
+
+        def moved(call, x, **kw):  # the result, and the bytes this rank's call copied through a
+            # peer's mapped segment
+            before = core.mapped
+            got = call(x, comm=one, **kw)
+            return got, core.mapped - before
+
+        big = ch.copy_small // 8 + 1
+        for rows_of in (lambda r: big, lambda r: big + 301 * r):
+            rows = [rows_of(r) for r in range(N)]
+            xs = [make_input(r, rows[r] * 2, np.float32, "sum", seed=5).reshape(rows[r], 2) for r in range(N)]
+            want = np.concatenate(xs)
+            peers = sum(rows) - rows[ME]
+            for in_window in (lambda r: True, lambda r: r % 2 == 0, lambda r: False):
+                x = window(xs[ME]) if in_window(ME) else xs[ME]
+                read = sum(rows[r] * 2 * isz for r in range(N) if r != ME and in_window(r))
+                for out in (None, window(np.zeros_like(want))):
+                    got, n = moved(C.allgather, x, algorithm="shm", out=out)
+                    assert digest(got) == digest(want) and n == read, (rows, out is None)
+            assert peers > 0
+        # broadcasts: a root in place writes the last 1/n of whole lines into each reader
+        # (into its window buffer through the mapping), which reads the rest from the root
+        # (from the root's window buffer through the mapping)
+        count = ch.copy_small // 4 + 3
+        share = count * 4 // N // 64 * 64
+        for root in range(N):
+            want = np.arange(count, dtype=np.float32) * (root + 1) - 0.5
+            for root_window, readers_window in ((False, True), (True, False), (True, True)):
+                mine = root_window if ME == root else readers_window
+                x = want.copy() if ME == root else np.zeros(count, np.float32)
+                x = window(x) if mine else x
+                got, n = moved(C.broadcast, x, root=root, out=x)
+                if ME == root:
+                    expect = share * (N - 1) if readers_window else 0
+                else:
+                    expect = count * 4 - share if root_window else 0
+                assert digest(got) == digest(want) and n == expect, (root, root_window, readers_window)
+    finally:
+        one.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@needs_core
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_large_reduce_scatters_read_each_block_once_with_the_windows_bits(comms, dtype):
     # past the one-step size, from shm_single_copy_bytes of input (of 2 ranks, or of more

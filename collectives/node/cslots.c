@@ -34,6 +34,8 @@
  *       slot (below)
  *   core.single_copy(pids, nbytes, broadcasts), core.cma_read(pid, address, buf): allgathers
  *       from nbytes per rank, and broadcasts from `broadcasts`, read the sender's memory (below)
+ *   core.segments(here, there, nbytes): every rank's segment of the node's arena, which those
+ *       reads copy through where the sender's data lies there (below)
  *   core.reduce_scatter(seq, src, lo, hi, out, dtype, op): a reduce-scatter read from the
  *       peers' memory (below)
  *   core.put(dst, src, total=None): a copy into shared memory (copy_shared: non-temporal
@@ -122,6 +124,10 @@ typedef struct {
     Py_ssize_t cma_bytes;    /* allgathers from this many bytes per rank read the sender's memory (0: never) */
     Py_ssize_t cma_bcast;    /* and broadcasts (0: never) */
     Py_ssize_t *pids;        /* n: every rank's process id (cross-memory attach) */
+    char **seg_here;         /* n: where each rank's segment of the node's arena is mapped here (core.segments) */
+    uintptr_t *seg_there;    /* n: and where it lies in that rank's own process */
+    Py_ssize_t seg_bytes;    /* the segments' size (0: none known) */
+    int64_t mapped_bytes;    /* bytes a move with a peer copied through its segment's mapping */
     char *scratch;           /* the peers' pieces a reduce-scatter read by single copy reduces */
     Py_ssize_t scratch_bytes;
     long spin;
@@ -539,15 +545,40 @@ static int cma_move(pid_t pid, char *dst, uintptr_t remote, size_t n, int write)
 #endif
 }
 
-static int cma_read(pid_t pid, char *dst, uintptr_t remote, size_t n) { return cma_move(pid, dst, remote, n, 0); }
+/* Where the n bytes at `remote` in rank r's process are mapped here: inside its segment of
+ * the node's arena (core.segments), which every rank maps; else NULL. */
+static char *mapped(const Core *c, int r, uintptr_t remote, size_t n) {
+    if (c->seg_bytes <= 0 || remote < c->seg_there[r])
+        return NULL;
+    size_t at = remote - c->seg_there[r];
+    return at <= (size_t)c->seg_bytes && n <= (size_t)c->seg_bytes - at ? c->seg_here[r] + at : NULL;
+}
 
-/* Read rank r's data of call seq, n bytes from byte `from` of what it offered, into dst. */
-static int read_peer(Core *c, int64_t seq, int r, char *dst, Py_ssize_t from, Py_ssize_t n) {
+/* Move n bytes between dst here and `remote` in rank r's process (read them into dst, or with
+ * `write` write dst's bytes there), as part of a message of `total` bytes: copied through the
+ * mapping where they lie in r's arena segment, whose 4 KiB shared pages the kernel's
+ * cross-memory attach pins one by one (twice the time of a copy on the reference machine);
+ * else by cross-memory attach. 0, or -1 with an exception set. */
+static int peer_move(Core *c, int r, char *dst, uintptr_t remote, size_t n, int write, Py_ssize_t total) {
+    char *here = mapped(c, r, remote, n);
+    if (here == NULL)
+        return cma_move((pid_t)c->pids[r], dst, remote, n, write);
+    if (write)
+        copy_out(c, here, dst, n, total);
+    else
+        copy_out(c, dst, here, n, total);
+    c->mapped_bytes += (int64_t)n;
+    return 0;
+}
+
+/* Read rank r's data of call seq, n bytes from byte `from` of what it offered, into dst (part
+ * of a message of `total` bytes). */
+static int read_peer(Core *c, int64_t seq, int r, char *dst, Py_ssize_t from, Py_ssize_t n, Py_ssize_t total) {
     int64_t *addr = (int64_t *)c->slots[2 * r + (int)(seq & 1)];
     if (wait_one(c, r, c->streams[r], (seq << STREAM_SHIFT) + 1, 5) < 0)
         return -1;
     fence(); /* the address after the word that published it */
-    return cma_read((pid_t)c->pids[r], dst, (uintptr_t)load(addr) + (uintptr_t)from, (size_t)n);
+    return peer_move(c, r, dst, (uintptr_t)load(addr) + (uintptr_t)from, (size_t)n, 0, total);
 }
 
 /* Offer `buf` (this rank's data of call seq) to the peers' reads. */
@@ -583,7 +614,7 @@ static int single_copy_broadcast(Core *c, int64_t seq, int root, char *buf, Py_s
                 return -1;
             fence(); /* the reader's address after the word that published it */
             uintptr_t there = (uintptr_t)load((int64_t *)c->slots[2 * r + parity]) + (uintptr_t)from;
-            if (cma_move((pid_t)c->pids[r], buf + from, there, (size_t)share, 1) < 0)
+            if (peer_move(c, r, buf + from, there, (size_t)share, 1, nbytes) < 0)
                 return -1;
         }
         publish(c, c->streams[root], base + 2);
@@ -595,7 +626,7 @@ static int single_copy_broadcast(Core *c, int64_t seq, int root, char *buf, Py_s
     fence(); /* the address and share after the word that published them */
     Py_ssize_t share = (Py_ssize_t)load(at_root + 1);
     share = share < 0 || share > nbytes ? 0 : share; /* as root_share gives it; a stray word counts as none */
-    int rc = cma_read((pid_t)c->pids[root], buf, (uintptr_t)load(at_root), (size_t)(nbytes - share));
+    int rc = peer_move(c, root, buf, (uintptr_t)load(at_root), (size_t)(nbytes - share), 0, nbytes);
     if (share) { /* the root writes into buf until it publishes | 2: wait for that even where the read
                   * failed, so buf is not given back while written; the read's error wins */
         PyObject *type, *value, *tb;
@@ -618,7 +649,7 @@ static int single_copy_allgather(Core *c, int64_t seq, char *buf, const Py_ssize
     offer(c, seq, src ? src : buf + off[me]);
     for (int k = 1; k < n; k++) { /* each rank starts at its next peer: the reads spread over the senders */
         int r = (me + k) % n;
-        if (off[r + 1] > off[r] && read_peer(c, seq, r, buf + off[r], 0, off[r + 1] - off[r]) < 0)
+        if (off[r + 1] > off[r] && read_peer(c, seq, r, buf + off[r], 0, off[r + 1] - off[r], off[n]) < 0)
             return -1;
     }
     /* its own block last (measured faster at 4 and 16 MiB per rank than first); the peers
@@ -853,7 +884,7 @@ static int single_copy_reduce_scatter(Core *c, int64_t seq, const char *src, Py_
         for (int j = 1; j < n && rc == 0; j++) {
             int r = (me + j) % n;
             s[r] = c->scratch + (j - 1) * piece;
-            rc = read_peer(c, seq, r, s[r], lo + a, m);
+            rc = read_peer(c, seq, r, s[r], lo + a, m, m); /* into the scratch, which stays in the cache */
         }
         s[me] = (char *)src + lo + a;
         if (rc == 0)
@@ -986,6 +1017,8 @@ static void Core_dealloc(Core *c) {
     PyMem_Free(c->heads);
     PyMem_Free(c->slots);
     PyMem_Free(c->pids);
+    PyMem_Free(c->seg_here);
+    PyMem_Free(c->seg_there);
     PyMem_Free(c->scratch);
     Py_XDECREF(c->progress);
     Py_XDECREF(c->contiguous);
@@ -1268,6 +1301,37 @@ static PyObject *Core_single_copy(Core *c, PyObject *const *args, Py_ssize_t nar
     c->pids = pids;
     c->cma_bytes = nbytes;
     c->cma_bcast = bcast;
+    Py_RETURN_NONE;
+}
+
+/* core.segments(here, there, nbytes): where every rank's segment of the node's arena is
+ * mapped in this process and where it lies in that rank's own, each nbytes long (0: none);
+ * moves with a peer whose bytes lie in its segment then copy through the mapping */
+static PyObject *Core_segments(Core *c, PyObject *const *args, Py_ssize_t nargs) {
+    if (!ready(c))
+        return NULL;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "segments(here, there, nbytes)");
+        return NULL;
+    }
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[2]);
+    if (nbytes < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "segments: nbytes must be >= 0");
+        return NULL;
+    }
+    char **here = NULL;
+    Py_ssize_t *there = NULL;
+    if (nbytes > 0 && (read_addrs(args[0], c->n, (void ***)&here, "segments: here, one per rank") < 0 ||
+                       read_sizes(args[1], c->n, &there, "segments: there, one per rank") < 0)) {
+        PyMem_Free(here);
+        return NULL;
+    }
+    PyMem_Free(c->seg_here);
+    PyMem_Free(c->seg_there);
+    c->seg_here = here;
+    c->seg_there = (uintptr_t *)there;
+    c->seg_bytes = nbytes;
     Py_RETURN_NONE;
 }
 
@@ -1709,6 +1773,10 @@ static PyMethodDef Core_methods[] = {
      "reduce_scatter(seq, src, lo, hi, out, dtype, op): the agreed reduce-scatter `seq` by single copy: this rank's "
      "block, bytes lo to hi of every rank's C-contiguous src, read from the peers' memory and reduced in rank order "
      "into out; False, having done nothing, where numpy must reduce the dtype and op."},
+    {"segments", (PyCFunction)(void (*)(void))Core_segments, METH_FASTCALL,
+     "segments(here, there, nbytes): where every rank's segment of the node's arena is mapped here and where it "
+     "lies in that rank's process, nbytes each (0: none); a move with a peer whose bytes lie in its segment copies "
+     "through the mapping, where cross-memory attach would pin its shared pages one by one."},
     {"cma_read", (PyCFunction)(void (*)(void))Core_cma_read, METH_FASTCALL,
      "cma_read(pid, address, buf): fill buf with the bytes at address in process pid (process_vm_readv); "
      "OSError where the kernel refuses."},
@@ -1749,7 +1817,16 @@ static PyObject *Core_get_stores(Core *c, void *closure) {
                          (Py_ssize_t)c->probes);
 }
 
+static PyObject *Core_get_mapped(Core *c, void *closure) {
+    (void)closure;
+    return PyLong_FromLongLong((long long)c->mapped_bytes);
+}
+
 static PyGetSetDef Core_getset[] = {
+    {"mapped", (getter)Core_get_mapped, NULL,
+     "Bytes the single-copy moves copied through a peer's arena segment mapped here (core.segments), not by "
+     "cross-memory attach.",
+     NULL},
     {"measured", (getter)Core_get_measured, (setter)Core_set_measured,
      "Copies into shared memory below `nontemporal` choose plain or non-temporal stores by measuring them.", NULL},
     {"stores", (getter)Core_get_stores, NULL,
