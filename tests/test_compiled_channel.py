@@ -9,6 +9,7 @@ through the compiled calls; the polite hint reaching the compiled waits.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import sysconfig
@@ -401,10 +402,13 @@ def test_single_copies_of_window_arrays_copy_through_the_peers_mapped_segments(m
     # a single-copy allgather or broadcast whose sender's data lies in its segment of the
     # node's arena copies it through that segment as mapped here, not by cross-memory attach
     # (which pins those shared pages one by one); a root in place writes its share into a
-    # reader's buffer there so too. Equal blocks (the one-step call) and uneven, every
-    # rank's x in the arena or only some; the bytes counted, and the same as numpy's. (The
-    # in-place path, which copies arrays that all lie in the arena otherwise, is off here:
-    # it takes them only up to its size)
+    # reader's buffer there so too. An allgather's sender offers its x, or, where its copy
+    # of x into out is non-temporal (out too large for the caches), its block of out, having
+    # copied x there first, unless x lies in the arena: equal blocks (the one-step call) and
+    # uneven, every rank's out in the arena or only some, and x in it or not, with either
+    # kind of copy; the bytes counted, and the same as numpy's. (The in-place path, which
+    # copies arrays that all lie in the arena otherwise, is off here: it takes them only up
+    # to its size)
     from collectives.node import inplace
 
     monkeypatch.setattr(inplace, "COPY_INPLACE_MAX", 0)
@@ -413,7 +417,7 @@ def test_single_copies_of_window_arrays_copy_through_the_peers_mapped_segments(m
         ch = get_context(one, config=Config(shm_single_copy_bytes=1, shm_single_copy_broadcast_bytes=1)).channel()
         if ch.single_copy == 0:
             pytest.skip("the kernel refuses cross-memory attach here")
-        core, isz = ch.core, 4
+        core, isz, out_nt = ch.core, 4, ch.core.nontemporal_out
 
         def window(a):
             w = C.empty(a.shape, a.dtype, comm=one)
@@ -431,14 +435,20 @@ def test_single_copies_of_window_arrays_copy_through_the_peers_mapped_segments(m
             rows = [rows_of(r) for r in range(N)]
             xs = [make_input(r, rows[r] * 2, np.float32, "sum", seed=5).reshape(rows[r], 2) for r in range(N)]
             want = np.concatenate(xs)
-            peers = sum(rows) - rows[ME]
             for in_window in (lambda r: True, lambda r: r % 2 == 0, lambda r: False):
-                x = window(xs[ME]) if in_window(ME) else xs[ME]
-                read = sum(rows[r] * 2 * isz for r in range(N) if r != ME and in_window(r))
-                for out in (None, window(np.zeros_like(want))):
+                out = window(np.zeros_like(want)) if in_window(ME) else np.zeros_like(want)
+                for x_in_window, nt in itertools.product((False, True), (0, 1)):
+                    core.nontemporal_out = nt  # 1: every copy into out is non-temporal
+                    x = window(xs[ME]) if x_in_window else xs[ME]
+                    offers_out = nt and not x_in_window
+                    offered = [in_window(r) if offers_out else x_in_window for r in range(N)]
+                    read = sum(rows[r] * 2 * isz for r in range(N) if r != ME and offered[r])
+                    out[...] = 0
                     got, n = moved(C.allgather, x, algorithm="shm", out=out)
-                    assert digest(got) == digest(want) and n == read, (rows, out is None)
-            assert peers > 0
+                    assert got is out and digest(got) == digest(want) and n == read, (rows, x_in_window, nt)
+                got, n = moved(C.allgather, xs[ME], algorithm="shm")  # a new out: ordinary memory
+                assert digest(got) == digest(want) and n == 0
+        core.nontemporal_out = out_nt
         # broadcasts: a root in place writes the last 1/n of whole lines into each reader
         # (into its window buffer through the mapping), which reads the rest from the root
         # (from the root's window buffer through the mapping)
