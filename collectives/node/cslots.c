@@ -651,11 +651,10 @@ static int single_copy_allgather(Core *c, int64_t seq, char *buf, const Py_ssize
      * too large to stay in them), a rank makes that copy first and offers its block of buf:
      * an output that large was mapped on huge pages, which the kernel's reads pin whole,
      * while src may lie in a heap's 4 KiB pages, which they pin one by one (a 16 MiB read
-     * from those took 1.6-1.8 x as long on the reference machine). Elsewhere it offers src,
-     * and copies its own block last (faster at 1 MiB per rank there: the peers' reads do
-     * not wait for that copy, nor take lines it left dirty in this core's cache); and always
-     * where src lies in its arena segment, which the peers copy through the mapping. The
-     * reads below write the other blocks of buf. */
+     * from those took 1.6-1.8 x as long on the reference machine). Elsewhere, where buf
+     * stays in the caches, it offers src and copies its own block last, so the peers' reads
+     * need not wait for that copy; and always where src lies in its arena segment, which
+     * the peers copy through the mapping. The reads below write the other blocks of buf. */
     int first = src && c->out_nt_bytes > 0 && off[n] >= c->out_nt_bytes && !mapped(c, me, (uintptr_t)src, len);
     if (first)
         copy_out(c, buf + off[me], src, len, off[n]);
