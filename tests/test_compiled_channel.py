@@ -413,14 +413,15 @@ def test_single_copies_of_window_arrays_copy_through_the_peers_mapped_segments(m
 
     monkeypatch.setattr(inplace, "COPY_INPLACE_MAX", 0)
     one = WORLD.Dup()
+    ch = get_context(one, config=Config(shm_single_copy_bytes=1, shm_single_copy_broadcast_bytes=1)).channel()
+    core, isz, out_nt = ch.core, 4, ch.core.nontemporal_out
     try:
-        ch = get_context(one, config=Config(shm_single_copy_bytes=1, shm_single_copy_broadcast_bytes=1)).channel()
         if ch.single_copy == 0:
             pytest.skip("the kernel refuses cross-memory attach here")
-        core, isz, out_nt = ch.core, 4, ch.core.nontemporal_out
 
         def window(a):
             w = C.empty(a.shape, a.dtype, comm=one)
+            assert C.is_shared(w, comm=one)
             w[...] = a
             return w
 
@@ -448,7 +449,6 @@ def test_single_copies_of_window_arrays_copy_through_the_peers_mapped_segments(m
                     assert got is out and digest(got) == digest(want) and n == read, (rows, x_in_window, nt)
                 got, n = moved(C.allgather, xs[ME], algorithm="shm")  # a new out: ordinary memory
                 assert digest(got) == digest(want) and n == 0
-        core.nontemporal_out = out_nt
         # broadcasts: a root in place writes the last 1/n of whole lines into each reader
         # (into its window buffer through the mapping), which reads the rest from the root
         # (from the root's window buffer through the mapping)
@@ -467,6 +467,7 @@ def test_single_copies_of_window_arrays_copy_through_the_peers_mapped_segments(m
                     expect = count * 4 - share if root_window else 0
                 assert digest(got) == digest(want) and n == expect, (root, root_window, readers_window)
     finally:
+        core.nontemporal_out = out_nt
         one.Free()
 
 
