@@ -399,8 +399,7 @@ def _allgather(x, arg, algorithm, out, comm, blocking, rows, posted=False):
     # the others' out as they come (the chunked path's pieces wait for each other instead)
     stream = chunked and ch is not None and ch.streams_bytes(max(counts) * x.itemsize)
     # streamed, or staged blocking: x is copied into out piece by piece as it goes (read once,
-    # from cache); by single copy the peers read x, or this rank's block of out where out is
-    # too large for the caches (the compiled loop's single_copy_allgather)
+    # from cache); single copy: the peers read x, or past the cache size this rank's out block
     read_as_it_goes = stream or (blocking and chunked)
     if own is not None and (not read_as_it_goes or np.may_share_memory(own, buf)):
         mine[...] = own
