@@ -1841,7 +1841,7 @@ static PyGetSetDef Core_getset[] = {
      "Copies into shared memory below `nontemporal` choose plain or non-temporal stores by measuring them.", NULL},
     {"stores", (getter)Core_get_stores, NULL,
      "(non-temporal, ratio, probes): what measured copies use now, a plain store's time over a non-temporal "
-     "one's averaged over the probes, and the probes made.",
+     "one's (the median of the last three probes), and the probes made.",
      NULL},
     {"polite", (getter)Core_get_polite, (setter)Core_set_polite,
      "None, or a callable: while it returns True, waits poll briefly before sleeping.", NULL},
