@@ -35,8 +35,12 @@ core (or ``--max-ranks``):
 
 ``--steps`` runs some of the steps only (the budget then goes to them). Every rank is bound
 to a core of its own, as ``srun`` and Open MPI's ``mpirun`` place them and as a node with a
-core per rank runs its collectives' spinning waits; ``--bind none`` leaves the ranks unbound
-(MPICH's default), where the node's ranks may move between its cores.
+core per rank runs its collectives' spinning waits; in the steps that train a model
+(``training``, ``pipeline``, ``plan``) to two where the node has two cores a rank, one for
+its compute and one for the engine's thread, as a job asks ``srun --cpus-per-task=2`` for
+(bound to one, the engine's thread could only take turns with backward, never overlap it).
+``--bind none`` leaves the ranks unbound (MPICH's default), where the node's ranks may move
+between its cores.
 
 Every step has a share of ``--budget`` seconds (default 480) and ends at it; what a step
 did not finish is said in the summary, and the steps after it still run. The directory
@@ -136,17 +140,29 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def binding_flags(version: str, bind: str) -> list[str] | None:
-    """The launcher's options that bind each rank to a core of its own (``bind="core"``;
+def binding_flags(version: str, bind: str, cores: int = 1) -> list[str] | None:
+    """The launcher's options that bind each rank to ``cores`` cores of its own (``bind="core"``;
     ranks past the cores share them) or leave the ranks unbound (``"none"``), given the
     text its ``--version`` prints: MPICH's Hydra binds nothing unless told, Open MPI binds by
     default and refuses more ranks than cores bound unless allowed. None where the launcher
     is neither: it then runs as it chooses."""
     if "HYDRA" in version:
-        return ["-bind-to", "core"] if bind == "core" else []
+        if bind != "core":
+            return []
+        return ["-bind-to", f"core:{cores}" if cores > 1 else "core"]
     if "Open MPI" in version or "OpenRTE" in version:
+        if bind == "core" and cores > 1:
+            return ["--map-by", f"slot:PE={cores}", "--bind-to", "core"]
         return ["--bind-to", "core:overload-allowed" if bind == "core" else "none"]
     return None
+
+
+def model_cores(ranks: int, cores: int) -> int:
+    """Cores to bind each of ``ranks`` ranks to in a step that trains a model on a node of
+    ``cores``: two where the node has them, one for the rank's compute thread and one for the
+    engine's (the thread that runs its collectives while backward goes on), as a job asks
+    ``srun --cpus-per-task=2`` for; else one."""
+    return 2 if cores >= 2 * ranks else 1
 
 
 class Runner:
@@ -154,50 +170,70 @@ class Runner:
     every rank bound to a core (``bind="core"``), as ``srun`` and Open MPI's ``mpirun`` place
     them by default, or left unbound (``"none"``)."""
 
-    def __init__(self, out: Path, budget: float, bind: str = "core") -> None:
+    def __init__(self, out: Path, budget: float, bind: str = "core", cores: int = 1) -> None:
         self.raw = out / "raw"
         self.raw.mkdir(parents=True, exist_ok=True)
         self.deadline = time.monotonic() + budget
         self.runs: list[dict[str, Any]] = []
+        self.cores = cores
+        """The cores this node's ranks may use."""
         exe = Path(sys.executable).parent / "mpiexec"
         self.mpiexec = str(exe) if exe.exists() else (shutil.which("mpiexec") or "mpiexec")
         try:
-            version = subprocess.run(
+            self.version = subprocess.run(
                 [self.mpiexec, "--version"], capture_output=True, text=True, timeout=30, check=False
             ).stdout
         except (OSError, subprocess.TimeoutExpired):
-            version = ""
-        flags = binding_flags(version, bind)
-        self.flags = flags or []
-        """What every command passes the launcher before ``-n``."""
+            self.version = ""
+        self.bind = bind
+        flags = binding_flags(self.version, bind)
         # how the ranks were placed, in words, for the summary
         if flags is None:
             self.binding = (
                 f"as the launcher places them (neither MPICH's Hydra nor Open MPI: --bind {bind} not applied)"
             )
         elif bind == "core":
-            self.binding = f"each rank bound to a core (mpiexec {' '.join(flags)})"
+            two = " ".join(binding_flags(self.version, bind, 2) or [])
+            self.binding = (
+                f"each rank bound to a core (mpiexec {' '.join(flags)}); where the node has two cores a rank, "
+                f"each rank of a step that trains a model to two (mpiexec {two}), one for its compute "
+                "and one for the engine's thread"
+            )
         else:
             self.binding = "unbound"
+
+    def flags(self, cores: int = 1) -> list[str]:
+        """What a command whose ranks each get ``cores`` cores passes the launcher before ``-n``."""
+        return binding_flags(self.version, self.bind, cores) or []
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
 
-    def run(self, name: str, ranks: int, args: list[str], limit: float, env: dict[str, str] | None = None) -> bool:
+    def run(
+        self,
+        name: str,
+        ranks: int,
+        args: list[str],
+        limit: float,
+        env: dict[str, str] | None = None,
+        model: bool = False,
+    ) -> bool:
         """``mpiexec [binding] -n ranks python -m args`` with its output in ``raw/name.txt``, for at most
         ``limit`` seconds (and never past the deadline), with ``env`` added to the
-        environment; True when it ended well."""
+        environment; each rank bound to :func:`model_cores` cores where the command trains a
+        model (``model``), else to one; True when it ended well."""
         limit = min(limit, self.left())
+        flags = self.flags(model_cores(ranks, self.cores) if model else 1)
         entry: dict[str, Any] = {
             "name": name,
             "ranks": ranks,
-            "command": " ".join(["mpiexec", *self.flags, "-n", str(ranks), "python", "-m", *args]),
+            "command": " ".join(["mpiexec", *flags, "-n", str(ranks), "python", "-m", *args]),
         }
         self.runs.append(entry)
         if limit < 5:
             entry["status"] = "skipped: the budget was spent"
             return False
-        cmd = [self.mpiexec, *self.flags, "-n", str(ranks), sys.executable, "-m", *args]
+        cmd = [self.mpiexec, *flags, "-n", str(ranks), sys.executable, "-m", *args]
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
         t0 = time.monotonic()
         with open(self.raw / f"{name}.txt", "w", encoding="utf-8") as log:
@@ -435,8 +471,9 @@ def _plan_lines(report: dict[str, Any]) -> list[str]:
         return lines + ["- did not finish (see below)"]
     cal = got["calibration"]
     lines.append(
-        f"- measured here: compute {cal['gpu']['peak'] / 1e9:.1f} GFLOP/s a rank and {cal['gpu']['overhead'] * 1e6:.0f} "
-        f"us a layer pass, a call {cal['call_overhead'] * 1e3:.2f} ms beside its link, contention "
+        f"- measured here: compute {cal['gpu']['peak'] / 1e9:.1f} GFLOP/s a rank and "
+        f"{cal['gpu']['overhead'] * 1e6:.0f} us a layer pass, a call {cal['call_overhead'] * 1e3:.2f} ms "
+        "beside its link, contention "
         f"{cal['contention']:.2f} ({cal['gpus']} ranks on {cal['cores_per_node']} cores)"
     )
     for row in got["rows"]:
@@ -618,6 +655,7 @@ def _training(r: Runner, counts: list[int], args: argparse.Namespace, got: dict[
             n,
             ["benchmarks.train_throughput", "--models", "mlp", *steps, "--json", str(r.raw / f"{name}.json")],
             _each(end, train, n),
+            model=True,
         )
         got["training"][str(n)] = r.load(name) or []
 
@@ -636,6 +674,7 @@ def _pipeline(r: Runner, args: argparse.Namespace, got: dict[str, Any], end: flo
             str(r.raw / "pipeline_np2.json"),
         ],
         end - time.monotonic(),
+        model=True,
     )
     got["pipeline"] = r.load("pipeline_np2") or []
 
@@ -646,7 +685,13 @@ def _plan(r: Runner, counts: list[int], args: argparse.Namespace, got: dict[str,
     tiny = ["--n-layer", "2", "--d-model", "32", "--n-head", "2", "--block-size", "16", "--batch-size", "4"]
     grids = ["--grids", "2x1x1,1x1x2" if n == 2 else "2x2x1,1x2x2,2x1x2"]
     steps = [*tiny, *grids, "--chunks", "2", "--steps", "1"] if args.quick else ["--steps", "3"]
-    r.run(name, n, ["benchmarks.plan_check", *steps, "--json", str(r.raw / f"{name}.json")], end - time.monotonic())
+    r.run(
+        name,
+        n,
+        ["benchmarks.plan_check", *steps, "--json", str(r.raw / f"{name}.json")],
+        end - time.monotonic(),
+        model=True,
+    )
     got["plan"] = r.load(name)
 
 
@@ -722,7 +767,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     info = machine()
     counts = rank_counts(info["cores"] or 2, args.max_ranks)
-    r = Runner(out, args.budget, args.bind)
+    r = Runner(out, args.budget, args.bind, info["cores"] or 2)
     got = _steps(r, counts, args, info.get("gpus", 0))
     report = {
         "machine": info,

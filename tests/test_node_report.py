@@ -12,8 +12,10 @@ import pytest
 
 from benchmarks.node_report import (
     BAR,
+    Runner,
     binding_flags,
     crossover,
+    model_cores,
     rank_counts,
     single_copy_line,
     summarize,
@@ -66,8 +68,10 @@ def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_f
     report = json.loads((tmp_path / "report.json").read_text())
     summary = (tmp_path / "summary.md").read_text()
     assert report["rank_counts"] == [2] and all(r["status"] == "ok" for r in report["runs"])
-    # every rank bound to a core of its own (the wheel's MPICH is Hydra), as the summary says
-    assert report["binding"] == "each rank bound to a core (mpiexec -bind-to core)"
+    # every rank bound to a core of its own (the wheel's MPICH is Hydra), as the summary says;
+    # two cores cannot give each of two training ranks two
+    assert report["binding"].startswith("each rank bound to a core (mpiexec -bind-to core); ")
+    assert "to two (mpiexec -bind-to core:2)" in report["binding"]
     assert all(r["command"].startswith("mpiexec -bind-to core -n ") for r in report["runs"])
     assert f"Ranks: {report['binding']}." in summary
     # every collective's worst small ratio, recomputed from the benchmark's own JSON
@@ -119,6 +123,24 @@ def test_ranks_are_bound_to_a_core_each_by_the_launchers_own_option():
     assert binding_flags("mpirun (OpenRTE) 4.1.5\n", "none") == ["--bind-to", "none"]
     assert binding_flags("Intel(R) MPI Library for Linux* OS, Version 2021.9\n", "core") is None
     assert binding_flags("", "core") is None  # no launcher answered
+    # a training rank's compute thread and its engine's thread, on two cores of its own
+    assert binding_flags(hydra, "core", 2) == ["-bind-to", "core:2"] and binding_flags(hydra, "none", 2) == []
+    assert binding_flags(ompi, "core", 2) == ["--map-by", "slot:PE=2", "--bind-to", "core"]
+    assert binding_flags(ompi, "none", 2) == ["--bind-to", "none"]
+    assert [model_cores(n, 16) for n in (2, 4, 8, 9, 16)] == [2, 2, 2, 1, 1]
+    assert model_cores(2, 2) == 1
+
+
+def test_a_model_step_on_a_node_with_two_cores_a_rank_binds_each_rank_to_two(tmp_path):
+    r = Runner(tmp_path, 120, "core", cores=4)
+    assert r.run("model", 2, ["platform"], 60, model=True)  # Hydra takes the option and runs
+    assert r.run("collective", 2, ["platform"], 60)
+    assert r.run("crowded", 3, ["platform"], 60, model=True)
+    model, collective, crowded = (e["command"] for e in r.runs)
+    assert model == "mpiexec -bind-to core:2 -n 2 python -m platform"
+    assert collective == "mpiexec -bind-to core -n 2 python -m platform"
+    assert crowded == "mpiexec -bind-to core -n 3 python -m platform"
+    assert Runner(tmp_path, 120, "none", cores=4).flags(2) == []
 
 
 def test_a_budget_too_small_for_a_step_skips_it_and_says_so(tmp_path):
