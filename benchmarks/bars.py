@@ -69,7 +69,8 @@ def measure(comm: MPI.Comm, bench: str, names: list[str], sizes: list[int], roun
         if (plan := iterations(bench, size, comm.size)) is None:
             continue
         iters, skip = plan
-        cont = {name: osu.make_contender(bench, name, comm, size, dtype) for name in names}
+        bufs = osu.contender_buffers(bench, comm, size, dtype)
+        cont = {name: osu.make_contender(bench, name, comm, size, dtype, buffers=bufs) for name in names}
         ok = {name: cont[name].check() for name in names}
         per: dict[str, list[float]] = {name: [] for name in names}
         for k in range(rounds):

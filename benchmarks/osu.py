@@ -227,31 +227,46 @@ def use_gpu() -> str | None:
     return None
 
 
-def make_contender(
-    bench: str, name: str, comm: MPI.Comm, size: int, dtype: np.dtype, device: str = "host"
-) -> Contender:
-    """Buffers and the call for ``name`` running ``bench`` with OSU's ``size`` (bytes);
-    ``device="cuda"``: the buffers on this rank's GPU."""
+def contender_buffers(
+    bench: str, comm: MPI.Comm, size: int, dtype: np.dtype
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """This rank's input, output (its input for a broadcast) and expected output of ``bench``
+    at OSU's ``size`` (bytes), in ordinary memory. Contenders compared side by side share one
+    set (:func:`make_contender`'s ``buffers``): where the allocator puts an array, on huge
+    pages or in the heap's reused 4 KiB ones, moves every library's copies alike (a 4 MiB
+    allgather at 2 ranks, MPI's and hpcdl's, took 1.5-1.8 x as long on 4 KiB pages as on
+    huge ones on the reference machine: ``benchmarks.pages``), so with a set each, a ratio
+    would measure the arrays' placement as much as the libraries."""
     n, r = comm.size, comm.rank
-    item = dtype.itemsize
-    count = size // item
+    count = size // dtype.itemsize
     if bench == "reduce_scatter":
         block = count // n
         x = _inputs(r, block * n, dtype)
-        want = _expected(bench, n, block * n, dtype)[r * block : (r + 1) * block]
-        out = np.empty(block, dtype)
-    elif bench == "allgather":
-        x = _inputs(r, count, dtype)
-        want = np.concatenate([_inputs(q, count, dtype) for q in range(n)])
-        out = np.empty(count * n, dtype)
-    elif bench == "bcast":
-        x = _inputs(r, count, dtype)
-        want = _inputs(0, count, dtype)
-        out = x
-    else:
-        x = _inputs(r, count, dtype)
-        want = _expected(bench, n, count, dtype)
-        out = np.empty(count, dtype)
+        return x, np.empty(block, dtype), _expected(bench, n, block * n, dtype)[r * block : (r + 1) * block]
+    x = _inputs(r, count, dtype)
+    if bench == "allgather":
+        return x, np.empty(count * n, dtype), np.concatenate([_inputs(q, count, dtype) for q in range(n)])
+    if bench == "bcast":
+        return x, x, _inputs(0, count, dtype)
+    return x, np.empty(count, dtype), _expected(bench, n, count, dtype)
+
+
+def make_contender(
+    bench: str,
+    name: str,
+    comm: MPI.Comm,
+    size: int,
+    dtype: np.dtype,
+    device: str = "host",
+    buffers: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+) -> Contender:
+    """Buffers and the call for ``name`` running ``bench`` with OSU's ``size`` (bytes);
+    ``device="cuda"``: the buffers on this rank's GPU. ``buffers``: the ordinary arrays
+    (:func:`contender_buffers`) it shares with the other contenders of the same size (a set
+    of its own where None); a window contender and a device one copy them where they run."""
+    r = comm.rank
+    count = size // dtype.itemsize
+    x, out, want = buffers if buffers is not None else contender_buffers(bench, comm, size, dtype)
     if name in ("window", "window_inplace"):  # buffers from collectives.empty: read in place
         x, out = _in_window(x, comm), (None if out is x else _in_window(out, comm))
         out = x if out is None or (name == "window_inplace" and bench == "allreduce") else out
@@ -455,7 +470,8 @@ def run(
         if args.bench == "reduce_scatter" and size // dtype.itemsize < comm.size:
             continue  # fewer elements than ranks: nothing to scatter
         iters, skip = iterations(args, size, (1000, 200), (100, 10))
-        cont = {name: make_contender(args.bench, name, comm, size, dtype, args.accelerator) for name in names}
+        bufs = contender_buffers(args.bench, comm, size, dtype)
+        cont = {name: make_contender(args.bench, name, comm, size, dtype, args.accelerator, bufs) for name in names}
         per: dict[str, list[dict[str, float]]] = {name: [] for name in names}
         for k in range(rounds):
             order = names[k % len(names) :] + names[: k % len(names)]

@@ -51,9 +51,10 @@ def measure(comm: MPI.Comm, bench: str, sizes: list[int], rounds: int, nt_bytes:
         if (plan := iterations(bench, size, comm.size)) is None:
             continue
         iters, skip = plan
+        bufs = osu.contender_buffers(bench, comm, size, np.dtype(np.float32))
         cont = {
-            "nt": osu.make_contender(bench, "auto", comm, size, np.dtype(np.float32)),
-            "mpi": osu.make_contender(bench, "mpi", comm, size, np.dtype(np.float32)),
+            "nt": osu.make_contender(bench, "auto", comm, size, np.dtype(np.float32), buffers=bufs),
+            "mpi": osu.make_contender(bench, "mpi", comm, size, np.dtype(np.float32), buffers=bufs),
         }
         cont["plain"] = cont["auto"] = cont["nt"]
         names = list(setting)

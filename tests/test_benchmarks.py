@@ -62,6 +62,35 @@ def test_validation_fails_on_every_rank_when_a_result_is_wrong(bench):
     assert not c.check()
 
 
+@pytest.mark.parametrize("bench", osu.COLLECTIVES)
+def test_contenders_sharing_one_set_of_arrays_each_get_the_right_result(bench):
+    bufs = osu.contender_buffers(bench, WORLD, 4096, np.dtype(np.float32))
+    x0 = bufs[0].copy()
+    names = ["auto", "mpi", "window", "auto"]  # in turn on the same input and output
+    cont = [osu.make_contender(bench, name, WORLD, 4096, np.dtype(np.float32), buffers=bufs) for name in names]
+    assert all(c.check() for c in cont) and all(c.check() for c in cont[::-1])
+    if bench != "bcast":  # which writes the root's data into every rank's input
+        assert np.array_equal(bufs[0], x0), "a call on the shared arrays changed the input"
+
+
+def test_the_pages_benchmark_gives_mpi_and_auto_the_same_arrays_of_each_kind(capsys):
+    from benchmarks import pages
+
+    like = np.arange(300000, dtype=np.float32)
+    got = {place: pages.placed(like, place, WORLD) for place in pages.PLACES}
+    for place, a in got.items():
+        assert np.array_equal(a, like) and C.is_shared(a) == (place == "window"), place
+    assert got["huge"].ctypes.data % (2 << 20) == 0 and got["4k"].ctypes.data % (2 << 20) == 0
+    assert pages.huge_share(got["4k"]) == 0.0 and pages.huge_share(got["window"]) == 0.0
+    assert 0.0 <= pages.huge_share(got["huge"]) <= 1.0  # 1 where the kernel gives huge pages
+    rows = pages.measure(WORLD, "allgather", [4096, 1 << 20], 1)
+    assert [(r["size"], r["place"]) for r in rows] == [(s, p) for s in (4096, 1 << 20) for p in pages.PLACES]
+    assert all(r["valid"] and r["mpi"] > 0 and r["auto"] > 0 for r in rows)
+    text = pages.table("allgather", rows, WORLD.size)
+    h, k = rows[3], rows[4]  # 1 MiB, huge and 4k
+    assert f"# 1048576 B: 4k / huge: mpi {k['mpi'] / h['mpi']:.2f}, auto {k['auto'] / h['auto']:.2f};" in text
+
+
 def test_text_output_is_the_osu_format_and_parses_as_osu_parsers_read_it():
     args = osu.parse_args("allreduce", ["-m", "1:32", "-i", "4", "-x", "2", "-f", "-c"])
     rows = osu.run(args)
@@ -194,6 +223,8 @@ def test_options_the_tuner_refuses_are_refused(argv, text, capsys):
         ("small_calls", ["--collectives", "allreduce,scan"], "--collectives takes allreduce, broadcast and allgather"),
         ("device_sync", ["--rounds", "0"], "--rounds 0: must be at least 1"),
         ("stores", ["--rounds", "0"], "--rounds 0: must be at least 1"),
+        ("pages", ["--rounds", "0"], "--rounds 0: must be at least 1"),
+        ("pages", ["--collectives", "allreduce,scan"], "--collectives takes allgather, allreduce, bcast"),
         pytest.param(
             "device_sync",
             ["--sizes", "4"],
