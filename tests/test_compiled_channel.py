@@ -248,12 +248,12 @@ def test_non_temporal_stores_move_the_same_bytes(comms):
         nt.Free()
 
 
-def _note_everywhere(core, plain, nt, rank=None) -> None:
-    """``rank`` (every rank where None) notes a probe's times; then every rank reads the
-    ranks' calls again."""
+def _note_everywhere(core, plain, nt, rank=None, staged=False) -> None:
+    """``rank`` (every rank where None) notes a probe's times into the slots (``staged``: the
+    chunk buffers); then every rank reads the ranks' calls again."""
     WORLD.Barrier()
     if rank is None or ME == rank:
-        core.note_stores(plain, nt)
+        core.note_stores(plain, nt, staged)
     WORLD.Barrier()
     core.note_stores(0, 0)
     WORLD.Barrier()
@@ -294,6 +294,31 @@ def test_measured_stores_turn_non_temporal_on_every_rank_once_one_rank_measures_
         for _ in range(3):
             _note_everywhere(ch.core, 1.0, 1.0)
         assert not ch.core.stores[0], "plain again below the lower bound"
+        # the chunk buffers are measured apart, with their own, lower bounds (2 and 1.6)
+        for _ in range(3):  # the allreduces above probed them: plain, whatever those measured
+            _note_everywhere(ch.core, 1.0, 1.0, staged=True)
+        staged = ch.core.staged_stores
+        for _ in range(3):
+            _note_everywhere(ch.core, 2.5, 1.0)
+        assert not ch.core.stores[0] and not ch.core.staged_stores[0], "2.5 x is no call for the slots'"
+        for _ in range(2):
+            _note_everywhere(ch.core, 2.5, 1.0, rank=last, staged=True)
+        assert ch.core.staged_stores[0] and not ch.core.stores[0], "nor is the chunk buffers' call the slots'"
+        if ME == last:
+            assert abs(ch.core.staged_stores[1] - 2.5) < 0.01 and ch.core.staged_stores[2] == staged[2] + 2
+        for _ in range(3):  # between the two bounds: the choice stands
+            _note_everywhere(ch.core, 1.8, 1.0, rank=last, staged=True)
+        assert ch.core.staged_stores[0]
+        got = C.allreduce(xs[ME], comm=fast)  # staged through the chunk buffers non-temporally
+        assert digest(got) == digest(C.allreduce(xs[ME], comm=slow))
+        for _ in range(3):
+            _note_everywhere(ch.core, 1.0, 1.0, staged=True)
+        assert not ch.core.staged_stores[0], "plain again below the chunk buffers' lower bound"
+        # a chunked allreduce probes its staging, one probe a MiB of copies of 32 KiB or more
+        before = ch.core.staged_stores[2]
+        for _ in range(4):
+            C.allreduce(np.ones(4 * ch.chunk // 4, np.float32), comm=fast)
+        assert ch.core.staged_stores[2] > before or ch.region < 32 << 10
         ch.core.measured = False
         _note_everywhere(ch.core, 100.0, 1.0)
         _note_everywhere(ch.core, 100.0, 1.0)
@@ -301,6 +326,7 @@ def test_measured_stores_turn_non_temporal_on_every_rank_once_one_rank_measures_
     finally:
         for _ in range(3):
             _note_everywhere(ch.core, 1.0, 1.0)
+            _note_everywhere(ch.core, 1.0, 1.0, staged=True)
         ch.core.measured = ch.measured_stores
 
 

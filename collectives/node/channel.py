@@ -18,8 +18,9 @@ reached it. ``done`` counts the allreduces that finish in two steps through the 
 data, and publishes the call there; the peers copy the block once it is. ``streamed``
 counts the pieces of a broadcast or allgather streamed through a slot (:meth:`Channel.stream`,
 :meth:`Channel.gather`), and ``taken`` the rounds of an allgather's pieces a rank has copied out.
-``stores`` is 1 while the compiled loop's measured stores call for non-temporal ones on
-that rank (:attr:`Channel.measured_stores`): every rank then takes them.
+``stores`` has bit 0 set while the compiled loop's measured stores into the slots call for
+non-temporal ones on that rank, bit 1 while those into the chunk buffers do
+(:attr:`Channel.measured_stores`): every rank then takes them there.
 Loads and stores are ordered by the window's ``MPI_Win_sync`` around every publication.
 
 A rank waiting for a peer's counter polls it a while (:data:`SPIN` polls when every rank
@@ -181,9 +182,10 @@ def nontemporal_bytes(setting: int, caches: list[dict[str, int]]) -> int:
     non-temporal store does. Where sysfs says nothing, or names one cache (a VM may move its
     virtual CPUs between cores that share one and cores that do not while its caches name
     one), the compiled loop measures: each rank times plain and non-temporal stores in its
-    own copies now and then, and every rank takes non-temporal ones while plain ones take
-    several times as long on any rank (:attr:`Channel.measured_stores`,
-    :attr:`.cslots.Core.stores`)."""
+    own copies now and then, into the slots and into the chunk buffers apart, and every
+    rank takes non-temporal ones into either while plain ones take several times as long
+    there on any rank (:attr:`Channel.measured_stores`, :attr:`.cslots.Core.stores`,
+    :attr:`.cslots.Core.staged_stores`)."""
     if setting >= 0:
         return setting
     if any(not c for c in caches):

@@ -97,6 +97,20 @@ enum { F16 = 0, BF16 = 1, F32 = 2, F64 = 3, I8 = 4, I16 = 5, I32 = 6, I64 = 7, U
 /* the op codes taken by reduce */
 enum { OP_SUM = 0, OP_AVG = 1, OP_MIN = 2, OP_MAX = 3, OP_PROD = 4 };
 
+/* Measured stores of one kind of destination (Core.kinds; see copy_measured). */
+typedef struct {
+    double logs[3];   /* the last three probes' logs of a plain store's time over a non-temporal one's */
+    double log_ratio; /* their median (their mean before the third) */
+    int64_t probes;   /* probes made */
+    int64_t due;      /* measured bytes still to copy before the next probe */
+    int own;          /* this rank's own call, from its probes */
+    int nt;           /* the choice: non-temporal from NONTEMPORAL_BYTES (this rank's or a peer's call) */
+} Stores;
+
+#define SLOTS 0  /* a call's slots: data a peer copies out at once */
+#define STAGED 1 /* the chunk buffers a chunked call stages its input through (Core.put) */
+#define KINDS 2
+
 typedef struct {
     PyObject_HEAD int n, me;
     int64_t **seqs;     /* n */
@@ -105,7 +119,7 @@ typedef struct {
     int64_t **dones;    /* n: the last call whose reduced block the rank published (split allreduces) */
     int64_t **streams;  /* n: seq << STREAM_SHIFT | pieces the rank has streamed in or out (broadcasts) */
     int64_t **takes;    /* n: seq << STREAM_SHIFT | rounds of its peers' pieces the rank has copied out (allgathers) */
-    int64_t **stores;   /* n: 1 while the rank's measured stores call for non-temporal ones (copy_measured) */
+    int64_t **stores;   /* n: bit k set while the rank's measured stores of kind k call for non-temporal ones */
     int64_t stall_ns;   /* a wait for one peer ends in a stall error after this long (0: never) */
     PyObject *stalled;  /* raises the stall's error */
     int64_t **heads;    /* 2n: rank r, slot p at 2r + p */
@@ -115,12 +129,7 @@ typedef struct {
     Py_ssize_t nt_bcast;     /* and a broadcast root's (0: never) */
     Py_ssize_t out_nt_bytes; /* and copies out of it, into messages of this many bytes (0: never) */
     int measured;            /* copies into shared memory below nt_bytes choose their stores by measurement */
-    int measured_nt;         /* the choice: non-temporal from NONTEMPORAL_BYTES (this rank's or a peer's call) */
-    int own_nt;              /* this rank's own call, from its probes */
-    double store_logs[3];    /* the last three probes' logs of a plain store's time over a non-temporal one's */
-    double store_log_ratio;  /* their median (their mean before the third) */
-    int64_t probes;          /* probes made */
-    int64_t probe_due;       /* measured bytes still to copy before the next probe */
+    Stores kinds[KINDS];     /* the measured stores of each kind of destination (copy_measured) */
     Py_ssize_t cma_bytes;    /* allgathers from this many bytes per rank read the sender's memory (0: never) */
     Py_ssize_t cma_bcast;    /* and broadcasts (0: never) */
     Py_ssize_t *pids;        /* n: every rank's process id (cross-memory attach) */
@@ -200,56 +209,64 @@ static inline uint64_t ticks(void) { return (uint64_t)now_ns(); }
 
 /* Measured stores. Where the node's caches do not say whether its ranks share a last-level
  * cache (a VM may move its virtual CPUs between cores that do and cores that do not), each
- * rank measures its own copies into shared memory. Once per PROBE_PLAIN bytes of copies of
- * at least 2 * PROBE_BYTES (PROBE_NT while it uses non-temporal stores, where the plain
- * half of a probe is the slow one), it writes a copy's first PROBE_BYTES with plain stores
- * and the next with non-temporal ones (the other order every other time), timed. The
- * median ratio of the two times over the last three probes chooses the stores of its
- * copies from NONTEMPORAL_BYTES: non-temporal once plain ones take NT_ABOVE times as long,
- * plain again below PLAIN_BELOW. On the 2-vCPU reference VM, 16 KiB of plain stores into
- * lines a peer read took 5-23 times as long as non-temporal ones on one of the ranks while
- * its cores shared no cache, and 0.5-3 times while they did, where plain stores leave the
- * data in the cache the peer reads it from. The stores change only the time a copy takes, never its
- * bytes. */
+ * rank measures its own copies into shared memory, for each kind of destination apart: a
+ * call's slots (SLOTS) and the chunk buffers a chunked call stages through (STAGED). Once
+ * per PROBE_PLAIN bytes of copies of at least 2 * PROBE_BYTES of a kind (PROBE_NT while it
+ * uses non-temporal stores, where the plain half of a probe is the slow one), it writes a
+ * copy's first PROBE_BYTES with plain stores and the next with non-temporal ones (the other
+ * order every other time), timed. The median ratio of the two times over the kind's last
+ * three probes chooses the stores of its copies from NONTEMPORAL_BYTES: non-temporal once
+ * plain ones take NT_ABOVE times as long, plain again below PLAIN_BELOW. On the 2-vCPU
+ * reference VM, 16 KiB of plain stores into slot lines a peer read took 5-23 times as long
+ * as non-temporal ones on one of the ranks while its cores shared no cache, and 0.5-3 times
+ * while they did, where plain stores leave the data in the cache the peer reads it from;
+ * into the chunk buffers, 2.2-5.7 times against 0.4-1.7, and there non-temporal stores
+ * took a 16 MiB allreduce from 8000-10000 to 5500-6400 us where the cores shared no cache,
+ * and from 2500-2700 to 2700-2900 where they did. The stores change only the time a copy
+ * takes, never its bytes. */
 #define PROBE_BYTES (16 << 10)
 #define PROBE_PLAIN (1 << 20)
 #define PROBE_NT (4 << 20)
 #define NONTEMPORAL_BYTES 4096
-#define NT_ABOVE 5.0
-#define PLAIN_BELOW 3.5
+static const double NT_ABOVE[KINDS] = {5.0, 2.0};
+static const double PLAIN_BELOW[KINDS] = {3.5, 1.6};
 
-/* One probe's times (ticks) of PROBE_BYTES of plain and of non-temporal stores: taken
- * into the median, this rank's call published in its stores word, and the choice taken from every
- * rank's word: every rank takes non-temporal stores while any calls for them, since a rank
- * whose own plain stores measure no slower (the cores' traffic need not be symmetric)
- * still writes lines its peers hold. */
-static void note_probe(Core *c, double plain, double nt) {
+/* One probe's times (ticks) of PROBE_BYTES of plain and of non-temporal stores into a
+ * destination of `kind`: taken into the kind's median, this rank's calls published in its
+ * stores word (bit `kind`), and each kind's choice taken from every rank's word: every
+ * rank takes non-temporal stores while any calls for them, since a rank whose own plain
+ * stores measure no slower (the cores' traffic need not be symmetric) still writes lines
+ * its peers hold. Times of 0 note nothing and only read the peers' calls again. */
+static void note_probe(Core *c, int kind, double plain, double nt) {
+    Stores *st = &c->kinds[kind];
     if (nt > 0 && plain > 0) {
         /* the median of the last three ratios: a probe the scheduler interrupted (ranks
          * sharing cores) moves nothing, and two of a new kind turn the choice */
-        double *h = c->store_logs;
-        h[c->probes % 3] = log(plain / nt);
-        c->probes++;
-        if (c->probes < 3)
-            c->store_log_ratio = c->probes == 1 ? h[0] : 0.5 * (h[0] + h[1]);
+        double *h = st->logs;
+        h[st->probes % 3] = log(plain / nt);
+        st->probes++;
+        if (st->probes < 3)
+            st->log_ratio = st->probes == 1 ? h[0] : 0.5 * (h[0] + h[1]);
         else
-            c->store_log_ratio = fmax(fmin(h[0], h[1]), fmin(fmax(h[0], h[1]), h[2]));
-        if (c->store_log_ratio > log(NT_ABOVE))
-            c->own_nt = 1;
-        else if (c->store_log_ratio < log(PLAIN_BELOW))
-            c->own_nt = 0;
+            st->log_ratio = fmax(fmin(h[0], h[1]), fmin(fmax(h[0], h[1]), h[2]));
+        if (st->log_ratio > log(NT_ABOVE[kind]))
+            st->own = 1;
+        else if (st->log_ratio < log(PLAIN_BELOW[kind]))
+            st->own = 0;
     }
-    if (load(c->stores[c->me]) != c->own_nt)
-        store(c->stores[c->me], c->own_nt);
-    int any = 0;
-    for (int r = 0; r < c->n; r++) any |= load(c->stores[r]) != 0;
-    c->measured_nt = any;
+    int64_t word = 0, any = 0;
+    for (int k = 0; k < KINDS; k++) word |= (int64_t)c->kinds[k].own << k;
+    if (load(c->stores[c->me]) != word)
+        store(c->stores[c->me], word);
+    for (int r = 0; r < c->n; r++) any |= load(c->stores[r]);
+    for (int k = 0; k < KINDS; k++) c->kinds[k].nt = (int)((any >> k) & 1);
 }
 
-static void copy_measured(Core *c, char *dst, const char *src, size_t len, int probe) {
-    if (probe && len >= 2 * PROBE_BYTES && (c->probe_due -= (int64_t)len) < 0) {
-        c->probe_due = c->measured_nt ? PROBE_NT : PROBE_PLAIN;
-        int nt_first = (int)(c->probes & 1);
+static void copy_measured(Core *c, char *dst, const char *src, size_t len, int kind) {
+    Stores *st = &c->kinds[kind];
+    if (len >= 2 * PROBE_BYTES && (st->due -= (int64_t)len) < 0) {
+        st->due = st->nt ? PROBE_NT : PROBE_PLAIN;
+        int nt_first = (int)(st->probes & 1);
         uint64_t t0, t1, t2;
         fence(); /* earlier stores out of the way of the timing */
         t0 = ticks();
@@ -265,32 +282,28 @@ static void copy_measured(Core *c, char *dst, const char *src, size_t len, int p
             copy_nt(dst + PROBE_BYTES, src + PROBE_BYTES, PROBE_BYTES);
         fence();
         t2 = ticks();
-        note_probe(c, (double)(nt_first ? t2 - t1 : t1 - t0), (double)(nt_first ? t1 - t0 : t2 - t1));
+        note_probe(c, kind, (double)(nt_first ? t2 - t1 : t1 - t0), (double)(nt_first ? t1 - t0 : t2 - t1));
         dst += 2 * PROBE_BYTES;
         src += 2 * PROBE_BYTES;
         len -= 2 * PROBE_BYTES;
     }
-    if (c->measured_nt && len >= NONTEMPORAL_BYTES)
+    if (st->nt && len >= NONTEMPORAL_BYTES)
         copy_nt(dst, src, len);
     else
         memcpy(dst, src, len);
 }
 
-/* Copy len bytes into shared memory that a peer core reads next: non-temporal from `nt`
- * bytes up (0: never; c->nt_bytes, or c->nt_bcast for a broadcast's root), below that by
- * measurement where c->measured (copy_measured), which probes the stores where `probe`. A
- * plain store would first pull each line back from the cache of the peer that read it
- * last, one line at a time: between cores that share no cache (another CCX or socket)
- * several times slower than writing to memory. The chunked algorithms' staging (Core.put)
- * does not probe: its destinations the peers read a chunk earlier, and there plain stores
- * measured about as fast as non-temporal ones on the reference VM however its cores lay,
- * where the slots' showed the difference; the stores the slots' probes choose helped it
- * too. */
-static void copy_shared(Core *c, char *dst, const char *src, size_t len, Py_ssize_t nt, int probe) {
+/* Copy len bytes into shared memory that a peer core reads next, a destination of `kind`
+ * (SLOTS or STAGED): non-temporal from `nt` bytes up (0: never; c->nt_bytes, or
+ * c->nt_bcast for a broadcast's root), below that by the kind's measurement where
+ * c->measured (copy_measured). A plain store would first pull each line back from the
+ * cache of the peer that read it last, one line at a time: between cores that share no
+ * cache (another CCX or socket) several times slower than writing to memory. */
+static void copy_shared(Core *c, char *dst, const char *src, size_t len, Py_ssize_t nt, int kind) {
     if (nt > 0 && len >= (size_t)nt)
         copy_nt(dst, src, len);
     else if (c->measured)
-        copy_measured(c, dst, src, len, probe);
+        copy_measured(c, dst, src, len, kind);
     else
         memcpy(dst, src, len);
 }
@@ -443,7 +456,7 @@ static int copy_object(Core *c, PyObject *obj, char *dst, Py_ssize_t limit, Py_s
         PyErr_Format(PyExc_ValueError, "payload of %zd bytes exceeds the %zd it goes to", view.len, limit);
         rc = -1;
     } else if (view.len && view.buf != dst) {
-        copy_shared(c, dst, view.buf, (size_t)view.len, nt, 1);
+        copy_shared(c, dst, view.buf, (size_t)view.len, nt, SLOTS);
     }
     PyBuffer_Release(&view);
     Py_XDECREF(held);
@@ -695,7 +708,7 @@ static int stream(Core *c, int64_t seq, int root, char *buf, Py_ssize_t nbytes, 
         if (me == root) {
             if (k >= places && wait_all(c, c->streams, base + k - places + 1, 5) < 0)
                 return -1;
-            copy_shared(c, at, from ? from + off : buf + off, (size_t)len, c->nt_bcast, 1);
+            copy_shared(c, at, from ? from + off : buf + off, (size_t)len, c->nt_bcast, SLOTS);
             if (from) { /* published first, then into buf while the piece is in the cache */
                 publish(c, c->streams[me], base + k + 1);
                 copy_out(c, buf + off, from + off, (size_t)len, nbytes);
@@ -739,7 +752,7 @@ static int gather_stream(Core *c, int64_t seq, char *buf, const Py_ssize_t *off,
             Py_ssize_t len = off[me + 1] - off[me] - from < piece ? off[me + 1] - off[me] - from : piece;
             if (k >= places && wait_all(c, c->takes, base + k - places + 1, 6) < 0)
                 return -1;
-            copy_shared(c, c->slots[2 * me + p] + at, mine + from, (size_t)len, c->nt_bytes, 1);
+            copy_shared(c, c->slots[2 * me + p] + at, mine + from, (size_t)len, c->nt_bytes, SLOTS);
             if (src) /* this rank's own piece too, while it is in the cache */
                 copy_out(c, buf + off[me] + from, mine + from, (size_t)len, off[n]);
             publish(c, c->streams[me], base + k + 1);
@@ -1278,7 +1291,7 @@ static PyObject *Core_put(Core *c, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_Format(PyExc_ValueError, "put: %zd bytes into %zd", src.len, dst.len);
     else {
         if (total < 0)
-            copy_shared(c, dst.buf, src.buf, (size_t)src.len, c->nt_bytes, 0);
+            copy_shared(c, dst.buf, src.buf, (size_t)src.len, c->nt_bytes, STAGED);
         else
             copy_out(c, dst.buf, src.buf, (size_t)src.len, total);
         res = Py_NewRef(Py_None);
@@ -1739,18 +1752,21 @@ static PyTypeObject StepType = {
     .tp_dealloc = (destructor)Step_dealloc,
 };
 
-/* core.note_stores(plain, nt): one probe's two times, as a copy's probe notes them */
+/* core.note_stores(plain, nt, staged=False): one probe's two times, as a copy's probe notes them */
 static PyObject *Core_note_stores(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     if (!ready(c))
         return NULL;
-    if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "note_stores(plain, nt)");
+    if (nargs != 2 && nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "note_stores(plain, nt, staged=False)");
         return NULL;
     }
     double plain = PyFloat_AsDouble(args[0]), nt = PyFloat_AsDouble(args[1]);
     if (PyErr_Occurred())
         return NULL;
-    note_probe(c, plain, nt);
+    int staged = nargs == 3 ? PyObject_IsTrue(args[2]) : 0;
+    if (staged < 0)
+        return NULL;
+    note_probe(c, staged ? STAGED : SLOTS, plain, nt);
     Py_RETURN_NONE;
 }
 
@@ -1798,8 +1814,9 @@ static PyMethodDef Core_methods[] = {
      "non-temporal stores from `nontemporal` bytes; given `total`, out of the shared buffer src into a piece of "
      "a message of `total` bytes, with non-temporal stores once it reaches `nontemporal_out`."},
     {"note_stores", (PyCFunction)(void (*)(void))Core_note_stores, METH_FASTCALL,
-     "note_stores(plain, nt): note one probe's times of plain and of non-temporal stores, as a measured copy "
-     "does (0 for either: only take the ranks' calls again)."},
+     "note_stores(plain, nt, staged=False): note one probe's times of plain and of non-temporal stores into the "
+     "slots (staged: the chunk buffers), as a measured copy does (0 for either: only take the ranks' calls "
+     "again)."},
     {"has_kernel", (PyCFunction)(void (*)(void))Core_has_kernel, METH_FASTCALL,
      "has_kernel(dtype, op) -> bool: reduce takes this dtype code and op code."},
     {NULL, NULL, 0, NULL}};
@@ -1821,10 +1838,10 @@ static int Core_set_measured(Core *c, PyObject *v, void *closure) {
     return 0;
 }
 
+/* core.stores, core.staged_stores: what one kind's measured copies use, its ratio and probes */
 static PyObject *Core_get_stores(Core *c, void *closure) {
-    (void)closure;
-    return Py_BuildValue("(Ndn)", PyBool_FromLong(c->measured && c->measured_nt), exp(c->store_log_ratio),
-                         (Py_ssize_t)c->probes);
+    const Stores *st = &c->kinds[closure == NULL ? SLOTS : STAGED];
+    return Py_BuildValue("(Ndn)", PyBool_FromLong(c->measured && st->nt), exp(st->log_ratio), (Py_ssize_t)st->probes);
 }
 
 static PyObject *Core_get_mapped(Core *c, void *closure) {
@@ -1840,9 +1857,12 @@ static PyGetSetDef Core_getset[] = {
     {"measured", (getter)Core_get_measured, (setter)Core_set_measured,
      "Copies into shared memory below `nontemporal` choose plain or non-temporal stores by measuring them.", NULL},
     {"stores", (getter)Core_get_stores, NULL,
-     "(non-temporal, ratio, probes): what measured copies use now, a plain store's time over a non-temporal "
-     "one's (the median of the last three probes), and the probes made.",
+     "(non-temporal, ratio, probes): what measured copies into the slots use now, a plain store's time over a "
+     "non-temporal one's (the median of the last three probes), and the probes made.",
      NULL},
+    {"staged_stores", (getter)Core_get_stores, NULL,
+     "(non-temporal, ratio, probes): the same for the chunk buffers that chunked calls stage through (put).",
+     (void *)"staged"},
     {"polite", (getter)Core_get_polite, (setter)Core_set_polite,
      "None, or a callable: while it returns True, waits poll briefly before sleeping.", NULL},
     {"spin", (getter)Core_get_spin, (setter)Core_set_spin, "Polls (of the Python loop's length) before sleeping.",
