@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import statistics
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -61,15 +62,22 @@ def iterations(bench: str, size: int, ranks: int) -> tuple[int, int] | None:
     return iters, max(2, iters // 10)
 
 
+def sized(
+    comm: MPI.Comm, bench: str, sizes: list[int], dtype: np.dtype
+) -> Iterator[tuple[int, int, int, tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+    """``(size, iters, skip, buffers)`` for each of ``sizes`` that ``bench`` can run: its
+    timed and warm-up iterations (:func:`iterations`) and the ordinary arrays its contenders
+    share (:func:`benchmarks.osu.contender_buffers`)."""
+    for size in sizes:
+        if (plan := iterations(bench, size, comm.size)) is not None:
+            yield size, *plan, osu.contender_buffers(bench, comm, size, dtype)
+
+
 def measure(comm: MPI.Comm, bench: str, names: list[str], sizes: list[int], rounds: int) -> list[dict[str, Any]]:
     """Median (over rounds) of each contender's rank-averaged OSU latency, per size (us)."""
     dtype = np.dtype(np.float32)
     rows = []
-    for size in sizes:
-        if (plan := iterations(bench, size, comm.size)) is None:
-            continue
-        iters, skip = plan
-        bufs = osu.contender_buffers(bench, comm, size, dtype)
+    for size, iters, skip, bufs in sized(comm, bench, sizes, dtype):
         cont = {name: osu.make_contender(bench, name, comm, size, dtype, buffers=bufs) for name in names}
         ok = {name: cont[name].check() for name in names}
         per: dict[str, list[float]] = {name: [] for name in names}

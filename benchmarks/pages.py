@@ -30,7 +30,7 @@ from mpi4py import MPI
 
 import collectives as C
 from benchmarks import osu
-from benchmarks.bars import iterations
+from benchmarks.bars import sized
 from collectives.cli import ArgumentParser, dump_json, parse_size, run_main
 
 PLACES = ("huge", "4k", "window")
@@ -81,11 +81,7 @@ def measure(comm: MPI.Comm, bench: str, sizes: list[int], rounds: int) -> list[d
     arrays' huge-page share (rank 0's) and whether every result was right."""
     dtype = np.dtype(np.float32)
     rows = []
-    for size in sizes:
-        if (plan := iterations(bench, size, comm.size)) is None:
-            continue
-        iters, skip = plan
-        x0, out0, want = osu.contender_buffers(bench, comm, size, dtype)
+    for size, iters, skip, (x0, out0, want) in sized(comm, bench, sizes, dtype):
         cont, share = {}, {}
         for place in PLACES:
             x = placed(x0, place, comm)

@@ -29,7 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 from benchmarks import osu
-from benchmarks.bars import iterations, sizes_by_four
+from benchmarks.bars import sized, sizes_by_four
 from benchmarks.node_report import single_copy_line
 from collectives.cli import ArgumentParser, dump_json, parse_size, run_main
 from collectives.context import get_context
@@ -47,11 +47,7 @@ def measure(comm: MPI.Comm, bench: str, sizes: list[int], rounds: int, nt_bytes:
     own = (ch.nontemporal, ch.nontemporal_broadcast, ch.measured_stores)
     setting = {"nt": (nt_bytes, nt_bytes, False), "plain": (0, 0, False), "auto": own, "mpi": own}
     rows = []
-    for size in sizes:
-        if (plan := iterations(bench, size, comm.size)) is None:
-            continue
-        iters, skip = plan
-        bufs = osu.contender_buffers(bench, comm, size, np.dtype(np.float32))
+    for size, iters, skip, bufs in sized(comm, bench, sizes, np.dtype(np.float32)):
         cont = {
             "nt": osu.make_contender(bench, "auto", comm, size, np.dtype(np.float32), buffers=bufs),
             "mpi": osu.make_contender(bench, "mpi", comm, size, np.dtype(np.float32), buffers=bufs),
