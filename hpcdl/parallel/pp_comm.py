@@ -51,20 +51,8 @@ ACT, GRAD = 1, 2
 
 _DATA, _SHAPE, _ERROR = 0, 1, 2  # the kinds of message on a stream
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32)
-# each dtype's bytes as numpy holds them (bfloat16, which numpy lacks, as int16): torch's
-# own views and reshapes cost microseconds each, numpy's a fraction of one
-_WORDS = dict(zip(_DTYPES, (np.float32, np.float64, np.float16, np.int16, np.int64, np.int32), strict=True))
-
-
-def _bytes_of(t: torch.Tensor) -> np.ndarray:
-    """The bytes of CPU tensor ``t`` (C-contiguous), as a flat uint8 array sharing its memory."""
-    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().reshape(-1).view(np.uint8)
-
-
-def _tensor_of(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A CPU tensor of ``dtype`` and ``shape`` over the bytes ``raw`` (its memory, not a copy)."""
-    t = torch.from_numpy(raw.view(_WORDS[dtype]).reshape(shape))
-    return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+_CODES = {dtype: code for code, dtype in enumerate(_DTYPES)}
+"""Each dtype's code in a SHAPE message."""
 
 
 _DOZE = 50e-6
@@ -93,44 +81,48 @@ class Link:
         self.comm, self.spin = comm, spin
         self.pending: list[MPI.Request] = []
         self._keep: list[Any] = []  # buffers of sends in flight
-        # (peer, stream, slot) -> (dtype, shape) last sent to / received from the peer
-        self._sent: dict[tuple[int, int, int], tuple[torch.dtype, tuple[int, ...]]] = {}
-        self._received: dict[tuple[int, int, int], tuple[torch.dtype, tuple[int, ...]]] = {}
+        # (peer, stream, slot) -> the dtype and shape last sent to / received from the peer
+        self._sent: dict[tuple[int, int, int], tuple[int, torch.Size]] = {}  # by the dtype's code
+        self._received: dict[tuple[int, int, int], tuple[torch.dtype, tuple[int, ...], int]] = {}  # and its bytes
+        self._status = MPI.Status()
         self.headers_sent = 0
         self.messages_sent = 0
 
     def send(self, t: torch.Tensor, dest: int, stream: int, slot: int = 0) -> None:
         """Start sending tensor ``t`` to stage ``dest`` on ``stream`` for micro-batch
         ``slot``, preceded by its dtype and shape when they differ from the last sent there."""
-        if t.dtype not in _DTYPES:
+        code = _CODES.get(t.dtype)
+        if code is None:
             raise TypeError(f"a pipeline stage can pass tensors of {_DTYPES}, not {t.dtype}")
-        data = t.detach()
-        if data.device.type != "cpu":
-            data = data.cpu()
-        if not data.is_contiguous():
-            data = data.contiguous()
-        key, kind = (dest, stream, slot), (t.dtype, tuple(t.shape))
-        if self._sent.get(key) != kind:
-            head = np.array([slot, _DTYPES.index(t.dtype), *t.shape], np.int64)
+        if not t.is_cpu:
+            t = t.detach().cpu()
+        elif not t.is_contiguous():
+            t = t.detach().contiguous()
+        key, shape = (dest, stream, slot), t.shape
+        if self._sent.get(key) != (code, shape):
+            head = np.array([slot, code, *shape], np.int64)
             self._keep.append(head)
             self.pending.append(self.comm.Isend([head, MPI.INT64_T], dest, _tag(stream, _SHAPE)))
-            self._sent[key] = kind
+            self._sent[key] = (code, shape)
             self.headers_sent += 1
-        raw = _bytes_of(data)
-        self._keep += [raw, data]
-        self.pending.append(self.comm.Isend([raw, MPI.BYTE], dest, _tag(stream, _DATA)))
+        # the tensor's bytes where they lie: no numpy view, whose making costs more than the
+        # send itself right after a stage's compute, when little of Python is in the caches
+        self._keep.append(t)
+        self.pending.append(self.comm.Isend(MPI.buffer.fromaddress(t.data_ptr(), t.nbytes), dest, _tag(stream, _DATA)))
         self.messages_sent += 1
 
     def recv(self, source: int, stream: int, slot: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
         """The next tensor from stage ``source`` on ``stream`` (micro-batch ``slot``), on
         ``device`` (the receiving stage's); :class:`~hpcdl.errors.PipelineError` (with the
         failed stage's text) if it sent an error."""
-        status = MPI.Status()
+        status, data = self._status, _tag(stream, _DATA)
         while True:
             if self.spin is not None:
                 self._await(lambda: self.comm.Iprobe(source, MPI.ANY_TAG))
             msg = self.comm.Mprobe(source, MPI.ANY_TAG, status)
-            tag, size = status.Get_tag(), status.Get_count(MPI.BYTE)
+            tag, size = status.tag, status.Get_count()
+            if tag == data:
+                break
             if tag == _tag(stream, _SHAPE):
                 head = np.empty(size // 8, np.int64)
                 msg.Recv([head, MPI.INT64_T])
@@ -138,26 +130,25 @@ class Link:
                     raise RuntimeError(
                         f"stage {source} sent the shape of micro-batch {int(head[0])} where {slot} was due"
                     )
-                self._received[(source, stream, slot)] = (_DTYPES[int(head[1])], tuple(int(d) for d in head[2:]))
+                dtype, shape = _DTYPES[int(head[1])], tuple(int(d) for d in head[2:])
+                self._received[(source, stream, slot)] = (dtype, shape, math.prod(shape) * dtype.itemsize)
                 continue
-            if tag != _tag(stream, _DATA):
-                text = bytearray(size)
-                msg.Recv([text, MPI.BYTE])
-                if tag == _tag(stream, _ERROR):
-                    raise PipelineError(text.decode(errors="replace"))
-                raise RuntimeError(f"stage {source} sent a message with tag {tag}, not one of stream {stream}")
-            known = self._received.get((source, stream, slot))
-            want = -1 if known is None else math.prod(known[1]) * known[0].itemsize
-            if want != size:
-                msg.Recv([bytearray(size), MPI.BYTE])
-                raise RuntimeError(
-                    f"stage {source} sent {size} bytes for micro-batch {slot} on stream {stream}, where the "
-                    f"shape agreed was {'none' if known is None else f'{known[0]} {list(known[1])}'}"
-                )
-            raw = np.empty(size, np.uint8)
-            msg.Recv([raw, MPI.BYTE])
-            out = _tensor_of(raw, *known)
-            return out if device == "cpu" or getattr(device, "type", None) == "cpu" else out.to(device)
+            text = bytearray(size)
+            msg.Recv([text, MPI.BYTE])
+            if tag == _tag(stream, _ERROR):
+                raise PipelineError(text.decode(errors="replace"))
+            raise RuntimeError(f"stage {source} sent a message with tag {tag}, not one of stream {stream}")
+        known = self._received.get((source, stream, slot))
+        if known is None or known[2] != size:
+            msg.Recv([bytearray(size), MPI.BYTE])
+            raise RuntimeError(
+                f"stage {source} sent {size} bytes for micro-batch {slot} on stream {stream}, where the "
+                f"shape agreed was {'none' if known is None else f'{known[0]} {list(known[1])}'}"
+            )
+        # straight into a tensor's memory (see send)
+        out = torch.empty(known[1], dtype=known[0])
+        msg.Recv(MPI.buffer.fromaddress(out.data_ptr(), size))
+        return out if device == "cpu" or getattr(device, "type", None) == "cpu" else out.to(device)
 
     def send_error(self, text: str, dest: int, stream: int) -> None:
         """Tell stage ``dest`` (waiting on ``stream``, or later) that the pipeline failed."""
