@@ -443,16 +443,14 @@ def _training_lines(report: dict[str, Any]) -> list[str]:
 def _pipeline_lines(report: dict[str, Any]) -> list[str]:
     lines = ["## Pipeline bubble and tensor-parallel traffic", ""]
     for row in report["pipeline"]:
-        if row.get("bubble_formula"):
+        if row.get("bubble_formula") and row.get("bubble_slowest") is not None:
+            formula, slowest = row["bubble_formula"], row["bubble_slowest"]
             lines.append(
-                f"- {row['grid']}, {row['chunks']} micro-batches: measured {row['bubble']:.3f}, "
-                f"(p-1)/(m+p-1) = {row['bubble_formula']:.3f} ({row['bubble'] / row['bubble_formula']:.2f} x; "
-                f"the bar, for equal stages, is {BAR:.2f} x)"
-                + (
-                    f"; with hops that cost nothing these spans give {row['bubble_replayed']:.3f}"
-                    if row.get("bubble_replayed") is not None
-                    else ""
-                )
+                f"- {row['grid']}, {row['chunks']} micro-batches: the slowest stage's bubble measured {slowest:.3f}, "
+                f"(p-1)/(m+p-1) = {formula:.3f} ({slowest / formula:.2f} x; the bar is {BAR:.2f} x); with hops "
+                f"that cost nothing its spans give {row['bubble_replayed_slowest']:.3f}: the hops add "
+                f"{row['hop_s'] * 1e6:.0f} us a micro-batch. Mean over the stages {row['bubble']:.3f} "
+                f"({row['bubble_replayed']:.3f} with free hops): the others also wait for the slowest"
             )
         if "tp_calls" in row:
             lines.append(

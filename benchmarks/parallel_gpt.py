@@ -17,13 +17,17 @@ Per grid (dp x tp x pp), the GPT (``--n-layer`` blocks of width ``--d-model``, c
   stages from it to the last; GPipe: every micro-batch);
 - param MiB/rank: the largest rank's parameter bytes (the dense model's divided by tp x pp,
   give or take the replicated layer norms and position table);
-- bubble: the pipeline's idle share, from the timeline: every stage's forward and backward
-  spans of traced steps; a step lasts from its first span's start to its last span's end
-  on any stage, and a stage's bubble is the share of that time it does not compute;
-  mean over stages and steps. Beside it the schedule's own ``(p - 1) / (m + p - 1)``, and
-  below the table the bubble the same spans would give with hops that cost nothing
-  (:func:`replayed_bubble`), which splits the excess into the hops' cost and the stages'
-  unequal compute.
+- bubble: the pipeline's idle share, measured on the timed steps from every stage's
+  forward and backward spans (:attr:`hpcdl.parallel.Pipeline.spans`): a step lasts from its
+  first span's start to its last span's end on any stage, and a stage's bubble is the share
+  of that time it does not compute; mean over the stages, median over the steps (:func:`bubbles`). Beside it
+  the schedule's own ``(p - 1) / (m + p - 1)``.
+
+Below the table, per pipeline, the bubble of its slowest stage (the one that computes
+longest and so sets the step; the formula is for stages of equal compute, and where they
+differ the others also wait for the slowest), the same spans replayed with hops that cost
+nothing, which splits the excess into the stages' unequal compute and the hops' cost, and
+that cost in time per micro-batch.
 
 For each grid with tp > 1, a line explains the step by its tensor-parallel traffic: the
 calls and bytes per step of the TP functions (:data:`hpcdl.parallel.tp_comm.traffic`), the
@@ -31,9 +35,11 @@ time the slowest rank waited in them, and the time predicted by α-β models
 (:mod:`collectives.cost`) of each kind of call, fitted to calls of 1 KiB to 1 MiB made on the
 grid's TP group just before (:func:`alpha_beta`).
 
-The last line is a pipeline of ``p`` equal stages (each a stack of Linear layers, tp = 1,
-dp = 1 over the job's ranks), where the measured bubble should be within 10% of the
-formula: its communication is small beside its compute.
+The last line is a pipeline of ``p`` stages of equal layers (each a stack of Linear layers,
+tp = 1, dp = 1 over the job's ranks), where the slowest stage's bubble should be within 10%
+of the formula: its communication is small beside its compute. Its stages' compute is
+still not equal: the first stage's backward computes no gradient of its input, and the
+last stage's includes the loss.
 
 With more ranks than cores (4 ranks on the 2-core reference machine) the ranks take turns
 on the cores, so a stage's idle time is partly another's compute: the figures are then
@@ -42,12 +48,9 @@ correctness and memory, not speed.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
+import itertools
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -113,38 +116,85 @@ def max_over_ranks(x: float) -> float:
 
 
 Span = tuple[float, str, int, float]
-"""A traced compute span: start (µs), ``"F"`` or ``"B"``, micro-batch, duration (µs)."""
+"""A stage's compute span: start (µs), ``"F"`` or ``"B"``, micro-batch, duration (µs)."""
+
+Step = dict[int, tuple[int, list[Span]]]
+"""One training step's spans: by rank, that rank's stage and its spans in the order they ran."""
 
 
-def _traced_spans(trace: dict[str, Any], first_step: int) -> dict[int, dict[int, tuple[int, list[Span]]]]:
-    """The pipeline's forward and backward spans of the traced steps (``first_step`` on):
-    by step, by timeline row (rank), that row's stage and its spans in the order they ran."""
-    steps: dict[int, dict[int, tuple[int, list[Span]]]] = {}
-    for ev in trace.get("traceEvents", trace if isinstance(trace, list) else []):
-        args = ev.get("args", {})
-        if ev.get("ph") != "X" or ev.get("name") not in ("PIPELINE_FORWARD", "PIPELINE_BACKWARD"):
-            continue
-        if args.get("step", -1) < first_step:
-            continue
-        stage = int(str(args.get("tensor", "")).rsplit(" ", 1)[-1])
-        kind = "F" if ev["name"] == "PIPELINE_FORWARD" else "B"
-        row = steps.setdefault(args["step"], {}).setdefault(ev["pid"], (stage, []))
-        row[1].append((ev["ts"], kind, args["micro_batch"], ev["dur"]))
-    for rows in steps.values():
-        for _, spans in rows.values():
-            spans.sort()
-    return steps
+def step_spans(pipe: Pipeline) -> Step:
+    """Every rank's :attr:`~hpcdl.parallel.Pipeline.spans` of the last step, by rank
+    (collective over the world)."""
+    mine = (pipe.grid.pp_rank, [(a * 1e6, k, i, (b - a) * 1e6) for k, i, a, b in pipe.spans])
+    return dict(enumerate(hvd.allgather_object(mine)))
 
 
-def _bubble(trace: dict[str, Any], first_step: int) -> float | None:
-    """Mean idle share of the pipeline's stages over the traced steps (``first_step`` on)."""
-    shares = []
-    for rows in _traced_spans(trace, first_step).values():
-        start = min(t for _, spans in rows.values() for t, *_ in spans)
-        end = max(t + d for _, spans in rows.values() for t, _, _, d in spans)
-        for _, spans in rows.values():
-            shares.append(1.0 - sum(d for *_, d in spans) / (end - start))
-    return statistics.mean(shares) if shares else None
+def _lines(rows: Step) -> list[list[int]] | None:
+    """The step's pipelines: each the ranks of one dp and tp coordinate, the n-th rank of each
+    stage in rank order, first stage first; None where the stages have different numbers of
+    ranks (not a grid's pipelines)."""
+    by_stage: dict[int, list[int]] = {}
+    for rank in sorted(rows):
+        by_stage.setdefault(rows[rank][0], []).append(rank)
+    if len({len(ranks) for ranks in by_stage.values()}) != 1:
+        return None
+    return [list(line) for line in zip(*(by_stage[s] for s in sorted(by_stage)), strict=True)]
+
+
+def bubbles(steps: list[Step]) -> dict[str, float] | None:
+    """The pipeline's bubble over ``steps``, each pipeline of each step on its own (a step
+    lasts from its first span's start to its last span's end on any of its stages), the
+    median over them:
+
+    - ``mean``: the share of the step a stage does not compute, mean over the stages;
+    - ``slowest``: that share on the pipeline's slowest stage, the one that computes longest
+      over the steps and so sets their length. ``(p - 1) / (m + p - 1)`` is the bubble of
+      stages of equal compute; where they differ, the others also wait for the slowest, and
+      only this one compares;
+    - ``replayed``, ``replayed_slowest``: the same from the same spans replayed with hops
+      that cost nothing (:func:`_replay`): the bubble of the stages' compute alone;
+    - ``hop_s``: what the hops (sends, receives, the schedule's own Python) added to the
+      step, in seconds per micro-batch: the measured step less the replayed, over ``m``;
+    - ``between_s``: the slowest stage's time between its first span's start and its last
+      span's end that it did not compute, in seconds per micro-batch: its own sends,
+      receives and Python, and any wait for the others (in a step where another stage ran
+      slow);
+    - ``gap_s``: the slowest stage's typical gap before a forward (its first left out): on
+      the last stage, the backward's gradient sent and the next activation received.
+
+    None where no step has spans that form a schedule."""
+    runs: dict[int, list[tuple[list[list[Span]], float, list[float], tuple[list[float], float]]]] = {}
+    for rows in steps:
+        for j, line in enumerate(_lines(rows) or []):
+            order = [rows[rank][1] for rank in line]
+            if not all(order):
+                continue
+            replayed = _replay([[(k, i, d) for _, k, i, d in spans] for spans in order])
+            if replayed is None:
+                continue  # the spans do not form a schedule (a step cut short)
+            start = min(spans[0][0] for spans in order)
+            span = max(t + d for spans in order for t, _, _, d in spans) - start
+            runs.setdefault(j, []).append((order, span, [sum(d for *_, d in spans) for spans in order], replayed))
+    got: dict[str, list[float]] = {}
+    for line_runs in runs.values():
+        total = [sum(busy[s] for _, _, busy, _ in line_runs) for s in range(len(line_runs[0][2]))]
+        slow = max(range(len(total)), key=lambda s: (total[s], s))  # of equals, the later (the loss)
+        for order, span, busy, (replay_busy, replay_span) in line_runs:
+            m = max(1, sum(1 for s in order[0] if s[1] == "F"))
+            first, last = order[slow][0], order[slow][-1]
+            for key, value in (
+                ("mean", statistics.mean(1.0 - b / span for b in busy)),
+                ("slowest", 1.0 - busy[slow] / span),
+                ("replayed", statistics.mean(1.0 - b / replay_span for b in replay_busy)),
+                ("replayed_slowest", 1.0 - replay_busy[slow] / replay_span),
+                ("hop_s", (span - replay_span) / m * 1e-6),
+                ("between_s", (last[0] + last[3] - first[0] - busy[slow]) / m * 1e-6),
+            ):
+                got.setdefault(key, []).append(value)
+            mine = order[slow]
+            gaps = [(b[0] - a[0] - a[3]) * 1e-6 for a, b in itertools.pairwise(mine) if b[1] == "F"]
+            got.setdefault("gap_s", []).extend(gaps)
+    return {k: statistics.median(v) for k, v in got.items()} if got else None
 
 
 CALIBRATION_BYTES = (1 << 10, 16 << 10, 256 << 10, 1 << 20)
@@ -194,31 +244,6 @@ def _tp_columns(grid: Grid, counts: dict[str, dict[str, float]], steps: int, mod
     }
 
 
-def replayed_bubble(trace: dict[str, Any], first_step: int) -> float | None:
-    """The bubble the same steps would have with hops that cost nothing: each stage's spans
-    replayed in the order they ran, with their measured lengths, every span starting as soon
-    as its stage is free and its input exists (a forward after the previous stage's forward
-    of that micro-batch, a backward after the next stage's backward of it); mean idle share
-    as :func:`_bubble` measures it. Each pipeline (the ranks of one dp and tp coordinate,
-    the n-th rank of each stage in rank order) is replayed on its own. What the measured
-    bubble exceeds this by is the hops' cost (sends, receives, the schedule's Python); what
-    this exceeds ``(p-1)/(m+p-1)`` by is the stages' unequal compute."""
-    shares = []
-    for rows in _traced_spans(trace, first_step).values():
-        by_stage: dict[int, list[int]] = {}
-        for pid in sorted(rows):
-            by_stage.setdefault(rows[pid][0], []).append(pid)
-        if len({len(pids) for pids in by_stage.values()}) != 1:
-            return None  # stages with different numbers of ranks: not a grid's pipelines
-        for line in zip(*(by_stage[s] for s in sorted(by_stage)), strict=True):
-            replayed = _replay([[(k, i, d) for _, k, i, d in rows[pid][1]] for pid in line])
-            if replayed is None:
-                return None  # the spans do not form a schedule (a step cut short)
-            busy, span = replayed
-            shares += [1.0 - b / span for b in busy]
-    return statistics.mean(shares) if shares else None
-
-
 def _replay(order: list[list[tuple[str, int, float]]]) -> tuple[list[float], float] | None:
     """Replay one pipeline's spans (``order[s]``: stage s's ``(kind, micro-batch,
     duration)`` in the order they ran) with free hops: each stage's busy time and the
@@ -243,11 +268,6 @@ def _replay(order: list[list[tuple[str, int, float]]]) -> tuple[list[float], flo
         if not moved:
             return None
     return busy, max(free)
-
-
-def _timeline_path() -> tuple[str, str | None]:
-    scratch = tempfile.mkdtemp(prefix="hpcdl-pgpt-") if hvd.rank() == 0 else None
-    return hvd.broadcast_object(None if scratch is None else os.path.join(scratch, "timeline.json"), 0), scratch
 
 
 def measure(
@@ -276,30 +296,20 @@ def measure(
     for k in range(2):  # warm-up
         step(k)
     models = alpha_beta(grid.tp_group) if grid.tp > 1 else {}
-    times = []
+    times, steps_spans = [], []
     traffic.reset()
     for k in range(steps):
         hvd.barrier()
         t0 = time.perf_counter()
         step(2 + k)
         times.append(max_over_ranks(time.perf_counter() - t0))
+        steps_spans.append(step_spans(pipe))
     counts = traffic.snapshot()
+    bubble = bubbles(steps_spans) or {}
     meter = ActivationMeter()
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         step(0)
     live = pipe.peak_live
-    path, scratch = _timeline_path()
-    hvd.start_timeline(path)
-    first = pipe.steps_done
-    for k in range(3):
-        step(k)
-    hvd.stop_timeline()
-    bubble = replayed = None
-    if hvd.rank() == 0:
-        with open(path) as fh:
-            trace = json.load(fh)
-        bubble, replayed = _bubble(trace, first), replayed_bubble(trace, first)
-        shutil.rmtree(scratch, ignore_errors=True)
     param_bytes = sum(p.numel() * p.element_size() for p in pipe.parameters())
     row = {
         "grid": f"{grid.dp}x{grid.tp}x{grid.pp}",
@@ -311,8 +321,13 @@ def measure(
         "activation_bytes": max_over_ranks(meter.peak),
         "live": int(max_over_ranks(live)),
         "param_bytes": max_over_ranks(param_bytes),
-        "bubble": hvd.broadcast_object(bubble, 0),
-        "bubble_replayed": hvd.broadcast_object(replayed, 0),
+        "bubble": bubble.get("mean"),
+        "bubble_slowest": bubble.get("slowest"),
+        "bubble_replayed": bubble.get("replayed"),
+        "bubble_replayed_slowest": bubble.get("replayed_slowest"),
+        "hop_s": bubble.get("hop_s"),
+        "between_s": bubble.get("between_s"),
+        "gap_s": bubble.get("gap_s"),
         "bubble_formula": (grid.pp - 1) / (chunks + grid.pp - 1),
     }
     if models:
@@ -386,22 +401,22 @@ def report(rows: list[dict[str, Any]], command: str, a: Any) -> str:
             f"{r['bubble_formula']:>14.3f}"
         )
     lines += _tp_lines(rows)
-    eq = [r for r in rows if r["grid"].endswith("equal")]
-    if eq and eq[0]["bubble"] is not None:
-        r = eq[0]
-        off = r["bubble"] / r["bubble_formula"] - 1 if r["bubble_formula"] else 0.0
-        lines.append(
-            f"equal stages: bubble {r['bubble']:.3f} against (p-1)/(m+p-1) = {r['bubble_formula']:.3f} "
-            f"({off:+.1%}; the bar is within 10%)"
-        )
-    for r in rows:
-        if r["bubble"] is not None and r.get("bubble_replayed") is not None and r["bubble_formula"]:
-            lines.append(
-                f"{r['grid']}: with hops that cost nothing these stages' spans give a bubble of "
-                f"{r['bubble_replayed']:.3f}: {r['bubble'] - r['bubble_replayed']:+.3f} is the hops' cost, "
-                f"{r['bubble_replayed'] - r['bubble_formula']:+.3f} the stages' unequal compute"
-            )
+    lines += [line for r in rows if (line := bubble_line(r))]
     return "\n".join(lines)
+
+
+def bubble_line(r: dict[str, Any]) -> str | None:
+    """What one row's pipeline bubble is made of, in a line (None without a pipeline)."""
+    if not r.get("bubble_formula") or r.get("bubble_slowest") is None:
+        return None
+    formula, slowest = r["bubble_formula"], r["bubble_slowest"]
+    return (
+        f"{r['grid']}: slowest stage's bubble {slowest:.3f} against (p-1)/(m+p-1) = {formula:.3f} "
+        f"({slowest / formula:.2f} x; the bar is 1.10 x), mean over stages {r['bubble']:.3f}; with hops that "
+        f"cost nothing {r['bubble_replayed_slowest']:.3f} and {r['bubble_replayed']:.3f}: the hops add "
+        f"{r['hop_s'] * 1e6:.0f} us a micro-batch; the slowest stage spends {r['between_s'] * 1e6:.0f} us a "
+        f"micro-batch between its spans, typically {r['gap_s'] * 1e6:.0f} us before a forward"
+    )
 
 
 def _tp_lines(rows: list[dict[str, Any]]) -> list[str]:

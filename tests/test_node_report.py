@@ -100,7 +100,11 @@ def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_f
     chose = single_copy_line(stores["single_copy_broadcast"], stores["broadcast_times"])
     assert f"2 ranks: {chose}." in summary
     assert "hpcdl DistributedOptimizer" in summary and "Pipeline bubble" in summary
-    assert "measured" in summary.split("## Pipeline bubble")[1]
+    rows = json.loads((tmp_path / "raw" / "pipeline_np2.json").read_text())
+    pp = next(r for r in rows if r["grid"] == "1x1x2")
+    assert f"the slowest stage's bubble measured {pp['bubble_slowest']:.3f}" in summary.split("## Pipeline bubble")[1]
+    # no schedule of the same spans ends sooner than the replay, which starts each as soon as it can
+    assert 0 < pp["bubble_replayed_slowest"] < 1 and pp["hop_s"] > 0
     tp = [r for r in json.loads((tmp_path / "raw" / "pipeline_np2.json").read_text()) if r["grid"] == "1x2x1"][0]
     assert tp["tp_calls"] > 0 and tp["tp_bytes"] > 0 and 0 < tp["tp_seconds"] < tp["step_s"]
     assert f"{tp['tp_calls']:.0f} tensor-parallel calls of {tp['tp_bytes'] / (1 << 20):.2f} MiB" in summary
@@ -193,33 +197,61 @@ def test_the_gpu_section_gives_the_staged_ipc_crossover_with_and_without_mps():
     assert "| 1 MiB | 720.0 | 900.0 |" in text
 
 
-def _one_f_one_b(p: int, m: int, fwd: list[float], bwd: list[float], lines: int = 1) -> dict:
-    """A timeline of one 1F1B step of ``lines`` pipelines of ``p`` stages (rank
+def _one_f_one_b(
+    p: int, m: int, fwd: list[float], bwd: list[float], hop: float = 0.0, own: float = 0.0, lines: int = 1
+) -> dict:
+    """The spans of one 1F1B step of ``lines`` pipelines of ``p`` stages (rank
     ``s * lines + j``: stage s of pipeline j, as a grid numbers them) whose spans last
-    ``fwd[s]`` and ``bwd[s]``, the spans of each stage in its schedule's order (times are
-    only an order)."""
-    events = []
-    for s, j in ((s, j) for s in range(p) for j in range(lines)):
+    ``fwd[s]`` and ``bwd[s]``, run as the schedule runs them: a span starts ``own`` after its
+    stage's previous span and ``hop`` after its input was made."""
+    order = []
+    for s in range(p):
         warm = min(p - s - 1, m)
-        order = [("F", i) for i in range(warm)]
-        order += [x for k in range(m - warm) for x in (("F", warm + k), ("B", k))]
-        order += [("B", k) for k in range(m - warm, m)]
-        for t, (kind, i) in enumerate(order):
-            name = "PIPELINE_FORWARD" if kind == "F" else "PIPELINE_BACKWARD"
+        mine = [("F", i) for i in range(warm)]
+        mine += [x for k in range(m - warm) for x in (("F", warm + k), ("B", k))]
+        order.append(mine + [("B", k) for k in range(m - warm, m)])
+    end: dict[tuple[int, str, int], float] = {}
+    free, at, spans = [0.0] * p, [0] * p, [[] for _ in range(p)]
+    while any(at[s] < len(order[s]) for s in range(p)):
+        for s in range(p):
+            if at[s] == len(order[s]):
+                continue
+            kind, i = order[s][at[s]]
+            dep = (s - 1, "F", i) if kind == "F" and s > 0 else (s + 1, "B", i) if kind == "B" and s < p - 1 else None
+            if dep is not None and dep not in end:
+                continue
+            start = max(free[s] + (own if at[s] else 0.0), end[dep] + hop if dep else 0.0)
             dur = fwd[s] if kind == "F" else bwd[s]
-            args = {"tensor": f"pipeline stage {s}", "step": 1, "micro_batch": i}
-            events.append({"name": name, "ph": "X", "ts": float(t), "dur": dur, "pid": s * lines + j, "args": args})
-    return {"traceEvents": events}
+            end[(s, kind, i)] = free[s] = start + dur
+            spans[s].append((start, kind, i, dur))
+            at[s] += 1
+    return {s * lines + j: (s, list(spans[s])) for s in range(p) for j in range(lines)}
 
 
 @pytest.mark.parametrize("p, m", [(2, 4), (2, 8), (4, 8)])
-def test_the_replayed_bubble_of_equal_stages_is_the_formula_and_grows_with_unequal_ones(p, m):
-    from benchmarks.parallel_gpt import replayed_bubble
+def test_the_bubble_of_equal_stages_is_the_formula_and_the_hops_and_unequal_stages_are_told_apart(p, m):
+    from benchmarks.parallel_gpt import bubbles
 
-    equal = replayed_bubble(_one_f_one_b(p, m, [1.0] * p, [2.0] * p), 1)
-    assert equal == pytest.approx((p - 1) / (m + p - 1))
-    # two pipelines side by side (dp = 2): each replayed on its own, the same bubble
-    assert replayed_bubble(_one_f_one_b(p, m, [1.0] * p, [2.0] * p, lines=2), 1) == pytest.approx(equal)
-    slow_last = replayed_bubble(_one_f_one_b(p, m, [1.0] * p, [2.0] * (p - 1) + [3.0]), 1)
-    assert slow_last > equal + 0.01
-    assert replayed_bubble({"traceEvents": []}, 1) is None
+    formula = (p - 1) / (m + p - 1)
+    equal = bubbles([_one_f_one_b(p, m, [1.0] * p, [2.0] * p)])
+    assert equal["mean"] == pytest.approx(formula) and equal["slowest"] == pytest.approx(formula)
+    assert equal["replayed"] == pytest.approx(formula) and equal["hop_s"] == pytest.approx(0.0)
+    # two pipelines side by side (dp = 2): each on its own, the same bubble
+    assert bubbles([_one_f_one_b(p, m, [1.0] * p, [2.0] * p, lines=2)]) == pytest.approx(equal)
+    # hops that cost 0.25 us each: the replay takes them out and tells their cost a micro-batch
+    hops = bubbles([_one_f_one_b(p, m, [1.0] * p, [2.0] * p, hop=0.25)])
+    assert hops["slowest"] > formula + 0.01 and hops["replayed_slowest"] == pytest.approx(formula)
+    stretched = max(
+        t + d for _, spans in _one_f_one_b(p, m, [1.0] * p, [2.0] * p, hop=0.25).values() for t, _, _, d in spans
+    )
+    assert hops["hop_s"] == pytest.approx((stretched - 3.0 * (m + p - 1)) / m * 1e-6)
+    # the slowest stage (the last, with the loss) waits a hop each way between a backward and the next forward
+    assert equal["between_s"] == pytest.approx(0.0) and hops["between_s"] > 0
+    # a stage's own cost between its spans (its sends, receives and Python), where it waits for no one
+    own = bubbles([_one_f_one_b(p, m, [1.0] * p, [2.0] * (p - 1) + [3.0], own=0.25)])
+    assert equal["gap_s"] == pytest.approx(0.0) and own["gap_s"] == pytest.approx(0.25e-6)
+    # a first stage whose backward is cheaper (no gradient of its input): it idles more, the
+    # slowest stage no more than the formula
+    cheap_first = bubbles([_one_f_one_b(p, m, [1.0] * p, [1.5] + [2.0] * (p - 1))])
+    assert cheap_first["mean"] > formula + 0.01 and cheap_first["slowest"] <= formula + 1e-9
+    assert bubbles([]) is None and bubbles([{0: (0, [])}]) is None

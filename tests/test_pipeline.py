@@ -6,6 +6,7 @@ every rank; balancing by parameter count and by measured layer time."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -327,6 +328,20 @@ def test_the_timeline_shows_every_micro_batchs_forward_and_backward_on_its_stage
         )
     want = sorted((s, f"PIPELINE_{k}", 1, i) for s in range(p) for k in ("FORWARD", "BACKWARD") for i in range(3))
     assert MPI.COMM_WORLD.bcast(seen, root=0) == want
+    # the spans the timeline got are the step's own, kept on the stage in the schedule's order
+    spans, warm = pipe.spans, min(p - grid.pp_rank - 1, 3)  # 1F1B: warm-up forwards, then one each, then drain
+    order = [("F", i) for i in range(warm)] + [x for k in range(3 - warm) for x in (("F", warm + k), ("B", k))]
+    assert [(k, i) for k, i, _, _ in spans] == order + [("B", k) for k in range(3 - warm, 3)]
+    assert all(a < b for _, _, a, b in spans) and all(b <= a for (*_, b), (_, _, a, _) in itertools.pairwise(spans))
+    if hvd.rank() == 0:
+        mine = sorted(
+            (e["args"]["micro_batch"], e["name"], round(e["ts"]), round(e["dur"]))
+            for e in events
+            if e.get("pid") == 0 and e.get("name", "").startswith("PIPELINE_")
+        )
+        kept = sorted((i, "PIPELINE_FORWARD" if k == "F" else "PIPELINE_BACKWARD") for k, i, _, _ in spans)
+        assert [m[:2] for m in mine] == kept
+        assert sorted(round((b - a) * 1e6) for *_, a, b in spans) == pytest.approx(sorted(m[3] for m in mine), abs=1)
     pipe.close()
     grid.close()
 

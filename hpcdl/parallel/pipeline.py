@@ -247,6 +247,12 @@ class Pipeline(nn.Module):
         Each micro-batch's forward and backward compute is a ``PIPELINE_FORWARD`` or
         ``PIPELINE_BACKWARD`` span on the row ``pipeline stage <s>`` while a timeline is
         written."""
+        self.spans: list[tuple[str, int, float, float]] = []
+        """This stage's compute in the last training step: ``(phase, micro_batch, start,
+        end)`` in the order it ran, ``phase`` ``"F"`` (a forward) or ``"B"`` (a backward, the
+        last stage's loss included), times in ``time.perf_counter`` seconds. The pipeline's
+        bubble is measured from them (``benchmarks.parallel_gpt``); they reach the timeline
+        when the step ends, so writing one adds nothing between the spans."""
         # the pipeline's own communicator: its stages, ranked by stage (collective over the world)
         line = grid.dp_rank * grid.tp + grid.tp_rank
         rt = state.running()
@@ -296,13 +302,14 @@ class Pipeline(nn.Module):
         kept: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         losses: list[float] = []
         live = peak = 0
+        spans = self.spans = []
 
         def fwd(i: int) -> None:
             nonlocal live, peak
             x = xs[i] if g.is_first_stage else link.recv(s - 1, ACT, i, dev).requires_grad_()
             t0 = time.perf_counter()
             out = self.stage(x)
-            self._span("PIPELINE_FORWARD", t0, i)
+            spans.append(("F", i, t0, time.perf_counter()))
             if not g.is_last_stage:
                 link.send(out, s + 1, ACT, i)
             kept[i] = (None if g.is_first_stage else x, out)
@@ -324,7 +331,7 @@ class Pipeline(nn.Module):
                 grad = link.recv(s + 1, GRAD, i, dev)
                 t0 = time.perf_counter()
                 out.backward(grad)
-            self._span("PIPELINE_BACKWARD", t0, i)
+            spans.append(("B", i, t0, time.perf_counter()))
             if x is not None:
                 link.send(x.grad, s - 1, GRAD, i)
             live -= 1
@@ -342,6 +349,7 @@ class Pipeline(nn.Module):
                 if 0 <= peer < p:
                     link.send_error(problem, peer, tag)
         self.peak_live = peak
+        self._record(spans)
         return self._conclude(problem, sum(losses))
 
     def _order(self) -> list[tuple[bool, int]]:
@@ -368,15 +376,17 @@ class Pipeline(nn.Module):
         self._link.finish()  # every stage ran its whole schedule: every send is matched
         return said[-1]
 
-    def _span(self, phase: str, t0: float, micro_batch: int) -> None:
-        """This stage's compute from ``t0`` to now, on the timeline when one is written."""
+    def _record(self, spans: list[tuple[str, int, float, float]]) -> None:
+        """This step's compute spans on the timeline, when one is written."""
         engine = state.running().engine
-        if engine is not None:
+        if engine is None or engine.tl is None:
+            return
+        for phase, micro_batch, start, end in spans:
             engine.record(
                 f"pipeline stage {self.grid.pp_rank}",
-                phase,
-                t0,
-                time.perf_counter(),
+                "PIPELINE_FORWARD" if phase == "F" else "PIPELINE_BACKWARD",
+                start,
+                end,
                 step=self.steps_done,
                 micro_batch=micro_batch,
             )
