@@ -20,8 +20,8 @@ Per grid (dp x tp x pp), the GPT (``--n-layer`` blocks of width ``--d-model``, c
 - bubble: the pipeline's idle share, measured on the timed steps from every stage's
   forward and backward spans (:attr:`hpcdl.parallel.Pipeline.spans`): a step lasts from its
   first span's start to its last span's end on any stage, and a stage's bubble is the share
-  of that time it does not compute; mean over the stages, median over the steps (:func:`bubbles`). Beside it
-  the schedule's own ``(p - 1) / (m + p - 1)``.
+  of that time it does not compute; mean over the stages, median over the steps
+  (:func:`bubbles`). Beside it the schedule's own ``(p - 1) / (m + p - 1)``.
 
 Below the table, per pipeline, the bubble of its slowest stage (the one that computes
 longest and so sets the step; the formula is for stages of equal compute, and where they

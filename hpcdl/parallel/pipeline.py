@@ -379,7 +379,7 @@ class Pipeline(nn.Module):
     def _record(self, spans: list[tuple[str, int, float, float]]) -> None:
         """This step's compute spans on the timeline, when one is written."""
         engine = state.running().engine
-        if engine is None or engine.tl is None:
+        if engine is None:
             return
         for phase, micro_batch, start, end in spans:
             engine.record(
