@@ -440,18 +440,28 @@ def _training_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def bubble_line(row: dict[str, Any]) -> str | None:
+    """What one pipeline's measured bubble is made of, in a line, from its row of
+    ``benchmarks.parallel_gpt`` (None for a grid without a pipeline)."""
+    if not row.get("bubble_formula") or row.get("bubble_slowest") is None:
+        return None
+    formula, slowest = row["bubble_formula"], row["bubble_slowest"]
+    return (
+        f"{row['grid']}, {row['chunks']} micro-batches: the slowest stage's bubble measured {slowest:.3f}, "
+        f"(p-1)/(m+p-1) = {formula:.3f} ({slowest / formula:.2f} x; the bar is {BAR:.2f} x); with hops "
+        f"that cost nothing its spans give {row['bubble_replayed_slowest']:.3f}: the hops add "
+        f"{row['hop_s'] * 1e6:.0f} us a micro-batch, and the slowest stage spends {row['between_s'] * 1e6:.0f} us "
+        f"a micro-batch between its spans, typically {row['gap_s'] * 1e6:.0f} us before a forward. Mean over the "
+        f"stages {row['bubble']:.3f} ({row['bubble_replayed']:.3f} with free hops): the others also wait for the "
+        "slowest"
+    )
+
+
 def _pipeline_lines(report: dict[str, Any]) -> list[str]:
     lines = ["## Pipeline bubble and tensor-parallel traffic", ""]
     for row in report["pipeline"]:
-        if row.get("bubble_formula") and row.get("bubble_slowest") is not None:
-            formula, slowest = row["bubble_formula"], row["bubble_slowest"]
-            lines.append(
-                f"- {row['grid']}, {row['chunks']} micro-batches: the slowest stage's bubble measured {slowest:.3f}, "
-                f"(p-1)/(m+p-1) = {formula:.3f} ({slowest / formula:.2f} x; the bar is {BAR:.2f} x); with hops "
-                f"that cost nothing its spans give {row['bubble_replayed_slowest']:.3f}: the hops add "
-                f"{row['hop_s'] * 1e6:.0f} us a micro-batch. Mean over the stages {row['bubble']:.3f} "
-                f"({row['bubble_replayed']:.3f} with free hops): the others also wait for the slowest"
-            )
+        if line := bubble_line(row):
+            lines.append(f"- {line}")
         if "tp_calls" in row:
             lines.append(
                 f"- {row['grid']} step {row['step_s'] * 1e3:.1f} ms: {row['tp_calls']:.0f} tensor-parallel calls "

@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hpcdl as hvd
+from benchmarks.node_report import bubble_line
 from collectives.cli import ArgumentParser, dump_json, run_main
 from collectives.cost import AlphaBeta, fit
 from hpcdl.parallel import Grid, Pipeline, gather_from_tp, reduce_scatter_seq_to_tp
@@ -403,20 +404,6 @@ def report(rows: list[dict[str, Any]], command: str, a: Any) -> str:
     lines += _tp_lines(rows)
     lines += [line for r in rows if (line := bubble_line(r))]
     return "\n".join(lines)
-
-
-def bubble_line(r: dict[str, Any]) -> str | None:
-    """What one row's pipeline bubble is made of, in a line (None without a pipeline)."""
-    if not r.get("bubble_formula") or r.get("bubble_slowest") is None:
-        return None
-    formula, slowest = r["bubble_formula"], r["bubble_slowest"]
-    return (
-        f"{r['grid']}: slowest stage's bubble {slowest:.3f} against (p-1)/(m+p-1) = {formula:.3f} "
-        f"({slowest / formula:.2f} x; the bar is 1.10 x), mean over stages {r['bubble']:.3f}; with hops that "
-        f"cost nothing {r['bubble_replayed_slowest']:.3f} and {r['bubble_replayed']:.3f}: the hops add "
-        f"{r['hop_s'] * 1e6:.0f} us a micro-batch; the slowest stage spends {r['between_s'] * 1e6:.0f} us a "
-        f"micro-batch between its spans, typically {r['gap_s'] * 1e6:.0f} us before a forward"
-    )
 
 
 def _tp_lines(rows: list[dict[str, Any]]) -> list[str]:
