@@ -101,6 +101,16 @@ class Config:
     slot when the channel was made, or never where it was slower at every size measured
     (:func:`.node.channel.broadcast_single_copy_bytes`)."""
 
+    shm_single_copy_allreduce_bytes: int = 4 << 20
+    """Allreduces of at least this many bytes into a separate output on one node skip the
+    window where single copy is on (``shm_single_copy_bytes``; of 2 ranks, or of more where
+    broadcasts are copied once too): each rank reads its block of the others' inputs out of
+    their memory and reduces it into its output, then reads the others' reduced blocks out
+    of theirs, piece by piece, while they are in the caches (0: never). Each rank writes
+    its output once, where staging through the window writes half the input into it and
+    the whole result out of it. An allreduce in place stages: there a rank's reads of a
+    peer's block would land in lines the peer has just read."""
+
     shm_chunk_bytes: int = 1 << 20
     """Pipeline chunk of the single-node ``shm`` algorithms (each rank holds two), in bytes."""
 
@@ -174,6 +184,10 @@ class Config:
             raise ConfigError(
                 f"shm_single_copy_broadcast_bytes={self.shm_single_copy_broadcast_bytes} must be >= 0 "
                 "(0: never), or -1 (measured)"
+            )
+        if self.shm_single_copy_allreduce_bytes < 0:
+            raise ConfigError(
+                f"shm_single_copy_allreduce_bytes={self.shm_single_copy_allreduce_bytes} must be >= 0 (0: never)"
             )
         if self.shm_chunk_bytes < 4096:
             raise ConfigError(f"shm_chunk_bytes={self.shm_chunk_bytes} must be at least 4096")

@@ -314,10 +314,12 @@ def test_measured_stores_turn_non_temporal_on_every_rank_once_one_rank_measures_
         for _ in range(3):
             _note_everywhere(ch.core, 1.0, 1.0, staged=True)
         assert not ch.core.staged_stores[0], "plain again below the chunk buffers' lower bound"
-        # a chunked allreduce probes its staging, one probe a MiB of copies of 32 KiB or more
+        # a chunked allreduce (in place: one into another array reads its peers' memory from
+        # 4 MiB) probes its staging, one probe a MiB of copies of 32 KiB or more
         before = ch.core.staged_stores[2]
         for _ in range(4):
-            C.allreduce(np.ones(4 * ch.chunk // 4, np.float32), comm=fast)
+            x = np.ones(4 * ch.chunk // 4, np.float32)
+            C.allreduce(x, out=x, comm=fast)
         assert ch.core.staged_stores[2] > before or ch.region < 32 << 10
         ch.core.measured = False
         _note_everywhere(ch.core, 100.0, 1.0)
@@ -544,6 +546,74 @@ def test_large_reduce_scatters_read_each_block_once_with_the_windows_bits(comms,
                 assert digest(got) == digest(C.reduce_scatter(xs[ME], algorithm="shm", comm=slow))
     finally:
         one.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@needs_core
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_large_allreduces_into_another_array_read_each_block_once_with_the_windows_bits(comms, dtype):
+    # from shm_single_copy_allreduce_bytes (of 2 ranks, or of more where broadcasts read the
+    # root's memory too), an allreduce whose every rank's output is apart from its input is
+    # a reduce-scatter and an allgather by single copy, nothing staged: the same bits as
+    # staged through the window (the Python loop's communicator), with every op where the
+    # compiled kernel reduces; over several pieces; nonblocking; a non-contiguous input.
+    # Where numpy must reduce (half floats, float min and max), where one rank reduces in
+    # place, or where the setting is 0, every rank stages it.
+    from collectives.node.channel import REDUCE_READ_PIECE, STREAM_SHIFT
+
+    _, slow = comms
+    one, off = WORLD.Dup(), WORLD.Dup()
+    try:
+        single = {"shm_single_copy_bytes": 1, "shm_single_copy_broadcast_bytes": 1}
+        ch = get_context(one, config=Config(shm_single_copy_allreduce_bytes=1, **single)).channel()
+        if ch.single_copy == 0:
+            pytest.skip("the kernel refuses cross-memory attach here")
+        staged = get_context(off, config=Config(shm_single_copy_allreduce_bytes=0, **single)).channel()
+        assert Config().shm_single_copy_allreduce_bytes == 4 << 20 and not staged.allreduce_reads(1 << 30)
+        assert ch.allreduce_reads(1) and get_context(slow).chan.single_copy_allreduce == 0
+        ch.single_copy_broadcast = 0  # from 3 ranks only where broadcasts read the root's memory too
+        assert ch.allreduce_reads(1) == (N == 2)
+        ch.single_copy_broadcast = 1
+        isz = np.dtype(dtype).itemsize
+        counts = [ch.slot_bytes // isz + 3 * N + 1]
+        if dtype in (np.float16, np.float32, np.int8):  # the kernel's reduction over pieces, and numpy's
+            counts.append((2 * REDUCE_READ_PIECE // isz + 3) * N + 5)
+        for count in counts:
+            piece = min(REDUCE_READ_PIECE // isz, -(-count // N))
+            rounds = -(-block_counts(count, N)[ME] // piece)
+            for op in OPS:
+                xs = _inputs(count, dtype, op, seed=count)
+                want = C.allreduce(xs[ME], op=op, algorithm="shm", comm=slow)
+                before = list(ch.copied)
+                got = C.allreduce(xs[ME], op=op, algorithm="shm", comm=one)
+                assert digest(got) == digest(want), (count, op)
+                read = dtype in KERNELS and not (np.dtype(dtype).kind == "f" and op in ("min", "max"))
+                if read:  # nothing staged; its block reduced into its output, the peers' copied in
+                    mine = block_counts(count, N)[ME] * isz
+                    assert [a - b for a, b in zip(ch.copied, before, strict=True)] == [0, mine, count * isz - mine]
+                else:
+                    assert ch.copied[0] > before[0], (count, op)
+                if read:
+                    base = ch.seq << STREAM_SHIFT  # every piece of this rank's block published, then taken
+                    assert ch.streams[ME][0] == base + 1 + rounds and all(ch.takes[r][0] == base + 1 for r in range(N))
+                assert digest(C.allreduce(xs[ME], op=op, algorithm="shm", comm=off)) == digest(want)
+            y = xs[ME].copy()
+            before = list(ch.copied)
+            mine = y if ME == 0 else np.empty_like(y)  # rank 0 in place: every rank stages
+            got = C.allreduce(y, op="sum", algorithm="shm", out=mine, comm=one)
+            assert got is mine and digest(got) == digest(C.allreduce(xs[ME], algorithm="shm", comm=slow))
+            assert ch.copied[0] > before[0]
+        if dtype == np.float32:
+            check_close(got, expected(xs, "sum").astype(np.float64), "sum", N, "ar")
+            wide = np.stack([xs[ME], xs[ME]], axis=1)  # not contiguous: read from a copy
+            got = C.allreduce(wide[:, 0], algorithm="shm", comm=one)
+            assert digest(got) == digest(C.allreduce(xs[ME], algorithm="shm", comm=slow))
+            got = C.iallreduce(xs[ME], op="max", algorithm="shm", comm=one).wait()
+            assert digest(got) == digest(C.allreduce(xs[ME], op="max", algorithm="shm", comm=slow))
+        _same_everywhere(got)
+    finally:
+        one.Free()
+        off.Free()
 
 
 @pytest.mark.mpi(min_size=2)

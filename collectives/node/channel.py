@@ -52,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from ..blocks import block_counts
 from ..errors import ConfigError, StallError
 from ..ops import OPS, dtype_code, rank_order_reducer
 from . import futex
@@ -289,6 +290,7 @@ class Channel:
         nontemporal_out: int = 0,
         single_copy: int = 0,
         single_copy_broadcast: int = 0,
+        single_copy_allreduce: int = 0,
     ) -> None:
         n, me = t.size, t.rank
         self.n, self.me = n, me
@@ -299,6 +301,7 @@ class Channel:
             "shm_split_bytes": split_bytes,
             "shm_single_copy_bytes": single_copy,
             "shm_single_copy_broadcast_bytes": single_copy_broadcast,
+            "shm_single_copy_allreduce_bytes": single_copy_allreduce,
         }
         caches, cores = _agree_layout(t, settings, min(nontemporal, nontemporal_out) < 0)
         self.nontemporal = nontemporal_bytes(nontemporal, caches)
@@ -354,6 +357,9 @@ class Channel:
         input into the window), reduced (reduction results) and copied out (results into
         its output). One-step calls are not counted."""
         self._single_copy(t, single_copy, single_copy_broadcast)
+        self.single_copy_allreduce = single_copy_allreduce if self.single_copy else 0
+        """Agreed allreduces from this many bytes into a separate output read the peers'
+        memory by single copy (:meth:`allreduce_read`; 0: never)."""
 
     def _map_slots(self, segs: list[np.ndarray], slot: int) -> None:
         """Every rank's two slots (``slot`` bytes each with the header) and two chunk buffers
@@ -826,6 +832,32 @@ class Channel:
                 raw[off[rank] + start : off[rank] + start + n] = self.slots[rank][p][at : at + n]
             if wraps:
                 self._publish(self.takes, self._take_addr, base + k + 1)
+
+    def allreduce_reads(self, nbytes: int) -> bool:
+        """True when an agreed allreduce of ``nbytes`` into a separate output goes through
+        :meth:`allreduce_read`: from :attr:`single_copy_allreduce` bytes, of 2 ranks or of
+        more where broadcasts read the root's memory too (as :meth:`reads_peers`)."""
+        return 0 < self.single_copy_allreduce <= nbytes and (self.n == 2 or self.single_copy_broadcast > 0)
+
+    def allreduce_read(self, seq: int, src: np.ndarray, out: np.ndarray, op: str) -> bool:
+        """Finish the agreed allreduce ``seq`` of ``src`` into ``out`` (flat, as long) by single
+        copy (:attr:`single_copy_allreduce` on), where every rank's ``src`` is C-contiguous
+        and apart from its ``out`` (each rank says whether its is; a rank in place says no):
+        each rank reduces its block of every rank's input, read piece by piece out of the
+        peers' memory, into its ``out``, then reads each peer's reduced pieces out of the
+        peer's ``out`` as they are published. The compiled loop's ``allreduce``. False, where
+        a rank's input is not so, or where numpy must reduce the dtype and op: every rank
+        then stages the call through the window."""
+        code = dtype_code(src.dtype)
+        if code < 0 or op not in OPS:
+            return False
+        apart = src.flags.c_contiguous and not np.may_share_memory(src, out)
+        if not self.core.allreduce(seq, src if apart else out, out, code, OPS.index(op), apart):
+            return False
+        mine = block_counts(out.size, self.n)[self.me] * out.itemsize
+        self.copied[1] += mine  # its reduced block, and the peers' blocks, into its output
+        self.copied[2] += out.nbytes - mine
+        return True
 
     def reads_peers(self, collective: str, nbytes: int) -> bool:
         """True when an agreed ``collective`` with ``nbytes`` per rank of input reads its

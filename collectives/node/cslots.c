@@ -921,6 +921,92 @@ static int single_copy_reduce_scatter(Core *c, int64_t seq, const char *src, Py_
     return wait_all(c, c->takes, done, 6);
 }
 
+/* Element r * q + min(r, rem) of count = q * n + rem: where block r starts (MPICH's blocks,
+ * collectives.blocks.block_counts). */
+static Py_ssize_t block_start(Py_ssize_t count, int n, int r) {
+    Py_ssize_t q = count / n, rem = count % n;
+    return (Py_ssize_t)r * q + (r < rem ? r : rem);
+}
+
+/* -- allreduces read by single copy --------------------------------------------------------
+ * An agreed allreduce into a separate output skips the window: a reduce-scatter and an
+ * allgather, each by single copy. Every rank offers its input (as an allgather's sender
+ * does), its out (word 2 of its slot of the call) and its vote (word 3: whether its call
+ * can go this way, i.e. its input and output are apart), and waits for every peer's offer;
+ * unless every rank voted for it, every rank returns 0 alike, and stages the call through
+ * the window instead. Otherwise, piece by
+ * piece (REDUCE_PIECE bytes), it reduces piece k of its block (MPICH's blocks) of every
+ * rank's input into out, reading the peers' pieces into the scratch as
+ * single_copy_reduce_scatter does, and publishes | k + 2 in its streams word; then it reads
+ * piece k of every peer's reduced block straight from the peer's out into its own, once the
+ * peer published it, while it is still in the caches. Last, it publishes its takes word and
+ * returns once every peer has (its input and out are not changed while read). Each rank
+ * writes its output once: no staged copy, no copy out of the window. 1 (done), 0
+ * (declined), or -1 with an exception set. */
+static int single_copy_allreduce(Core *c, int64_t seq, const char *src, char *out, Py_ssize_t nbytes, int vote,
+                                 kernel k, int op, Py_ssize_t isz) {
+    int me = c->me, n = c->n, p = (int)(seq & 1);
+    int64_t base = seq << STREAM_SHIFT;
+    int64_t *mine = (int64_t *)c->slots[2 * me + p];
+    store(mine + 2, (int64_t)(uintptr_t)out);
+    store(mine + 3, vote);
+    offer(c, seq, src);
+    if (wait_all(c, c->streams, base + 1, 5) < 0)
+        return -1;
+    for (int r = 0; r < n; r++)
+        if (!load((int64_t *)c->slots[2 * r + p] + 3))
+            return 0;
+    Py_ssize_t count = nbytes / isz, lo = block_start(count, n, me) * isz, len = block_start(count, n, me + 1) * isz - lo;
+    Py_ssize_t most = (count + n - 1) / n * isz, piece = REDUCE_PIECE / isz * isz;
+    piece = piece < most ? piece : most;
+    if ((n - 1) * piece > c->scratch_bytes) {
+        char *grown = PyMem_Realloc(c->scratch, (size_t)((n - 1) * piece));
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        c->scratch = grown, c->scratch_bytes = (n - 1) * piece;
+    }
+    char *stack[64], **s = stack;
+    if (n > 64 && (s = PyMem_Malloc(sizeof(char *) * (size_t)n)) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int rc = 0;
+    for (Py_ssize_t a = 0, round = 0; a < most && rc == 0; a += piece, round++) {
+        if (a < len) { /* piece `round` of this rank's block, reduced over every rank's input */
+            Py_ssize_t m = len - a < piece ? len - a : piece;
+            for (int j = 1; j < n && rc == 0; j++) {
+                int r = (me + j) % n;
+                s[r] = c->scratch + (j - 1) * piece;
+                rc = read_peer(c, seq, r, s[r], lo + a, m, m); /* into the scratch, which stays in the cache */
+            }
+            if (rc < 0)
+                break;
+            s[me] = (char *)src + lo + a;
+            k(s, n, 0, m / isz, out + lo + a, op);
+            publish(c, c->streams[me], base + 2 + round);
+        }
+        for (int j = 1; j < n && rc == 0; j++) { /* each rank starts at its next peer: the reads spread */
+            int r = (me + j) % n;
+            Py_ssize_t at = block_start(count, n, r) * isz + a, z = block_start(count, n, r + 1) * isz;
+            if (at >= z)
+                continue;
+            if ((rc = wait_one(c, r, c->streams[r], base + 2 + round, 5)) < 0)
+                break;
+            fence(); /* the piece after the word that published it */
+            uintptr_t there = (uintptr_t)load((int64_t *)c->slots[2 * r + p] + 2) + (uintptr_t)at;
+            rc = peer_move(c, r, out + at, there, (size_t)(z - at < piece ? z - at : piece), 0, nbytes);
+        }
+    }
+    if (s != stack)
+        PyMem_Free(s);
+    if (rc < 0)
+        return -1;
+    publish(c, c->takes[me], base + 1);
+    return wait_all(c, c->takes, base + 1, 6) < 0 ? -1 : 1;
+}
+
 /* -- the Python types ------------------------------------------------------------------- */
 static int read_addrs(PyObject *seq, Py_ssize_t want, void ***out, const char *what) {
     PyObject *fast = PySequence_Fast(seq, what);
@@ -1424,6 +1510,37 @@ static PyObject *Core_reduce_scatter(Core *c, PyObject *const *args, Py_ssize_t 
     Py_RETURN_TRUE;
 }
 
+static PyObject *Core_allreduce(Core *c, PyObject *const *args, Py_ssize_t nargs) {
+    static const int at[] = {0, 3, 4, 5};
+    int64_t v[4];
+    if (method_args(c, args, nargs, 6, 6, "allreduce(seq, src, out, dtype, op, vote)", at, 4, v) < 0)
+        return NULL;
+    int itemsize = 0;
+    kernel k = kernel_for((int)v[1], (int)v[2], &itemsize);
+    if (k == NULL)
+        Py_RETURN_FALSE;
+    Py_buffer src, out;
+    if (PyObject_GetBuffer(args[1], &src, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[2], &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&src);
+        return NULL;
+    }
+    const char *x = (const char *)src.buf, *o = (const char *)out.buf;
+    int rc = -1;
+    if (v[0] < 1 || out.len != src.len || src.len % itemsize || (v[3] && o < x + src.len && x < o + out.len))
+        PyErr_SetString(PyExc_ValueError, "allreduce: an argument is out of range, or out overlaps src");
+    else if (c->cma_bytes <= 0 || c->pids == NULL)
+        PyErr_SetString(PyExc_RuntimeError, "allreduce: single copy is off");
+    else
+        rc = single_copy_allreduce(c, v[0], x, (char *)out.buf, src.len, v[3] != 0, k, (int)v[2], itemsize);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&src);
+    if (rc < 0)
+        return NULL;
+    return PyBool_FromLong(rc);
+}
+
 static PyObject *Core_get_stall(Core *c, void *closure) {
     (void)closure;
     return PyFloat_FromDouble((double)c->stall_ns / 1e9);
@@ -1495,13 +1612,6 @@ static PyObject *new_out(Step *s, Py_buffer *view) {
         return NULL;
     }
     return out;
-}
-
-/* Element r * q + min(r, rem) of count = q * n + rem: where block r starts (MPICH's blocks,
- * collectives.blocks.block_counts). */
-static Py_ssize_t block_start(Py_ssize_t count, int n, int r) {
-    Py_ssize_t q = count / n, rem = count % n;
-    return (Py_ssize_t)r * q + (r < rem ? r : rem);
 }
 
 /* Finish a posted allreduce (or reduce) in two steps: this rank's block, reduced over every
@@ -1799,6 +1909,12 @@ static PyMethodDef Core_methods[] = {
      "reduce_scatter(seq, src, lo, hi, out, dtype, op): the agreed reduce-scatter `seq` by single copy: this rank's "
      "block, bytes lo to hi of every rank's C-contiguous src, read from the peers' memory and reduced in rank order "
      "into out; False, having done nothing, where numpy must reduce the dtype and op."},
+    {"allreduce", (PyCFunction)(void (*)(void))Core_allreduce, METH_FASTCALL,
+     "allreduce(seq, src, out, dtype, op, vote) -> bool: the agreed allreduce `seq` of every rank's C-contiguous "
+     "src into out (as long, not overlapping src where it votes) by single copy, where every rank votes for it: "
+     "each rank's block read from the peers' src and reduced in rank order into its out, then the peers' blocks "
+     "read from their out; False, having done nothing more than agree, where a rank voted against it, and having "
+     "done nothing, where numpy must reduce the dtype and op."},
     {"segments", (PyCFunction)(void (*)(void))Core_segments, METH_FASTCALL,
      "segments(here, there, nbytes): where every rank's segment of the node's arena is mapped here and where it "
      "lies in that rank's process, nbytes each (0: none); a move with a peer whose bytes lie in its segment copies "
