@@ -344,20 +344,22 @@ def test_a_reader_whose_read_fails_waits_for_the_roots_share_before_it_raises():
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
-@pytest.mark.parametrize("step", ["stream", "gather", "split", "single copy"])
+@pytest.mark.parametrize("step", ["stream", "gather", "split", "single copy", "allreduce"])
 def test_a_rank_that_never_sends_its_pieces_or_block_ends_in_a_stall_error_on_every_rank(step, compiled):
     """After an agreed call, rank 0 never streams its broadcast pieces, its allgather block or
-    its reduced block, or never offers its data to be read: the others raise StallError
+    its reduced block, or never offers its data to be read (a broadcast's, or an allreduce's
+    read by single copy): the others raise StallError
     within the stall timeout (naming rank 0 and the call, or the peer that gave up first),
     rank 0's next call raises too, and collectives.reset makes the communicator usable
     again."""
     if get_context(WORLD).topology().nodes != 1:
         pytest.skip("ranks span nodes")
     comm, sync = WORLD.Dup(), WORLD.Dup()
-    single = {"shm_single_copy_bytes": 1, "shm_single_copy_broadcast_bytes": 1} if step == "single copy" else {}
+    reads = step in ("single copy", "allreduce")
+    single = {"shm_single_copy_bytes": 1, "shm_single_copy_broadcast_bytes": 1} if reads else {}
     cfg = Config(stall_timeout=1.0, compiled_channel=compiled, **single)
     ch = get_context(comm, cfg).channel()
-    if step == "single copy" and not ch.single_copy_broadcast:
+    if reads and not ch.single_copy_broadcast:
         comm.Free()
         sync.Free()
         pytest.skip("no single copy here: the Python loop, or the kernel refuses cross-memory attach")
@@ -369,7 +371,10 @@ def test_a_rank_that_never_sends_its_pieces_or_block_ends_in_a_stall_error_on_ev
             C.StallError,
             match=rf"rank\(s\) \[0(, \d+)*\] to reach the (streamed pieces|reduced blocks) of call {seq}|gave up",
         ):
-            if step in ("stream", "single copy"):
+            if step == "allreduce":
+                x = buf.view(np.float32)
+                ch.allreduce_read(seq, x, np.empty_like(x), "sum")
+            elif step in ("stream", "single copy"):
                 ch.stream(seq, 0, buf)
             elif step == "gather":
                 ch.gather(seq, buf, [k * 2 * ch.slot_bytes for k in range(n + 1)])
