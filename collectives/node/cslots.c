@@ -934,15 +934,14 @@ static Py_ssize_t block_start(Py_ssize_t count, int n, int r) {
  * does), its out (word 2 of its slot of the call) and its vote (word 3: whether its call
  * can go this way, i.e. its input and output are apart), and waits for every peer's offer;
  * unless every rank voted for it, every rank returns 0 alike, and stages the call through
- * the window instead. Otherwise, piece by
- * piece (REDUCE_PIECE bytes), it reduces piece k of its block (MPICH's blocks) of every
- * rank's input into out, reading the peers' pieces into the scratch as
- * single_copy_reduce_scatter does, and publishes | k + 2 in its streams word; then it reads
- * piece k of every peer's reduced block straight from the peer's out into its own, once the
- * peer published it, while it is still in the caches. Last, it publishes its takes word and
- * returns once every peer has (its input and out are not changed while read). Each rank
- * writes its output once: no staged copy, no copy out of the window. 1 (done), 0
- * (declined), or -1 with an exception set. */
+ * the window instead. Otherwise, piece by piece (REDUCE_PIECE bytes), each rank reduces
+ * piece k of its block (MPICH's blocks) of every rank's input into out, reading the peers'
+ * pieces into the scratch as single_copy_reduce_scatter does, and publishes | k + 2 in its
+ * streams word; then it reads piece k of every peer's reduced block straight from the
+ * peer's out into its own, once the peer published it, while it is still in the caches.
+ * Last, it publishes its takes word and returns once every peer has (its input and out are
+ * not changed while read). Each rank writes its output once: no staged copy, no copy out of
+ * the window. 1 (done), 0 (declined), or -1 with an exception set. */
 static int single_copy_allreduce(Core *c, int64_t seq, const char *src, char *out, Py_ssize_t nbytes, int vote,
                                  kernel k, int op, Py_ssize_t isz) {
     int me = c->me, n = c->n, p = (int)(seq & 1);
