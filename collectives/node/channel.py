@@ -337,8 +337,7 @@ class Channel:
         self.stall_timeout = stall_timeout
         """Seconds a wait for one peer lasts before it ends in a :class:`~.errors.StallError` (0: never)."""
         self._map_slots(segs, slot)
-        self.stage = 0
-        self.progress = progress
+        self.stage, self.progress = 0, progress
         self._cores = cores
         """The cores the node's ranks may run on together (:func:`node_cores`)."""
         self._spin = spin_budget(n, cores)
@@ -353,13 +352,10 @@ class Channel:
         self._views: dict[tuple, list] = {}
         self._scratch: np.ndarray | None = None
         self.copied = [0, 0, 0]
-        """Bytes this rank wrote in the chunked and in-place algorithms, by kind: staged (its
-        input into the window), reduced (reduction results) and copied out (results into
-        its output). One-step calls are not counted."""
-        self._single_copy(t, single_copy, single_copy_broadcast)
-        self.single_copy_allreduce = single_copy_allreduce if self.single_copy else 0
-        """Agreed allreduces from this many bytes into a separate output read the peers'
-        memory by single copy (:meth:`allreduce_read`; 0: never)."""
+        """Bytes this rank wrote in the chunked, in-place and single-copy allreduces, by kind:
+        staged (its input into the window), reduced (reduction results) and copied out
+        (results into its output). One-step calls are not counted."""
+        self._single_copy(t, single_copy, single_copy_broadcast, single_copy_allreduce)
 
     def _map_slots(self, segs: list[np.ndarray], slot: int) -> None:
         """Every rank's two slots (``slot`` bytes each with the header) and two chunk buffers
@@ -473,7 +469,7 @@ class Channel:
         if self.core is not None and mine.size:
             self.core.segments([seg.ctypes.data for seg in segments], there, mine.size)
 
-    def _single_copy(self, t: Any, allgathers: int, broadcasts: int) -> None:
+    def _single_copy(self, t: Any, allgathers: int, broadcasts: int, allreduces: int) -> None:
         """Set the single-copy sizes from their settings where every rank can read its
         peers' memory (else 0), and give them to the compiled loop; the broadcasts' measured
         first where their setting is -1, or never where the node's ranks may run on fewer
@@ -482,6 +478,9 @@ class Channel:
         self.single_copy = allgathers if cma else 0
         """Agreed allgathers from this many bytes per rank read the sender's memory with
         cross-memory attach, one copy (0: never): see :meth:`_can_read_peers`."""
+        self.single_copy_allreduce = allreduces if self.single_copy else 0
+        """Agreed allreduces from this many bytes into a separate output read the peers'
+        memory by single copy (:meth:`allreduce_read`; 0: never)."""
         self.single_copy_broadcast = broadcasts if cma else 0
         """And agreed broadcasts from this many bytes read the root's (0: never); measured
         when the setting is -1: see :meth:`measure_broadcasts`."""
