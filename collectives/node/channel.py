@@ -352,8 +352,8 @@ class Channel:
         self._views: dict[tuple, list] = {}
         self._scratch: np.ndarray | None = None
         self.copied = [0, 0, 0]
-        """Bytes this rank wrote in the chunked, in-place and single-copy allreduces, by kind:
-        staged (its input into the window), reduced (reduction results) and copied out
+        """Bytes this rank wrote in the chunked, in-place and single-copy-allreduce paths, by
+        kind: staged (its input into the window), reduced (reduction results) and copied out
         (results into its output). One-step calls are not counted."""
         self._single_copy(t, single_copy, single_copy_broadcast, single_copy_allreduce)
 
