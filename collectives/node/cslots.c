@@ -881,43 +881,60 @@ static int reduce_slots(Core *c, int64_t seq, kernel k, int op, Py_ssize_t items
  * once every peer has (its input is not changed while read). */
 #define REDUCE_PIECE ((Py_ssize_t)256 << 10)
 
-static int single_copy_reduce_scatter(Core *c, int64_t seq, const char *src, Py_ssize_t lo, Py_ssize_t hi, char *out,
-                                      kernel k, int op, Py_ssize_t isz) {
-    int me = c->me, n = c->n;
-    int64_t done = (seq << STREAM_SHIFT) + 1;
-    Py_ssize_t len = hi - lo, piece = REDUCE_PIECE / isz * isz;
-    piece = piece < len ? piece : len;
+/* Make room for reading `piece` bytes of each of the n - 1 peers' inputs (the scratch) and
+ * return the array of n input pointers the kernel takes: `stack` where n fits it, else
+ * one allocated here (PyMem_Free it when it is not `stack`); NULL with an exception set. */
+static char **reading_room(Core *c, Py_ssize_t piece, char **stack) {
+    int n = c->n;
     if ((n - 1) * piece > c->scratch_bytes) {
         char *grown = PyMem_Realloc(c->scratch, (size_t)((n - 1) * piece));
         if (grown == NULL) {
             PyErr_NoMemory();
-            return -1;
+            return NULL;
         }
         c->scratch = grown, c->scratch_bytes = (n - 1) * piece;
     }
-    char *stack[64], **s = stack;
-    if (n > 64 && (s = PyMem_Malloc(sizeof(char *) * (size_t)n)) == NULL) {
+    char **s = n > 64 ? PyMem_Malloc(sizeof(char *) * (size_t)n) : stack;
+    if (s == NULL)
         PyErr_NoMemory();
-        return -1;
+    return s;
+}
+
+/* Reduce bytes `from` to from + m of every rank's input of call seq in rank order into dst:
+ * the peers' read into the scratch (which stays in the cache), starting at this rank's next
+ * peer so the reads spread over the ranks, this rank's own from src. 0, or -1 with an
+ * exception set. */
+static int reduce_read(Core *c, int64_t seq, const char *src, Py_ssize_t from, Py_ssize_t m, char *dst, char **s,
+                       Py_ssize_t piece, kernel k, int op, Py_ssize_t isz) {
+    int me = c->me, n = c->n;
+    for (int j = 1; j < n; j++) {
+        int r = (me + j) % n;
+        s[r] = c->scratch + (j - 1) * piece;
+        if (read_peer(c, seq, r, s[r], from, m, m) < 0)
+            return -1;
     }
+    s[me] = (char *)src + from;
+    k(s, n, 0, m / isz, dst, op);
+    return 0;
+}
+
+static int single_copy_reduce_scatter(Core *c, int64_t seq, const char *src, Py_ssize_t lo, Py_ssize_t hi, char *out,
+                                      kernel k, int op, Py_ssize_t isz) {
+    int64_t done = (seq << STREAM_SHIFT) + 1;
+    Py_ssize_t len = hi - lo, piece = REDUCE_PIECE / isz * isz;
+    piece = piece < len ? piece : len;
+    char *stack[64], **s = reading_room(c, piece, stack);
+    if (s == NULL)
+        return -1;
     offer(c, seq, src);
     int rc = 0;
-    for (Py_ssize_t a = 0; a < len && rc == 0; a += piece) {
-        Py_ssize_t m = len - a < piece ? len - a : piece;
-        for (int j = 1; j < n && rc == 0; j++) {
-            int r = (me + j) % n;
-            s[r] = c->scratch + (j - 1) * piece;
-            rc = read_peer(c, seq, r, s[r], lo + a, m, m); /* into the scratch, which stays in the cache */
-        }
-        s[me] = (char *)src + lo + a;
-        if (rc == 0)
-            k(s, n, 0, m / isz, out + a, op);
-    }
+    for (Py_ssize_t a = 0; a < len && rc == 0; a += piece)
+        rc = reduce_read(c, seq, src, lo + a, len - a < piece ? len - a : piece, out + a, s, piece, k, op, isz);
     if (s != stack)
         PyMem_Free(s);
     if (rc < 0)
         return -1;
-    publish(c, c->takes[me], done);
+    publish(c, c->takes[c->me], done);
     return wait_all(c, c->takes, done, 6);
 }
 
@@ -958,32 +975,15 @@ static int single_copy_allreduce(Core *c, int64_t seq, const char *src, char *ou
     Py_ssize_t count = nbytes / isz, lo = block_start(count, n, me) * isz, len = block_start(count, n, me + 1) * isz - lo;
     Py_ssize_t most = (count + n - 1) / n * isz, piece = REDUCE_PIECE / isz * isz;
     piece = piece < most ? piece : most;
-    if ((n - 1) * piece > c->scratch_bytes) {
-        char *grown = PyMem_Realloc(c->scratch, (size_t)((n - 1) * piece));
-        if (grown == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        c->scratch = grown, c->scratch_bytes = (n - 1) * piece;
-    }
-    char *stack[64], **s = stack;
-    if (n > 64 && (s = PyMem_Malloc(sizeof(char *) * (size_t)n)) == NULL) {
-        PyErr_NoMemory();
+    char *stack[64], **s = reading_room(c, piece, stack);
+    if (s == NULL)
         return -1;
-    }
     int rc = 0;
     for (Py_ssize_t a = 0, round = 0; a < most && rc == 0; a += piece, round++) {
         if (a < len) { /* piece `round` of this rank's block, reduced over every rank's input */
             Py_ssize_t m = len - a < piece ? len - a : piece;
-            for (int j = 1; j < n && rc == 0; j++) {
-                int r = (me + j) % n;
-                s[r] = c->scratch + (j - 1) * piece;
-                rc = read_peer(c, seq, r, s[r], lo + a, m, m); /* into the scratch, which stays in the cache */
-            }
-            if (rc < 0)
+            if ((rc = reduce_read(c, seq, src, lo + a, m, out + lo + a, s, piece, k, op, isz)) < 0)
                 break;
-            s[me] = (char *)src + lo + a;
-            k(s, n, 0, m / isz, out + lo + a, op);
             publish(c, c->streams[me], base + 2 + round);
         }
         for (int j = 1; j < n && rc == 0; j++) { /* each rank starts at its next peer: the reads spread */
