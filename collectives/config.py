@@ -104,12 +104,13 @@ class Config:
     shm_single_copy_allreduce_bytes: int = 4 << 20
     """Allreduces of at least this many bytes into a separate output on one node skip the
     window where single copy is on (``shm_single_copy_bytes``; of 2 ranks, or of more where
-    broadcasts are copied once too): each rank reads its block of the others' inputs out of
-    their memory and reduces it into its output, then reads the others' reduced blocks out
-    of theirs, piece by piece, while they are in the caches (0: never). Each rank writes
-    its output once, where staging through the window writes half the input into it and
-    the whole result out of it. An allreduce in place stages: there a rank's reads of a
-    peer's block would land in lines the peer has just read."""
+    broadcasts are copied once too) and staging is slow, its copies taking non-temporal
+    stores (:meth:`.node.channel.Channel.staging_slow`): each rank reads its block of the
+    others' inputs out of their memory and reduces it into its output, then reads the
+    others' reduced blocks out of theirs, piece by piece, while they are in the caches (0:
+    never). Each rank writes its output once, where staging through the window writes half
+    the input into it and the whole result out of it. An allreduce in place stages: there
+    a rank's reads of a peer's block would land in lines the peer has just read."""
 
     shm_chunk_bytes: int = 1 << 20
     """Pipeline chunk of the single-node ``shm`` algorithms (each rank holds two), in bytes."""

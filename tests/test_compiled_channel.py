@@ -553,18 +553,19 @@ def test_large_reduce_scatters_read_each_block_once_with_the_windows_bits(comms,
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_large_allreduces_into_another_array_read_each_block_once_with_the_windows_bits(comms, dtype):
     # from shm_single_copy_allreduce_bytes (of 2 ranks, or of more where broadcasts read the
-    # root's memory too), an allreduce whose every rank's output is apart from its input is
-    # a reduce-scatter and an allgather by single copy, nothing staged: the same bits as
-    # staged through the window (the Python loop's communicator), with every op where the
-    # compiled kernel reduces; over several pieces; nonblocking; a non-contiguous input.
-    # Where numpy must reduce (half floats, float min and max), where one rank reduces in
-    # place, or where the setting is 0, every rank stages it.
+    # root's memory too), where staging is slow (non-temporal stores into the window), an
+    # allreduce whose every rank's output is apart from its input is a reduce-scatter and
+    # an allgather by single copy, nothing staged: the same bits as staged through the
+    # window (the Python loop's communicator), with every op where the compiled kernel
+    # reduces; over several pieces; nonblocking; a non-contiguous input. Where numpy must
+    # reduce (half floats, float min and max), where one rank reduces in place, or where
+    # the setting is 0, every rank stages it.
     from collectives.node.channel import REDUCE_READ_PIECE, STREAM_SHIFT
 
     _, slow = comms
     one, off = WORLD.Dup(), WORLD.Dup()
     try:
-        single = {"shm_single_copy_bytes": 1, "shm_single_copy_broadcast_bytes": 1}
+        single = {"shm_single_copy_bytes": 1, "shm_single_copy_broadcast_bytes": 1, "shm_nontemporal_bytes": 4096}
         ch = get_context(one, config=Config(shm_single_copy_allreduce_bytes=1, **single)).channel()
         if ch.single_copy == 0:
             pytest.skip("the kernel refuses cross-memory attach here")
@@ -614,6 +615,44 @@ def test_large_allreduces_into_another_array_read_each_block_once_with_the_windo
     finally:
         one.Free()
         off.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@needs_core
+def test_large_allreduces_read_by_single_copy_only_while_every_rank_finds_staging_slow(comms):
+    # staging is cheap where copies into the window take plain stores (the cores share a
+    # cache): there an allreduce into another array stages, whatever its size; with
+    # measured stores it reads by single copy while they call for non-temporal ones, which
+    # one rank's probes decide for all, and stages again once they no longer do
+    _, slow = comms
+    plain, measured = WORLD.Dup(), WORLD.Dup()
+    settings = {"shm_single_copy_bytes": 1, "shm_single_copy_broadcast_bytes": 1, "shm_single_copy_allreduce_bytes": 1}
+    try:
+        cheap = get_context(plain, config=Config(shm_nontemporal_bytes=0, **settings)).channel()
+        if cheap.single_copy == 0:
+            pytest.skip("the kernel refuses cross-memory attach here")
+        count = cheap.slot_bytes // 4 + 3 * N + 1
+        x = _inputs(count, np.float32, "sum", seed=3)[ME]
+        want = digest(C.allreduce(x, algorithm="shm", comm=slow))
+
+        def staged_by(ch, comm):
+            before = ch.copied[0]
+            assert ch.allreduce_reads(x.nbytes) and digest(C.allreduce(x, algorithm="shm", comm=comm)) == want
+            return ch.copied[0] > before
+
+        assert not cheap.staging_slow() and staged_by(cheap, plain)
+        ch = get_context(measured, config=Config(**settings)).channel()
+        if ch.nontemporal or not ch.measured_stores:
+            return  # the caches say the ranks span more than one: non-temporal from a size
+        for ratio in (4.0, 1.0):  # plain stores four times as slow on the last rank, then as fast
+            for _ in range(3):
+                ch.core.note_stores(ratio if ME == N - 1 else 1.0, 1.0, True)
+            WORLD.Barrier()
+            assert ch.staging_slow() == (ratio > 1) and staged_by(ch, measured) == (ratio == 1)
+            WORLD.Barrier()
+    finally:
+        plain.Free()
+        measured.Free()
 
 
 @pytest.mark.mpi(min_size=2)

@@ -841,22 +841,41 @@ class Channel:
     def allreduce_read(self, seq: int, src: np.ndarray, out: np.ndarray, op: str) -> bool:
         """Finish the agreed allreduce ``seq`` of ``src`` into ``out`` (flat, as long) by single
         copy (:attr:`single_copy_allreduce` on), where every rank's ``src`` is C-contiguous
-        and apart from its ``out`` (each rank says whether its is; a rank in place says no):
-        each rank reduces its block of every rank's input, read piece by piece out of the
-        peers' memory, into its ``out``, then reads each peer's reduced pieces out of the
-        peer's ``out`` as they are published. The compiled loop's ``allreduce``. False, where
-        a rank's input is not so, or where numpy must reduce the dtype and op: every rank
-        then stages the call through the window."""
+        and apart from its ``out`` and every rank's staging is slow (:meth:`staging_slow`;
+        each rank says whether its is; a rank in place says no): each rank reduces its block
+        of every rank's input, read piece by piece out of the peers' memory, into its
+        ``out``, then reads each peer's reduced pieces out of the peer's ``out`` as they are
+        published. The compiled loop's ``allreduce``. False, where a rank says no, or where
+        numpy must reduce the dtype and op: every rank then stages the call through the
+        window."""
         code = dtype_code(src.dtype)
         if code < 0 or op not in OPS:
             return False
         apart = src.flags.c_contiguous and not np.may_share_memory(src, out)
-        if not self.core.allreduce(seq, src if apart else out, out, code, OPS.index(op), apart):
+        vote = apart and self.staging_slow()
+        if not self.core.allreduce(seq, src if apart else out, out, code, OPS.index(op), vote):
             return False
         mine = block_counts(out.size, self.n)[self.me] * out.itemsize
         self.copied[1] += mine  # its reduced block, and the peers' blocks, into its output
         self.copied[2] += out.nbytes - mine
         return True
+
+    def staging_slow(self) -> bool:
+        """Whether this rank's copies into the chunk buffers take non-temporal stores now: from
+        :attr:`nontemporal` bytes (the setting, or ranks spanning more than one last-level
+        cache), or where the compiled loop's measured stores call for them on any rank (plain
+        ones several times as slow: cores that share no cache; the peers' calls read again
+        here). Staging a large allreduce then writes lines the other core holds, and reading
+        it by single copy took 0.49-0.91 x the staged time at 16 MiB on the 2-vCPU reference
+        machine, on huge pages and on 4 KiB ones. Where the cores share a cache staging is
+        cheap: single copy took 1.33-1.50 x as long there on 4 KiB pages, which the kernel
+        pins one by one (0.82-1.01 x on huge ones), and on a 16-core node 1.11-1.38 x on
+        arrays in the heap (0.60-0.85 x on fresh ones). A rank cannot tell cheaply where a
+        caller's pages lie, so this alone decides."""
+        if self.nontemporal > 0:
+            return True
+        self.core.note_stores(0, 0, True)
+        return bool(self.core.staged_stores[0])
 
     def reads_peers(self, collective: str, nbytes: int) -> bool:
         """True when an agreed ``collective`` with ``nbytes`` per rank of input reads its
