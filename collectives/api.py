@@ -288,10 +288,11 @@ def _reduce_scatter(x, op, algorithm, out, comm, blocking, agreed):
     if ws is not None:  # every rank's input lies in the arena: read it there
         return _launch(ctx, inplace.inplace_reduce_scatter(ctx, counts, result, x.dtype, ws, op), blocking, result)
     ch = ctx.chan
-    if call.resolved == "shm" and ch is not None and not overlap and ch.reads_peers("reduce_scatter", x.nbytes):
-        # each rank reads its block of the others' inputs where they lie (single copy)
-        ch.reduce_scatter_read(call.seq, _flat(src), counts, result, op)
-        return _done(result, blocking, ctx)
+    if call.resolved == "shm" and ch is not None and ch.reads_peers("reduce_scatter", x.nbytes):
+        # each rank reads its block of the others' inputs where they lie (single copy), where
+        # every rank's output is apart from its input and its staging slow; else all stage
+        if ch.reduce_scatter_read(call.seq, _flat(src), counts, result, op, apart=not overlap):
+            return _done(result, blocking, ctx)
     if call.resolved == "shm":
         ctx.channel()  # collective allocation, in call order
         gen = staged.reduce_scatter(ctx, t, _flat(src), counts, op, 0, out=result)

@@ -85,10 +85,7 @@ class Config:
     shm_single_copy_bytes: int = 1 << 20
     """Allgathers of at least this many bytes per rank on one node are copied once, each
     rank reading the others' data out of their memory with cross-memory attach (Linux's
-    ``process_vm_readv``), instead of twice through the shared window; and reduce-scatters
-    past the one-step size with at least this many bytes of input, each rank reading only
-    its block of the others' inputs, which are not staged (of 2 ranks, or of more where
-    broadcasts read the root's memory: ``shm_single_copy_broadcast_bytes``). A peer's data
+    ``process_vm_readv``), instead of twice through the shared window. A peer's data
     in the node's arena (:func:`collectives.empty`) is copied through the arena's mapping
     instead. Where the kernel refuses it (a strict ``ptrace_scope``, a container's seccomp
     profile) every rank keeps the window (0: never)."""
@@ -100,6 +97,15 @@ class Config:
     never); -1: from the size where the node's ranks measured it faster than the root's
     slot when the channel was made, or never where it was slower at every size measured
     (:func:`.node.channel.broadcast_single_copy_bytes`)."""
+
+    shm_single_copy_reduce_scatter_bytes: int = 0
+    """Reduce-scatters past the one-step size with at least this many bytes of input on one
+    node skip the window where single copy is on (``shm_single_copy_bytes``; of 2 ranks, or
+    of more where broadcasts are copied once too), every rank's output is apart from its
+    input and staging is slow, as for ``shm_single_copy_allreduce_bytes``: each rank reads
+    only its block of the others' inputs out of their memory and reduces it with its own
+    (0: never, the default: on the 2-vCPU reference machine that took 1.0-1.3 x the staged
+    time at 16 MiB on huge pages and 1.5-1.9 x on 4 KiB ones, where staging was slow too)."""
 
     shm_single_copy_allreduce_bytes: int = 4 << 20
     """Allreduces of at least this many bytes into a separate output on one node skip the
@@ -185,6 +191,10 @@ class Config:
             raise ConfigError(
                 f"shm_single_copy_broadcast_bytes={self.shm_single_copy_broadcast_bytes} must be >= 0 "
                 "(0: never), or -1 (measured)"
+            )
+        if self.shm_single_copy_reduce_scatter_bytes < 0:
+            raise ConfigError(
+                f"shm_single_copy_reduce_scatter_bytes={self.shm_single_copy_reduce_scatter_bytes} must be >= 0 (0: never)"
             )
         if self.shm_single_copy_allreduce_bytes < 0:
             raise ConfigError(

@@ -238,7 +238,7 @@ class Context:
                 cfg.shm_nontemporal_out_bytes,
                 cfg.shm_single_copy_bytes,
                 cfg.shm_single_copy_broadcast_bytes,
-                cfg.shm_single_copy_allreduce_bytes,
+                (cfg.shm_single_copy_reduce_scatter_bytes, cfg.shm_single_copy_allreduce_bytes),
             )
             if cfg.shm_spin >= 0:
                 self._channel.spin = cfg.shm_spin

@@ -263,12 +263,14 @@ def _next_call_raises_then_reset_recovers(comm, sync, cfg, said: str) -> None:
 def _single_copy_channel(stall_timeout: float):
     """A communicator (with a twin to synchronize on, and its config) whose node channel
     copies every agreed broadcast, allgather and reduce-scatter once, by cross-memory
-    attach, and ends a wait for a peer after ``stall_timeout`` seconds, and that channel;
-    the test skips where the ranks span nodes or single copy is off."""
+    attach (staging slow: non-temporal stores), and ends a wait for a peer after
+    ``stall_timeout`` seconds, and that channel; the test skips where the ranks span nodes
+    or single copy is off."""
     if get_context(WORLD).topology().nodes != 1:
         pytest.skip("ranks span nodes")
     comm, sync = WORLD.Dup(), WORLD.Dup()
-    cfg = Config(stall_timeout=stall_timeout, shm_single_copy_bytes=1, shm_single_copy_broadcast_bytes=1)
+    single = {"shm_single_copy_bytes": 1, "shm_single_copy_broadcast_bytes": 1, "shm_nontemporal_bytes": 4096}
+    cfg = Config(stall_timeout=stall_timeout, shm_single_copy_reduce_scatter_bytes=1, **single)
     ch = get_context(comm, cfg).channel()
     if not ch.single_copy_broadcast:
         comm.Free()
@@ -289,8 +291,8 @@ def test_a_read_the_kernel_refuses_mid_call_raises_there_and_stalls_nobody_forev
     comm, sync, cfg, ch = _single_copy_channel(1.0)
     n, r = comm.size, comm.rank
     seq = ch.exchange(7, 7, 7)  # a call every rank agreed on
-    if r == 0:  # offer an address no page of this process holds
-        ch.slots[0][seq & 1][:8].view(np.int64)[0] = 8
+    if r == 0:  # offer an address no page of this process holds (a reduce-scatter's vote: yes)
+        ch.slots[0][seq & 1][:32].view(np.int64)[[0, 3]] = (8, 1)
         ch._publish(ch.streams, ch._stream_addr, (seq << STREAM_SHIFT) + 1)
         with pytest.raises(C.StallError, match=r"rank\(s\) \[\d+(, \d+)*\] to reach the streamed pieces|gave up"):
             ch._wait_peers(ch._peer_takes, (seq << STREAM_SHIFT) + 1, 6)

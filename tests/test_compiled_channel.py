@@ -503,23 +503,26 @@ def test_single_copies_of_window_arrays_copy_through_the_peers_mapped_segments(m
 @needs_core
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_large_reduce_scatters_read_each_block_once_with_the_windows_bits(comms, dtype):
-    # past the one-step size, from shm_single_copy_bytes of input (of 2 ranks, or of more
-    # where broadcasts read the root's memory too), each rank reads its block of every
-    # peer's input straight out of its memory and reduces it with its own in
-    # rank order: the same bits as staged through the window (the Python loop's
-    # communicator, single copy off), with every op, by the compiled kernel or numpy's (half
-    # floats, float min and max); uneven blocks, and blocks longer than the pieces read at a
-    # time; into a given out; nonblocking
+    # past the one-step size, from shm_single_copy_reduce_scatter_bytes of input (of 2
+    # ranks, or of more where broadcasts read the root's memory too), where staging is slow
+    # (non-temporal stores into the window), each rank reads its block of every peer's input
+    # straight out of its memory and reduces it with its own in rank order: the same bits
+    # as staged through the window (the Python loop's communicator, single copy off), with
+    # every op, by the compiled kernel or numpy's (half floats, float min and max); uneven
+    # blocks, and blocks longer than the pieces read at a time; into a given out;
+    # nonblocking
     from collectives.node.channel import REDUCE_READ_PIECE, STREAM_SHIFT
 
     _, slow = comms
     one = WORLD.Dup()
     try:
-        ch = get_context(one, config=Config(shm_single_copy_bytes=1, shm_single_copy_broadcast_bytes=1)).channel()
+        single = {"shm_single_copy_bytes": 1, "shm_single_copy_broadcast_bytes": 1, "shm_nontemporal_bytes": 4096}
+        ch = get_context(one, config=Config(shm_single_copy_reduce_scatter_bytes=1, **single)).channel()
         if ch.single_copy == 0:
             pytest.skip("the kernel refuses cross-memory attach here")
         assert get_context(slow).chan.single_copy == 0
         assert ch.reads_peers("reduce_scatter", 1) and not ch.reads_peers("allreduce", 1)
+        assert Config().shm_single_copy_reduce_scatter_bytes == 0  # by default it stages
         ch.single_copy_broadcast = 0  # from 3 ranks only where broadcasts read the root's memory too
         assert ch.reads_peers("reduce_scatter", 1) == (N == 2)
         ch.single_copy_broadcast = 1
@@ -619,28 +622,35 @@ def test_large_allreduces_into_another_array_read_each_block_once_with_the_windo
 
 @pytest.mark.mpi(min_size=2)
 @needs_core
-def test_large_allreduces_read_by_single_copy_only_while_every_rank_finds_staging_slow(comms):
+def test_large_reductions_read_by_single_copy_only_while_every_rank_finds_staging_slow(comms):
     # staging is cheap where copies into the window take plain stores (the cores share a
-    # cache): there an allreduce into another array stages, whatever its size; with
-    # measured stores it reads by single copy while they call for non-temporal ones, which
-    # one rank's probes decide for all, and stages again once they no longer do
+    # cache): there an allreduce into another array and a reduce-scatter stage, whatever
+    # their size; with measured stores they read by single copy while the stores call for
+    # non-temporal ones, which one rank's probes decide for all, and stage again once they
+    # no longer do; every RESTAGE_EVERY-th call stages anyway, and so probes them again
+    from collectives.node.channel import RESTAGE_EVERY, STREAM_SHIFT
+
     _, slow = comms
     plain, measured = WORLD.Dup(), WORLD.Dup()
     settings = {"shm_single_copy_bytes": 1, "shm_single_copy_broadcast_bytes": 1, "shm_single_copy_allreduce_bytes": 1}
+    settings["shm_single_copy_reduce_scatter_bytes"] = 1
     try:
         cheap = get_context(plain, config=Config(shm_nontemporal_bytes=0, **settings)).channel()
         if cheap.single_copy == 0:
             pytest.skip("the kernel refuses cross-memory attach here")
         count = cheap.slot_bytes // 4 + 3 * N + 1
         x = _inputs(count, np.float32, "sum", seed=3)[ME]
-        want = digest(C.allreduce(x, algorithm="shm", comm=slow))
+        want = {f: digest(getattr(C, f)(x, algorithm="shm", comm=slow)) for f in ("allreduce", "reduce_scatter")}
 
-        def staged_by(ch, comm):
+        def read_by(ch, comm):  # whether each call read by single copy, its bits checked
             before = ch.copied[0]
-            assert ch.allreduce_reads(x.nbytes) and digest(C.allreduce(x, algorithm="shm", comm=comm)) == want
-            return ch.copied[0] > before
+            assert ch.allreduce_reads(x.nbytes) and ch.reads_peers("reduce_scatter", x.nbytes)
+            assert digest(C.allreduce(x, algorithm="shm", comm=comm)) == want["allreduce"]
+            allreduce = ch.copied[0] == before
+            assert digest(C.reduce_scatter(x, algorithm="shm", comm=comm)) == want["reduce_scatter"]
+            return allreduce, ch.takes[ME][0] == (ch.seq << STREAM_SHIFT) + 1
 
-        assert not cheap.staging_slow() and staged_by(cheap, plain)
+        assert not cheap.staging_slow(1) and read_by(cheap, plain) == (False, False)
         ch = get_context(measured, config=Config(**settings)).channel()
         if ch.nontemporal or not ch.measured_stores:
             return  # the caches say the ranks span more than one: non-temporal from a size
@@ -648,11 +658,53 @@ def test_large_allreduces_read_by_single_copy_only_while_every_rank_finds_stagin
             for _ in range(3):
                 ch.core.note_stores(ratio if ME == N - 1 else 1.0, 1.0, True)
             WORLD.Barrier()
-            assert ch.staging_slow() == (ratio > 1) and staged_by(ch, measured) == (ratio == 1)
+            while (ch.seq + 1) % RESTAGE_EVERY in (0, RESTAGE_EVERY - 1):  # the next two calls' numbers
+                C.allreduce(np.zeros(1), comm=measured)
+            assert ch.staging_slow(ch.seq + 1) == (ratio > 1) and not ch.staging_slow(RESTAGE_EVERY)
+            assert read_by(ch, measured) == (ratio > 1, ratio > 1)
             WORLD.Barrier()
+        while (ch.seq + 1) % RESTAGE_EVERY:  # every RESTAGE_EVERY-th call stages to probe the stores again
+            C.allreduce(np.zeros(1), comm=measured)
+        for _ in range(3):
+            ch.core.note_stores(4.0, 1.0, True)
+        WORLD.Barrier()
+        assert read_by(ch, measured)[0] is False
     finally:
         plain.Free()
         measured.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@needs_core
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["kernel", "numpy"])
+def test_a_large_reduce_scatter_into_its_input_on_one_rank_stages_on_every_rank(comms, dtype):
+    # one rank's out overlaps its input, the others' do not: that rank votes against the
+    # single copy, so every rank stages the call (the same bits), where the ranks used to
+    # take different paths and stall
+    from collectives.node.channel import STREAM_SHIFT
+
+    _, slow = comms
+    one = WORLD.Dup()
+    try:
+        single = {"shm_single_copy_bytes": 1, "shm_single_copy_broadcast_bytes": 1, "shm_nontemporal_bytes": 4096}
+        ch = get_context(
+            one, config=Config(stall_timeout=20.0, shm_single_copy_reduce_scatter_bytes=1, **single)
+        ).channel()
+        if ch.single_copy == 0:
+            pytest.skip("the kernel refuses cross-memory attach here")
+        m = ch.slot_bytes // np.dtype(dtype).itemsize + 7
+        xs = _inputs(m * N, dtype, "sum", seed=5)
+        want = digest(C.reduce_scatter(xs[ME], algorithm="shm", comm=slow))
+        for inside in range(N):
+            x = xs[ME].copy()
+            out = x[:m] if ME == inside else np.empty(m, dtype)
+            got = C.reduce_scatter(x, algorithm="shm", out=out, comm=one)
+            assert got is out and digest(got) == want, inside
+            assert ch.takes[ME][0] != (ch.seq << STREAM_SHIFT) + 1  # staged: nothing read, nothing taken
+        got = C.reduce_scatter(xs[ME], algorithm="shm", comm=one)  # and apart everywhere: read
+        assert digest(got) == want and ch.takes[ME][0] == (ch.seq << STREAM_SHIFT) + 1
+    finally:
+        one.Free()
 
 
 @pytest.mark.mpi(min_size=2)

@@ -60,6 +60,9 @@ def test_non_temporal_stores_where_the_ranks_span_last_level_caches():
         Config(shm_single_copy_bytes=-1)
     with pytest.raises(ConfigError, match="shm_single_copy_broadcast_bytes=-2"):
         Config(shm_single_copy_broadcast_bytes=-2)
+    for name in ("shm_single_copy_reduce_scatter_bytes", "shm_single_copy_allreduce_bytes"):
+        with pytest.raises(ConfigError, match=f"{name}=-1 must be >= 0"):
+            Config(**{name: -1})
 
 
 def test_single_copy_broadcasts_from_where_the_measured_lines_cross():

@@ -109,6 +109,12 @@ REDUCE_READ_PIECE = 256 << 10
 (:meth:`Channel.reduce_scatter_read`; the compiled loop's ``REDUCE_PIECE``): its scratch
 holds one such piece per peer."""
 
+RESTAGE_EVERY = 16
+"""Where measured stores decide whether staging is slow (:meth:`Channel.staging_slow`), a
+large reduction whose call number is a multiple of this stages anyway: its copies into the
+window probe the stores again, which the single copy's never do, so a choice taken from a
+disturbed probe, or before the machine changed, does not stay."""
+
 
 def spin_budget(ranks: int, cores: int) -> int:
     """:data:`SPIN`, or :data:`POLITE_SPIN` when the node's ranks outnumber the ``cores``
@@ -290,10 +296,9 @@ class Channel:
         nontemporal_out: int = 0,
         single_copy: int = 0,
         single_copy_broadcast: int = 0,
-        single_copy_allreduce: int = 0,
+        single_copy_reductions: tuple[int, int] = (0, 0),
     ) -> None:
-        n, me = t.size, t.rank
-        self.n, self.me = n, me
+        self.n, self.me = n, me = t.size, t.rank
         settings = {
             "shm_small_bytes": small_bytes,
             "shm_copy_small_bytes": copy_small_bytes,
@@ -301,7 +306,8 @@ class Channel:
             "shm_split_bytes": split_bytes,
             "shm_single_copy_bytes": single_copy,
             "shm_single_copy_broadcast_bytes": single_copy_broadcast,
-            "shm_single_copy_allreduce_bytes": single_copy_allreduce,
+            "shm_single_copy_reduce_scatter_bytes": single_copy_reductions[0],
+            "shm_single_copy_allreduce_bytes": single_copy_reductions[1],
         }
         caches, cores = _agree_layout(t, settings, min(nontemporal, nontemporal_out) < 0)
         self.nontemporal = nontemporal_bytes(nontemporal, caches)
@@ -355,7 +361,7 @@ class Channel:
         """Bytes this rank wrote in the chunked, in-place and single-copy-allreduce paths, by
         kind: staged (its input into the window), reduced (reduction results) and copied out
         (results into its output). One-step calls are not counted."""
-        self._single_copy(t, single_copy, single_copy_broadcast, single_copy_allreduce)
+        self._single_copy(t, single_copy, single_copy_broadcast, single_copy_reductions)
 
     def _map_slots(self, segs: list[np.ndarray], slot: int) -> None:
         """Every rank's two slots (``slot`` bytes each with the header) and two chunk buffers
@@ -469,7 +475,7 @@ class Channel:
         if self.core is not None and mine.size:
             self.core.segments([seg.ctypes.data for seg in segments], there, mine.size)
 
-    def _single_copy(self, t: Any, allgathers: int, broadcasts: int, allreduces: int) -> None:
+    def _single_copy(self, t: Any, allgathers: int, broadcasts: int, reductions: tuple[int, int]) -> None:
         """Set the single-copy sizes from their settings where every rank can read its
         peers' memory (else 0), and give them to the compiled loop; the broadcasts' measured
         first where their setting is -1, or never where the node's ranks may run on fewer
@@ -478,8 +484,11 @@ class Channel:
         self.single_copy = allgathers if cma else 0
         """Agreed allgathers from this many bytes per rank read the sender's memory with
         cross-memory attach, one copy (0: never): see :meth:`_can_read_peers`."""
-        self.single_copy_allreduce = allreduces if self.single_copy else 0
-        """Agreed allreduces from this many bytes into a separate output read the peers'
+        self.single_copy_reduce_scatter = reductions[0] if self.single_copy else 0
+        """Agreed reduce-scatters from this many bytes of input may read the peers' blocks by
+        single copy (:meth:`reduce_scatter_read`; 0: never)."""
+        self.single_copy_allreduce = reductions[1] if self.single_copy else 0
+        """Agreed allreduces from this many bytes into a separate output may read the peers'
         memory by single copy (:meth:`allreduce_read`; 0: never)."""
         self.single_copy_broadcast = broadcasts if cma else 0
         """And agreed broadcasts from this many bytes read the root's (0: never); measured
@@ -852,7 +861,7 @@ class Channel:
         if code < 0 or op not in OPS:
             return False
         apart = src.flags.c_contiguous and not np.may_share_memory(src, out)
-        vote = apart and self.staging_slow()
+        vote = apart and self.staging_slow(seq)
         if not self.core.allreduce(seq, src if apart else out, out, code, OPS.index(op), vote):
             return False
         mine = block_counts(out.size, self.n)[self.me] * out.itemsize
@@ -860,61 +869,77 @@ class Channel:
         self.copied[2] += out.nbytes - mine
         return True
 
-    def staging_slow(self) -> bool:
-        """Whether this rank's copies into the chunk buffers take non-temporal stores now: from
-        :attr:`nontemporal` bytes (the setting, or ranks spanning more than one last-level
-        cache), or where the compiled loop's measured stores call for them on any rank (plain
-        ones several times as slow: cores that share no cache; the peers' calls read again
-        here). Staging a large allreduce then writes lines the other core holds, and reading
-        it by single copy took 0.49-0.91 x the staged time at 16 MiB on the 2-vCPU reference
-        machine, on huge pages and on 4 KiB ones. Where the cores share a cache staging is
-        cheap: single copy took 1.33-1.50 x as long there on 4 KiB pages, which the kernel
-        pins one by one (0.82-1.01 x on huge ones), and on a 16-core node 1.11-1.38 x on
-        arrays in the heap (0.60-0.85 x on fresh ones). A rank cannot tell cheaply where a
-        caller's pages lie, so this alone decides."""
+    def staging_slow(self, seq: int) -> bool:
+        """Whether this rank's copies into the chunk buffers take non-temporal stores, for
+        call ``seq``: from :attr:`nontemporal` bytes (the setting, or ranks spanning more
+        than one last-level cache), or where the compiled loop's measured stores call for
+        them on any rank (plain ones several times as slow: cores that share no cache; the
+        peers' calls read again here), but for every :data:`RESTAGE_EVERY`-th call, which
+        stages to probe them again. Staging a large reduction then writes lines the other
+        core holds, and reading an allreduce by single copy took 0.49-0.91 x the staged
+        time at 16 MiB on the 2-vCPU reference machine, on huge pages and on 4 KiB ones.
+        Where the cores share a cache staging is cheap: single copy took 1.33-1.50 x as
+        long there on 4 KiB pages, which the kernel pins one by one (0.82-1.01 x on huge
+        ones), and on a 16-core node 1.11-1.38 x on arrays in the heap (0.60-0.85 x on
+        fresh ones). A rank cannot tell cheaply where a caller's pages lie, so this alone
+        decides."""
         if self.nontemporal > 0:
             return True
+        if not self.measured_stores or seq % RESTAGE_EVERY == 0:
+            return False
         self.core.note_stores(0, 0, True)
         return bool(self.core.staged_stores[0])
 
     def reads_peers(self, collective: str, nbytes: int) -> bool:
-        """True when an agreed ``collective`` with ``nbytes`` per rank of input reads its
-        peers' memory by single copy: a reduce-scatter from :attr:`single_copy` bytes, of 2
-        ranks, or of more where broadcasts read the root's memory too (each rank's input is
+        """True when an agreed ``collective`` with ``nbytes`` per rank of input goes to
+        :meth:`reduce_scatter_read`, which reads the peers' memory by single copy where every
+        rank votes for it: a reduce-scatter from :attr:`single_copy_reduce_scatter` bytes, of
+        2 ranks, or of more where broadcasts read the root's memory too (each rank's input is
         then read by every peer at once, as a root's is, and the kernel's copies from one
         process contend on some nodes: the broadcasts' measurement says whether they do)."""
         return (
             collective == "reduce_scatter"
-            and 0 < self.single_copy <= nbytes
+            and 0 < self.single_copy_reduce_scatter <= nbytes
             and (self.n == 2 or self.single_copy_broadcast > 0)
         )
 
-    def reduce_scatter_read(self, seq: int, src: np.ndarray, counts: tuple[int, ...], out: np.ndarray, op: str) -> None:
+    def reduce_scatter_read(
+        self, seq: int, src: np.ndarray, counts: tuple[int, ...], out: np.ndarray, op: str, apart: bool = True
+    ) -> bool:
         """Reduce block ``me`` (elements by ``counts``) of every rank's ``src`` (flat,
         C-contiguous) with ``op`` into ``out`` for the agreed reduce-scatter ``seq``, reading
         the peers' blocks straight out of their memory (cross-memory attach;
-        :attr:`single_copy` on): each rank offers its ``src`` as an allgather's single copy
-        does, then, piece by piece, reads its block of every peer's into a scratch buffer and
-        reduces them with its own in rank order, so only the blocks move, once, and nothing
-        is staged. It returns once every peer has read its block. The compiled loop's
+        :attr:`single_copy_reduce_scatter` on), where every rank votes for it: its ``out``
+        is ``apart`` from its ``src`` and its staging is slow (:meth:`staging_slow`). Each
+        rank offers its ``src`` as an allgather's single copy does, with its vote; then,
+        piece by piece, it reads its block of every peer's into a scratch buffer and reduces
+        them with its own in rank order, so only the blocks move, once, and nothing is
+        staged. It returns True once every peer has read its block; False, where a rank
+        voted against it (every rank then stages the call). The compiled loop's
         ``reduce_scatter`` where it has a kernel for the dtype and op and ``out`` is
         C-contiguous; this method's loop, the same protocol, with numpy's reduction
         elsewhere."""
         me, n, p = self.me, self.n, seq & 1
         lo = sum(counts[:me])
         hi, isz = lo + counts[me], src.itemsize
-        if out.flags.c_contiguous and dtype_code(src.dtype) >= 0 and op in OPS:
-            if self.core.reduce_scatter(seq, src, lo * isz, hi * isz, out, dtype_code(src.dtype), OPS.index(op)):
-                return
+        vote = apart and self.staging_slow(seq)
+        code = dtype_code(src.dtype)
+        if out.flags.c_contiguous and code >= 0 and op in OPS and self.core.has_kernel(code, OPS.index(op)):
+            return bool(self.core.reduce_scatter(seq, src, lo * isz, hi * isz, out, code, OPS.index(op), vote))
         red = rank_order_reducer(op, n)
         done = (seq << STREAM_SHIFT) + 1
-        self.slots[me][p][:8].view(np.int64)[0] = src.ctypes.data
+        words = self.slots[me][p][:32].view(np.int64)
+        words[3] = vote
+        words[0] = src.ctypes.data
         self._publish(self.streams, self._stream_addr, done)
+        self._wait_peers(self._peer_streams, done, 5)
+        heads = [self.slots[r][p][:32].view(np.int64) for r in range(n)]
+        if not all(h[3] for h in heads):
+            return False
+        addrs = [int(h[0]) for h in heads]
         piece = max(1, REDUCE_READ_PIECE // isz)
         if self._scratch is None or self._scratch.nbytes < (n - 1) * min(piece, counts[me]) * isz:
             self._scratch = np.empty((n - 1) * min(piece, counts[me]) * isz, np.uint8)
-        self._wait_peers(self._peer_streams, done, 5)
-        addrs = [int(self.slots[r][p][:8].view(np.int64)[0]) for r in range(n)]
         parts: list[np.ndarray] = [src] * n
         for a in range(lo, hi, piece):
             m = min(piece, hi - a)
@@ -927,6 +952,7 @@ class Channel:
             red(parts, out[a - lo : a - lo + m])
         self._publish(self.takes, self._take_addr, done)
         self._wait_peers(self._peer_takes, done, 6)
+        return True
 
     def _check_stall(self, rank: int, want: int, start: float, kind: int) -> float:
         """Raise the stall's error if a peer gave up, or the wait for ``rank`` has lasted the

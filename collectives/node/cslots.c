@@ -36,8 +36,9 @@
  *       from nbytes per rank, and broadcasts from `broadcasts`, read the sender's memory (below)
  *   core.segments(here, there, nbytes): every rank's segment of the node's arena, which those
  *       reads copy through where the sender's data lies there (below)
- *   core.reduce_scatter(seq, src, lo, hi, out, dtype, op): a reduce-scatter read from the
- *       peers' memory (below)
+ *   core.reduce_scatter(seq, src, lo, hi, out, dtype, op, vote), core.allreduce(seq, src,
+ *       out, dtype, op, vote): a reduce-scatter or allreduce read from the peers' memory
+ *       where every rank votes for it (below)
  *   core.put(dst, src, total=None): a copy into shared memory (copy_shared: non-temporal
  *       stores from core.nontemporal bytes, as every copy into a slot here), or out of it
  *       into a message of `total` bytes (copy_out: from core.nontemporal_out)
@@ -873,12 +874,14 @@ static int reduce_slots(Core *c, int64_t seq, kernel k, int op, Py_ssize_t items
 }
 
 /* -- reduce-scatters read by single copy ----------------------------------------------------
- * From c->cma_bytes of input, an agreed reduce-scatter skips the window: every rank offers
- * its input as an allgather's sender does; each rank reads its block (bytes lo to hi of
- * every rank's input) out of each peer's memory, REDUCE_PIECE bytes of each at a time into
- * its scratch (starting at its next peer, so the reads spread over the ranks), and reduces
- * them with its own in rank order into out; then it publishes its takes word, and returns
- * once every peer has (its input is not changed while read). */
+ * From c->cma_bytes of input, an agreed reduce-scatter may skip the window: every rank
+ * offers its input as an allgather's sender does, with its vote (offer_vote: whether its
+ * input is apart from its output and its staging is slow; where any rank votes against it,
+ * every rank stages the call instead); each rank reads its block (bytes lo to hi of every
+ * rank's input) out of each peer's memory, REDUCE_PIECE bytes of each at a time into its
+ * scratch (starting at its next peer, so the reads spread over the ranks), and reduces them
+ * with its own in rank order into out; then it publishes its takes word, and returns once
+ * every peer has (its input is not changed while read). */
 #define REDUCE_PIECE ((Py_ssize_t)256 << 10)
 
 /* Make room for reading `piece` bytes of each of the n - 1 peers' inputs (the scratch) and
@@ -918,15 +921,33 @@ static int reduce_read(Core *c, int64_t seq, const char *src, Py_ssize_t from, P
     return 0;
 }
 
+/* Offer src for call seq with this rank's vote for reading it by single copy (word 3 of its
+ * slot of the call) and wait for every peer's offer: 1 where every rank votes for it, 0
+ * where one votes against it (every rank then stages the call, and no one reads), -1 with
+ * an exception set where a peer stalls. */
+static int offer_vote(Core *c, int64_t seq, const char *src, int vote) {
+    int p = (int)(seq & 1);
+    store((int64_t *)c->slots[2 * c->me + p] + 3, vote);
+    offer(c, seq, src);
+    if (wait_all(c, c->streams, (seq << STREAM_SHIFT) + 1, 5) < 0)
+        return -1;
+    for (int r = 0; r < c->n; r++)
+        if (!load((int64_t *)c->slots[2 * r + p] + 3))
+            return 0;
+    return 1;
+}
+
 static int single_copy_reduce_scatter(Core *c, int64_t seq, const char *src, Py_ssize_t lo, Py_ssize_t hi, char *out,
-                                      kernel k, int op, Py_ssize_t isz) {
+                                      int vote, kernel k, int op, Py_ssize_t isz) {
     int64_t done = (seq << STREAM_SHIFT) + 1;
     Py_ssize_t len = hi - lo, piece = REDUCE_PIECE / isz * isz;
     piece = piece < len ? piece : len;
+    int agreed = offer_vote(c, seq, src, vote);
+    if (agreed <= 0)
+        return agreed;
     char *stack[64], **s = reading_room(c, piece, stack);
     if (s == NULL)
         return -1;
-    offer(c, seq, src);
     int rc = 0;
     for (Py_ssize_t a = 0; a < len && rc == 0; a += piece)
         rc = reduce_read(c, seq, src, lo + a, len - a < piece ? len - a : piece, out + a, s, piece, k, op, isz);
@@ -935,7 +956,7 @@ static int single_copy_reduce_scatter(Core *c, int64_t seq, const char *src, Py_
     if (rc < 0)
         return -1;
     publish(c, c->takes[c->me], done);
-    return wait_all(c, c->takes, done, 6);
+    return wait_all(c, c->takes, done, 6) < 0 ? -1 : 1;
 }
 
 /* Element r * q + min(r, rem) of count = q * n + rem: where block r starts (MPICH's blocks,
@@ -963,15 +984,10 @@ static int single_copy_allreduce(Core *c, int64_t seq, const char *src, char *ou
                                  kernel k, int op, Py_ssize_t isz) {
     int me = c->me, n = c->n, p = (int)(seq & 1);
     int64_t base = seq << STREAM_SHIFT;
-    int64_t *mine = (int64_t *)c->slots[2 * me + p];
-    store(mine + 2, (int64_t)(uintptr_t)out);
-    store(mine + 3, vote);
-    offer(c, seq, src);
-    if (wait_all(c, c->streams, base + 1, 5) < 0)
-        return -1;
-    for (int r = 0; r < n; r++)
-        if (!load((int64_t *)c->slots[2 * r + p] + 3))
-            return 0;
+    store((int64_t *)c->slots[2 * me + p] + 2, (int64_t)(uintptr_t)out);
+    int agreed = offer_vote(c, seq, src, vote);
+    if (agreed <= 0)
+        return agreed;
     Py_ssize_t count = nbytes / isz, lo = block_start(count, n, me) * isz, len = block_start(count, n, me + 1) * isz - lo;
     Py_ssize_t most = (count + n - 1) / n * isz, piece = REDUCE_PIECE / isz * isz;
     piece = piece < most ? piece : most;
@@ -1474,18 +1490,20 @@ static PyObject *Core_cma_write(Core *c, PyObject *const *args, Py_ssize_t nargs
     return cma_method(args, nargs, 1);
 }
 
-/* core.reduce_scatter(seq, src, lo, hi, out, dtype, op): the agreed reduce-scatter seq read
- * by single copy (single_copy_reduce_scatter); False, having done nothing, where no kernel
- * reduces the dtype and op (numpy must) */
+/* core.reduce_scatter(seq, src, lo, hi, out, dtype, op, vote): the agreed reduce-scatter seq
+ * read by single copy where every rank votes for it (single_copy_reduce_scatter): True, or
+ * False where a rank voted against it */
 static PyObject *Core_reduce_scatter(Core *c, PyObject *const *args, Py_ssize_t nargs) {
-    static const int at[] = {0, 2, 3, 5, 6};
-    int64_t v[5];
-    if (method_args(c, args, nargs, 7, 7, "reduce_scatter(seq, src, lo, hi, out, dtype, op)", at, 5, v) < 0)
+    static const int at[] = {0, 2, 3, 5, 6, 7};
+    int64_t v[6];
+    if (method_args(c, args, nargs, 8, 8, "reduce_scatter(seq, src, lo, hi, out, dtype, op, vote)", at, 6, v) < 0)
         return NULL;
     int itemsize = 0;
     kernel k = kernel_for((int)v[3], (int)v[4], &itemsize);
-    if (k == NULL)
-        Py_RETURN_FALSE;
+    if (k == NULL) {
+        PyErr_SetString(PyExc_ValueError, "reduce_scatter: no compiled kernel reduces this dtype with this op");
+        return NULL;
+    }
     Py_buffer src, out;
     if (PyObject_GetBuffer(args[1], &src, PyBUF_C_CONTIGUOUS) < 0)
         return NULL;
@@ -1500,13 +1518,13 @@ static PyObject *Core_reduce_scatter(Core *c, PyObject *const *args, Py_ssize_t 
     else if (c->cma_bytes <= 0 || c->pids == NULL)
         PyErr_SetString(PyExc_RuntimeError, "reduce_scatter: single copy is off");
     else
-        rc = single_copy_reduce_scatter(c, seq, (const char *)src.buf, lo, hi, (char *)out.buf, k, (int)v[4],
-                                        itemsize);
+        rc = single_copy_reduce_scatter(c, seq, (const char *)src.buf, lo, hi, (char *)out.buf, v[5] != 0, k,
+                                        (int)v[4], itemsize);
     PyBuffer_Release(&out);
     PyBuffer_Release(&src);
     if (rc < 0)
         return NULL;
-    Py_RETURN_TRUE;
+    return PyBool_FromLong(rc);
 }
 
 static PyObject *Core_allreduce(Core *c, PyObject *const *args, Py_ssize_t nargs) {
@@ -1905,9 +1923,10 @@ static PyMethodDef Core_methods[] = {
      "allgathers, and broadcasts, read the sender's memory with cross-memory attach (0: never); the same on every "
      "rank."},
     {"reduce_scatter", (PyCFunction)(void (*)(void))Core_reduce_scatter, METH_FASTCALL,
-     "reduce_scatter(seq, src, lo, hi, out, dtype, op): the agreed reduce-scatter `seq` by single copy: this rank's "
-     "block, bytes lo to hi of every rank's C-contiguous src, read from the peers' memory and reduced in rank order "
-     "into out; False, having done nothing, where numpy must reduce the dtype and op."},
+     "reduce_scatter(seq, src, lo, hi, out, dtype, op, vote) -> bool: the agreed reduce-scatter `seq` by single copy, "
+     "where every rank votes for it: this rank's block, bytes lo to hi of every rank's C-contiguous src, read from the "
+     "peers' memory and reduced in rank order into out; False, having done nothing more than agree, where a rank voted "
+     "against it. ValueError where numpy must reduce the dtype and op (has_kernel)."},
     {"allreduce", (PyCFunction)(void (*)(void))Core_allreduce, METH_FASTCALL,
      "allreduce(seq, src, out, dtype, op, vote) -> bool: the agreed allreduce `seq` of every rank's C-contiguous "
      "src into out (as long, not overlapping src where it votes) by single copy, where every rank votes for it: "
