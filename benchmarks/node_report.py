@@ -101,13 +101,28 @@ def rank_counts(cores: int, cap: int | None = None) -> list[int]:
     return out
 
 
+def huge_pages(path: str = "/sys/kernel/mm/transparent_hugepage/enabled") -> str:
+    """The kernel's transparent huge pages mode (``always``, ``madvise`` or ``never``: the
+    bracketed word of ``path``), or ``?``. It decides where arrays lie, on 2 MiB pages or
+    on 4 KiB ones, and so what a single copy of a peer's pages costs (the kernel pins 4 KiB
+    pages one by one)."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return "?"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else "?"
+
+
 def machine() -> dict[str, Any]:
-    """What the node is: cores this process may use, CPU model, sockets, memory, GPU,
-    and the versions that matter."""
+    """What the node is: cores this process may use, CPU model, sockets, memory, the
+    kernel and its huge pages, GPU, and the versions that matter."""
     info: dict[str, Any] = {
         "host": platform.node(),
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "python": platform.python_version(),
+        "kernel": f"{platform.system()} {platform.release()}",
+        "huge_pages": huge_pages(),
     }
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -302,6 +317,7 @@ def summarize(report: dict[str, Any]) -> str:
         "",
         f"{m.get('cores')} cores ({m.get('cpu', '?')}, {m.get('sockets', '?')} socket(s)), "
         f"{m.get('memory_gib', '?')} GiB, {m.get('gpus', 0)} GPU(s){' (' + m['gpu'] + ')' if m.get('gpu') else ''}; "
+        f"{m.get('kernel', '?')}, transparent huge pages {m.get('huge_pages', '?')}; "
         f"Python {m.get('python')}, torch {m.get('torch', '?')}, {m.get('mpi', 'MPI ?')}. "
         f"{report['date']}, {report['seconds']:.0f} s of a {report['budget']:.0f} s budget. "
         f"Ranks: {report.get('binding', 'unbound')}.",

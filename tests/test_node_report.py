@@ -15,6 +15,8 @@ from benchmarks.node_report import (
     Runner,
     binding_flags,
     crossover,
+    huge_pages,
+    machine,
     model_cores,
     rank_counts,
     single_copy_line,
@@ -168,6 +170,19 @@ def test_bad_options_are_refused(tmp_path):
 
 def _gpu_rows(times):
     return [{"size": s, "results": {k: {"avg": v} for k, v in t.items()}} for s, t in times.items()]
+
+
+def test_the_machine_line_names_the_kernel_and_its_huge_pages(tmp_path):
+    # the bracketed mode of the kernel's file, or "?" where there is none
+    modes = tmp_path / "enabled"
+    modes.write_text("always [madvise] never\n")
+    assert huge_pages(str(modes)) == "madvise"
+    modes.write_text("nothing chosen\n")
+    assert huge_pages(str(modes)) == "?" and huge_pages(str(tmp_path / "missing")) == "?"
+    m = machine()
+    assert m["kernel"].split()[0] and m["huge_pages"] in ("always", "madvise", "never", "?")
+    report = {"machine": m, "date": "2026-11-27 09:00", "seconds": 1.0, "budget": 10.0, "runs": [], "steps": []}
+    assert f"{m['kernel']}, transparent huge pages {m['huge_pages']}; " in summarize(report)
 
 
 def test_the_gpu_section_gives_the_staged_ipc_crossover_with_and_without_mps():
