@@ -365,16 +365,22 @@ def _small_call_lines(report: dict[str, Any]) -> list[str]:
         "",
         "python: argument checks, dispatch and cache lookup; step: post, wait for the peers, copy;",
         "wait: step less the copy at this rank's cache copy rate. A wait well above MPI's barrier",
-        "is time lost between the ranks: spinning, sleeping or waking.",
+        "is time lost between the ranks: spinning, sleeping or waking. Then, per step, from the",
+        "compiled loop's counters: the waits that found a peer behind, their polls, their sleeps",
+        "and the wake-ups sent; with a core per rank a step should poll and never sleep.",
         "",
-        "| ranks | collective | bytes | total | python | step | wait | MPI barrier | MPI call |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| ranks | collective | bytes | total | python | step | wait | MPI barrier | MPI call "
+        "| waited | polls | sleeps | wake-ups |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for n, rows in sorted(report.get("small_calls", {}).items(), key=lambda kv: int(kv[0])):
         for w in rows:
+            counts = " | ".join(
+                "-" if w.get(k) is None else f"{w[k]:.3g}" for k in ("waited", "polls", "sleeps", "wakes")
+            )
             lines.append(
                 f"| {n} | {w['collective']} | {w['size']} | {w['total']:.2f} | {w['python']:.2f} | {w['step']:.2f} "
-                f"| {w['wait']:.2f} | {w['barrier']:.2f} | {w['mpi']:.2f} |"
+                f"| {w['wait']:.2f} | {w['barrier']:.2f} | {w['mpi']:.2f} | {counts} |"
             )
     return lines
 

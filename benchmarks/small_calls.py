@@ -16,6 +16,12 @@ interleaved rounds of each part's time per call (µs, averaged over ranks):
 - ``wait``: ``step - copy``: posting, waiting for the peers and the wake-ups;
 - ``barrier``: ``MPI_Barrier``, the MPI library's floor for "every rank has arrived";
 - ``mpi``: the MPI library's own call.
+
+And, per ``step`` call, from the compiled loop's counters (``core.waits``; None without
+it): ``waited``, the waits for a peer's counter that found it behind; ``polls``, the
+polls they made; ``sleeps``, how often they slept (a futex wait each); ``wakes``, the
+futex wake-ups this rank sent to peers asleep. A node whose ranks have a core each
+should poll and never sleep; sleeps and wake-ups there cost several µs a call.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from collectives.node.channel import forget_calls
 __all__ = ["measure", "main"]
 
 PARTS = ("total", "python", "step", "copy", "wait", "barrier", "mpi")
+WAITS = ("waited", "polls", "sleeps", "wakes")
 
 
 def _contenders(comm: MPI.Comm, coll: str, size: int) -> tuple[dict[str, Callable[[], Any]], Any, tuple]:
@@ -97,8 +104,10 @@ def measure(comm: MPI.Comm, coll: str, size: int, calls: int, rounds: int, rate:
     """One row: each part's median time per call (µs) and the loop's counters per call
     (``rate``: this rank's copy rate, bytes per µs)."""
     parts, ctx, key = _contenders(comm, coll, size)
+    core = getattr(ctx.chan, "core", None)
     noop = lambda x, out=None: out  # noqa: E731
     times: dict[str, list[float]] = {k: [] for k in parts}
+    waits: dict[str, list[float]] = {k: [] for k in WAITS}
     for k in range(rounds):
         names = list(parts)
         names = names[k % len(names) :] + names[: k % len(names)]
@@ -106,13 +115,19 @@ def measure(comm: MPI.Comm, coll: str, size: int, calls: int, rounds: int, rate:
             if name == "python":  # the one step answers at once: what is left is Python's
                 held, ctx.fast[key] = ctx.fast.get(key), noop
                 forget_calls()  # the front door looks the swapped function up
+            before = core.waits if core is not None and name == "step" else None
             times[name].append(_time(comm, parts[name], calls))
+            if before is not None:  # this rank's counts per call, averaged over the ranks
+                for w, now, then in zip(WAITS, core.waits, before, strict=True):
+                    waits[w].append(comm.allreduce((now - then) / calls) / comm.size)
             if name == "python":
                 ctx.fast[key] = held
                 forget_calls()
     row: dict[str, Any] = {"collective": coll, "size": size, "ranks": comm.size}
     for name, ts in times.items():
         row[name] = statistics.median(ts)
+    for name, counts in waits.items():
+        row[name] = statistics.median(counts) if counts else None
     n = comm.size
     moved = {"allreduce": size * (n + 1), "broadcast": 2 * size, "allgather": 2 * size * n}[coll]
     row["copy"] = moved / rate
@@ -123,10 +138,12 @@ def measure(comm: MPI.Comm, coll: str, size: int, calls: int, rounds: int, rate:
 
 
 def report(rows: list[dict[str, Any]]) -> str:
-    head = f"{'collective':<10} {'bytes':>7} " + " ".join(f"{p:>8}" for p in PARTS)
-    lines = ["# µs per call (median over rounds, mean over ranks)", head]
+    head = f"{'collective':<10} {'bytes':>7} " + " ".join(f"{p:>8}" for p in (*PARTS, *WAITS))
+    lines = ["# µs per call, then the step's waits, polls, sleeps and wake-ups per call (median over rounds,", head]
+    lines[0] += " mean over ranks)"
     for r in rows:
-        lines.append(f"{r['collective']:<10} {r['size']:>7} " + " ".join(f"{r[p]:8.2f}" for p in PARTS))
+        counts = " ".join("       -" if r[w] is None else f"{r[w]:8.3g}" for w in WAITS)
+        lines.append(f"{r['collective']:<10} {r['size']:>7} " + " ".join(f"{r[p]:8.2f}" for p in PARTS) + " " + counts)
     return "\n".join(lines)
 
 

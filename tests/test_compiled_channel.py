@@ -13,6 +13,7 @@ import itertools
 import os
 import shutil
 import sysconfig
+import time
 
 import ml_dtypes
 import numpy as np
@@ -25,6 +26,7 @@ from collectives.blocks import block_counts, offsets
 from collectives.config import Config
 from collectives.context import get_context
 from collectives.errors import CollectiveMismatchError
+from collectives.node import futex
 from collectives.node.channel import last_level_caches, nontemporal_bytes, nontemporal_out_bytes
 
 WORLD = MPI.COMM_WORLD
@@ -705,6 +707,37 @@ def test_a_large_reduce_scatter_into_its_input_on_one_rank_stages_on_every_rank(
         assert digest(got) == want and ch.takes[ME][0] == (ch.seq << STREAM_SHIFT) + 1
     finally:
         one.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@needs_core
+def test_the_loops_counters_tell_a_waits_polls_from_its_sleeps_and_wake_ups(comms):
+    # the last rank comes late to a call: the others' waits poll while within the spin
+    # budget and sleep past it (a futex wait each, 1 ms at most), and the late rank's post
+    # wakes them; core.waits counts each (waits that found a peer behind, polls, sleeps,
+    # wake-ups sent), as benchmarks.small_calls and the node report print them
+    fast, _ = comms
+    ch = get_context(fast).chan
+    spin = ch.spin
+    x = np.ones(4, np.float32)
+    try:
+        for budget, late in ((10**9, 0.003), (0, 0.03)):  # polls only, then sleeps
+            ch.spin = budget
+            wakes = 0
+            for _ in range(3):
+                WORLD.Barrier()
+                before = ch.core.waits
+                if ME == N - 1:
+                    time.sleep(late)
+                assert np.all(C.allreduce(x, comm=fast) == N)
+                waited, polls, sleeps, woke = (a - b for a, b in zip(ch.core.waits, before, strict=True))
+                wakes += woke
+                if ME != N - 1:
+                    assert waited >= 1 and polls > 0 and (sleeps > 0) == (budget == 0), (budget, ch.core.waits)
+            if ME == N - 1 and budget == 0 and futex.OK:
+                assert wakes >= 1, "the late rank woke a sleeping peer"
+    finally:
+        ch.spin = spin
 
 
 @pytest.mark.mpi(min_size=2)

@@ -85,10 +85,14 @@ def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_f
     assert "ranks, allreduce:" in summary.split("## What the tuner")[1]
     small = json.loads((tmp_path / "raw" / "small_calls_np2.json").read_text())
     for row in small:  # each part of a small call in the table; the one step is what the call takes
-        assert {"total", "python", "step", "wait", "barrier", "mpi"} <= set(row), row
+        assert {"total", "python", "step", "wait", "barrier", "mpi", "waited", "polls", "sleeps", "wakes"} <= set(row)
         assert row["one_step"] and row["wait"] >= 0 and row["wait"] == max(0.0, row["step"] - row["copy"])
         cells = f"| 2 | {row['collective']} | {row['size']} | {row['total']:.2f} | {row['python']:.2f} |"
         assert cells in summary, (cells, summary)
+        waits = [row[k] for k in ("waited", "polls", "sleeps", "wakes")]  # the loop's counters per step
+        assert (None in waits) == (not row["compiled"]) and all(w is None or w >= 0 for w in waits)
+        counts = " | ".join("-" if w is None else f"{w:.3g}" for w in waits)
+        assert f"| {row['mpi']:.2f} | {counts} |" in summary
     stores = json.loads((tmp_path / "raw" / "stores_np2.json").read_text())
     for coll, rows in stores["results"].items():  # non-temporal against plain stores, size by size
         assert all(r["valid"] for r in rows)

@@ -138,6 +138,7 @@ typedef struct {
     uintptr_t *seg_there;    /* n: and where it lies in that rank's own process */
     Py_ssize_t seg_bytes;    /* the segments' size (0: none known) */
     int64_t mapped_bytes;    /* bytes a move with a peer copied through its segment's mapping */
+    int64_t waits[4];        /* waits that found a peer behind, their polls, sleeps, and the wake-ups sent (core.waits) */
     char *scratch;           /* the peers' pieces a reduce-scatter read by single copy reduces */
     Py_ssize_t scratch_bytes;
     long spin;
@@ -165,6 +166,7 @@ static void wake_sleepers(Core *c, int64_t *addr) {
     for (int r = 0; r < c->n; r++) {
         if (r != c->me && load(c->sleeping[r])) {
             syscall(SYS_futex, (void *)addr, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+            c->waits[3]++;
             break;
         }
     }
@@ -334,6 +336,7 @@ static void doze(Core *c, int64_t *v, int64_t want) {
     fence(); /* the flag before the look below (the publisher fences the other way) */
     int64_t seen = load(v);
     if (seen < want) {
+        c->waits[2]++;
         Py_BEGIN_ALLOW_THREADS
 #if HAVE_FUTEX
         if (c->futex) {
@@ -393,8 +396,10 @@ static int wait_one(Core *c, int r, int64_t *v, int64_t want, int kind) {
         return -1;
     int64_t start = now_ns(), last = start, limit = (int64_t)polls * POLL_NS;
     unsigned spins = 0;
+    c->waits[0]++;
     while (load(v) < want) {
         CPU_RELAX();
+        c->waits[1]++;
         if (++spins % 64)
             continue;
         int64_t t = now_ns();
@@ -1983,7 +1988,18 @@ static PyObject *Core_get_mapped(Core *c, void *closure) {
     return PyLong_FromLongLong((long long)c->mapped_bytes);
 }
 
+static PyObject *Core_get_waits(Core *c, void *closure) {
+    (void)closure;
+    return Py_BuildValue("(LLLL)", (long long)c->waits[0], (long long)c->waits[1], (long long)c->waits[2],
+                         (long long)c->waits[3]);
+}
+
 static PyGetSetDef Core_getset[] = {
+    {"waits", (getter)Core_get_waits, NULL,
+     "(waits, polls, sleeps, wakes): since the core was made, the waits for a peer's counter that found it behind, "
+     "the polls they made, the sleeps they took (a futex wait or a nanosleep each), and the futex wake-ups this rank "
+     "sent to sleeping peers. Their differences around a run of calls tell where its waiting went.",
+     NULL},
     {"mapped", (getter)Core_get_mapped, NULL,
      "Bytes the single-copy moves copied through a peer's arena segment mapped here (core.segments), not by "
      "cross-memory attach.",
