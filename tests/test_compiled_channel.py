@@ -629,7 +629,7 @@ def test_large_reductions_read_by_single_copy_only_while_every_rank_finds_stagin
     # cache): there an allreduce into another array and a reduce-scatter stage, whatever
     # their size; with measured stores they read by single copy while the stores call for
     # non-temporal ones, which one rank's probes decide for all, and stage again once they
-    # no longer do; every RESTAGE_EVERY-th call stages anyway, and so probes them again
+    # no longer do; every RESTAGE_EVERY-th of them stages anyway, and so probes them again
     from collectives.node.channel import RESTAGE_EVERY, STREAM_SHIFT
 
     _, slow = comms
@@ -652,7 +652,7 @@ def test_large_reductions_read_by_single_copy_only_while_every_rank_finds_stagin
             assert digest(C.reduce_scatter(x, algorithm="shm", comm=comm)) == want["reduce_scatter"]
             return allreduce, ch.takes[ME][0] == (ch.seq << STREAM_SHIFT) + 1
 
-        assert not cheap.staging_slow(1) and read_by(cheap, plain) == (False, False)
+        assert not cheap.staging_slow() and read_by(cheap, plain) == (False, False)
         ch = get_context(measured, config=Config(**settings)).channel()
         if ch.nontemporal or not ch.measured_stores:
             return  # the caches say the ranks span more than one: non-temporal from a size
@@ -660,17 +660,17 @@ def test_large_reductions_read_by_single_copy_only_while_every_rank_finds_stagin
             for _ in range(3):
                 ch.core.note_stores(ratio if ME == N - 1 else 1.0, 1.0, True)
             WORLD.Barrier()
-            while (ch.seq + 1) % RESTAGE_EVERY in (0, RESTAGE_EVERY - 1):  # the next two calls' numbers
-                C.allreduce(np.zeros(1), comm=measured)
-            assert ch.staging_slow(ch.seq + 1) == (ratio > 1) and not ch.staging_slow(RESTAGE_EVERY)
-            assert read_by(ch, measured) == (ratio > 1, ratio > 1)
+            ch.reductions_voted = 1  # the next three asks are not the RESTAGE_EVERY-th
+            assert ch.staging_slow() == (ratio > 1) and read_by(ch, measured) == (ratio > 1, ratio > 1)
             WORLD.Barrier()
-        while (ch.seq + 1) % RESTAGE_EVERY:  # every RESTAGE_EVERY-th call stages to probe the stores again
-            C.allreduce(np.zeros(1), comm=measured)
         for _ in range(3):
             ch.core.note_stores(4.0, 1.0, True)
         WORLD.Barrier()
-        assert read_by(ch, measured)[0] is False
+        # every RESTAGE_EVERY-th large reduction stages to probe the stores again, whatever
+        # the call numbers between (here the allreduce; the reduce-scatter after it reads)
+        ch.reductions_voted = RESTAGE_EVERY - 1
+        C.allreduce(np.zeros(1), comm=measured)  # a small call asks nothing
+        assert read_by(ch, measured) == (False, True) and ch.reductions_voted == RESTAGE_EVERY + 1
     finally:
         plain.Free()
         measured.Free()

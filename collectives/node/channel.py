@@ -110,10 +110,12 @@ REDUCE_READ_PIECE = 256 << 10
 holds one such piece per peer."""
 
 RESTAGE_EVERY = 16
-"""Where measured stores decide whether staging is slow (:meth:`Channel.staging_slow`), a
-large reduction whose call number is a multiple of this stages anyway: its copies into the
-window probe the stores again, which the single copy's never do, so a choice taken from a
-disturbed probe, or before the machine changed, does not stay."""
+"""Where measured stores decide whether staging is slow (:meth:`Channel.staging_slow`),
+every this-many-th large reduction that asks stages anyway: its copies into the window
+probe the stores again, which the single copy's never do, so a choice taken from a
+disturbed probe, or before the machine changed, does not stay. Counted over those
+reductions alone (:attr:`Channel.reductions_voted`), not over the call numbers, which a
+loop with an even number of calls a step would visit only half of."""
 
 
 def spin_budget(ranks: int, cores: int) -> int:
@@ -298,7 +300,7 @@ class Channel:
         single_copy_broadcast: int = 0,
         single_copy_reductions: tuple[int, int] = (0, 0),
     ) -> None:
-        self.n, self.me = n, me = t.size, t.rank
+        self.n, self.me = t.size, t.rank
         settings = {
             "shm_small_bytes": small_bytes,
             "shm_copy_small_bytes": copy_small_bytes,
@@ -331,8 +333,8 @@ class Channel:
         self.split_bytes = split_bytes
         """From 3 ranks, a one-step allreduce finishes in two steps once ``(ranks - 2) x bytes``
         reaches this (0: never): see :meth:`split_at`."""
-        self.region = _round_up(max(chunk_bytes // n, LINE), LINE)
-        self.chunk = self.region * n
+        self.region = _round_up(max(chunk_bytes // self.n, LINE), LINE)
+        self.chunk = self.region * self.n
         slot = LINE + self.slot_bytes
         self._slot0 = 2 * LINE
         self._buf0 = 2 * LINE + 2 * slot
@@ -346,7 +348,7 @@ class Channel:
         self.stage, self.progress = 0, progress
         self._cores = cores
         """The cores the node's ranks may run on together (:func:`node_cores`)."""
-        self._spin = spin_budget(n, cores)
+        self._spin = spin_budget(self.n, cores)
         self._polite: Callable[[], bool] | None = None
         self.core: Any = None
         """The compiled loop (:mod:`.cslots`) on this window, when built and ``compiled``: it
@@ -490,6 +492,9 @@ class Channel:
         self.single_copy_allreduce = reductions[1] if self.single_copy else 0
         """Agreed allreduces from this many bytes into a separate output may read the peers'
         memory by single copy (:meth:`allreduce_read`; 0: never)."""
+        self.reductions_voted = 0
+        """The agreed large reductions that asked :meth:`staging_slow` so far: the same count
+        on every rank, which makes every :data:`RESTAGE_EVERY`-th of them stage everywhere."""
         self.single_copy_broadcast = broadcasts if cma else 0
         """And agreed broadcasts from this many bytes read the root's (0: never); measured
         when the setting is -1: see :meth:`measure_broadcasts`."""
@@ -861,7 +866,7 @@ class Channel:
         if code < 0 or op not in OPS:
             return False
         apart = src.flags.c_contiguous and not np.may_share_memory(src, out)
-        vote = apart and self.staging_slow(seq)
+        vote = self.staging_slow() and apart  # asked on every rank, apart or not
         if not self.core.allreduce(seq, src if apart else out, out, code, OPS.index(op), vote):
             return False
         mine = block_counts(out.size, self.n)[self.me] * out.itemsize
@@ -869,13 +874,14 @@ class Channel:
         self.copied[2] += out.nbytes - mine
         return True
 
-    def staging_slow(self, seq: int) -> bool:
-        """Whether this rank's copies into the chunk buffers take non-temporal stores, for
-        call ``seq``: from :attr:`nontemporal` bytes (the setting, or ranks spanning more
-        than one last-level cache), or where the compiled loop's measured stores call for
-        them on any rank (plain ones several times as slow: cores that share no cache; the
-        peers' calls read again here), but for every :data:`RESTAGE_EVERY`-th call, which
-        stages to probe them again. Staging a large reduction then writes lines the other
+    def staging_slow(self) -> bool:
+        """Whether this rank's copies into the chunk buffers take non-temporal stores, asked
+        once for each agreed large reduction on every rank (:attr:`reductions_voted`): from
+        :attr:`nontemporal` bytes (the setting, or ranks spanning more than one last-level
+        cache), or where the compiled loop's measured stores call for them on any rank
+        (plain ones several times as slow: cores that share no cache; the peers' calls read
+        again here), but for every :data:`RESTAGE_EVERY`-th ask, which stages to probe them
+        again. Staging a large reduction then writes lines the other
         core holds, and reading an allreduce by single copy took 0.49-0.91 x the staged
         time at 16 MiB on the 2-vCPU reference machine, on huge pages and on 4 KiB ones.
         Where the cores share a cache staging is cheap: single copy took 1.33-1.50 x as
@@ -883,9 +889,10 @@ class Channel:
         ones), and on a 16-core node 1.11-1.38 x on arrays in the heap (0.60-0.85 x on
         fresh ones). A rank cannot tell cheaply where a caller's pages lie, so this alone
         decides."""
+        self.reductions_voted += 1
         if self.nontemporal > 0:
             return True
-        if not self.measured_stores or seq % RESTAGE_EVERY == 0:
+        if not self.measured_stores or self.reductions_voted % RESTAGE_EVERY == 0:
             return False
         self.core.note_stores(0, 0, True)
         return bool(self.core.staged_stores[0])
@@ -922,7 +929,7 @@ class Channel:
         me, n, p = self.me, self.n, seq & 1
         lo = sum(counts[:me])
         hi, isz = lo + counts[me], src.itemsize
-        vote = apart and self.staging_slow(seq)
+        vote = self.staging_slow() and apart  # asked on every rank, apart or not
         code = dtype_code(src.dtype)
         if out.flags.c_contiguous and code >= 0 and op in OPS and self.core.has_kernel(code, OPS.index(op)):
             return bool(self.core.reduce_scatter(seq, src, lo * isz, hi * isz, out, code, OPS.index(op), vote))
