@@ -138,7 +138,7 @@ typedef struct {
     uintptr_t *seg_there;    /* n: and where it lies in that rank's own process */
     Py_ssize_t seg_bytes;    /* the segments' size (0: none known) */
     int64_t mapped_bytes;    /* bytes a move with a peer copied through its segment's mapping */
-    int64_t waits[4];        /* waits that found a peer behind, their polls, sleeps, and the wake-ups sent (core.waits) */
+    int64_t waits[4];        /* waits that found a peer behind, their polls and sleeps, wake-ups sent (core.waits) */
     char *scratch;           /* the peers' pieces a reduce-scatter read by single copy reduces */
     Py_ssize_t scratch_bytes;
     long spin;
