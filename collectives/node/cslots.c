@@ -1495,6 +1495,18 @@ static PyObject *Core_cma_write(Core *c, PyObject *const *args, Py_ssize_t nargs
     return cma_method(args, nargs, 1);
 }
 
+/* The buffers of a reduction read by single copy: s C-contiguous, o C-contiguous and
+ * writable (release both); 0, or -1 with an exception set and neither held. */
+static int src_and_out(PyObject *s, PyObject *o, Py_buffer *src, Py_buffer *out) {
+    if (PyObject_GetBuffer(s, src, PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (PyObject_GetBuffer(o, out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(src);
+        return -1;
+    }
+    return 0;
+}
+
 /* core.reduce_scatter(seq, src, lo, hi, out, dtype, op, vote): the agreed reduce-scatter seq
  * read by single copy where every rank votes for it (single_copy_reduce_scatter): True, or
  * False where a rank voted against it */
@@ -1510,12 +1522,8 @@ static PyObject *Core_reduce_scatter(Core *c, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     Py_buffer src, out;
-    if (PyObject_GetBuffer(args[1], &src, PyBUF_C_CONTIGUOUS) < 0)
+    if (src_and_out(args[1], args[4], &src, &out) < 0)
         return NULL;
-    if (PyObject_GetBuffer(args[4], &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&src);
-        return NULL;
-    }
     int64_t seq = v[0], lo = v[1], hi = v[2];
     int rc = -1;
     if (seq < 1 || lo < 0 || hi < lo || hi > src.len || lo % itemsize || hi % itemsize || out.len != hi - lo)
@@ -1542,12 +1550,8 @@ static PyObject *Core_allreduce(Core *c, PyObject *const *args, Py_ssize_t nargs
     if (k == NULL)
         Py_RETURN_FALSE;
     Py_buffer src, out;
-    if (PyObject_GetBuffer(args[1], &src, PyBUF_C_CONTIGUOUS) < 0)
+    if (src_and_out(args[1], args[2], &src, &out) < 0)
         return NULL;
-    if (PyObject_GetBuffer(args[2], &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&src);
-        return NULL;
-    }
     const char *x = (const char *)src.buf, *o = (const char *)out.buf;
     int rc = -1;
     if (v[0] < 1 || out.len != src.len || src.len % itemsize || (v[3] && o < x + src.len && x < o + out.len))
