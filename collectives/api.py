@@ -202,7 +202,12 @@ def _allreduce(x, op, algorithm, out, comm, blocking, agreed):
     if ws is not None:  # every rank's input and output lie in the arena: read them there
         return _launch(ctx, inplace.inplace_allreduce(ctx, buf, ws, op), blocking, out)
     ch = ctx.chan
-    if call.resolved == "shm" and ch is not None and ch.allreduce_reads(x.nbytes) and ctx.topology().nodes == 1:
+    if (
+        call.resolved == "shm"
+        and ch is not None
+        and ch.reads_peers("allreduce", x.nbytes)
+        and ctx.topology().nodes == 1
+    ):
         # where every rank's input and output are apart, each reads the others' data where
         # it lies (single copy), nothing staged; else every rank stages it below
         if ch.allreduce_read(call.seq, _flat(x), buf, op):

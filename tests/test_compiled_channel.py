@@ -575,10 +575,10 @@ def test_large_allreduces_into_another_array_read_each_block_once_with_the_windo
         if ch.single_copy == 0:
             pytest.skip("the kernel refuses cross-memory attach here")
         staged = get_context(off, config=Config(shm_single_copy_allreduce_bytes=0, **single)).channel()
-        assert Config().shm_single_copy_allreduce_bytes == 4 << 20 and not staged.allreduce_reads(1 << 30)
-        assert ch.allreduce_reads(1) and get_context(slow).chan.single_copy_allreduce == 0
+        assert Config().shm_single_copy_allreduce_bytes == 4 << 20 and not staged.reads_peers("allreduce", 1 << 30)
+        assert ch.reads_peers("allreduce", 1) and get_context(slow).chan.single_copy_allreduce == 0
         ch.single_copy_broadcast = 0  # from 3 ranks only where broadcasts read the root's memory too
-        assert ch.allreduce_reads(1) == (N == 2)
+        assert ch.reads_peers("allreduce", 1) == (N == 2)
         ch.single_copy_broadcast = 1
         isz = np.dtype(dtype).itemsize
         counts = [ch.slot_bytes // isz + 3 * N + 1]
@@ -646,7 +646,7 @@ def test_large_reductions_read_by_single_copy_only_while_every_rank_finds_stagin
 
         def read_by(ch, comm):  # whether each call read by single copy, its bits checked
             before = ch.copied[0]
-            assert ch.allreduce_reads(x.nbytes) and ch.reads_peers("reduce_scatter", x.nbytes)
+            assert ch.reads_peers("allreduce", x.nbytes) and ch.reads_peers("reduce_scatter", x.nbytes)
             assert digest(C.allreduce(x, algorithm="shm", comm=comm)) == want["allreduce"]
             allreduce = ch.copied[0] == before
             assert digest(C.reduce_scatter(x, algorithm="shm", comm=comm)) == want["reduce_scatter"]

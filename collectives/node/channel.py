@@ -846,12 +846,6 @@ class Channel:
             if wraps:
                 self._publish(self.takes, self._take_addr, base + k + 1)
 
-    def allreduce_reads(self, nbytes: int) -> bool:
-        """True when an agreed allreduce of ``nbytes`` into a separate output goes through
-        :meth:`allreduce_read`: from :attr:`single_copy_allreduce` bytes, of 2 ranks or of
-        more where broadcasts read the root's memory too (as :meth:`reads_peers`)."""
-        return 0 < self.single_copy_allreduce <= nbytes and (self.n == 2 or self.single_copy_broadcast > 0)
-
     def allreduce_read(self, seq: int, src: np.ndarray, out: np.ndarray, op: str) -> bool:
         """Finish the agreed allreduce ``seq`` of ``src`` into ``out`` (flat, as long) by single
         copy (:attr:`single_copy_allreduce` on), where every rank's ``src`` is C-contiguous
@@ -899,16 +893,15 @@ class Channel:
 
     def reads_peers(self, collective: str, nbytes: int) -> bool:
         """True when an agreed ``collective`` with ``nbytes`` per rank of input goes to
-        :meth:`reduce_scatter_read`, which reads the peers' memory by single copy where every
-        rank votes for it: a reduce-scatter from :attr:`single_copy_reduce_scatter` bytes, of
-        2 ranks, or of more where broadcasts read the root's memory too (each rank's input is
-        then read by every peer at once, as a root's is, and the kernel's copies from one
-        process contend on some nodes: the broadcasts' measurement says whether they do)."""
-        return (
-            collective == "reduce_scatter"
-            and 0 < self.single_copy_reduce_scatter <= nbytes
-            and (self.n == 2 or self.single_copy_broadcast > 0)
-        )
+        :meth:`reduce_scatter_read` or :meth:`allreduce_read`, which read the peers' memory
+        by single copy where every rank votes for it: a reduce-scatter from
+        :attr:`single_copy_reduce_scatter` bytes, an allreduce from
+        :attr:`single_copy_allreduce`, of 2 ranks, or of more where broadcasts read the
+        root's memory too (each rank's input is then read by every peer at once, as a root's
+        is, and the kernel's copies from one process contend on some nodes: the broadcasts'
+        measurement says whether they do)."""
+        sizes = {"reduce_scatter": self.single_copy_reduce_scatter, "allreduce": self.single_copy_allreduce}
+        return 0 < sizes.get(collective, 0) <= nbytes and (self.n == 2 or self.single_copy_broadcast > 0)
 
     def reduce_scatter_read(
         self, seq: int, src: np.ndarray, counts: tuple[int, ...], out: np.ndarray, op: str, apart: bool = True
