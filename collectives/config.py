@@ -257,6 +257,8 @@ def _table_problem(table: Any) -> str | None:
         )
         if not ok:
             return f'tables[{i}] needs "rules", a list of [max_bytes, algorithm] pairs (max_bytes null: any size)'
+        if not isinstance(e.get("oversubscribed", False), bool):
+            return f'tables[{i}]: "oversubscribed" is true or false, not {e["oversubscribed"]!r}'
     for i, e in enumerate(table.get("node_paths", [])):
         good = isinstance(e, dict) and isinstance(e.get("size"), int) and e["size"] >= 2
         if not good or not all(isinstance(e.get(k), (int, float)) and e[k] > 0 for k in ("alpha", "beta")):

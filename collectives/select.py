@@ -10,6 +10,9 @@ Each rule is ``[max_bytes, algorithm]`` (``null``: no limit), applied in order t
 message size in bytes. For a communicator the table matching its collective, size and
 number of nodes is used; failing that, the one with the same collective and node count
 (one node, or several) and the nearest size; failing that, the defaults in this file.
+A table may say ``"oversubscribed": true``: measured with more ranks than cores. On one
+node whose ranks have a core each, such tables are passed over where another of the kind
+exists (:func:`rules`).
 """
 
 from __future__ import annotations
@@ -107,15 +110,25 @@ def load_table(path: str | None = None) -> dict[str, Any]:
     return json.loads(resources.files(__package__).joinpath("tuning/default.json").read_text("utf-8"))
 
 
-def rules(table: dict[str, Any], collective: str, size: int, nodes: int) -> list[list[Any]]:
+def rules(
+    table: dict[str, Any], collective: str, size: int, nodes: int, oversubscribed: bool | None = None
+) -> list[list[Any]]:
     """The ``[max_bytes, algorithm]`` rules of ``table`` for ``collective`` on ``size`` ranks
     over ``nodes`` nodes: the exact table, else the nearest size of the same kind (one node
-    or several), else the defaults."""
+    or several; the larger on a tie), else the defaults.
+
+    A row measured with more ranks than cores (``"oversubscribed": true``, as the tuner marks
+    it) tells how the algorithms fare where ranks wait for a core to run on, which says
+    little of a node with a core per rank: where ``oversubscribed`` is False, such rows are
+    passed over for the nearest row measured with a core per rank (used only where the
+    table has no such row of the kind). True or None (not known) takes every row."""
     same = [e for e in table.get("tables", []) if e["collective"] == collective]
-    for e in same:
+    kin = [e for e in same if (e["nodes"] > 1) == (nodes > 1)]
+    if oversubscribed is False and any(not e.get("oversubscribed") for e in kin):
+        kin = [e for e in kin if not e.get("oversubscribed")]
+    for e in kin:
         if e["size"] == size and e["nodes"] == nodes:
             return e["rules"]
-    kin = [e for e in same if (e["nodes"] > 1) == (nodes > 1)]
     if kin:
         return min(kin, key=lambda e: (abs(e["size"] - size), -e["size"]))["rules"]
     return DEFAULT_RULES[collective]
@@ -127,7 +140,9 @@ def rules_for(ctx: Any, collective: str) -> list[list[Any]]:
         return DEFAULT_RULES[collective]
     if ctx.tuning is None:
         ctx.tuning = load_table(ctx.config.tuning_file)
-    return rules(ctx.tuning, collective, ctx.transport.size, ctx.topology().nodes)
+    chan = getattr(ctx, "chan", None)
+    over = chan.oversubscribed if chan is not None else None  # known on one node
+    return rules(ctx.tuning, collective, ctx.transport.size, ctx.topology().nodes, over)
 
 
 NODE_PATH = AlphaBeta(5e-6, 5e9)

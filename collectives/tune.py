@@ -12,7 +12,9 @@ gains nothing; a round's time is the ranks' average), the median round decides, 
 of sizes won by the same algorithm become one rule. With ``--sweeps K`` every size is
 measured K times and each goes to the algorithm that won the most sweeps. The table is
 keyed by collective, rank count and node count, so tables from several runs (2 ranks,
-4 ranks, 2 nodes, ...) are merged into one file with ``--merge``. On one node it also
+4 ranks, 2 nodes, ...) are merged into one file with ``--merge``. A row measured on one
+node says whether its ranks outnumbered the cores they could run on (``oversubscribed``):
+``auto`` on a node with a core per rank passes such rows over. On one node it also
 records, under ``node_paths``, the α-β of one message between two of its ranks that the
 ring allreduce's times imply: the cost model (:mod:`.cost`) takes a node's messages at
 that, where ``auto`` chooses across emulated links and where the planner costs a node.
@@ -182,7 +184,10 @@ def main(argv: list[str] | None = None) -> None:
                     best = min(med, key=med.get)
                     print(f"{coll:>15} {nbytes:>10} sweep {sweep} best={best:<20} us: {cells}", flush=True)
         winners = [(nbytes, vote(meds[nbytes])) for nbytes in sizes]
-        entries.append({"collective": coll, "size": comm.size, "nodes": nodes, "rules": rules_from(winners)})
+        row = {"collective": coll, "size": comm.size, "nodes": nodes, "rules": rules_from(winners)}
+        if ctx.chan is not None:  # one node: whether its ranks outnumbered their cores
+            row["oversubscribed"] = ctx.chan.oversubscribed
+        entries.append(row)
         if coll == "allreduce" and nodes == 1 and comm.size > 1 and "ring" in names and len(sizes) > 1:
             path = measured_node_path(meds, comm.size)
     if comm.rank == 0:

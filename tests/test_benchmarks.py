@@ -256,6 +256,8 @@ def test_tuner_writes_a_table_that_auto_follows():
             table = json.load(fh)
         mine = {(e["collective"], e["size"], e["nodes"]): e["rules"] for e in table["tables"]}
         rules = mine[("allreduce", WORLD.size, 1)]
+        # each row says whether the ranks outnumbered the cores they could run on
+        assert {e.get("oversubscribed") for e in table["tables"]} == {_oversubscribed()}
         for e in table.get("node_paths", []):  # the ring's times as one message's α-β, where 4-64 B tell it
             assert e["size"] == WORLD.size > 1 and e["alpha"] > 0 and 0 < e["beta"] < 1e15, e
         assert rules[-1][0] is None and all(name in C.algorithms("allreduce") for _, name in rules)
@@ -265,6 +267,41 @@ def test_tuner_writes_a_table_that_auto_follows():
             want = next(name for limit, name in rules if limit is None or nbytes <= limit)
             assert choose(ctx, "allreduce", nbytes) == want
         assert np.array_equal(C.allreduce(np.ones(3), comm=comm), np.full(3, float(WORLD.size)))
+        comm.Free()
+    finally:
+        WORLD.Barrier()
+        if WORLD.rank == 0 and os.path.exists(path):
+            os.remove(path)
+
+
+def _oversubscribed() -> bool:
+    """Whether this job's ranks (one node) outnumber the CPUs they may run on together."""
+    cpus = WORLD.allgather(sorted(os.sched_getaffinity(0)))
+    return WORLD.size > len(set().union(*map(set, cpus)))
+
+
+def test_auto_passes_over_rows_measured_oversubscribed_where_ranks_have_a_core_each():
+    n = WORLD.size
+    over = _oversubscribed()
+    table = {
+        "tables": [
+            {"collective": "allreduce", "size": n, "nodes": 1, "oversubscribed": True, "rules": [[None, "ring"]]},
+            {"collective": "allreduce", "size": n + 1, "nodes": 1, "oversubscribed": False, "rules": [[None, "tree"]]},
+        ]
+    }
+    path = shared_path(".json")
+    try:
+        if WORLD.rank == 0:
+            with open(path, "w", encoding="utf-8") as fh:
+                json.dump(table, fh)
+        WORLD.Barrier()
+        comm = WORLD.Dup()
+        ctx = get_context(comm, Config(tuning_file=path))
+        assert ctx.chan.oversubscribed is over
+        want = "ring" if over else "tree"
+        assert [choose(ctx, "allreduce", nbytes) for nbytes in (4, 1 << 20)] == [want, want]
+        x = np.arange(1000, dtype=np.float64) * (WORLD.rank + 1)
+        assert np.array_equal(C.allreduce(x, comm=comm), np.arange(1000.0) * (n * (n + 1) // 2))
         comm.Free()
     finally:
         WORLD.Barrier()

@@ -33,6 +33,43 @@ def test_tuning_rules_lookup_exact_then_nearest_then_default():
     assert rules(table, "allreduce", 4, 2)[0][1] == "recursive_doubling"  # no multi-node table: defaults
 
 
+def test_rows_measured_oversubscribed_are_passed_over_where_ranks_have_a_core_each():
+    over = {"oversubscribed": True}
+    table = {
+        "tables": [
+            {"collective": "allreduce", "size": 2, "nodes": 1, "rules": [[None, "tree"]]},
+            {"collective": "allreduce", "size": 4, "nodes": 1, "rules": [[None, "ring"]], **over},
+            {"collective": "allreduce", "size": 8, "nodes": 1, "rules": [[None, "rabenseifner"]]},
+            {"collective": "reduce", "size": 4, "nodes": 1, "rules": [[None, "shm"]], **over},
+        ]
+    }
+    # a core per rank: the nearest row measured so (the larger on a tie), not the exact one
+    assert rules(table, "allreduce", 4, 1, False) == [[None, "tree"]]
+    assert rules(table, "allreduce", 5, 1, False) == [[None, "rabenseifner"]]
+    assert rules(table, "allreduce", 3, 1, False) == [[None, "tree"]]
+    # oversubscribed, or not known: every row, the exact one first
+    assert rules(table, "allreduce", 4, 1, True) == rules(table, "allreduce", 4, 1) == [[None, "ring"]]
+    assert rules(table, "allreduce", 3, 1, True) == [[None, "ring"]]
+    # only oversubscribed rows of the kind: they are still better than no measurement
+    assert rules(table, "reduce", 8, 1, False) == [[None, "shm"]]
+    assert rules(table, "allreduce", 4, 2, False)[0][1] == "recursive_doubling"  # several nodes: defaults
+
+
+def test_the_tuning_file_check_names_a_bad_oversubscribed_word(tmp_path):
+    import json
+
+    from collectives.config import ConfigError, read_tuning_file
+
+    path = tmp_path / "t.json"
+    row = {"collective": "allreduce", "size": 4, "nodes": 1, "rules": [[None, "ring"]], "oversubscribed": "yes"}
+    path.write_text(json.dumps({"tables": [row]}))
+    with pytest.raises(ConfigError, match=r'tables\[0\]: "oversubscribed" is true or false, not \'yes\''):
+        read_tuning_file(str(path))
+    row["oversubscribed"] = True
+    path.write_text(json.dumps({"tables": [row]}))
+    assert read_tuning_file(str(path))["tables"][0]["oversubscribed"] is True
+
+
 def test_shipped_table_names_only_registered_algorithms():
     from collectives.select import REGISTRY, load_table
 
@@ -66,6 +103,15 @@ def test_the_shipped_table_has_measured_rows_for_every_rank_count_it_was_run_at(
     assert rules(table, "allreduce", 12, 1) == rules(table, "allreduce", 16, 1)
     assert rules(table, "reduce", 6, 1) == rules(table, "reduce", 8, 1)
     assert rules(table, "reduce", 5, 1) == rules(table, "reduce", 4, 1)
+    # the 3- and 4-rank rows were measured on 2 cores: a node with a core per rank at 3-5
+    # ranks follows the rows measured so (2 ranks on 2 cores; 8 on a 16-core node)
+    over = {(e["collective"], e["size"]) for e in table["tables"] if e.get("oversubscribed")}
+    assert over == {(c, n) for c in colls for n in (3, 4)}
+    assert all(isinstance(e.get("oversubscribed"), bool) for e in table["tables"] if e["nodes"] == 1)
+    for c in colls:
+        assert rules(table, c, 3, 1, False) == rules(table, c, 4, 1, False) == rules(table, c, 2, 1)
+        assert rules(table, c, 5, 1, False) == rules(table, c, 8, 1)
+        assert rules(table, c, 4, 1, True) == rules(table, c, 4, 1)
 
 
 def test_auto_never_picks_native_without_mpi():

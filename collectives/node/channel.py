@@ -563,6 +563,13 @@ class Channel:
         return self._my_seq[0]
 
     @property
+    def oversubscribed(self) -> bool:
+        """Whether the node's ranks outnumber the cores they may run on together
+        (:func:`node_cores`): the same on every rank. ``auto`` then may follow tuning rows
+        measured that way, which a node with a core per rank does not (:func:`.select.rules`)."""
+        return self.n > self._cores
+
+    @property
     def spin(self) -> int:
         """Polls of a peer's counter before a wait sleeps, while not :attr:`polite`."""
         return self._spin
