@@ -525,7 +525,10 @@ def test_the_parameter_server_sweep_names_each_sizes_winner_beside_the_model(tmp
         {"ring": 900.0, "hierarchical": 800.0, "ps-sync": 700.0, "hybrid": 750.0, "auto": 770.0},
         {"ring": 9e4, "hierarchical": 7e4, "ps-sync": 8e4, "hybrid": 6e4, "auto": 6.3e4},
     ]
-    rows = [{"size": s, "us": u, "auto_took": t} for s, u, t in zip((1 << 20, 16 << 20), us, ("ps-sync", "hybrid"))]
+    rows = [
+        {"size": s, "us": u, "auto_took": t}
+        for s, u, t in zip((1 << 20, 16 << 20), us, ("ps-sync", "hybrid"), strict=True)
+    ]
     plain = [{"size": r["size"], "us": {k: v / 10 for k, v in r["us"].items()}} for r in rows]
     run = ps_links.summarize("eth-10g", "2x2+4", rows, plain)
     small, large = run["sizes"]
