@@ -8,6 +8,8 @@ hours at 64 MiB); each contender's per-rank averages are averaged over ranks, an
 figure is the median over interleaved rounds (every contender once per round, in rotating
 order). "mpi" is the MPI library called directly through mpi4py; "gloo" is
 ``torch.distributed``. The copy bandwidth is one numpy copy of a 64 MiB array on rank 0.
+Each row ends with the algorithm ``auto`` took for it on ordinary arrays (its tuning row's
+pick; arrays in the window are read in place whatever the row says).
 
 The bars ("auto" is a new user's call on ordinary arrays; "window" is ``auto`` on arrays
 from ``collectives.empty``, which the node algorithms read in place; "window_inplace" the
@@ -90,7 +92,9 @@ def measure(comm: MPI.Comm, bench: str, names: list[str], sizes: list[int], roun
             us = statistics.median(per[name])
             bw = nccl_bytes / (us * 1e-6) / 1e9
             res[name] = {"avg": us, "algbw": bw, "busbw": bw * osu.BUS[bench](comm.size), "valid": ok[name]}
-        rows.append({"size": size, "iterations": iters, "results": res})
+        rows.append(
+            {"size": size, "iterations": iters, "algorithm": osu.auto_algorithm(bench, comm, bufs[0]), "results": res}
+        )
     return rows
 
 
@@ -162,12 +166,14 @@ def table(bench: str, rows: list[dict[str, Any]], names: list[str], copy_bw: flo
     if "window" in names:
         cols.append(("win busbw", 12, lambda res: res["window"]["busbw"]))
     head = f"{'size':>10}" + "".join(f"{title:>{w}}" for title, w, _ in cols) + f"{'copy bound':>12}{'valid':>7}"
+    head += f"  {'auto took'}"
     lines = [f"# {bench}, float32, {n} ranks: median over rounds of OSU average latency; busbw GB/s", head]
     for r in rows:
         res = r["results"]
         line = f"{r['size']:>10}" + "".join(f"{fn(res):>{w}.2f}" for _, w, fn in cols)
         line += f"{copy_bound_us(bench, r['size'], n, copy_bw):>12.2f}"
         line += f"{'yes' if all(res[nm]['valid'] for nm in names) else 'NO':>7}"
+        line += f"  {r.get('algorithm', '?')}"
         lines.append(line)
     return "\n".join(lines)
 

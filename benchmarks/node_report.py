@@ -286,6 +286,7 @@ def worst_ratios(bars: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "worst_small": max(small, key=lambda x: x[1]) if small else None,
             "worst_large": max(large, key=lambda x: x[1]) if large else None,
             "over_bar": [s for s, q in ratios if q > BAR],
+            "algorithms": {str(r["size"]): r["algorithm"] for r in rows if "algorithm" in r},
         }
     return out
 
@@ -347,14 +348,17 @@ def _collective_lines(report: dict[str, Any]) -> list[str]:
     lines = [
         f"## Collectives against MPI (auto / MPI time per call; the bar is {BAR:.2f})",
         "",
-        "Worst ratio among calls up to 64 KiB and above it, with its size.",
+        "Worst ratio among calls up to 64 KiB and above it, with its size; beside each size over",
+        "the bar, the algorithm `auto` took there (its tuning row's pick).",
         "",
         "| ranks | collective | worst small | worst large | sizes over the bar |",
         "|---|---|---|---|---|",
     ]
     for n, per in sorted(report["collectives"].items(), key=lambda kv: int(kv[0])):
         for coll, w in per.items():
-            over = ", ".join(_size(s) for s in w["over_bar"]) or "none"
+            took = w.get("algorithms", {})
+            over = ", ".join(_size(s) + (f" ({took[str(s)]})" if str(s) in took else "") for s in w["over_bar"])
+            over = over or "none"
             lines.append(f"| {n} | {coll} | {_cell(w['worst_small'])} | {_cell(w['worst_large'])} | {over} |")
     return lines
 
@@ -445,7 +449,8 @@ def _tuner_lines(report: dict[str, Any]) -> list[str]:
     packaged = load_table()
     for n, table in sorted(report["tuner"].items(), key=lambda kv: int(kv[0])):
         for e in table:
-            ours = rules(packaged, e["collective"], int(n), 1)
+            # what auto takes there: the tuner's row says whether its ranks outnumbered the cores
+            ours = rules(packaged, e["collective"], int(n), 1, e.get("oversubscribed"))
             same = "the same" if ours == e["rules"] else f"packaged: {_rules(ours)}"
             lines.append(f"- {n} ranks, {e['collective']}: {_rules(e['rules'])} ({same})")
     return lines

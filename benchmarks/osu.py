@@ -45,6 +45,8 @@ from mpi4py import MPI
 
 import collectives as C
 from collectives.cli import ArgumentParser, dump_json, parse_size
+from collectives.context import get_context
+from collectives.select import choose
 
 __all__ = [
     "COLLECTIVES",
@@ -249,6 +251,13 @@ def contender_buffers(
     if bench == "bcast":
         return x, x, _inputs(0, count, dtype)
     return x, np.empty(count, dtype), _expected(bench, n, count, dtype)
+
+
+def auto_algorithm(bench: str, comm: MPI.Comm, x: np.ndarray) -> str:
+    """The algorithm ``auto`` takes for ``bench`` on this rank's input ``x`` (from its
+    tuning rows, by the bytes it resolves on: an allgather's whole output)."""
+    nbytes = x.nbytes * comm.size if bench == "allgather" else x.nbytes
+    return "local" if comm.size == 1 else choose(get_context(comm), _API.get(bench, bench), nbytes)
 
 
 def make_contender(

@@ -36,14 +36,18 @@ def test_rank_counts_double_up_to_one_rank_per_core():
 
 
 def test_worst_ratios_take_the_largest_auto_over_mpi_on_each_side_of_64_kib():
-    def row(size, auto, mpi):
-        return {"size": size, "results": {"auto": {"avg": auto}, "mpi": {"avg": mpi}}}
+    def row(size, auto, mpi, alg):
+        return {"size": size, "algorithm": alg, "results": {"auto": {"avg": auto}, "mpi": {"avg": mpi}}}
 
-    bars = {"bars": {"allreduce": [row(4, 2.0, 4.0), row(65536, 12.0, 10.0), row(1 << 20, 300.0, 200.0)]}}
-    got = worst_ratios(bars)["allreduce"]
+    rows = [row(4, 2.0, 4.0, "shm"), row(65536, 12.0, 10.0, "shm"), row(1 << 20, 300.0, 200.0, "ring")]
+    got = worst_ratios({"bars": {"allreduce": rows}})["allreduce"]
     assert got["worst_small"] == (65536, 1.2)
     assert got["worst_large"] == (1 << 20, 1.5)
     assert got["over_bar"] == [65536, 1 << 20] and BAR == 1.10
+    # the summary names the algorithm auto took at each size over the bar
+    report = {"machine": {}, "date": "d", "seconds": 1.0, "budget": 2.0, "runs": [], "steps": ["collectives"]}
+    text = summarize({**report, "collectives": {"4": {"allreduce": got}}})
+    assert "| 4 | allreduce | 1.20 (64 KiB) **over** | 1.50 (1 MiB) **over** | 64 KiB (shm), 1 MiB (ring) |" in text
 
 
 def run_report(tmp_path, *args):
@@ -83,6 +87,8 @@ def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_f
         size, worst = max(ratios, key=lambda x: x[1])
         assert f"| 2 | {coll} | {worst:.2f} (" in summary, (coll, worst, summary)
     assert "ranks, allreduce:" in summary.split("## What the tuner")[1]
+    for coll, rows in raw["bars"].items():  # what auto took: at 2 ranks the packaged rows' pick, shm
+        assert {r["algorithm"] for r in rows} == {"shm"}, (coll, rows)
     small = json.loads((tmp_path / "raw" / "small_calls_np2.json").read_text())
     for row in small:  # each part of a small call in the table; the one step is what the call takes
         assert {"total", "python", "step", "wait", "barrier", "mpi", "waited", "polls", "sleeps", "wakes"} <= set(row)
