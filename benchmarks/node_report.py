@@ -19,7 +19,7 @@ core (or ``--max-ranks``):
 4. ``tuner``: ``collectives.tune`` at the same counts: the algorithm that wins each size
    here, to set against the packaged table's rows;
 5. ``training``: a training step with each optimizer against the same step without
-   communication (``benchmarks.train_throughput``, 2 ranks and the largest count up to 8);
+   communication (``benchmarks.train_throughput``, at each count up to 8);
 6. ``pipeline``: the measured bubble of a 2-stage pipeline (the GPT, and equal stages)
    against ``(p-1)/(m+p-1)``, and the TP grid's traffic per step (calls, bytes, the time
    spent in them) against what α-β models fitted on its group predict
@@ -681,7 +681,7 @@ def _stores(r: Runner, counts: list[int], args: argparse.Namespace, got: dict[st
 
 
 def _training(r: Runner, counts: list[int], args: argparse.Namespace, got: dict[str, Any], end: float) -> None:
-    train = [2] + [n for n in counts if n > 2 and n <= 8][-1:]
+    train = [n for n in counts if n <= 8]
     for n in train:
         name = f"training_np{n}"
         steps = ["--rounds", "1", "--steps", "2", "--timeline-steps", "1"] if args.quick else ["--rounds", "2"]
