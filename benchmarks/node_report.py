@@ -287,8 +287,25 @@ def worst_ratios(bars: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "worst_large": max(large, key=lambda x: x[1]) if large else None,
             "over_bar": [s for s, q in ratios if q > BAR],
             "algorithms": {str(r["size"]): r["algorithm"] for r in rows if "algorithm" in r},
+            # the node algorithm on arrays in the window (read in place, whatever the row says)
+            "window": {
+                str(r["size"]): round(r["results"]["window"]["avg"] / r["results"]["mpi"]["avg"], 3)
+                for r in rows
+                if "window" in r["results"] and "mpi" in r["results"] and r["results"]["mpi"]["avg"] > 0
+            },
         }
     return out
+
+
+def _over(w: dict[str, Any]) -> str:
+    """The sizes over the bar, each with the algorithm auto took and the window's ratio there."""
+    took, win = w.get("algorithms", {}), w.get("window", {})
+    cells = []
+    for s in w["over_bar"]:
+        notes = [took[str(s)]] if str(s) in took else []
+        notes += [f"window {win[str(s)]:.2f}"] if str(s) in win else []
+        cells.append(_size(s) + (f" ({'; '.join(notes)})" if notes else ""))
+    return ", ".join(cells) or "none"
 
 
 def _size(n: int) -> str:
@@ -349,17 +366,15 @@ def _collective_lines(report: dict[str, Any]) -> list[str]:
         f"## Collectives against MPI (auto / MPI time per call; the bar is {BAR:.2f})",
         "",
         "Worst ratio among calls up to 64 KiB and above it, with its size; beside each size over",
-        "the bar, the algorithm `auto` took there (its tuning row's pick).",
+        "the bar, the algorithm `auto` took there (its tuning row's pick) and the window's ratio:",
+        "the node algorithm on arrays from `collectives.empty`, read in place whatever the row says.",
         "",
         "| ranks | collective | worst small | worst large | sizes over the bar |",
         "|---|---|---|---|---|",
     ]
     for n, per in sorted(report["collectives"].items(), key=lambda kv: int(kv[0])):
         for coll, w in per.items():
-            took = w.get("algorithms", {})
-            over = ", ".join(_size(s) + (f" ({took[str(s)]})" if str(s) in took else "") for s in w["over_bar"])
-            over = over or "none"
-            lines.append(f"| {n} | {coll} | {_cell(w['worst_small'])} | {_cell(w['worst_large'])} | {over} |")
+            lines.append(f"| {n} | {coll} | {_cell(w['worst_small'])} | {_cell(w['worst_large'])} | {_over(w)} |")
     return lines
 
 

@@ -36,10 +36,11 @@ def test_rank_counts_double_up_to_one_rank_per_core():
 
 
 def test_worst_ratios_take_the_largest_auto_over_mpi_on_each_side_of_64_kib():
-    def row(size, auto, mpi, alg):
-        return {"size": size, "algorithm": alg, "results": {"auto": {"avg": auto}, "mpi": {"avg": mpi}}}
+    def row(size, auto, mpi, alg, window=None):
+        res = {"auto": {"avg": auto}, "mpi": {"avg": mpi}, **({"window": {"avg": window}} if window else {})}
+        return {"size": size, "algorithm": alg, "results": res}
 
-    rows = [row(4, 2.0, 4.0, "shm"), row(65536, 12.0, 10.0, "shm"), row(1 << 20, 300.0, 200.0, "ring")]
+    rows = [row(4, 2.0, 4.0, "shm"), row(65536, 12.0, 10.0, "shm"), row(1 << 20, 300.0, 200.0, "ring", 80.0)]
     got = worst_ratios({"bars": {"allreduce": rows}})["allreduce"]
     assert got["worst_small"] == (65536, 1.2)
     assert got["worst_large"] == (1 << 20, 1.5)
@@ -47,7 +48,8 @@ def test_worst_ratios_take_the_largest_auto_over_mpi_on_each_side_of_64_kib():
     # the summary names the algorithm auto took at each size over the bar
     report = {"machine": {}, "date": "d", "seconds": 1.0, "budget": 2.0, "runs": [], "steps": ["collectives"]}
     text = summarize({**report, "collectives": {"4": {"allreduce": got}}})
-    assert "| 4 | allreduce | 1.20 (64 KiB) **over** | 1.50 (1 MiB) **over** | 64 KiB (shm), 1 MiB (ring) |" in text
+    cells = "| 1.20 (64 KiB) **over** | 1.50 (1 MiB) **over** | 64 KiB (shm), 1 MiB (ring; window 0.40) |"
+    assert f"| 4 | allreduce {cells}" in text and got["window"] == {str(1 << 20): 0.4}
 
 
 def run_report(tmp_path, *args):
