@@ -140,8 +140,7 @@ def rules_for(ctx: Any, collective: str) -> list[list[Any]]:
         return DEFAULT_RULES[collective]
     if ctx.tuning is None:
         ctx.tuning = load_table(ctx.config.tuning_file)
-    chan = getattr(ctx, "chan", None)
-    over = chan.oversubscribed if chan is not None else None  # known on one node
+    over = ctx.chan.oversubscribed if ctx.chan is not None else None  # known on one node
     return rules(ctx.tuning, collective, ctx.transport.size, ctx.topology().nodes, over)
 
 

@@ -35,6 +35,13 @@ DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int8, np.in
 COUNTS = [1, 3, 17, 1001]
 #: where the compiled loop reduces itself (elsewhere numpy reduces after its exchange)
 KERNELS = {np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8}
+#: single copy on for allgathers and broadcasts of any size, and staging slow (non-temporal
+#: stores into the window), as the large reductions' single copy asks
+SINGLE_COPY_STAGING_SLOW = {
+    "shm_single_copy_bytes": 1,
+    "shm_single_copy_broadcast_bytes": 1,
+    "shm_nontemporal_bytes": 4096,
+}
 
 
 def _compiler() -> bool:
@@ -518,8 +525,9 @@ def test_large_reduce_scatters_read_each_block_once_with_the_windows_bits(comms,
     _, slow = comms
     one = WORLD.Dup()
     try:
-        single = {"shm_single_copy_bytes": 1, "shm_single_copy_broadcast_bytes": 1, "shm_nontemporal_bytes": 4096}
-        ch = get_context(one, config=Config(shm_single_copy_reduce_scatter_bytes=1, **single)).channel()
+        ch = get_context(
+            one, config=Config(shm_single_copy_reduce_scatter_bytes=1, **SINGLE_COPY_STAGING_SLOW)
+        ).channel()
         if ch.single_copy == 0:
             pytest.skip("the kernel refuses cross-memory attach here")
         assert get_context(slow).chan.single_copy == 0
@@ -570,11 +578,12 @@ def test_large_allreduces_into_another_array_read_each_block_once_with_the_windo
     _, slow = comms
     one, off = WORLD.Dup(), WORLD.Dup()
     try:
-        single = {"shm_single_copy_bytes": 1, "shm_single_copy_broadcast_bytes": 1, "shm_nontemporal_bytes": 4096}
-        ch = get_context(one, config=Config(shm_single_copy_allreduce_bytes=1, **single)).channel()
+        ch = get_context(one, config=Config(shm_single_copy_allreduce_bytes=1, **SINGLE_COPY_STAGING_SLOW)).channel()
         if ch.single_copy == 0:
             pytest.skip("the kernel refuses cross-memory attach here")
-        staged = get_context(off, config=Config(shm_single_copy_allreduce_bytes=0, **single)).channel()
+        staged = get_context(
+            off, config=Config(shm_single_copy_allreduce_bytes=0, **SINGLE_COPY_STAGING_SLOW)
+        ).channel()
         assert Config().shm_single_copy_allreduce_bytes == 4 << 20 and not staged.reads_peers("allreduce", 1 << 30)
         assert ch.reads_peers("allreduce", 1) and get_context(slow).chan.single_copy_allreduce == 0
         ch.single_copy_broadcast = 0  # from 3 ranks only where broadcasts read the root's memory too
@@ -688,9 +697,8 @@ def test_a_large_reduce_scatter_into_its_input_on_one_rank_stages_on_every_rank(
     _, slow = comms
     one = WORLD.Dup()
     try:
-        single = {"shm_single_copy_bytes": 1, "shm_single_copy_broadcast_bytes": 1, "shm_nontemporal_bytes": 4096}
         ch = get_context(
-            one, config=Config(stall_timeout=20.0, shm_single_copy_reduce_scatter_bytes=1, **single)
+            one, config=Config(stall_timeout=20.0, shm_single_copy_reduce_scatter_bytes=1, **SINGLE_COPY_STAGING_SLOW)
         ).channel()
         if ch.single_copy == 0:
             pytest.skip("the kernel refuses cross-memory attach here")

@@ -882,14 +882,13 @@ class Channel:
         cache), or where the compiled loop's measured stores call for them on any rank
         (plain ones several times as slow: cores that share no cache; the peers' calls read
         again here), but for every :data:`RESTAGE_EVERY`-th ask, which stages to probe them
-        again. Staging a large reduction then writes lines the other
-        core holds, and reading an allreduce by single copy took 0.49-0.91 x the staged
-        time at 16 MiB on the 2-vCPU reference machine, on huge pages and on 4 KiB ones.
-        Where the cores share a cache staging is cheap: single copy took 1.33-1.50 x as
-        long there on 4 KiB pages, which the kernel pins one by one (0.82-1.01 x on huge
-        ones), and on a 16-core node 1.11-1.38 x on arrays in the heap (0.60-0.85 x on
-        fresh ones). A rank cannot tell cheaply where a caller's pages lie, so this alone
-        decides."""
+        again. Staging a large reduction then writes lines the other core holds, and reading
+        an allreduce by single copy took 0.49-0.91 x the staged time at 16 MiB on the 2-vCPU
+        reference machine, on huge pages and on 4 KiB ones. Where the cores share a cache
+        staging is cheap: single copy took 1.33-1.50 x as long there on 4 KiB pages, which
+        the kernel pins one by one (0.82-1.01 x on huge ones), and on a 16-core node
+        1.11-1.38 x on arrays in the heap (0.60-0.85 x on fresh ones). A rank cannot tell
+        cheaply where a caller's pages lie, so this alone decides."""
         self.reductions_voted += 1
         if self.nontemporal > 0:
             return True
