@@ -2,8 +2,8 @@
 # The whole test suite: single-process tests, then the multi-rank tests under mpiexec -n 1, 2,
 # 3 and 4 (at 3 and 4 less the collectives, ops, optimizer and device-array files, which run at
 # 5 and 8); the collectives' tests again at 2 ranks with every wait sleeping at once; the
-# collectives, ops, optimizer, Adasum, parameter-server and device-array tests at 5 ranks and
-# the collectives, ops and optimizer tests at 8 (oversubscribed on a small machine).
+# collectives, ops, optimizer, Adasum, parameter-server, device-array and emulated-link tests
+# at 5 ranks and the collectives, ops and optimizer tests at 8 (oversubscribed on a small machine).
 # Every run has a hard time limit, so a deadlock fails, never hangs; a hung test prints every
 # rank's stacks first. The ranks agree on each test's outcome (tests/conftest.py), and a
 # collective left waiting by a rank that failed ends in a stall error within
@@ -61,7 +61,7 @@ mpirun() {
 # parameter servers keep their 3- and 4-rank runs
 AT_5=(tests/test_collectives.py tests/test_collectives_errors.py tests/test_compiled_channel.py tests/test_memory_layouts.py
     tests/test_ops.py tests/test_optimizers.py tests/test_adasum.py tests/test_ps.py tests/test_device_arrays.py
-    tests/test_front_door.py)
+    tests/test_front_door.py tests/test_link.py)
 AT_8=(tests/test_collectives.py tests/test_ops.py tests/test_optimizers.py)
 NOT_AT_3_4=(tests/test_collectives.py tests/test_collectives_errors.py tests/test_compiled_channel.py tests/test_memory_layouts.py
     tests/test_ops.py tests/test_optimizers.py tests/test_device_arrays.py)
