@@ -89,7 +89,8 @@ def svg(runs: list[dict[str, Any]], path: Path) -> None:
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{left + cell * len(sizes) + 20}" '
         f'height="{top + cell * len(runs) + 70}" font-family="sans-serif" font-size="11">',
-        '<text x="4" y="16">allreduce: the fastest algorithm measured, by message size (B); x: auto took another</text>',
+        '<text x="4" y="16">allreduce: the fastest algorithm measured, by message size (B); '
+        "x: auto took another</text>",
     ]
     for j, size in enumerate(sizes):
         x = left + j * cell + cell / 2

@@ -241,7 +241,8 @@ def svg(runs: list[dict[str, Any]], path: Path) -> None:
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{top + height + 120}" '
         'font-family="sans-serif" font-size="10">',
-        '<text x="4" y="14">one synchronous gradient exchange: time over the fastest contender\'s (lower is better)</text>',
+        '<text x="4" y="14">one synchronous gradient exchange: '
+        "time over the fastest contender's (lower is better)</text>",
     ]
     scale = height / 3.0  # up to 3x the fastest
     for tick in (1, 2, 3):

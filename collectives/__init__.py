@@ -22,6 +22,7 @@ from .api import (
     reduce_scatter,
 )
 from .buffers import copied_bytes, empty, is_shared
+from .context import reset
 from .errors import (
     CollectiveError,
     CollectiveMismatchError,
@@ -35,7 +36,6 @@ from .errors import (
     UnsupportedDtypeError,
     UnsupportedOpError,
 )
-from .context import reset
 from .ops import DTYPES, OPS
 from .select import algorithms
 

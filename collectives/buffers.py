@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from .node.arena import allocate
 from .context import get_context
+from .node.arena import allocate
 
 __all__ = ["empty", "is_shared", "copied_bytes"]
 

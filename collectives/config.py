@@ -194,7 +194,8 @@ class Config:
             )
         if self.shm_single_copy_reduce_scatter_bytes < 0:
             raise ConfigError(
-                f"shm_single_copy_reduce_scatter_bytes={self.shm_single_copy_reduce_scatter_bytes} must be >= 0 (0: never)"
+                f"shm_single_copy_reduce_scatter_bytes={self.shm_single_copy_reduce_scatter_bytes} "
+                "must be >= 0 (0: never)"
             )
         if self.shm_single_copy_allreduce_bytes < 0:
             raise ConfigError(
@@ -208,7 +209,8 @@ class Config:
             raise ConfigError(f"device_window_bytes={self.device_window_bytes} must be at least 4096")
         if self.device_staged_bytes < -1:
             raise ConfigError(
-                f"device_staged_bytes={self.device_staged_bytes} must be >= 0 (0: always ipc), or -1 (measured defaults)"
+                f"device_staged_bytes={self.device_staged_bytes} must be >= 0 (0: always ipc), "
+                "or -1 (measured defaults)"
             )
         if self.cuda_aware_mpi not in ("auto", "0", "1"):
             raise ConfigError(f"cuda_aware_mpi={self.cuda_aware_mpi!r} must be 'auto', '1' or '0'")

@@ -620,14 +620,16 @@ def _validation(anchor: str, as_json: bool, p: argparse.ArgumentParser) -> int:
         return 0
     print(f"# calibrated on {anchor}: compute efficiency {rows[0]['efficiency']:.3f} of the A100's peak")
     print(
-        f"{'model':<10} {'published':>9} {'predicted':>9} {'error':>7}  planner's choice (its step / the published layout's)"
+        f"{'model':<10} {'published':>9} {'predicted':>9} {'error':>7}  "
+        "planner's choice (its step / the published layout's)"
     )
     for r in rows:
         c = r["chosen"]
         print(
             f"{r['model']:<10} {r['published_tflops']:>9.0f} {r['predicted_tflops']:>9.1f} {r['error']:>+7.1%}  "
             f"dp={c['dp']} tp={c['tp']} pp={c['pp']} micro_batch={c['micro_batch']} zero={c['zero']} "
-            f"recompute={'yes' if c['recompute'] else 'no'} chunks={c['chunks']} ({c['step_s'] / r['published_step_s']:.2f})"
+            f"recompute={'yes' if c['recompute'] else 'no'} chunks={c['chunks']} "
+            f"({c['step_s'] / r['published_step_s']:.2f})"
         )
     return 0
 
@@ -732,8 +734,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(str(exc))
         lay = fits[0].layout
         print(
-            f"# compute efficiency {cl.efficiency:.3f} of peak gives {a.measured_tflops} TFLOP/s per GPU at dp={lay.dp} "
-            f"tp={lay.tp} pp={lay.pp} micro_batch={lay.micro_batch} zero={lay.zero} chunks={lay.chunks}",
+            f"# compute efficiency {cl.efficiency:.3f} of peak gives {a.measured_tflops} TFLOP/s per GPU "
+            f"at dp={lay.dp} tp={lay.tp} pp={lay.pp} micro_batch={lay.micro_batch} zero={lay.zero} chunks={lay.chunks}",
             file=sys.stderr,
         )
     ok, refused = plan(model, a.global_batch, cl, **fixed)

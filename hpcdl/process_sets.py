@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from mpi4py import MPI
 
 from . import state
-from .errors import HpcdlError
 from .engine import SetIdSig, SetSig
+from .errors import HpcdlError
 from .handles import control
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "registered_id"]

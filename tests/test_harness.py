@@ -3,9 +3,9 @@ collectives fails on every rank within the stall timeout, and the tests after it
 
 from __future__ import annotations
 
-import pytest
 import os
 
+import pytest
 from conftest import ROOT, mpiexec_job
 
 

@@ -16,13 +16,12 @@ from reference import digest, make_input
 
 import collectives as C
 from collectives.config import Config
-from collectives.context import get_context
+from collectives.context import get_context, node_transport
 from collectives.cost import AlphaBeta, fit, link_from_allreduce, parse_link, ring_allreduce
 from collectives.errors import ConfigError
-from collectives.context import node_transport
 from collectives.link import LinkComm, LinkTransport, emulate_comm, locate
-from collectives.transport import MPITransport
 from collectives.select import choose
+from collectives.transport import MPITransport
 from hpcdl.parallel.pp_comm import ACT, Link
 
 WORLD = MPI.COMM_WORLD

@@ -25,9 +25,9 @@ from hpcdl.parallel import (
     mark_sequence_parallel,
     reduce_scatter_seq_to_tp,
     scatter_seq_to_tp,
+    tp_comm,
     vocab_parallel_cross_entropy,
 )
-from hpcdl.parallel import tp_comm
 from hpcdl.parallel.tp_comm import traffic
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120), pytest.mark.usefixtures("runtime")]

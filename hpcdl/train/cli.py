@@ -48,7 +48,6 @@ def _dry_run(cfg) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from collectives.cli import run_main
-
     from hpcdl.startup import signal_while_starting
 
     from .config import ConfigError, parse_config

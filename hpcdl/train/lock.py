@@ -57,7 +57,8 @@ class RunLock:
     def acquire(self) -> str | None:
         """Take the lock; returns a warning when it takes over the lock of a job that ended
         without giving it back (None otherwise)."""
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": f"{datetime.datetime.now():%Y-%m-%d %H:%M:%S}"}
+        started = f"{datetime.datetime.now():%Y-%m-%d %H:%M:%S}"
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": started}
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:

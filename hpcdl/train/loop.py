@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 import hpcdl as hvd
+from hpcdl.functions import check_on_every_rank
 from hpcdl.parallel import Grid, Pipeline, allreduce_sequence_parallel_grads
 from hpcdl.parallel.dense import gather_dense, gather_dense_optimizer, load_dense, local_optimizer_state
-from hpcdl.functions import check_on_every_rank
 from hpcdl.startup import signal_while_starting
 
 from . import checkpoint as ckpt
