@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole test suite: single-process tests, then the multi-rank tests under mpiexec -n 1, 2,
 # 3 and 4 (at 3 and 4 less the collectives, ops, optimizer and device-array files, which run at
-# 5 and 8); the collectives' tests again at 2 ranks with every wait sleeping at once; the
-# collectives, ops, optimizer, Adasum, parameter-server, device-array and emulated-link tests
-# at 5 ranks and the collectives, ops and optimizer tests at 8 (oversubscribed on a small machine).
+# 5 and 8); the collectives' tests again at 2 ranks with every wait sleeping at once, and at 4
+# with every wait spinning first, as on a node with a core per rank; the collectives, ops,
+# optimizer, Adasum, parameter-server, device-array and emulated-link tests at 5 ranks and the
+# collectives, ops and optimizer tests at 8 (oversubscribed on a small machine).
 # Every run has a hard time limit, so a deadlock fails, never hangs; a hung test prints every
 # rank's stacks first. The ranks agree on each test's outcome (tests/conftest.py), and a
 # collective left waiting by a rank that failed ends in a stall error within
@@ -72,6 +73,9 @@ for n in 3 4; do
     mpirun "$n" -- $(ls tests/test_*.py | grep -v -x -F "$(printf '%s\n' "${NOT_AT_3_4[@]}")")
 done
 mpirun 2 HPCDL_SHM_SPIN=0 -- tests/test_collectives.py tests/test_compiled_channel.py tests/test_window_buffers.py tests/test_pipeline.py
+# ranks beyond the cores would sleep after a few polls; a node's ranks with a core each spin 2000
+# (collectives.node.channel.SPIN) first: that path with more than two ranks waiting on one another
+mpirun 4 HPCDL_SHM_SPIN=2000 -- tests/test_collectives.py tests/test_compiled_channel.py tests/test_window_buffers.py
 mpirun 5 -- "${AT_5[@]}"
 mpirun 8 -- "${AT_8[@]}"
 rm -f .pytest-rank*.log
