@@ -33,8 +33,10 @@ The model (Megatron-LM's, Narayanan et al., SC21, and Korthikanti et al., 2022):
 - Memory per GPU on the heaviest stage: 16 bytes per parameter for mixed-precision Adam
   (2 parameters, 2 gradients, 12 fp32 states), divided over ``dp`` as the ZeRO stage says;
   activations per layer ``s b h (10 + 24 / tp + 5 a s / h tp)`` bytes, or ``2 s b h`` with
-  recomputation, for the micro-batches 1F1B keeps in flight on the first stage; fp32
-  logits on the last.
+  recomputation, for the micro-batches 1F1B keeps in flight (``pp - i`` on stage ``i``,
+  the most over the stages); fp32 logits on the last.
+- Stages that do not divide the layers (:func:`stage_layers`): the last, then the first
+  take one layer fewer; the slowest stage sets the step.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ __all__ = [
     "main",
     "plan",
     "published",
+    "stage_layers",
     "validate",
 ]
 
@@ -279,17 +282,40 @@ RESERVED = 2 * GB
 allocator's slack."""
 
 
+def stage_layers(layers: int, pp: int) -> tuple[int, ...]:
+    """The layers of each of ``pp`` pipeline stages, first to last: ``layers / pp`` each
+    where that divides (Megatron-LM's split); else one more than ``layers // pp`` on every
+    stage but as many as the remainder leaves short, which are the last stage (it also
+    computes the logits), then the first (it holds the embedding), then those after it
+    (they keep the most micro-batches in flight). BLOOM's 70 layers on 12 stages: 5, ten
+    of 6, 5, as Megatron-LM's uneven first and last stages or DeepSpeed's split by
+    parameters (the embeddings counted as layers) place them.
+
+    Raises:
+        ValueError: more stages than layers.
+    """
+    if not 1 <= pp <= layers:
+        raise ValueError(f"{layers} layers do not fill pp={pp} stages")
+    per, left = divmod(layers, pp)
+    if not left:
+        return (per,) * pp
+    split = [per + 1] * pp
+    for i in [pp - 1, *range(pp - 1)][: pp - left]:
+        split[i] = per
+    return tuple(split)
+
+
 def _stage_params(model: GPT, lay: Layout) -> float:
     """Parameters one GPU of the heaviest stage holds: its layers' share, and the
     embeddings where the first stage holds them (the token embedding, its share, and the
     positions) and the last (the final norm, and the token embedding again where it is not
     the first: the output layer is tied to it)."""
-    h, per = model.hidden, model.layers // lay.pp
-    layers = per * model.layer_params() / lay.tp
+    h, split = model.hidden, stage_layers(model.layers, lay.pp)
+    layer = model.layer_params() / lay.tp
     tokens = model.vocab * h / lay.tp
     if lay.pp == 1:
-        return layers + tokens + model.seq * h + 2 * h
-    return layers + max(tokens + model.seq * h, tokens + 2 * h)
+        return split[0] * layer + tokens + model.seq * h + 2 * h
+    return max(split[0] * layer + tokens + model.seq * h, split[-1] * layer + tokens + 2 * h, max(split) * layer)
 
 
 def _states_bytes(phi: float, lay: Layout) -> dict[str, float]:
@@ -306,8 +332,11 @@ def _activation_bytes(model: GPT, lay: Layout, m: int) -> float:
     full = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
     per_layer = 2 * s * b * h if lay.recompute else full
     p, v = lay.pp, lay.chunks
-    flight = min(m, p) * (1 + (p - 1) / (p * v) if v > 1 else 1)
-    acts = model.layers // p * flight * per_layer + (full if lay.recompute else 0)
+    if v > 1:  # equal chunks; the first stage keeps the most in flight
+        kept = model.layers // p * min(m, p) * (1 + (p - 1) / (p * v))
+    else:  # 1F1B: stage i keeps p - i micro-batches
+        kept = max(n * min(m, p - i) for i, n in enumerate(stage_layers(model.layers, lay.pp)))
+    acts = kept * per_layer + (full if lay.recompute else 0)
     logits = 2 * 4 * s * b * model.vocab / t  # fp32 logits and their gradient, last stage
     return acts + logits
 
@@ -384,33 +413,41 @@ def _dp_time(phi: float, lay: Layout, cl: Cluster, m: int) -> float:
 def estimate(model: GPT, batch: int, lay: Layout, cl: Cluster) -> Estimate:
     """Estimate ``lay`` for ``model`` at ``batch`` sequences per step on ``cl``.
 
+    The pipeline's step is set by its slowest stage (the most layers, or the last one's
+    fewer layers and the logits): its compute, tensor-parallel calls and sends, every
+    micro-batch and again in the bubble.
+
     Raises:
-        ValueError: a layout that does not divide the GPUs, the batch, the layers or the
-            heads.
+        ValueError: a layout that does not divide the GPUs, the batch or the heads, with
+            more stages than layers, or with chunks that do not split the layers evenly.
     """
     p, t, d, b, v = lay.pp, lay.tp, lay.dp, lay.micro_batch, lay.chunks
     if d * t * p != cl.gpus:
         raise ValueError(f"dp={d} x tp={t} x pp={p} = {d * t * p} != {cl.gpus} GPUs")
     if batch % (d * b):
         raise ValueError(f"batch {batch} is not a multiple of dp={d} x micro_batch={b}")
-    if model.layers % (p * v):
+    if v > 1 and model.layers % (p * v):  # the interleaved schedule's chunks are equal
         raise ValueError(f"{model.layers} layers do not split into pp={p} x chunks={v}")
     if model.heads % t:
         raise ValueError(f"{model.heads} heads do not split over tp={t}")
+    split = stage_layers(model.layers, p)
     m = batch // (d * b)
     s, h, gpu = model.seq, model.hidden, cl.gpu
     rate = cl.efficiency * gpu.peak
     share, call = cl.share(), cl.call_overhead
-    per = model.layers // p
     passes = 4 if lay.recompute else 3  # forward, (recomputed forward,) backward twice over
-    layers = per * passes * layer_pass(model, b, t, gpu, cl.efficiency)
+    one = passes * layer_pass(model, b, t, gpu, cl.efficiency)
     logits = 6 * b * s * h * model.vocab / t / rate
+    slowest = max(range(p), key=lambda i: split[i] * one + (logits if i == p - 1 else 0.0))
+    per, last = split[slowest], slowest == p - 1
+    layers = per * one + (logits if last else 0.0)
     act = cl.word * b * s * h  # bytes of a micro-batch's activations
     tp_link = cl.intra if t <= cl.gpus_per_node else cl.inter_per_gpu()
     tp = 0.0
-    if t > 1:  # each layer's, the vocabulary-parallel head's input gradient, its cross-entropy's 3 sums
-        tp = (per * (6 if lay.recompute else 4) + 1) * (ring_allreduce(tp_link, t, act) + call)
-        tp += 3 * (ring_allreduce(tp_link, t, 4 * b * s) + call)
+    if t > 1:  # each layer's; on the last stage the vocabulary-parallel head's input gradient and its loss's 3 sums
+        tp = per * (6 if lay.recompute else 4) * (ring_allreduce(tp_link, t, act) + call)
+        if last:
+            tp += ring_allreduce(tp_link, t, act) + call + 3 * (ring_allreduce(tp_link, t, 4 * b * s) + call)
         if p == 1:  # and the vocabulary-parallel embedding's output, on the first stage
             tp += ring_allreduce(tp_link, t, act) + call
     pp_link = cl.intra if t * p <= cl.gpus_per_node else cl.inter_per_gpu()
@@ -419,8 +456,8 @@ def estimate(model: GPT, batch: int, lay: Layout, cl: Cluster) -> Estimate:
     shard = phi / d if lay.zero >= 1 else phi
     optimizer = 28 * shard / gpu.hbm  # Adam: fp32 master, m, v and fp16 copies, read and written
     parts = {
-        "compute": share * (m * (layers + logits) + optimizer),
-        "bubble": (p - 1) / v * (cl.contention * (layers + logits) + tp + pp),
+        "compute": share * (m * layers + optimizer),
+        "bubble": (p - 1) / v * (cl.contention * layers + tp + pp),
         "tp_comm": m * tp,
         "pp_comm": m * pp,
         "dp_comm": _dp_time(phi, lay, cl, m),
@@ -455,27 +492,67 @@ def layouts(
     zero: int | None = None,
     recompute: bool | None = None,
     chunks: int | None = None,
+    skipped: list[str] | None = None,
 ) -> Iterator[Layout]:
-    """Every layout that divides the GPUs, batch, layers and heads; the arguments given fix
-    those parts. ZeRO-2 and 3 only without pipeline stages (their gradients and parameters
-    are sharded per micro-batch); chunks only where the micro-batches are a multiple of
-    the stages (Megatron-LM's condition for its interleaved schedule)."""
+    """Every layout that divides the GPUs, the batch and the heads, with no more pipeline
+    stages than layers (where the stages do not divide the layers, some get one more:
+    :func:`stage_layers`); the arguments given fix those parts. ZeRO-2 and 3 only without
+    pipeline stages (their gradients and parameters are sharded per micro-batch); chunks
+    only where they split the layers evenly and the micro-batches are a multiple of the
+    stages (Megatron-LM's conditions for its interleaved schedule). Where ``skipped`` is
+    given, it gets why each combination tried does not divide."""
+    skip = skipped.append if skipped is not None else (lambda _: None)
     for t in [tp] if tp else [k for k in _divisors(cl.gpus) if model.heads % k == 0 and k <= 4 * cl.gpus_per_node]:
-        for p in [pp] if pp else [k for k in _divisors(cl.gpus // t) if model.layers % k == 0]:
-            if cl.gpus % (t * p):
+        if cl.gpus % t or model.heads % t:
+            skip(f"tp={t} does not divide the {f'{cl.gpus} GPUs' if cl.gpus % t else f'{model.heads} heads'}")
+            continue
+        for p in [pp] if pp else [k for k in _divisors(cl.gpus // t) if k <= model.layers]:
+            if cl.gpus % (t * p) or p > model.layers:
+                skip(
+                    f"tp={t} x pp={p} does not divide the {cl.gpus} GPUs"
+                    if cl.gpus % (t * p)
+                    else f"pp={p} stages for {model.layers} layers"
+                )
                 continue
             d = cl.gpus // (t * p)
             for b in [micro_batch] if micro_batch else [1, 2, 4, 8, 16]:
                 if batch % (d * b):
+                    skip(f"the batch of {batch} is not a multiple of dp={d} x micro_batch={b} (tp={t}, pp={p})")
                     continue
-                m = batch // (d * b)
-                for z in [zero] if zero is not None else ([0, 1, 2, 3] if p == 1 else [0, 1]):
-                    for r in [recompute] if recompute is not None else [True, False]:
-                        every = [1]
-                        if p > 1 and m % p == 0:
-                            every += [v for v in _divisors(model.layers // p) if 1 < v <= 8]
-                        for v in [chunks] if chunks else every:
-                            yield Layout(dp=d, tp=t, pp=p, micro_batch=b, zero=z, recompute=r, chunks=v)
+                lay = Layout(dp=d, tp=t, pp=p, micro_batch=b)
+                yield from _variants(model, lay, batch // (d * b), zero, recompute, chunks, skip)
+
+
+def _variants(
+    model: GPT, lay: Layout, m: int, zero: int | None, recompute: bool | None, chunks: int | None, skip: Any
+) -> Iterator[Layout]:
+    """``lay`` at each ZeRO stage, recomputation and chunks that run with ``m`` micro-batches
+    (those given, or every one that does)."""
+    p = lay.pp
+    every = [1]
+    if p > 1 and m % p == 0 and model.layers % p == 0:
+        every += [v for v in _divisors(model.layers // p) if 1 < v <= 8]
+    for z in [zero] if zero is not None else ([0, 1, 2, 3] if p == 1 else [0, 1]):
+        for r in [recompute] if recompute is not None else [True, False]:
+            for v in [chunks] if chunks else every:
+                why = _chunks_refused(model, p, m, v)
+                if why:
+                    skip(why)
+                    continue
+                yield replace(lay, zero=z, recompute=r, chunks=v)
+
+
+def _chunks_refused(model: GPT, p: int, m: int, v: int) -> str | None:
+    """Why ``v`` chunks a stage cannot run (None: they can)."""
+    if v == 1:
+        return None
+    if p == 1:
+        return f"chunks={v} needs pipeline stages"
+    if model.layers % (p * v):
+        return f"pp={p} x chunks={v} does not divide the {model.layers} layers"
+    if m % p:
+        return f"chunks={v} needs micro-batches a multiple of pp={p}, not {m}"
+    return None
 
 
 def plan(model: GPT, batch: int, cl: Cluster, **fixed: Any) -> tuple[list[Estimate], list[Estimate]]:
@@ -693,6 +770,16 @@ def _svg(rows: Sequence[Estimate], path: str) -> None:
         fh.write("\n".join(out) + "\n")
 
 
+def _undivided(a: argparse.Namespace, skipped: list[str]) -> str:
+    """Why no layout divides: the distinct reasons, the first five."""
+    reasons = list(dict.fromkeys(skipped))
+    more = f"; and {len(reasons) - 5} more" if len(reasons) > 5 else ""
+    return (
+        f"no layout divides the {a.gpus} GPUs, the batch of {a.global_batch} and the model's heads with the "
+        f"parts given: {'; '.join(reasons[:5]) or 'none to try'}{more}"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The command: parse, plan, print (a table, or ``--json``); 0, or 2 on bad input."""
     p = _parser()
@@ -738,10 +825,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"at dp={lay.dp} tp={lay.tp} pp={lay.pp} micro_batch={lay.micro_batch} zero={lay.zero} chunks={lay.chunks}",
             file=sys.stderr,
         )
-    ok, refused = plan(model, a.global_batch, cl, **fixed)
+    skipped: list[str] = []
+    ok, refused = plan(model, a.global_batch, cl, skipped=skipped, **fixed)
     if a.plot and ok:
         _svg(ok[: min(a.top, 12)], a.plot)
     if a.json:
+        if not ok and not refused:
+            print(_undivided(a, skipped), file=sys.stderr)
         print(json.dumps([e.row() for e in ok], indent=1))
         return 0 if ok else 1
     print(
@@ -749,7 +839,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{model.heads} heads, seq {model.seq}, vocab {model.vocab}), batch {a.global_batch}, {a.gpus} x {gpu.name}, "
         f"{cl.gpus_per_node} per node, efficiency {cl.efficiency:.3f}"
     )
-    print("\n".join(_table(ok, a.top)) if ok else "no layout fits")
+    if ok or refused:
+        print("\n".join(_table(ok, a.top)) if ok else "no layout fits")
+    else:  # not one layout to estimate: say what does not divide
+        print(_undivided(a, skipped))
     for e in refused[:5]:
         lay = e.layout
         print(

@@ -148,8 +148,93 @@ def test_a_bad_layout_names_what_does_not_divide():
     ):
         with pytest.raises(ValueError, match=why):
             estimate(replace(m, heads=12, hidden=2304) if "heads" in why else m, 512, lay, SELENE)
+    with pytest.raises(ValueError, match="4 layers do not fill pp=8 stages"):
+        estimate(replace(m, layers=4), 512, Layout(dp=1, tp=1, pp=8, micro_batch=1), SELENE)
     with pytest.raises(ValueError, match="hidden=100 is not a multiple of heads=3"):
         GPT(layers=2, hidden=100, heads=3, seq=8, vocab=10)
+
+
+BLOOM = GPT(layers=70, hidden=14336, heads=112, seq=2048, vocab=250880)
+"""BigScience's BLOOM-176B: trained on 384 A100 80GB with tp=4, pp=12 (a model copy on 48
+GPUs), micro-batches of 2, a global batch of 2048, at about 150 TFLOP/s per GPU (the
+project's model card); nodes of 8 GPUs, 4 Omni-Path ports of 100 Gbit/s each."""
+
+
+def test_stages_that_do_not_divide_the_layers_put_the_fewer_on_the_last_then_the_first():
+    from hpcdl.plan import stage_layers
+
+    assert stage_layers(24, 8) == (3,) * 8
+    assert stage_layers(70, 12) == (5,) + (6,) * 10 + (5,)  # BLOOM's split
+    assert stage_layers(5, 4) == (1, 1, 2, 1)
+    assert stage_layers(7, 4) == (2, 2, 2, 1)
+    for layers, pp in ((24, 8), (70, 12), (5, 4), (7, 4), (96, 20), (3, 3)):
+        split = stage_layers(layers, pp)
+        assert sum(split) == layers and max(split) == -(-layers // pp) and min(split) == layers // pp
+    with pytest.raises(ValueError, match="3 layers do not fill pp=4 stages"):
+        stage_layers(3, 4)
+
+
+def test_uneven_stages_cost_the_slowest_stage_and_hold_the_heaviest_ones_memory():
+    from hpcdl.plan import layer_pass
+
+    cl = replace(SELENE, gpus=384, efficiency=0.6)
+    lay = Layout(dp=8, tp=4, pp=12, micro_batch=2, zero=1, recompute=True)
+    e = estimate(BLOOM, 2048, lay, cl)
+    one = 4 * layer_pass(BLOOM, 2, 4, cl.gpu, 0.6)  # a layer: forward, recomputed forward, backward
+    logits = 6 * 2 * 2048 * 14336 * 250880 / 4 / (0.6 * cl.gpu.peak)
+    slowest = max(6 * one, 5 * one + logits)  # a middle stage's 6 layers, or the last's 5 and the logits
+    assert e.micro_batches == 128
+    # parameters: the first stage's 5 layers and the embedding outweigh a middle stage's 6
+    h, layer = 14336, BLOOM.layer_params() / 4
+    first = 5 * layer + 250880 * h / 4 + 2048 * h
+    assert first > 6 * layer and e.memory["parameters"] == pytest.approx(2 * first)
+    # every micro-batch the slowest stage's time, then Adam over its ZeRO-1 shard
+    assert e.time["compute"] == pytest.approx(128 * slowest + 28 * first / 8 / cl.gpu.hbm)
+    assert e.time["bubble"] == pytest.approx(11 * (slowest + (e.time["tp_comm"] + e.time["pp_comm"]) / 128))
+    # activations: stage i keeps 12 - i micro-batches of its layers: the first 5 x 12, the second 6 x 11
+    per_layer, full = 2 * 2048 * 2 * h, 2048 * 2 * h * (10 + 24 / 4 + 5 * 112 * 2048 / (h * 4))
+    logit_bytes = 2 * 4 * 2048 * 2 * 250880 / 4
+    assert e.memory["activations"] == pytest.approx(max(5 * 12, 6 * 11) * per_layer + full + logit_bytes)
+    # an even split is the one Megatron-LM runs: its last stage's layers and the logits set the step
+    even = estimate(replace(BLOOM, layers=72), 2048, lay, cl)
+    assert even.time["compute"] == pytest.approx(128 * (6 * one + logits), rel=0.01)
+    assert even.step_s > e.step_s
+
+
+def test_bloom_176b_is_predicted_within_15_percent_at_megatrons_calibration(capsys):
+    # calibrated on Megatron-LM's 146B run (Selene), predicted on BigScience's run: another
+    # framework (Megatron-DeepSpeed), another cluster, stages that do not divide the layers
+    efficiency = validate("gpt-146b", SELENE)[0]["efficiency"]
+    args = ["--layers", "70", "--hidden", "14336", "--heads", "112", "--seq", "2048", "--vocab", "250880"]
+    args += ["--global-batch", "2048", "--gpus", "384", "--gpu", "a100", "--inter", "eth-100g", "--nics-per-node", "4"]
+    args += ["--compute-efficiency", str(efficiency), "--json"]
+    code, out = _run(capsys, *args, "--tp", "4", "--pp", "12", "--micro-batch", "2", "--zero", "1")
+    rows = json.loads(out.out)
+    assert code == 0 and rows and all((r["tp"], r["pp"], r["micro_batch"]) == (4, 12, 2) for r in rows)
+    assert rows[0]["tflops_per_gpu"] == pytest.approx(150, rel=0.15)
+    code, out = _run(capsys, *args)  # and the planner's own choice is no slower
+    assert code == 0 and json.loads(out.out)[0]["step_s"] <= rows[0]["step_s"]
+
+
+def test_the_command_says_what_does_not_divide_where_no_layout_does(capsys):
+    base = ["--model", "gpt-1.7b", "--global-batch", "512", "--gpus", "32"]
+    for args, why in (
+        (["--tp", "3"], "tp=3 does not divide the 32 GPUs"),
+        (["--tp", "16", "--gpus", "64"], "tp=16 does not divide the 24 heads"),
+        (["--pp", "64"], "tp=1 x pp=64 does not divide the 32 GPUs"),
+        (["--pp", "32", "--tp", "1"], "pp=32 stages for 24 layers"),
+        (["--pp", "2", "--chunks", "5"], "pp=2 x chunks=5 does not divide the 24 layers"),
+        (["--pp", "1", "--chunks", "2"], "chunks=2 needs pipeline stages"),
+        (
+            ["--pp", "4", "--chunks", "2", "--micro-batch", "16", "--global-batch", "96"],
+            "needs micro-batches a multiple",
+        ),
+        (["--global-batch", "500", "--micro-batch", "2", "--tp", "8", "--pp", "1"], "batch of 500 is not a multiple"),
+    ):
+        code, out = _run(capsys, *base, *args)
+        assert code == 1 and "no layout divides" in out.out and why in out.out, (args, out.out)
+        code, out = _run(capsys, *base, *args, "--json")
+        assert code == 1 and json.loads(out.out) == [] and why in out.err, args
 
 
 def _run(capsys, *args):
