@@ -44,7 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -524,7 +524,13 @@ def layouts(
 
 
 def _variants(
-    model: GPT, lay: Layout, m: int, zero: int | None, recompute: bool | None, chunks: int | None, skip: Any
+    model: GPT,
+    lay: Layout,
+    m: int,
+    zero: int | None,
+    recompute: bool | None,
+    chunks: int | None,
+    skip: Callable[[str], None],
 ) -> Iterator[Layout]:
     """``lay`` at each ZeRO stage, recomputation and chunks that run with ``m`` micro-batches
     (those given, or every one that does)."""
