@@ -305,12 +305,12 @@ def stage_layers(layers: int, pp: int) -> tuple[int, ...]:
     return tuple(split)
 
 
-def _stage_params(model: GPT, lay: Layout) -> float:
-    """Parameters one GPU of the heaviest stage holds: its layers' share, and the
-    embeddings where the first stage holds them (the token embedding, its share, and the
-    positions) and the last (the final norm, and the token embedding again where it is not
-    the first: the output layer is tied to it)."""
-    h, split = model.hidden, stage_layers(model.layers, lay.pp)
+def _stage_params(model: GPT, lay: Layout, split: tuple[int, ...]) -> float:
+    """Parameters one GPU of the heaviest stage holds (``split``: each stage's layers,
+    :func:`stage_layers`): its layers' share, and the embeddings where the first stage holds
+    them (the token embedding, its share, and the positions) and the last (the final norm,
+    and the token embedding again where it is not the first: the output layer is tied to it)."""
+    h = model.hidden
     layer = model.layer_params() / lay.tp
     tokens = model.vocab * h / lay.tp
     if lay.pp == 1:
@@ -327,7 +327,7 @@ def _states_bytes(phi: float, lay: Layout) -> dict[str, float]:
     }
 
 
-def _activation_bytes(model: GPT, lay: Layout, m: int) -> float:
+def _activation_bytes(model: GPT, lay: Layout, m: int, split: tuple[int, ...]) -> float:
     s, b, h, a, t = model.seq, lay.micro_batch, model.hidden, model.heads, lay.tp
     full = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
     per_layer = 2 * s * b * h if lay.recompute else full
@@ -335,7 +335,7 @@ def _activation_bytes(model: GPT, lay: Layout, m: int) -> float:
     if v > 1:  # equal chunks; the first stage keeps the most in flight
         kept = model.layers // p * min(m, p) * (1 + (p - 1) / (p * v))
     else:  # 1F1B: stage i keeps p - i micro-batches
-        kept = max(n * min(m, p - i) for i, n in enumerate(stage_layers(model.layers, lay.pp)))
+        kept = max(n * min(m, p - i) for i, n in enumerate(split))
     acts = kept * per_layer + (full if lay.recompute else 0)
     logits = 2 * 4 * s * b * model.vocab / t  # fp32 logits and their gradient, last stage
     return acts + logits
@@ -452,7 +452,7 @@ def estimate(model: GPT, batch: int, lay: Layout, cl: Cluster) -> Estimate:
             tp += ring_allreduce(tp_link, t, act) + call
     pp_link = cl.intra if t * p <= cl.gpus_per_node else cl.inter_per_gpu()
     pp = 0.0 if p == 1 else 2 * v * (send_time(pp_link, act / t) + call)
-    phi = _stage_params(model, lay)
+    phi = _stage_params(model, lay, split)
     shard = phi / d if lay.zero >= 1 else phi
     optimizer = 28 * shard / gpu.hbm  # Adam: fp32 master, m, v and fp16 copies, read and written
     parts = {
@@ -464,7 +464,7 @@ def estimate(model: GPT, batch: int, lay: Layout, cl: Cluster) -> Estimate:
     }
     step = sum(parts.values())
     memory = _states_bytes(phi, lay)
-    memory["activations"] = _activation_bytes(model, lay, m)
+    memory["activations"] = _activation_bytes(model, lay, m, split)
     used = sum(memory.values())
     refused = None
     if used > gpu.memory - RESERVED:
