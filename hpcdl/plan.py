@@ -32,11 +32,15 @@ The model (Megatron-LM's, Narayanan et al., SC21, and Korthikanti et al., 2022):
   outnumber them), caches and memory (``contention``).
 - Memory per GPU on the heaviest stage: 16 bytes per parameter for mixed-precision Adam
   (2 parameters, 2 gradients, 12 fp32 states), divided over ``dp`` as the ZeRO stage says;
-  activations per layer ``s b h (10 + 24 / tp + 5 a s / h tp)`` bytes, or ``2 s b h`` with
-  recomputation, for the micro-batches 1F1B keeps in flight (``pp - i`` on stage ``i``,
-  the most over the stages); fp32 logits on the last.
+  activations per layer ``s b h (10 + 24 / tp + 5 a s / h tp)`` bytes (``34 s b h / tp``
+  for all but the scores with sequence parallelism; no scores with selective
+  recomputation), or ``2 s b h`` with full recomputation, for the micro-batches 1F1B keeps
+  in flight (``pp - i`` on stage ``i``, the most over the stages); fp32 logits on the last.
 - Stages that do not divide the layers (:func:`stage_layers`): the last, then the first
   take one layer fewer; the slowest stage sets the step.
+- Ranks in the order tensor-, then pipeline-, then data-parallel: a tensor-parallel group
+  or a pipeline's stages talk over the link inside a node where their GPUs divide a
+  node's, else over the nodes' ports.
 """
 
 from __future__ import annotations
@@ -63,11 +67,13 @@ __all__ = [
     "GPT",
     "GPU",
     "GPUS",
+    "MEGATRON_RECOMPUTATION",
     "MEGATRON_WEAK_SCALING",
     "MODELS",
     "Cluster",
     "Estimate",
     "Layout",
+    "attention_core_pass",
     "calibrate",
     "estimate",
     "fit_compute",
@@ -77,6 +83,7 @@ __all__ = [
     "published",
     "stage_layers",
     "validate",
+    "validate_recomputation",
 ]
 
 GB = 1e9
@@ -113,12 +120,15 @@ class GPT:
         h = self.hidden
         return self.layers * self.layer_params() + (self.vocab + self.seq) * h + 2 * h
 
-    def flops(self, batch: int, recompute: bool) -> float:
-        """FLOPs of one step of ``batch`` sequences, counted as Megatron-LM counts them."""
+    def flops(self, batch: int, recompute: bool, selective: bool = False) -> float:
+        """FLOPs of one step of ``batch`` sequences, counted as Megatron-LM counts them: with
+        full ``recompute`` the recomputed forward included; with ``selective`` recomputation
+        (the attention core's alone) as Korthikanti et al. count its hardware FLOPs."""
         s, h, v, ll = self.seq, self.hidden, self.vocab, self.layers
         if recompute:
             return 96 * batch * s * ll * h * h * (1 + s / (6 * h) + v / (16 * ll * h))
-        return 72 * batch * s * ll * h * h * (1 + s / (6 * h) + v / (12 * ll * h))
+        scores = s / (3 * h) if selective else s / (6 * h)
+        return 72 * batch * s * ll * h * h * (1 + scores + v / (12 * ll * h))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -150,6 +160,7 @@ MODELS: dict[str, GPT] = {
     "gpt-3.6b": GPT(layers=30, hidden=3072, heads=32, seq=2048, vocab=51200),
     "gpt-7.5b": GPT(layers=36, hidden=4096, heads=32, seq=2048, vocab=51200),
     "gpt-18b": GPT(layers=40, hidden=6144, heads=48, seq=2048, vocab=51200),
+    "gpt-22b": GPT(layers=48, hidden=6144, heads=64, seq=2048, vocab=51200),
     "gpt-39b": GPT(layers=48, hidden=8192, heads=64, seq=2048, vocab=51200),
     "gpt-76b": GPT(layers=60, hidden=10240, heads=80, seq=2048, vocab=51200),
     "gpt-146b": GPT(layers=80, hidden=12288, heads=96, seq=2048, vocab=51200),
@@ -158,7 +169,8 @@ MODELS: dict[str, GPT] = {
     "gpt-530b": GPT(layers=105, hidden=20480, heads=128, seq=2048, vocab=51200),
     "gpt-1t": GPT(layers=128, hidden=25600, heads=160, seq=2048, vocab=51200),
 }
-"""GPTs by name: GPT-3 175B and the sizes of Megatron-LM's weak-scaling study."""
+"""GPTs by name: GPT-3 175B, the sizes of Megatron-LM's weak-scaling study and the 22B of
+Korthikanti et al."""
 
 MEGATRON_WEAK_SCALING: tuple[tuple[str, int, int, int, int, float], ...] = (
     ("gpt-1.7b", 1, 1, 32, 512, 137),
@@ -175,6 +187,20 @@ MEGATRON_WEAK_SCALING: tuple[tuple[str, int, int, int, int, float], ...] = (
 """Megatron-LM's weak-scaling runs on Selene (DGX A100 80GB nodes of 8 GPUs, NVLink3
 inside, 8 HDR InfiniBand ports each, Narayanan et al., SC21, table 1): model, tensor- and
 pipeline-parallel size, GPUs, global batch and achieved TFLOP/s per GPU."""
+
+
+MEGATRON_RECOMPUTATION: tuple[tuple[str, int, int, int, int, float, float], ...] = (
+    ("gpt-22b", 8, 1, 8, 4, 1.42, 1.10),
+    ("gpt3-175b", 8, 8, 64, 64, 18.13, 13.75),
+    ("gpt-530b", 8, 35, 280, 280, 49.05, 37.83),
+    ("gpt-1t", 8, 64, 512, 512, 94.42, 71.49),
+)
+"""Megatron-LM's runs with selective recomputation and sequence parallelism on A100 80GB
+(Korthikanti et al., 2022, tables 3 and 5; one replica each): model, tensor- and
+pipeline-parallel size, GPUs, global batch, and the seconds of a step with full
+recomputation (no sequence parallelism) and with selective recomputation and sequence
+parallelism. The second reaches 41.5, 51.4, 56.0 and 56.3 % of the GPU's peak in model
+FLOPs."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -239,8 +265,12 @@ class Cluster:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Layout:
     """``dp`` × ``tp`` × ``pp`` GPUs, ``micro_batch`` sequences per micro-batch, ZeRO stage
-    ``zero`` (0: none), full activation ``recompute``, ``chunks`` model chunks per stage
-    (the interleaved 1F1B schedule; 1: plain 1F1B)."""
+    ``zero`` (0: none), full activation ``recompute`` or ``selective`` recomputation (the
+    attention core's alone: its scores, softmax and dropout, Korthikanti et al.),
+    ``chunks`` model chunks per stage (the interleaved 1F1B schedule; 1: plain 1F1B), and
+    ``sequence_parallel``: the layer norms, dropouts and residual adds split over the
+    ``tp`` GPUs along the sequence, their allreduces each a reduce-scatter and an allgather
+    (Megatron-LM's ``--sequence-parallel``; nothing to split with ``tp`` 1)."""
 
     dp: int
     tp: int
@@ -249,6 +279,18 @@ class Layout:
     zero: int = 0
     recompute: bool = True
     chunks: int = 1
+    selective: bool = False
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if self.recompute and self.selective:
+            raise ValueError("full and selective recomputation exclude each other")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence parallelism needs tp > 1")
+
+    def recomputation(self) -> str:
+        """``full``, ``selective`` or ``none``."""
+        return "full" if self.recompute else "selective" if self.selective else "none"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -328,26 +370,35 @@ def _states_bytes(phi: float, lay: Layout) -> dict[str, float]:
 
 
 def _activation_bytes(model: GPT, lay: Layout, m: int, split: tuple[int, ...]) -> float:
+    """Activation bytes one GPU of the heaviest stage keeps (Korthikanti et al., table 2): per
+    layer and micro-batch ``s b h (10 + 24 / tp)`` for its linear layers, norms and dropouts
+    (``34 s b h / tp`` split along the sequence) and ``5 a s² b / tp`` for the attention
+    scores (none with selective recomputation); ``2 s b h`` (over ``tp`` along the
+    sequence) with full recomputation, and one layer's worth to recompute in."""
     s, b, h, a, t = model.seq, lay.micro_batch, model.hidden, model.heads, lay.tp
-    full = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-    per_layer = 2 * s * b * h if lay.recompute else full
+    linear = s * b * h * (34 / t if lay.sequence_parallel else 10 + 24 / t)
+    scores = 5 * a * s * s * b / t
+    if lay.recompute:
+        per_layer, working = 2 * s * b * h / (t if lay.sequence_parallel else 1), linear + scores
+    else:
+        per_layer, working = linear + (0 if lay.selective else scores), scores if lay.selective else 0
     p, v = lay.pp, lay.chunks
     if v > 1:  # equal chunks; the first stage keeps the most in flight
         kept = model.layers // p * min(m, p) * (1 + (p - 1) / (p * v))
     else:  # 1F1B: stage i keeps p - i micro-batches
         kept = max(n * min(m, p - i) for i, n in enumerate(split))
-    acts = kept * per_layer + (full if lay.recompute else 0)
     logits = 2 * 4 * s * b * model.vocab / t  # fp32 logits and their gradient, last stage
-    return acts + logits
+    return kept * per_layer + working + logits
 
 
-def _elementwise_bytes(model: GPT, micro_batch: int, tp: int) -> float:
+def _elementwise_bytes(model: GPT, micro_batch: int, tp: int, sequence_parallel: bool = False) -> float:
     """Bytes one layer's forward moves through memory on one GPU outside its matrix
     products: the attention scores' scale, mask, softmax and dropout (9 bytes per score,
     split over ``tp``), bias and GeLU on the MLP's 4h (16 bytes per token and h, split),
-    and the two layer norms, dropouts and residual adds (24, repeated on every ``tp`` rank)."""
+    and the two layer norms, dropouts and residual adds (24, repeated on every ``tp`` rank
+    but split along the sequence with ``sequence_parallel``)."""
     s, b, h, a, t = model.seq, micro_batch, model.hidden, model.heads, tp
-    return 9 * b * a * s * s / t + b * s * h * (24 + 16 / t)
+    return 9 * b * a * s * s / t + b * s * h * (24 / (t if sequence_parallel else 1) + 16 / t)
 
 
 def _layer_flops(model: GPT, micro_batch: int, tp: int) -> float:
@@ -357,13 +408,24 @@ def _layer_flops(model: GPT, micro_batch: int, tp: int) -> float:
     return 24 * micro_batch * s * h * h * (1 + s / (6 * h)) / tp
 
 
-def layer_pass(model: GPT, micro_batch: int, tp: int, gpu: GPU, efficiency: float) -> float:
+def layer_pass(
+    model: GPT, micro_batch: int, tp: int, gpu: GPU, efficiency: float, sequence_parallel: bool = False
+) -> float:
     """Seconds of one layer's forward on one of ``tp`` GPUs (a backward costs two): its
     matrix products, ``24 b s h² (1 + s / 6h) / tp`` FLOPs at ``efficiency`` of the GPU's
     peak, what moves through memory beside them at the GPU's memory bandwidth, and the
     GPU's ``overhead``."""
     flops = _layer_flops(model, micro_batch, tp)
-    return flops / (efficiency * gpu.peak) + _elementwise_bytes(model, micro_batch, tp) / gpu.hbm + gpu.overhead
+    moved = _elementwise_bytes(model, micro_batch, tp, sequence_parallel)
+    return flops / (efficiency * gpu.peak) + moved / gpu.hbm + gpu.overhead
+
+
+def attention_core_pass(model: GPT, micro_batch: int, tp: int, gpu: GPU, efficiency: float) -> float:
+    """Seconds of the attention core's forward on one of ``tp`` GPUs, which selective
+    recomputation repeats: the two batched products ``4 b s² h / tp`` FLOPs and the scores'
+    scale, mask, softmax and dropout (9 bytes per score)."""
+    s, b, h, a, t = model.seq, micro_batch, model.hidden, model.heads, tp
+    return 4 * b * s * s * h / t / (efficiency * gpu.peak) + 9 * b * a * s * s / t / gpu.hbm
 
 
 def fit_compute(model: GPT, gpu: GPU, points: Sequence[tuple[int, int, float]]) -> GPU:
@@ -435,22 +497,29 @@ def estimate(model: GPT, batch: int, lay: Layout, cl: Cluster) -> Estimate:
     s, h, gpu = model.seq, model.hidden, cl.gpu
     rate = cl.efficiency * gpu.peak
     share, call = cl.share(), cl.call_overhead
+    sp = lay.sequence_parallel
     passes = 4 if lay.recompute else 3  # forward, (recomputed forward,) backward twice over
-    one = passes * layer_pass(model, b, t, gpu, cl.efficiency)
+    one = passes * layer_pass(model, b, t, gpu, cl.efficiency, sp)
+    if lay.selective:
+        one += attention_core_pass(model, b, t, gpu, cl.efficiency)
     logits = 6 * b * s * h * model.vocab / t / rate
     slowest = max(range(p), key=lambda i: split[i] * one + (logits if i == p - 1 else 0.0))
     per, last = split[slowest], slowest == p - 1
     layers = per * one + (logits if last else 0.0)
     act = cl.word * b * s * h  # bytes of a micro-batch's activations
-    tp_link = cl.intra if t <= cl.gpus_per_node else cl.inter_per_gpu()
+    # a group of consecutive ranks stays inside a node only where its size divides the node's GPUs
+    tp_link = cl.intra if cl.gpus_per_node % t == 0 else cl.inter_per_gpu()
     tp = 0.0
     if t > 1:  # each layer's; on the last stage the vocabulary-parallel head's input gradient and its loss's 3 sums
-        tp = per * (6 if lay.recompute else 4) * (ring_allreduce(tp_link, t, act) + call)
+        # an allreduce, or along the sequence a reduce-scatter and an allgather: the same bytes in two calls,
+        # and the backward gathers the two inputs of its column-parallel products again
+        calls = (6 if lay.recompute else 4) + (1 if sp else 0)
+        tp = per * calls * (ring_allreduce(tp_link, t, act) + (2 if sp else 1) * call)
         if last:
             tp += ring_allreduce(tp_link, t, act) + call + 3 * (ring_allreduce(tp_link, t, 4 * b * s) + call)
         if p == 1:  # and the vocabulary-parallel embedding's output, on the first stage
             tp += ring_allreduce(tp_link, t, act) + call
-    pp_link = cl.intra if t * p <= cl.gpus_per_node else cl.inter_per_gpu()
+    pp_link = cl.intra if cl.gpus_per_node % (t * p) == 0 else cl.inter_per_gpu()
     pp = 0.0 if p == 1 else 2 * v * (send_time(pp_link, act / t) + call)
     phi = _stage_params(model, lay, split)
     shard = phi / d if lay.zero >= 1 else phi
@@ -471,7 +540,7 @@ def estimate(model: GPT, batch: int, lay: Layout, cl: Cluster) -> Estimate:
         refused = f"out of memory: {used / GB:.1f} GB of {(gpu.memory - RESERVED) / GB:.0f} GB usable"
     elif m < p:
         refused = f"bubble: {m} micro-batches for {p} stages, the pipeline never fills"
-    tflops = model.flops(batch, lay.recompute) / step / cl.gpus / 1e12
+    tflops = model.flops(batch, lay.recompute, lay.selective) / step / cl.gpus / 1e12
     return Estimate(
         layout=lay, micro_batches=m, memory=memory, time=parts, step_s=step, tflops_per_gpu=tflops, refused=refused
     )
@@ -479,6 +548,10 @@ def estimate(model: GPT, batch: int, lay: Layout, cl: Cluster) -> Estimate:
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
+
+
+RECOMPUTATION = {"full": (True, False), "selective": (False, True), "none": (False, False)}
+"""Activation recomputation by name: the ``(recompute, selective)`` of a :class:`Layout`."""
 
 
 def layouts(
@@ -490,18 +563,26 @@ def layouts(
     pp: int | None = None,
     micro_batch: int | None = None,
     zero: int | None = None,
-    recompute: bool | None = None,
+    recompute: bool | str | None = None,
     chunks: int | None = None,
+    sequence_parallel: bool | None = None,
     skipped: list[str] | None = None,
 ) -> Iterator[Layout]:
     """Every layout that divides the GPUs, the batch and the heads, with no more pipeline
     stages than layers (where the stages do not divide the layers, some get one more:
-    :func:`stage_layers`); the arguments given fix those parts. ZeRO-2 and 3 only without
+    :func:`stage_layers`); the arguments given fix those parts (``recompute``: a name of
+    :data:`RECOMPUTATION`, or True for full and False for none). ZeRO-2 and 3 only without
     pipeline stages (their gradients and parameters are sharded per micro-batch); chunks
     only where they split the layers evenly and the micro-batches are a multiple of the
-    stages (Megatron-LM's conditions for its interleaved schedule). Where ``skipped`` is
-    given, it gets why each combination tried does not divide."""
+    stages (Megatron-LM's conditions for its interleaved schedule); sequence parallelism
+    wherever ``tp`` > 1 unless ``sequence_parallel`` is False (with ``tp`` 1 there is
+    nothing to split, as Megatron-LM turns it off). Where ``skipped`` is given, it gets
+    why each combination tried does not divide."""
     skip = skipped.append if skipped is not None else (lambda _: None)
+    if isinstance(recompute, bool):
+        recompute = "full" if recompute else "none"
+    if recompute is not None and recompute not in RECOMPUTATION:
+        raise ValueError(f"recompute={recompute!r}: one of {', '.join(RECOMPUTATION)}")
     for t in [tp] if tp else [k for k in _divisors(cl.gpus) if model.heads % k == 0 and k <= 4 * cl.gpus_per_node]:
         if cl.gpus % t or model.heads % t:
             skip(f"tp={t} does not divide the {f'{cl.gpus} GPUs' if cl.gpus % t else f'{model.heads} heads'}")
@@ -519,7 +600,9 @@ def layouts(
                 if batch % (d * b):
                     skip(f"the batch of {batch} is not a multiple of dp={d} x micro_batch={b} (tp={t}, pp={p})")
                     continue
-                lay = Layout(dp=d, tp=t, pp=p, micro_batch=b)
+                lay = Layout(
+                    dp=d, tp=t, pp=p, micro_batch=b, sequence_parallel=t > 1 and sequence_parallel is not False
+                )
                 yield from _variants(model, lay, batch // (d * b), zero, recompute, chunks, skip)
 
 
@@ -528,7 +611,7 @@ def _variants(
     lay: Layout,
     m: int,
     zero: int | None,
-    recompute: bool | None,
+    recompute: str | None,
     chunks: int | None,
     skip: Callable[[str], None],
 ) -> Iterator[Layout]:
@@ -539,13 +622,13 @@ def _variants(
     if p > 1 and m % p == 0 and model.layers % p == 0:
         every += [v for v in _divisors(model.layers // p) if 1 < v <= 8]
     for z in [zero] if zero is not None else ([0, 1, 2, 3] if p == 1 else [0, 1]):
-        for r in [recompute] if recompute is not None else [True, False]:
+        for r, sel in [RECOMPUTATION[recompute]] if recompute is not None else RECOMPUTATION.values():
             for v in [chunks] if chunks else every:
                 why = _chunks_refused(model, p, m, v)
                 if why:
                     skip(why)
                     continue
-                yield replace(lay, zero=z, recompute=r, chunks=v)
+                yield replace(lay, zero=z, recompute=r, selective=sel, chunks=v)
 
 
 def _chunks_refused(model: GPT, p: int, m: int, v: int) -> str | None:
@@ -591,13 +674,16 @@ def calibrate(model: GPT, batch: int, lay: Layout, cl: Cluster, tflops: float) -
 
 
 def published(name: str, tp: int, pp: int, gpus: int, batch: int, cl: Cluster) -> Estimate:
-    """The estimate of a published run's layout (Megatron-LM's: no ZeRO, recomputation) at
-    the micro-batch and chunks that are fastest and fit, which the table does not give.
+    """The estimate of a published run's layout (Megatron-LM's of 2021: no ZeRO, full
+    recomputation, no sequence parallelism) at the micro-batch and chunks that are fastest
+    and fit, which the table does not give.
 
     Raises:
         ValueError: no micro-batch and chunks fit.
     """
-    ok, _ = plan(MODELS[name], batch, replace(cl, gpus=gpus), tp=tp, pp=pp, zero=0, recompute=True)
+    ok, _ = plan(
+        MODELS[name], batch, replace(cl, gpus=gpus), tp=tp, pp=pp, zero=0, recompute=True, sequence_parallel=False
+    )
     if not ok:
         raise ValueError(f"{name}: no micro-batch fits tp={tp} pp={pp} on {gpus} GPUs")
     return ok[0]
@@ -629,6 +715,48 @@ def validate(anchor: str, cl: Cluster) -> list[dict[str, Any]]:
                 "chosen": ours.row(),
             }
         )
+    return out
+
+
+def validate_recomputation(anchor: str, cl: Cluster) -> list[dict[str, Any]]:
+    """Megatron-LM's runs with and without selective recomputation and sequence parallelism
+    (:data:`MEGATRON_RECOMPUTATION`) against this model: calibrated on the selective run of
+    model ``anchor``, each run's published and predicted step, both ways, at the micro-batch
+    and chunks that are fastest and fit (the paper does not give them all)."""
+    runs = {r[0]: r for r in MEGATRON_RECOMPUTATION}
+    if anchor not in runs:
+        raise ValueError(f"anchor {anchor!r}: one of {', '.join(runs)}")
+    ways = {"full": ("full", False), "selective": ("selective", True)}
+
+    def fastest(name: str, way: str, at: Cluster) -> Estimate:
+        _, tp, pp, gpus, batch, *_ = runs[name]
+        recompute, sp = ways[way]
+        ok, _ = plan(
+            MODELS[name], batch, replace(at, gpus=gpus), tp=tp, pp=pp, zero=0, recompute=recompute, sequence_parallel=sp
+        )
+        if not ok:
+            raise ValueError(f"{name}: no micro-batch fits tp={tp} pp={pp} on {gpus} GPUs with {way} recomputation")
+        return ok[0]
+
+    name, _, _, gpus, batch, _, seconds = runs[anchor]
+    tflops = MODELS[name].flops(batch, False, True) / seconds / gpus / 1e12
+    lay = fastest(name, "selective", cl).layout
+    cl = replace(cl, efficiency=calibrate(MODELS[name], batch, lay, replace(cl, gpus=gpus), tflops))
+    out = []
+    for name, *_, full_s, selective_s in MEGATRON_RECOMPUTATION:
+        for way, seconds in (("full", full_s), ("selective", selective_s)):
+            e = fastest(name, way, cl)
+            out.append(
+                {
+                    "model": name,
+                    "recompute": way,
+                    "efficiency": cl.efficiency,
+                    "published_step_s": seconds,
+                    "predicted_step_s": e.step_s,
+                    "error": e.step_s / seconds - 1,
+                    "layout": e.row(),
+                }
+            )
     return out
 
 
@@ -674,7 +802,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int)
     p.add_argument("--micro-batch", type=int)
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
-    p.add_argument("--recompute", choices=["yes", "no"])
+    p.add_argument(
+        "--recompute",
+        choices=["full", "selective", "no", "yes"],
+        help="activation recomputation: the whole forward (full, or yes), the attention core's alone (selective), none",
+    )
+    p.add_argument(
+        "--sequence-parallel",
+        choices=["yes", "no"],
+        help="split the layer norms and dropouts along the sequence where tp > 1 (default: yes)",
+    )
     p.add_argument("--chunks", type=int, help="model chunks per stage (the interleaved schedule; 1: plain 1F1B)")
     p.add_argument("--compute-efficiency", type=float, default=0.5, help="fraction of peak the matrix kernels reach")
     p.add_argument("--measured-tflops", type=float, help="calibrate the efficiency on this layout's measured TFLOP/s")
@@ -689,16 +826,38 @@ def _parser() -> argparse.ArgumentParser:
         help="instead: calibrate on Megatron-LM's published run of model ANCHOR (default gpt-146b) and "
         "predict its other weak-scaling runs",
     )
+    p.add_argument(
+        "--validate-recompute",
+        metavar="ANCHOR",
+        nargs="?",
+        const="gpt3-175b",
+        help="instead: calibrate on Megatron-LM's run of model ANCHOR (default gpt3-175b) with selective "
+        "recomputation and sequence parallelism, and predict its other runs with and without them",
+    )
     return p
 
 
-def _validation(anchor: str, as_json: bool, p: argparse.ArgumentParser) -> int:
+def _validation(anchor: str, as_json: bool, p: argparse.ArgumentParser, recomputation: bool = False) -> int:
     cl = Cluster(gpus=8, gpu=GPUS["a100"], intra=parse_link("nvlink3"), inter=parse_link("ib-hdr"))
     try:
-        rows = validate(anchor, cl)
+        rows = (validate_recomputation if recomputation else validate)(anchor, cl)
     except ValueError as exc:
         p.error(str(exc))
     if as_json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if recomputation:
+        print(f"# calibrated on {anchor}, selective: compute efficiency {rows[0]['efficiency']:.3f} of the A100's peak")
+        print(
+            f"{'model':<10} {'recompute':<9} {'published s':>11} {'predicted s':>11} {'error':>7}  micro_batch chunks"
+        )
+        for r in rows:
+            c = r["layout"]
+            print(
+                f"{r['model']:<10} {r['recompute']:<9} {r['published_step_s']:>11.2f} {r['predicted_step_s']:>11.2f} "
+                f"{r['error']:>+7.1%}  {c['micro_batch']:>11} {c['chunks']:>6}"
+            )
+        return 0
         print(json.dumps(rows, indent=1))
         return 0
     print(f"# calibrated on {anchor}: compute efficiency {rows[0]['efficiency']:.3f} of the A100's peak")
@@ -711,7 +870,9 @@ def _validation(anchor: str, as_json: bool, p: argparse.ArgumentParser) -> int:
         print(
             f"{r['model']:<10} {r['published_tflops']:>9.0f} {r['predicted_tflops']:>9.1f} {r['error']:>+7.1%}  "
             f"dp={c['dp']} tp={c['tp']} pp={c['pp']} micro_batch={c['micro_batch']} zero={c['zero']} "
-            f"recompute={'yes' if c['recompute'] else 'no'} chunks={c['chunks']} "
+            f"recompute={'full' if c['recompute'] else 'selective' if c['selective'] else 'none'} "
+            f"sp={'yes' if c['sequence_parallel'] else 'no'} "
+            f"chunks={c['chunks']} "
             f"({c['step_s'] / r['published_step_s']:.2f})"
         )
     return 0
@@ -732,8 +893,8 @@ def _model(a: argparse.Namespace, p: argparse.ArgumentParser) -> GPT:
 
 def _table(rows: Sequence[Estimate], top: int) -> list[str]:
     head = (
-        f"{'dp':>4} {'tp':>3} {'pp':>3} {'mb':>3} {'m':>5} {'zero':>4} {'rec':>3} {'chk':>3} {'mem GB':>7} "
-        f"{'step s':>8} {'TFLOP/s':>8}  {'compute':>7} {'bubble':>6} {'tp':>5} {'pp':>5} {'dp':>5}"
+        f"{'dp':>4} {'tp':>3} {'pp':>3} {'mb':>3} {'m':>5} {'zero':>4} {'recompute':>9} {'sp':>3} {'chk':>3} "
+        f"{'mem GB':>7} {'step s':>8} {'TFLOP/s':>8}  {'compute':>7} {'bubble':>6} {'tp':>5} {'pp':>5} {'dp':>5}"
     )
     lines = [head]
     for e in rows[:top]:
@@ -741,11 +902,18 @@ def _table(rows: Sequence[Estimate], top: int) -> list[str]:
         share = {k: tm[k] / e.step_s for k in tm}
         lines.append(
             f"{lay.dp:>4} {lay.tp:>3} {lay.pp:>3} {lay.micro_batch:>3} {e.micro_batches:>5} {lay.zero:>4} "
-            f"{'yes' if lay.recompute else 'no':>3} {lay.chunks:>3} {sum(e.memory.values()) / GB:>7.1f} "
+            f"{lay.recomputation():>9} {'yes' if lay.sequence_parallel else 'no':>3} {lay.chunks:>3} "
+            f"{sum(e.memory.values()) / GB:>7.1f} "
             f"{e.step_s:>8.3f} {e.tflops_per_gpu:>8.1f}  {share['compute']:>7.0%} {share['bubble']:>6.0%} "
             f"{share['tp_comm']:>5.0%} {share['pp_comm']:>5.0%} {share['dp_comm']:>5.0%}"
         )
     return lines
+
+
+def _short(lay: Layout) -> str:
+    return {"full": "rc", "selective": "sel", "none": ""}[lay.recomputation()] + (
+        " sp" if lay.sequence_parallel else ""
+    )
 
 
 def _svg(rows: Sequence[Estimate], path: str) -> None:
@@ -760,7 +928,7 @@ def _svg(rows: Sequence[Estimate], path: str) -> None:
     ]
     for i, e in enumerate(rows):
         y, x, lay = 24 + i * bar, float(left), e.layout
-        label = f"dp{lay.dp} tp{lay.tp} pp{lay.pp} mb{lay.micro_batch} z{lay.zero} {'rc' if lay.recompute else ''}"
+        label = f"dp{lay.dp} tp{lay.tp} pp{lay.pp} mb{lay.micro_batch} z{lay.zero} {_short(lay)}"
         out.append(f'<text x="4" y="{y + 15}">{label} v{lay.chunks}</text>')
         for name, color in parts:
             w = e.time[name] / longest * (width - left - 70)
@@ -792,6 +960,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.validate:
         return _validation(a.validate, a.json, p)
+    if a.validate_recompute:
+        return _validation(a.validate_recompute, a.json, p, recomputation=True)
     if a.global_batch is None or a.gpus is None:
         p.error("--global-batch and --gpus are required")
     model = _model(a, p)
@@ -813,7 +983,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         efficiency=a.compute_efficiency,
     )
     fixed: dict[str, Any] = {"tp": a.tp, "pp": a.pp, "micro_batch": a.micro_batch, "zero": a.zero}
-    fixed["recompute"] = None if a.recompute is None else a.recompute == "yes"
+    fixed["recompute"] = {"yes": "full", "no": "none"}.get(a.recompute, a.recompute)
+    fixed["sequence_parallel"] = None if a.sequence_parallel is None else a.sequence_parallel == "yes"
     fixed["chunks"] = a.chunks
     if a.measured_tflops is not None:  # on the fastest layout that fits with the parts given
         if None in (a.tp, a.pp, a.micro_batch):
@@ -853,7 +1024,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         lay = e.layout
         print(
             f"refused dp={lay.dp} tp={lay.tp} pp={lay.pp} micro_batch={lay.micro_batch} zero={lay.zero} "
-            f"recompute={'yes' if lay.recompute else 'no'} chunks={lay.chunks} ({e.step_s:.3f} s): {e.refused}"
+            f"recompute={lay.recomputation()} sequence_parallel={'yes' if lay.sequence_parallel else 'no'} "
+            f"chunks={lay.chunks} ({e.step_s:.3f} s): {e.refused}"
         )
     return 0 if ok else 1
 

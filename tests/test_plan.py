@@ -19,7 +19,22 @@ from collectives.cost import (
     ring_allreduce,
     ring_reduce_scatter,
 )
-from hpcdl.plan import GPT, GPUS, MEGATRON_WEAK_SCALING, MODELS, Cluster, Layout, estimate, main, plan, validate
+from hpcdl.plan import (
+    GPT,
+    GPUS,
+    MEGATRON_RECOMPUTATION,
+    MEGATRON_WEAK_SCALING,
+    MODELS,
+    Cluster,
+    Layout,
+    attention_core_pass,
+    estimate,
+    layer_pass,
+    main,
+    plan,
+    validate,
+    validate_recomputation,
+)
 
 PUBLISHED_BILLIONS = {  # parameters Megatron-LM's table gives each size
     "gpt-1.7b": 1.7,
@@ -61,6 +76,21 @@ def test_flops_count_every_matrix_product_as_megatron_does():
     plain = 3 * (m.layers * layer + logits)  # forward, and backward at twice its cost
     assert m.flops(b, recompute=False) == pytest.approx(plain, rel=1e-12)
     assert m.flops(b, recompute=True) == pytest.approx(plain + m.layers * layer, rel=1e-12)
+    # selective recomputation: the attention core's two products, counted three times over
+    # as Korthikanti et al. count them (72 B s l h² (1 + s / 3h + V / 12lh))
+    core = 2 * b * s * s * h + 2 * b * s * s * h
+    assert m.flops(b, recompute=False, selective=True) == pytest.approx(plain + 3 * m.layers * core, rel=1e-12)
+
+
+def test_megatrons_selective_runs_reach_the_utilisation_they_published():
+    # model and hardware FLOPs utilisation Korthikanti et al. give for each run (table 5):
+    # the table's steps and this count of FLOPs must give them back
+    published = {"gpt-22b": (41.5, 43.7), "gpt3-175b": (51.4, 52.8), "gpt-530b": (56.0, 57.0), "gpt-1t": (56.3, 57.0)}
+    for name, _tp, _pp, gpus, batch, _full_s, seconds in MEGATRON_RECOMPUTATION:
+        m, peak = MODELS[name], gpus * GPUS["a100"].peak * seconds / 100
+        model_fu, hardware_fu = published[name]
+        assert m.flops(batch, recompute=False) / peak == pytest.approx(model_fu, abs=0.3), name
+        assert m.flops(batch, recompute=False, selective=True) / peak == pytest.approx(hardware_fu, abs=0.3), name
 
 
 def test_ring_times_fit_back_to_the_link_they_ran_on():
@@ -208,9 +238,11 @@ def test_bloom_176b_is_predicted_within_15_percent_at_megatrons_calibration(caps
     args = ["--layers", "70", "--hidden", "14336", "--heads", "112", "--seq", "2048", "--vocab", "250880"]
     args += ["--global-batch", "2048", "--gpus", "384", "--gpu", "a100", "--inter", "eth-100g", "--nics-per-node", "4"]
     args += ["--compute-efficiency", str(efficiency), "--json"]
-    code, out = _run(capsys, *args, "--tp", "4", "--pp", "12", "--micro-batch", "2", "--zero", "1")
+    bloom = ["--tp", "4", "--pp", "12", "--micro-batch", "2", "--zero", "1"]
+    code, out = _run(capsys, *args, *bloom, "--recompute", "full", "--sequence-parallel", "no")
     rows = json.loads(out.out)
     assert code == 0 and rows and all((r["tp"], r["pp"], r["micro_batch"]) == (4, 12, 2) for r in rows)
+    assert all(r["recompute"] and not r["sequence_parallel"] for r in rows)
     assert rows[0]["tflops_per_gpu"] == pytest.approx(150, rel=0.15)
     code, out = _run(capsys, *args)  # and the planner's own choice is no slower
     assert code == 0 and json.loads(out.out)[0]["step_s"] <= rows[0]["step_s"]
@@ -364,3 +396,138 @@ def test_ranks_that_share_cores_and_each_calls_overhead_enter_the_parts_they_bel
     ):
         with pytest.raises(ValueError, match=text):
             replace(base, **bad)
+
+
+def test_sequence_parallelism_and_selective_recomputation_keep_what_korthikanti_et_al_count():
+    m, t, b = MODELS["gpt3-175b"], 8, 2
+    s, h, a, layers = m.seq, m.hidden, m.heads, m.layers
+    cl = replace(SELENE, gpus=8)
+    logits = 2 * 4 * s * b * m.vocab / t
+    scores = 5 * a * s * s * b / t
+    kept = {  # per layer, and one layer's worth to recompute in (table 2 of the paper)
+        ("none", False): (s * b * h * (10 + 24 / t) + scores, 0),
+        ("none", True): (s * b * h * 34 / t + scores, 0),
+        ("selective", False): (s * b * h * (10 + 24 / t), scores),
+        ("selective", True): (s * b * h * 34 / t, scores),
+        ("full", False): (2 * s * b * h, s * b * h * (10 + 24 / t) + scores),
+        ("full", True): (2 * s * b * h / t, s * b * h * 34 / t + scores),
+    }
+    for (way, sp), (per_layer, working) in kept.items():
+        lay = Layout(dp=1, tp=t, pp=1, micro_batch=b, recompute=way == "full", selective=way == "selective")
+        lay = replace(lay, sequence_parallel=sp)
+        got = estimate(m, b, lay, cl).memory["activations"]
+        assert got == pytest.approx(layers * per_layer + working + logits, rel=1e-12), (way, sp)
+    with pytest.raises(ValueError, match="exclude each other"):
+        Layout(dp=1, tp=8, pp=1, micro_batch=1, recompute=True, selective=True)
+    with pytest.raises(ValueError, match="needs tp > 1"):
+        Layout(dp=8, tp=1, pp=1, micro_batch=1, sequence_parallel=True)
+
+
+def test_sequence_parallelism_and_selective_recomputation_cost_what_they_repeat_and_split():
+    m, t, b = MODELS["gpt-22b"], 8, 4
+    layers = m.layers
+    cl = replace(SELENE, gpus=8, efficiency=0.6, call_overhead=1e-5)
+    base = Layout(dp=1, tp=t, pp=1, micro_batch=b, recompute=False)
+    est = {
+        (way, sp): estimate(
+            m, 4 * b, replace(base, recompute=way == "full", selective=way == "selective", sequence_parallel=sp), cl
+        )
+        for way in ("none", "selective", "full")
+        for sp in (False, True)
+    }
+    n = 4  # micro-batches
+    core = attention_core_pass(m, b, t, cl.gpu, 0.6)
+    assert core == pytest.approx(
+        4 * b * m.seq**2 * m.hidden / t / (0.6 * cl.gpu.peak) + 9 * b * m.heads * m.seq**2 / t / 2e12
+    )
+    # selective repeats the attention core in every layer's backward; full, the whole forward
+    diff = est["selective", False].time["compute"] - est["none", False].time["compute"]
+    assert diff == pytest.approx(n * layers * core, rel=1e-9)
+    diff = est["full", False].time["compute"] - est["none", False].time["compute"]
+    assert diff == pytest.approx(n * layers * layer_pass(m, b, t, cl.gpu, 0.6), rel=1e-9)
+    # along the sequence, the norms, dropouts and residual adds (24 bytes a token and width) split over tp
+    split = 3 * 24 * b * m.seq * m.hidden * (1 - 1 / t) / cl.gpu.hbm
+    diff = est["none", False].time["compute"] - est["none", True].time["compute"]
+    assert diff == pytest.approx(n * layers * split, rel=1e-9)
+    # an allreduce's bytes more a layer (the backward's gathers), each in two calls
+    ar = ring_allreduce(cl.intra, t, 2 * b * m.seq * m.hidden)
+    c = cl.call_overhead
+    for way, calls in (("none", 4), ("selective", 4), ("full", 6)):
+        diff = est[way, True].time["tp_comm"] - est[way, False].time["tp_comm"]
+        assert diff == pytest.approx(n * layers * (ar + (calls + 1) * 2 * c - calls * c), rel=1e-9), way
+    full = est["full", False].time["tp_comm"] - est["none", False].time["tp_comm"]
+    assert full == pytest.approx(n * layers * 2 * (ar + c), rel=1e-9)
+    # FLOPs per second counted each way's own way
+    for (way, _), e in est.items():
+        flops = m.flops(4 * b, way == "full", way == "selective")
+        assert e.tflops_per_gpu == pytest.approx(flops / e.step_s / 8 / 1e12, rel=1e-9)
+
+
+def test_a_tensor_parallel_group_that_straddles_nodes_talks_over_their_ports():
+    m = MODELS["gpt-146b"]
+    cl = replace(SELENE, gpus=48)
+    ports = replace(cl, intra=cl.inter_per_gpu())
+    for tp, pp, straddles in ((6, 8, True), (8, 6, False), (4, 12, False), (4, 3, False), (3, 2, True)):
+        lay = Layout(dp=48 // (tp * pp), tp=tp, pp=pp, micro_batch=1)
+        here, there = estimate(m, 96, lay, cl).time, estimate(m, 96, lay, ports).time
+        assert (here["tp_comm"] == there["tp_comm"]) is straddles, (tp, pp)
+        assert (here["pp_comm"] == there["pp_comm"]) is (8 % (tp * pp) != 0), (tp, pp)
+
+
+def test_calibrated_on_megatrons_gpt3_with_selective_recomputation_it_predicts_the_other_runs():
+    rows = validate_recomputation("gpt3-175b", SELENE)
+    assert [(r["model"], r["recompute"]) for r in rows] == [
+        (name, way) for name, *_ in MEGATRON_RECOMPUTATION for way in ("full", "selective")
+    ]
+    for r in rows:
+        assert abs(r["error"]) < 0.15, r
+        assert r["layout"]["refused"] is None and r["layout"]["sequence_parallel"] is (r["recompute"] == "selective")
+    assert rows[3]["error"] == pytest.approx(0, abs=1e-6)
+    # what selective recomputation and sequence parallelism gain: within 6 % of what was measured
+    for full, selective in zip(rows[::2], rows[1::2], strict=True):
+        published = full["published_step_s"] / selective["published_step_s"]
+        assert full["predicted_step_s"] / selective["predicted_step_s"] == pytest.approx(published, rel=0.06)
+    # without either, the three large runs do not fit: why they recomputed everything before
+    for name, tp, pp, gpus, batch, *_ in MEGATRON_RECOMPUTATION[1:]:
+        ok, refused = plan(
+            MODELS[name],
+            batch,
+            replace(SELENE, gpus=gpus),
+            tp=tp,
+            pp=pp,
+            zero=0,
+            recompute="none",
+            sequence_parallel=False,
+        )
+        assert not ok and refused and all("out of memory" in e.refused for e in refused), name
+    with pytest.raises(ValueError, match="anchor 'gpt-146b'"):
+        validate_recomputation("gpt-146b", SELENE)
+
+
+def test_the_command_fixes_recomputation_and_sequence_parallelism(capsys):
+    base = ["--model", "gpt3-175b", "--global-batch", "512", "--gpus", "64", "--json"]
+    code, out = _run(capsys, *base)
+    rows = json.loads(out.out)
+    assert code == 0 and {(r["recompute"], r["selective"]) for r in rows} == {
+        (True, False),
+        (False, True),
+        (False, False),
+    }
+    assert all(r["sequence_parallel"] is (r["tp"] > 1) for r in rows)
+    code, out = _run(capsys, *base, "--recompute", "selective", "--sequence-parallel", "no")
+    rows = json.loads(out.out)
+    assert (
+        code == 0 and rows and all(r["selective"] and not r["recompute"] and not r["sequence_parallel"] for r in rows)
+    )
+    for word in ("yes", "full"):
+        code, out = _run(capsys, *base, "--recompute", word, "--tp", "8")
+        assert code == 0 and all(r["recompute"] and not r["selective"] for r in json.loads(out.out))
+    code, out = _run(capsys, *base[:-1], "--tp", "8", "--pp", "8")
+    head = out.out.splitlines()[1].split()
+    assert code == 0 and head[6:8] == ["recompute", "sp"]
+    code, out = _run(capsys, "--validate-recompute")
+    lines = out.out.splitlines()
+    assert code == 0 and "calibrated on gpt3-175b" in lines[0] and len(lines) == 2 + 2 * len(MEGATRON_RECOMPUTATION)
+    with pytest.raises(SystemExit) as exc:
+        main(["--validate-recompute", "gpt-2"])
+    assert exc.value.code == 2 and "anchor 'gpt-2'" in capsys.readouterr().err
