@@ -11,12 +11,17 @@ gradients, optimizer states and activations per GPU.
 The model (Megatron-LM's, Narayanan et al., SC21, and Korthikanti et al., 2022):
 
 - FLOPs per step as Megatron-LM reports them: ``96 B s l h² (1 + s / 6h + V / 16lh)`` with
-  recomputation (the recomputed forward counted), ``72 B s l h² (1 + s / 6h + V / 12lh)``
-  without. The GPU's matrix kernels run at ``efficiency`` × its peak; what moves through
-  memory outside them (the attention scores' scale, mask, softmax and dropout; bias and
-  GeLU; layer norms, dropouts and residual adds) at its memory bandwidth.
-- Tensor parallelism: 4 allreduces of a micro-batch's activations per layer (6 with
-  recomputation), on the critical path; pipeline: a send of ``1 / tp`` of them each way per
+  full recomputation (the recomputed forward counted), ``72 B s l h² (1 + s / 6h + V /
+  12lh)`` without, and with selective recomputation (the attention core's alone, which
+  Megatron-LM leaves out of its count, as Korthikanti et al.'s model FLOPs do). The GPU's
+  matrix kernels run at ``efficiency`` × its peak; what moves through memory outside them
+  (the attention scores' scale, mask, softmax and dropout; bias and GeLU; layer norms,
+  dropouts and residual adds, split over ``tp`` with sequence parallelism) at its memory
+  bandwidth; selective recomputation repeats the attention core in the backward.
+- Tensor parallelism: 4 allreduces of a micro-batch's activations per layer (6 with full
+  recomputation), on the critical path; with sequence parallelism each is a reduce-scatter
+  and an allgather, and the backward gathers its products' inputs again (the bytes of one
+  allreduce more); pipeline: a send of ``1 / tp`` of them each way per
   micro-batch and chunk (Megatron's scatter/gather); bubble ``(pp - 1) / chunks`` stage
   times (1F1B); data parallelism: the gradients' allreduce after the pipeline drains, by
   the fastest algorithm :func:`collectives.cost.allreduce_times` predicts (ZeRO-2 reduces
@@ -540,7 +545,8 @@ def estimate(model: GPT, batch: int, lay: Layout, cl: Cluster) -> Estimate:
         refused = f"out of memory: {used / GB:.1f} GB of {(gpu.memory - RESERVED) / GB:.0f} GB usable"
     elif m < p:
         refused = f"bubble: {m} micro-batches for {p} stages, the pipeline never fills"
-    tflops = model.flops(batch, lay.recompute, lay.selective) / step / cl.gpus / 1e12
+    # Megatron-LM's count: the recomputed forward with full recomputation, nothing more with selective
+    tflops = model.flops(batch, lay.recompute) / step / cl.gpus / 1e12
     return Estimate(
         layout=lay, micro_batches=m, memory=memory, time=parts, step_s=step, tflops_per_gpu=tflops, refused=refused
     )
@@ -739,7 +745,7 @@ def validate_recomputation(anchor: str, cl: Cluster) -> list[dict[str, Any]]:
         return ok[0]
 
     name, _, _, gpus, batch, _, seconds = runs[anchor]
-    tflops = MODELS[name].flops(batch, False, True) / seconds / gpus / 1e12
+    tflops = MODELS[name].flops(batch, False) / seconds / gpus / 1e12
     lay = fastest(name, "selective", cl).layout
     cl = replace(cl, efficiency=calibrate(MODELS[name], batch, lay, replace(cl, gpus=gpus), tflops))
     out = []

@@ -457,9 +457,9 @@ def test_sequence_parallelism_and_selective_recomputation_cost_what_they_repeat_
         assert diff == pytest.approx(n * layers * (ar + (calls + 1) * 2 * c - calls * c), rel=1e-9), way
     full = est["full", False].time["tp_comm"] - est["none", False].time["tp_comm"]
     assert full == pytest.approx(n * layers * 2 * (ar + c), rel=1e-9)
-    # FLOPs per second counted each way's own way
+    # FLOPs per second as Megatron-LM counts them: the recomputed forward, not the recomputed attention
     for (way, _), e in est.items():
-        flops = m.flops(4 * b, way == "full", way == "selective")
+        flops = m.flops(4 * b, way == "full")
         assert e.tflops_per_gpu == pytest.approx(flops / e.step_s / 8 / 1e12, rel=1e-9)
 
 
