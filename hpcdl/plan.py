@@ -87,6 +87,7 @@ __all__ = [
     "plan",
     "published",
     "stage_layers",
+    "train_days",
     "validate",
     "validate_recomputation",
 ]
@@ -821,6 +822,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--chunks", type=int, help="model chunks per stage (the interleaved schedule; 1: plain 1F1B)")
     p.add_argument("--compute-efficiency", type=float, default=0.5, help="fraction of peak the matrix kernels reach")
     p.add_argument("--measured-tflops", type=float, help="calibrate the efficiency on this layout's measured TFLOP/s")
+    p.add_argument("--tokens", type=float, help="tokens to train on: each row also gives the days it takes")
     p.add_argument("--top", type=int, default=10, help="rows in the table")
     p.add_argument("--json", action="store_true", help="print the rows as JSON, best first")
     p.add_argument("--plot", help="write the step breakdown of the best rows to this SVG file")
@@ -897,10 +899,18 @@ def _model(a: argparse.Namespace, p: argparse.ArgumentParser) -> GPT:
         raise
 
 
-def _table(rows: Sequence[Estimate], top: int) -> list[str]:
+def train_days(step_s: float, batch: int, seq: int, tokens: float) -> float:
+    """Days to train on ``tokens`` tokens at ``batch`` sequences of ``seq`` tokens a step of
+    ``step_s`` seconds."""
+    return tokens / (batch * seq) * step_s / 86400
+
+
+def _table(rows: Sequence[Estimate], top: int, days: Callable[[float], float] | None = None) -> list[str]:
+    days_head = "" if days is None else f" {'days':>7}"
     head = (
         f"{'dp':>4} {'tp':>3} {'pp':>3} {'mb':>3} {'m':>5} {'zero':>4} {'recompute':>9} {'sp':>3} {'chk':>3} "
-        f"{'mem GB':>7} {'step s':>8} {'TFLOP/s':>8}  {'compute':>7} {'bubble':>6} {'tp':>5} {'pp':>5} {'dp':>5}"
+        f"{'mem GB':>7} {'step s':>8} {'TFLOP/s':>8}{days_head}  {'compute':>7} {'bubble':>6} {'tp':>5} {'pp':>5} "
+        f"{'dp':>5}"
     )
     lines = [head]
     for e in rows[:top]:
@@ -909,8 +919,8 @@ def _table(rows: Sequence[Estimate], top: int) -> list[str]:
         lines.append(
             f"{lay.dp:>4} {lay.tp:>3} {lay.pp:>3} {lay.micro_batch:>3} {e.micro_batches:>5} {lay.zero:>4} "
             f"{lay.recomputation():>9} {'yes' if lay.sequence_parallel else 'no':>3} {lay.chunks:>3} "
-            f"{sum(e.memory.values()) / GB:>7.1f} "
-            f"{e.step_s:>8.3f} {e.tflops_per_gpu:>8.1f}  {share['compute']:>7.0%} {share['bubble']:>6.0%} "
+            f"{sum(e.memory.values()) / GB:>7.1f} {e.step_s:>8.3f} {e.tflops_per_gpu:>8.1f}"
+            f"{'' if days is None else f' {days(e.step_s):>7.1f}'}  {share['compute']:>7.0%} {share['bubble']:>6.0%} "
             f"{share['tp_comm']:>5.0%} {share['pp_comm']:>5.0%} {share['dp_comm']:>5.0%}"
         )
     return lines
@@ -973,6 +983,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = _model(a, p)
     if a.gpus < 1 or a.global_batch < 1 or a.gpus_per_node < 1:
         p.error("--gpus, --global-batch and --gpus-per-node must be positive")
+    if a.tokens is not None and not a.tokens > 0:
+        p.error(f"--tokens {a.tokens:g}: must be positive")
     gpu = GPUS[a.gpu]
     try:
         intra = _link(a.intra or gpu.intra, "--intra", a.gpus_per_node)
@@ -1012,10 +1024,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ok, refused = plan(model, a.global_batch, cl, skipped=skipped, **fixed)
     if a.plot and ok:
         _svg(ok[: min(a.top, 12)], a.plot)
+    days = None if a.tokens is None else (lambda step: train_days(step, a.global_batch, model.seq, a.tokens))
     if a.json:
         if not ok and not refused:
             print(_undivided(a, skipped), file=sys.stderr)
-        print(json.dumps([e.row() for e in ok], indent=1))
+        rows = [e.row() for e in ok]
+        for r in rows if days else []:
+            r["train_days"] = round(days(r["step_s"]), 3)
+        print(json.dumps(rows, indent=1))
         return 0 if ok else 1
     print(
         f"# GPT of {model.params() / 1e9:.2f}B parameters ({model.layers} layers, hidden {model.hidden}, "
@@ -1023,7 +1039,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{cl.gpus_per_node} per node, efficiency {cl.efficiency:.3f}"
     )
     if ok or refused:
-        print("\n".join(_table(ok, a.top)) if ok else "no layout fits")
+        print("\n".join(_table(ok, a.top, days)) if ok else "no layout fits")
     else:  # not one layout to estimate: say what does not divide
         print(_undivided(a, skipped))
     for e in refused[:5]:

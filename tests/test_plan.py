@@ -531,3 +531,26 @@ def test_the_command_fixes_recomputation_and_sequence_parallelism(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--validate-recompute", "gpt-2"])
     assert exc.value.code == 2 and "anchor 'gpt-2'" in capsys.readouterr().err
+
+
+def test_the_command_gives_the_days_to_train_on_the_tokens_asked(capsys):
+    # Narayanan et al. estimate a run's time as 8 T P / (n X): T tokens, P parameters, n GPUs at X FLOP/s each
+    base = ["--model", "gpt3-175b", "--global-batch", "1536", "--gpus", "1024", "--recompute", "full"]
+    code, out = _run(capsys, *base, "--tokens", "300e9", "--json")
+    rows = json.loads(out.out)
+    assert code == 0 and rows
+    params = MODELS["gpt3-175b"].params()
+    for r in rows:
+        assert r["train_days"] == pytest.approx(300e9 / (1536 * 2048) * r["step_s"] / 86400, rel=1e-3)
+        estimate_s = 8 * 300e9 * params / (1024 * r["tflops_per_gpu"] * 1e12)
+        assert r["train_days"] * 86400 == pytest.approx(estimate_s, rel=0.04)
+    code, out = _run(capsys, *base, "--tokens", "300e9", "--top", "2")
+    lines = out.out.splitlines()
+    days = lines[1].split().index("days") - 2  # after "mem GB" and "step s", two words a column
+    assert code == 0 and float(lines[2].split()[days]) == pytest.approx(rows[0]["train_days"], abs=0.06)
+    code, out = _run(capsys, *base, "--json")
+    assert "train_days" not in json.loads(out.out)[0]
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(SystemExit) as exc:
+            main([*base, "--tokens", bad])
+        assert exc.value.code == 2 and "must be positive" in capsys.readouterr().err
