@@ -18,6 +18,10 @@ The model (Megatron-LM's, Narayanan et al., SC21, and Korthikanti et al., 2022):
   (the attention scores' scale, mask, softmax and dropout; bias and GeLU; layer norms,
   dropouts and residual adds, split over ``tp`` with sequence parallelism) at its memory
   bandwidth; selective recomputation repeats the attention core in the backward.
+- With flash attention (``--attention flash``) the attention core's scores never leave
+  the chip: none of their memory traffic, none stored (each row's fp32 softmax statistic
+  instead), and the backward computes ``QK^T`` again (half the core's forward FLOPs more,
+  not counted in the reported FLOPs, as Megatron-LM does not count them).
 - Tensor parallelism: 4 allreduces of a micro-batch's activations per layer (6 with full
   recomputation), on the critical path; with sequence parallelism each is a reduce-scatter
   and an allgather, and the backward gathers its products' inputs again (the bytes of one
@@ -268,6 +272,9 @@ class Cluster:
         return AlphaBeta(self.inter.alpha, self.inter.beta * share)
 
 
+SELECTIVE_FLASH = "selective recomputation repeats nothing with flash attention (its backward recomputes the scores)"
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Layout:
     """``dp`` × ``tp`` × ``pp`` GPUs, ``micro_batch`` sequences per micro-batch, ZeRO stage
@@ -276,7 +283,10 @@ class Layout:
     ``chunks`` model chunks per stage (the interleaved 1F1B schedule; 1: plain 1F1B), and
     ``sequence_parallel``: the layer norms, dropouts and residual adds split over the
     ``tp`` GPUs along the sequence, their allreduces each a reduce-scatter and an allgather
-    (Megatron-LM's ``--sequence-parallel``; nothing to split with ``tp`` 1)."""
+    (Megatron-LM's ``--sequence-parallel``; nothing to split with ``tp`` 1). With
+    ``flash_attention`` the attention core runs as one kernel that keeps its scores on the
+    chip (FlashAttention, Dao et al.): no scores in memory, none stored, and its backward
+    computes them again, so selective recomputation has nothing left to repeat."""
 
     dp: int
     tp: int
@@ -287,10 +297,13 @@ class Layout:
     chunks: int = 1
     selective: bool = False
     sequence_parallel: bool = False
+    flash_attention: bool = False
 
     def __post_init__(self) -> None:
         if self.recompute and self.selective:
             raise ValueError("full and selective recomputation exclude each other")
+        if self.selective and self.flash_attention:
+            raise ValueError(SELECTIVE_FLASH)
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism needs tp > 1")
 
@@ -379,11 +392,12 @@ def _activation_bytes(model: GPT, lay: Layout, m: int, split: tuple[int, ...]) -
     """Activation bytes one GPU of the heaviest stage keeps (Korthikanti et al., table 2): per
     layer and micro-batch ``s b h (10 + 24 / tp)`` for its linear layers, norms and dropouts
     (``34 s b h / tp`` split along the sequence) and ``5 a s² b / tp`` for the attention
-    scores (none with selective recomputation); ``2 s b h`` (over ``tp`` along the
-    sequence) with full recomputation, and one layer's worth to recompute in."""
+    scores (none with selective recomputation; with flash attention only each row's fp32
+    softmax statistic, ``4 a s b / tp``); ``2 s b h`` (over ``tp`` along the sequence) with
+    full recomputation, and one layer's worth to recompute in."""
     s, b, h, a, t = model.seq, lay.micro_batch, model.hidden, model.heads, lay.tp
     linear = s * b * h * (34 / t if lay.sequence_parallel else 10 + 24 / t)
-    scores = 5 * a * s * s * b / t
+    scores = 4 * a * s * b / t if lay.flash_attention else 5 * a * s * s * b / t
     if lay.recompute:
         per_layer, working = 2 * s * b * h / (t if lay.sequence_parallel else 1), linear + scores
     else:
@@ -397,14 +411,18 @@ def _activation_bytes(model: GPT, lay: Layout, m: int, split: tuple[int, ...]) -
     return kept * per_layer + working + logits
 
 
-def _elementwise_bytes(model: GPT, micro_batch: int, tp: int, sequence_parallel: bool = False) -> float:
+def _elementwise_bytes(
+    model: GPT, micro_batch: int, tp: int, sequence_parallel: bool = False, flash_attention: bool = False
+) -> float:
     """Bytes one layer's forward moves through memory on one GPU outside its matrix
     products: the attention scores' scale, mask, softmax and dropout (9 bytes per score,
-    split over ``tp``), bias and GeLU on the MLP's 4h (16 bytes per token and h, split),
-    and the two layer norms, dropouts and residual adds (24, repeated on every ``tp`` rank
-    but split along the sequence with ``sequence_parallel``)."""
+    split over ``tp``; none with ``flash_attention``, whose kernel keeps them on the chip),
+    bias and GeLU on the MLP's 4h (16 bytes per token and h, split), and the two layer
+    norms, dropouts and residual adds (24, repeated on every ``tp`` rank but split along the
+    sequence with ``sequence_parallel``)."""
     s, b, h, a, t = model.seq, micro_batch, model.hidden, model.heads, tp
-    return 9 * b * a * s * s / t + b * s * h * (24 / (t if sequence_parallel else 1) + 16 / t)
+    scores = 0 if flash_attention else 9 * b * a * s * s / t
+    return scores + b * s * h * (24 / (t if sequence_parallel else 1) + 16 / t)
 
 
 def _layer_flops(model: GPT, micro_batch: int, tp: int) -> float:
@@ -415,14 +433,20 @@ def _layer_flops(model: GPT, micro_batch: int, tp: int) -> float:
 
 
 def layer_pass(
-    model: GPT, micro_batch: int, tp: int, gpu: GPU, efficiency: float, sequence_parallel: bool = False
+    model: GPT,
+    micro_batch: int,
+    tp: int,
+    gpu: GPU,
+    efficiency: float,
+    sequence_parallel: bool = False,
+    flash_attention: bool = False,
 ) -> float:
     """Seconds of one layer's forward on one of ``tp`` GPUs (a backward costs two): its
     matrix products, ``24 b s h² (1 + s / 6h) / tp`` FLOPs at ``efficiency`` of the GPU's
-    peak, what moves through memory beside them at the GPU's memory bandwidth, and the
-    GPU's ``overhead``."""
+    peak (the attention core's in flash attention's kernel too), what moves through memory
+    beside them at the GPU's memory bandwidth, and the GPU's ``overhead``."""
     flops = _layer_flops(model, micro_batch, tp)
-    moved = _elementwise_bytes(model, micro_batch, tp, sequence_parallel)
+    moved = _elementwise_bytes(model, micro_batch, tp, sequence_parallel, flash_attention)
     return flops / (efficiency * gpu.peak) + moved / gpu.hbm + gpu.overhead
 
 
@@ -505,9 +529,11 @@ def estimate(model: GPT, batch: int, lay: Layout, cl: Cluster) -> Estimate:
     share, call = cl.share(), cl.call_overhead
     sp = lay.sequence_parallel
     passes = 4 if lay.recompute else 3  # forward, (recomputed forward,) backward twice over
-    one = passes * layer_pass(model, b, t, gpu, cl.efficiency, sp)
+    one = passes * layer_pass(model, b, t, gpu, cl.efficiency, sp, lay.flash_attention)
     if lay.selective:
         one += attention_core_pass(model, b, t, gpu, cl.efficiency)
+    if lay.flash_attention:  # its backward computes the scores again: half the core's forward FLOPs
+        one += 2 * b * s * s * h / t / rate
     logits = 6 * b * s * h * model.vocab / t / rate
     slowest = max(range(p), key=lambda i: split[i] * one + (logits if i == p - 1 else 0.0))
     per, last = split[slowest], slowest == p - 1
@@ -573,6 +599,7 @@ def layouts(
     recompute: bool | str | None = None,
     chunks: int | None = None,
     sequence_parallel: bool | None = None,
+    flash_attention: bool = False,
     skipped: list[str] | None = None,
 ) -> Iterator[Layout]:
     """Every layout that divides the GPUs, the batch and the heads, with no more pipeline
@@ -583,8 +610,9 @@ def layouts(
     only where they split the layers evenly and the micro-batches are a multiple of the
     stages (Megatron-LM's conditions for its interleaved schedule); sequence parallelism
     wherever ``tp`` > 1 unless ``sequence_parallel`` is False (with ``tp`` 1 there is
-    nothing to split, as Megatron-LM turns it off). Where ``skipped`` is given, it gets
-    why each combination tried does not divide."""
+    nothing to split, as Megatron-LM turns it off); attention as ``flash_attention`` says,
+    without selective recomputation. Where ``skipped`` is given, it gets why each
+    combination tried does not divide or run."""
     skip = skipped.append if skipped is not None else (lambda _: None)
     if isinstance(recompute, bool):
         recompute = "full" if recompute else "none"
@@ -608,7 +636,12 @@ def layouts(
                     skip(f"the batch of {batch} is not a multiple of dp={d} x micro_batch={b} (tp={t}, pp={p})")
                     continue
                 lay = Layout(
-                    dp=d, tp=t, pp=p, micro_batch=b, sequence_parallel=t > 1 and sequence_parallel is not False
+                    dp=d,
+                    tp=t,
+                    pp=p,
+                    micro_batch=b,
+                    sequence_parallel=t > 1 and sequence_parallel is not False,
+                    flash_attention=flash_attention,
                 )
                 yield from _variants(model, lay, batch // (d * b), zero, recompute, chunks, skip)
 
@@ -630,6 +663,9 @@ def _variants(
         every += [v for v in _divisors(model.layers // p) if 1 < v <= 8]
     for z in [zero] if zero is not None else ([0, 1, 2, 3] if p == 1 else [0, 1]):
         for r, sel in [RECOMPUTATION[recompute]] if recompute is not None else RECOMPUTATION.values():
+            if sel and lay.flash_attention:
+                skip(SELECTIVE_FLASH)
+                continue
             for v in [chunks] if chunks else every:
                 why = _chunks_refused(model, p, m, v)
                 if why:
@@ -820,6 +856,12 @@ def _parser() -> argparse.ArgumentParser:
         help="split the layer norms and dropouts along the sequence where tp > 1 (default: yes)",
     )
     p.add_argument("--chunks", type=int, help="model chunks per stage (the interleaved schedule; 1: plain 1F1B)")
+    p.add_argument(
+        "--attention",
+        choices=["plain", "flash"],
+        default="plain",
+        help="the attention core: its scores through memory (plain), or kept on the chip (flash)",
+    )
     p.add_argument("--compute-efficiency", type=float, default=0.5, help="fraction of peak the matrix kernels reach")
     p.add_argument("--measured-tflops", type=float, help="calibrate the efficiency on this layout's measured TFLOP/s")
     p.add_argument("--tokens", type=float, help="tokens to train on: each row also gives the days it takes")
@@ -1003,6 +1045,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     fixed: dict[str, Any] = {"tp": a.tp, "pp": a.pp, "micro_batch": a.micro_batch, "zero": a.zero}
     fixed["recompute"] = {"yes": "full", "no": "none"}.get(a.recompute, a.recompute)
     fixed["sequence_parallel"] = None if a.sequence_parallel is None else a.sequence_parallel == "yes"
+    fixed["flash_attention"] = a.attention == "flash"
     fixed["chunks"] = a.chunks
     if a.measured_tflops is not None:  # on the fastest layout that fits with the parts given
         if None in (a.tp, a.pp, a.micro_batch):
@@ -1036,7 +1079,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"# GPT of {model.params() / 1e9:.2f}B parameters ({model.layers} layers, hidden {model.hidden}, "
         f"{model.heads} heads, seq {model.seq}, vocab {model.vocab}), batch {a.global_batch}, {a.gpus} x {gpu.name}, "
-        f"{cl.gpus_per_node} per node, efficiency {cl.efficiency:.3f}"
+        f"{cl.gpus_per_node} per node, efficiency {cl.efficiency:.3f}{', flash attention' * fixed['flash_attention']}"
     )
     if ok or refused:
         print("\n".join(_table(ok, a.top, days)) if ok else "no layout fits")

@@ -554,3 +554,36 @@ def test_the_command_gives_the_days_to_train_on_the_tokens_asked(capsys):
         with pytest.raises(SystemExit) as exc:
             main([*base, "--tokens", bad])
         assert exc.value.code == 2 and "must be positive" in capsys.readouterr().err
+
+
+def test_flash_attention_keeps_no_scores_and_computes_them_again_in_the_backward(capsys):
+    m, t, b = replace(MODELS["gpt-22b"], seq=8192), 8, 1
+    s, h, a = m.seq, m.hidden, m.heads
+    cl = replace(SELENE, gpus=8, efficiency=0.6)
+    rate, hbm, n = 0.6 * cl.gpu.peak, cl.gpu.hbm, 4
+    scores_bytes = 9 * b * a * s * s / t  # what plain attention moves through memory a forward
+    for recompute, passes in ((False, 3), (True, 4)):
+        lay = Layout(dp=1, tp=t, pp=1, micro_batch=b, recompute=recompute, sequence_parallel=True)
+        plain, flash = (estimate(m, n * b, replace(lay, flash_attention=f), cl) for f in (False, True))
+        again = 2 * b * s * s * h / t / rate  # the backward's second QK^T
+        diff = flash.time["compute"] - plain.time["compute"]
+        assert diff == pytest.approx(n * m.layers * (again - passes * scores_bytes / hbm), rel=1e-9)
+        stats = 4 * a * s * b / t  # fp32 softmax statistics a row and head, in place of 5 a s² b / tp
+        kept = flash.memory["activations"] - plain.memory["activations"]
+        layers = 1 if recompute else m.layers  # the scores live in one layer's recomputation, or in every one
+        assert kept == pytest.approx(layers * (stats - 5 * a * s * s * b / t), rel=1e-9)
+        assert flash.tflops_per_gpu == pytest.approx(m.flops(n * b, recompute) / flash.step_s / 8 / 1e12)
+    with pytest.raises(ValueError, match="repeats nothing with flash attention"):
+        Layout(dp=1, tp=8, pp=1, micro_batch=1, recompute=False, selective=True, flash_attention=True)
+    # at 8192 tokens plain attention only fits recomputing, flash attention without
+    base = ["--model", "gpt-22b", "--seq", "8192", "--global-batch", "16", "--gpus", "8", "--json"]
+    code, out = _run(capsys, *base)
+    plain = json.loads(out.out)
+    code2, out = _run(capsys, *base, "--attention", "flash")
+    flash = json.loads(out.out)
+    assert code == code2 == 0 and not any(r["flash_attention"] for r in plain)
+    assert all(r["flash_attention"] and not r["selective"] for r in flash)
+    assert all(r["recompute"] or r["selective"] for r in plain) and not flash[0]["recompute"]
+    assert flash[0]["step_s"] < plain[0]["step_s"]
+    code, out = _run(capsys, *base, "--attention", "flash", "--recompute", "selective")
+    assert code == 1 and json.loads(out.out) == [] and "repeats nothing with flash attention" in out.err
