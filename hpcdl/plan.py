@@ -908,8 +908,6 @@ def _validation(anchor: str, as_json: bool, p: argparse.ArgumentParser, recomput
                 f"{r['error']:>+7.1%}  {c['micro_batch']:>11} {c['chunks']:>6}"
             )
         return 0
-        print(json.dumps(rows, indent=1))
-        return 0
     print(f"# calibrated on {anchor}: compute efficiency {rows[0]['efficiency']:.3f} of the A100's peak")
     print(
         f"{'model':<10} {'published':>9} {'predicted':>9} {'error':>7}  "
@@ -1012,6 +1010,28 @@ def _undivided(a: argparse.Namespace, skipped: list[str]) -> str:
     )
 
 
+def _calibrated(a: argparse.Namespace, p: argparse.ArgumentParser, model: GPT, cl: Cluster, fixed: dict) -> Cluster:
+    """``cl`` at the efficiency that gives ``--measured-tflops`` on the fastest layout that
+    fits with the parts given (which must name the layout), said on stderr."""
+    if None in (a.tp, a.pp, a.micro_batch):
+        p.error("--measured-tflops needs the measured layout: --tp, --pp and --micro-batch")
+    fits = plan(model, a.global_batch, cl, **fixed)[0]
+    if not fits:
+        p.error("--measured-tflops: no layout with the parts given fits")
+    try:
+        cl = replace(cl, efficiency=calibrate(model, a.global_batch, fits[0].layout, cl, a.measured_tflops))
+    except ValueError as exc:
+        p.error(str(exc))
+    lay = fits[0].layout
+    print(
+        f"# compute efficiency {cl.efficiency:.3f} of peak gives {a.measured_tflops} TFLOP/s per GPU "
+        f"at dp={lay.dp} tp={lay.tp} pp={lay.pp} micro_batch={lay.micro_batch} zero={lay.zero} "
+        f"recompute={lay.recomputation()} chunks={lay.chunks}",
+        file=sys.stderr,
+    )
+    return cl
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The command: parse, plan, print (a table, or ``--json``); 0, or 2 on bad input."""
     p = _parser()
@@ -1047,22 +1067,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     fixed["sequence_parallel"] = None if a.sequence_parallel is None else a.sequence_parallel == "yes"
     fixed["flash_attention"] = a.attention == "flash"
     fixed["chunks"] = a.chunks
-    if a.measured_tflops is not None:  # on the fastest layout that fits with the parts given
-        if None in (a.tp, a.pp, a.micro_batch):
-            p.error("--measured-tflops needs the measured layout: --tp, --pp and --micro-batch")
-        fits = plan(model, a.global_batch, cl, **fixed)[0]
-        if not fits:
-            p.error("--measured-tflops: no layout with the parts given fits")
-        try:
-            cl = replace(cl, efficiency=calibrate(model, a.global_batch, fits[0].layout, cl, a.measured_tflops))
-        except ValueError as exc:
-            p.error(str(exc))
-        lay = fits[0].layout
-        print(
-            f"# compute efficiency {cl.efficiency:.3f} of peak gives {a.measured_tflops} TFLOP/s per GPU "
-            f"at dp={lay.dp} tp={lay.tp} pp={lay.pp} micro_batch={lay.micro_batch} zero={lay.zero} chunks={lay.chunks}",
-            file=sys.stderr,
-        )
+    if a.measured_tflops is not None:
+        cl = _calibrated(a, p, model, cl, fixed)
     skipped: list[str] = []
     ok, refused = plan(model, a.global_batch, cl, skipped=skipped, **fixed)
     if a.plot and ok:
