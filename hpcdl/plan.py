@@ -272,7 +272,7 @@ class Cluster:
         return AlphaBeta(self.inter.alpha, self.inter.beta * share)
 
 
-SELECTIVE_FLASH = "selective recomputation repeats nothing with flash attention (its backward recomputes the scores)"
+_SELECTIVE_FLASH = "selective recomputation repeats nothing with flash attention (its backward recomputes the scores)"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -303,7 +303,7 @@ class Layout:
         if self.recompute and self.selective:
             raise ValueError("full and selective recomputation exclude each other")
         if self.selective and self.flash_attention:
-            raise ValueError(SELECTIVE_FLASH)
+            raise ValueError(_SELECTIVE_FLASH)
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence parallelism needs tp > 1")
 
@@ -664,7 +664,7 @@ def _variants(
     for z in [zero] if zero is not None else ([0, 1, 2, 3] if p == 1 else [0, 1]):
         for r, sel in [RECOMPUTATION[recompute]] if recompute is not None else RECOMPUTATION.values():
             if sel and lay.flash_attention:
-                skip(SELECTIVE_FLASH)
+                skip(_SELECTIVE_FLASH)
                 continue
             for v in [chunks] if chunks else every:
                 why = _chunks_refused(model, p, m, v)
