@@ -47,9 +47,11 @@ The model (Megatron-LM's, Narayanan et al., SC21, and Korthikanti et al., 2022):
   in flight (``pp - i`` on stage ``i``, the most over the stages); fp32 logits on the last.
 - Stages that do not divide the layers (:func:`stage_layers`): the last, then the first
   take one layer fewer; the slowest stage sets the step.
-- Ranks in the order tensor-, then pipeline-, then data-parallel: a tensor-parallel group
-  or a pipeline's stages talk over the link inside a node where their GPUs divide a
-  node's, else over the nodes' ports.
+- Ranks in Megatron-LM's order (and :class:`hpcdl.parallel.Grid`'s): tensor-parallel
+  fastest, then data-parallel, then pipeline stages. A tensor-parallel group talks over the
+  link inside a node where its GPUs divide a node's, else over the nodes' ports; a
+  replica's neighbours (``tp`` ranks apart) share a node as its GPUs allow; a pipeline's
+  stages (``tp × dp`` ranks apart) talk inside a node only where the whole job is one.
 """
 
 from __future__ import annotations
@@ -494,7 +496,7 @@ def _dp_time(phi: float, lay: Layout, cl: Cluster, m: int) -> float:
     d, nbytes = lay.dp, cl.word * phi
     if d < 2:
         return 0.0
-    here = max(1, min(d, cl.gpus_per_node // (lay.tp * lay.pp)))  # replicas sharing a node
+    here = max(1, min(d, cl.gpus_per_node // lay.tp))  # replicas sharing a node: dp is next to tp in rank order
     # the node's ports serve all its GPUs: this group gets its share of them
     ports = cl.nics_per_node * here / cl.gpus_per_node
     t = min(allreduce_times(nbytes, d, here, cl.intra, cl.inter, ports).values())
@@ -551,7 +553,7 @@ def estimate(model: GPT, batch: int, lay: Layout, cl: Cluster) -> Estimate:
             tp += ring_allreduce(tp_link, t, act) + call + 3 * (ring_allreduce(tp_link, t, 4 * b * s) + call)
         if p == 1:  # and the vocabulary-parallel embedding's output, on the first stage
             tp += ring_allreduce(tp_link, t, act) + call
-    pp_link = cl.intra if cl.gpus_per_node % (t * p) == 0 else cl.inter_per_gpu()
+    pp_link = cl.intra if cl.gpus_per_node % (t * d * p) == 0 else cl.inter_per_gpu()  # stages t x d ranks apart
     pp = 0.0 if p == 1 else 2 * v * (send_time(pp_link, act / t) + call)
     phi = _stage_params(model, lay, split)
     shard = phi / d if lay.zero >= 1 else phi

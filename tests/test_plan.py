@@ -463,7 +463,8 @@ def test_sequence_parallelism_and_selective_recomputation_cost_what_they_repeat_
         assert e.tflops_per_gpu == pytest.approx(flops / e.step_s / 8 / 1e12, rel=1e-9)
 
 
-def test_a_tensor_parallel_group_that_straddles_nodes_talks_over_their_ports():
+def test_ranks_are_placed_as_megatron_places_them_and_straddling_groups_talk_over_the_ports():
+    # tensor-parallel fastest, then data-parallel, then the pipeline's stages (hpcdl.parallel.Grid's order)
     m = MODELS["gpt-146b"]
     cl = replace(SELENE, gpus=48)
     ports = replace(cl, intra=cl.inter_per_gpu())
@@ -471,7 +472,21 @@ def test_a_tensor_parallel_group_that_straddles_nodes_talks_over_their_ports():
         lay = Layout(dp=48 // (tp * pp), tp=tp, pp=pp, micro_batch=1)
         here, there = estimate(m, 96, lay, cl).time, estimate(m, 96, lay, ports).time
         assert (here["tp_comm"] == there["tp_comm"]) is straddles, (tp, pp)
-        assert (here["pp_comm"] == there["pp_comm"]) is (8 % (tp * pp) != 0), (tp, pp)
+        assert here["pp_comm"] == there["pp_comm"], (tp, pp)  # stages tp x dp ranks apart: never one node here
+    # on 16 GPUs, nodes of 8: a replica's neighbours are tp ranks apart, its stages tp x dp
+    cl = replace(SELENE, gpus=16)
+    slow = replace(cl, inter=AlphaBeta(1e-3, 1e6))
+    for (dp, tp, pp), inside in {(4, 2, 2): ("tp", "dp"), (4, 4, 1): ("tp",), (2, 2, 4): ("tp", "dp")}.items():
+        lay = Layout(dp=dp, tp=tp, pp=pp, micro_batch=1, zero=1)
+        fast, late = estimate(m, 64, lay, cl).time, estimate(m, 64, lay, slow).time
+        for part in ("tp", "dp", "pp"):
+            if (part == "pp" and pp == 1) or (part == "tp" and tp == 1):
+                continue
+            assert (fast[f"{part}_comm"] == late[f"{part}_comm"]) is (part in inside), (dp, tp, pp, part)
+    # a whole job on one node: its stages talk inside it
+    one = replace(SELENE, gpus=8)
+    lay = Layout(dp=2, tp=2, pp=2, micro_batch=1)
+    assert estimate(m, 64, lay, one).time == estimate(m, 64, lay, replace(one, inter=AlphaBeta(1e-3, 1e6))).time
 
 
 def test_calibrated_on_megatrons_gpt3_with_selective_recomputation_it_predicts_the_other_runs():
