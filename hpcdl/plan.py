@@ -20,8 +20,9 @@ The model (Megatron-LM's, Narayanan et al., SC21, and Korthikanti et al., 2022):
   bandwidth; selective recomputation repeats the attention core in the backward.
 - With flash attention (``--attention flash``) the attention core's scores never leave
   the chip: none of their memory traffic, none stored (each row's fp32 softmax statistic
-  instead), and the backward computes ``QK^T`` again (half the core's forward FLOPs more,
-  not counted in the reported FLOPs, as Megatron-LM does not count them).
+  instead); its kernel skips the blocks the causal mask hides (half the core's FLOPs), and
+  the backward computes ``QK^T`` again. The reported FLOPs are Megatron-LM's count, which
+  leaves both out.
 - Tensor parallelism: 4 allreduces of a micro-batch's activations per layer (6 with full
   recomputation), on the critical path; with sequence parallelism each is a reduce-scatter
   and an allgather, and the backward gathers its products' inputs again (the bytes of one
@@ -43,8 +44,9 @@ The model (Megatron-LM's, Narayanan et al., SC21, and Korthikanti et al., 2022):
   (2 parameters, 2 gradients, 12 fp32 states), divided over ``dp`` as the ZeRO stage says;
   activations per layer ``s b h (10 + 24 / tp + 5 a s / h tp)`` bytes (``34 s b h / tp``
   for all but the scores with sequence parallelism; no scores with selective
-  recomputation), or ``2 s b h`` with full recomputation, for the micro-batches 1F1B keeps
-  in flight (``pp - i`` on stage ``i``, the most over the stages); fp32 logits on the last.
+  recomputation), or ``2 s b h`` (over ``tp`` with sequence parallelism) with full
+  recomputation, for the micro-batches 1F1B keeps in flight (``pp - i`` on stage ``i``,
+  the most over the stages); fp32 logits on the last.
 - Stages that do not divide the layers (:func:`stage_layers`): the last, then the first
   take one layer fewer; the slowest stage sets the step.
 - Ranks in Megatron-LM's order (and :class:`hpcdl.parallel.Grid`'s): tensor-parallel
@@ -57,11 +59,14 @@ The model (Megatron-LM's, Narayanan et al., SC21, and Korthikanti et al., 2022):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import math
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from collectives.cost import (
     LINKS,
@@ -84,12 +89,14 @@ __all__ = [
     "Cluster",
     "Estimate",
     "Layout",
+    "Placement",
     "attention_core_pass",
     "calibrate",
     "estimate",
     "fit_compute",
     "layer_pass",
     "main",
+    "placement",
     "plan",
     "published",
     "stage_layers",
@@ -134,8 +141,10 @@ class GPT:
 
     def flops(self, batch: int, recompute: bool, selective: bool = False) -> float:
         """FLOPs of one step of ``batch`` sequences, counted as Megatron-LM counts them: with
-        full ``recompute`` the recomputed forward included; with ``selective`` recomputation
-        (the attention core's alone) as Korthikanti et al. count its hardware FLOPs."""
+        full ``recompute`` the recomputed forward included. With ``selective``, Korthikanti et
+        al.'s hardware FLOPs of selective recomputation, ``72 B s l h² (1 + s / 3h + V /
+        12lh)``: the attention core counted three times more, as their utilisation figures
+        imply, where one recomputed forward of it is ``4 B s² h`` a layer."""
         s, h, v, ll = self.seq, self.hidden, self.vocab, self.layers
         if recompute:
             return 96 * batch * s * ll * h * h * (1 + s / (6 * h) + v / (16 * ll * h))
@@ -427,11 +436,12 @@ def _elementwise_bytes(
     return scores + b * s * h * (24 / (t if sequence_parallel else 1) + 16 / t)
 
 
-def _layer_flops(model: GPT, micro_batch: int, tp: int) -> float:
+def _layer_flops(model: GPT, micro_batch: int, tp: int, flash_attention: bool = False) -> float:
     """FLOPs of one layer's forward matrix products on one of ``tp`` GPUs:
-    ``24 b s h² (1 + s / 6h) / tp``."""
+    ``24 b s h² (1 + s / 6h) / tp``, of which the attention core's ``4 b s² h / tp``; flash
+    attention's kernel skips the blocks the causal mask hides, half the core's."""
     s, h = model.seq, model.hidden
-    return 24 * micro_batch * s * h * h * (1 + s / (6 * h)) / tp
+    return (24 * micro_batch * s * h * h + (2 if flash_attention else 4) * micro_batch * s * s * h) / tp
 
 
 def layer_pass(
@@ -445,9 +455,9 @@ def layer_pass(
 ) -> float:
     """Seconds of one layer's forward on one of ``tp`` GPUs (a backward costs two): its
     matrix products, ``24 b s h² (1 + s / 6h) / tp`` FLOPs at ``efficiency`` of the GPU's
-    peak (the attention core's in flash attention's kernel too), what moves through memory
-    beside them at the GPU's memory bandwidth, and the GPU's ``overhead``."""
-    flops = _layer_flops(model, micro_batch, tp)
+    peak (the attention core's causal half in flash attention's kernel), what moves through
+    memory beside them at the GPU's memory bandwidth, and the GPU's ``overhead``."""
+    flops = _layer_flops(model, micro_batch, tp, flash_attention)
     moved = _elementwise_bytes(model, micro_batch, tp, sequence_parallel, flash_attention)
     return flops / (efficiency * gpu.peak) + moved / gpu.hbm + gpu.overhead
 
@@ -487,6 +497,34 @@ def fit_compute(model: GPT, gpu: GPU, points: Sequence[tuple[int, int, float]]) 
     return replace(gpu, peak=1.0 / inverse_peak, overhead=max(0.0, overhead))
 
 
+class Placement(NamedTuple):
+    """Where a layout's groups sit on nodes of ``gpus_per_node`` GPUs, ranks in Megatron-LM's
+    order (tensor-parallel fastest, then data-parallel, then the pipeline's stages; as
+    :class:`hpcdl.parallel.Grid` orders them): whether every tensor-parallel group is inside
+    one node, the fewest ranks any data-parallel group has on a node it reaches, and
+    whether every pipeline hop stays inside one node."""
+
+    tp_inside: bool
+    dp_per_node: int
+    pp_inside: bool
+
+
+@functools.lru_cache(maxsize=4096)
+def placement(tp: int, dp: int, pp: int, gpus_per_node: int) -> Placement:
+    """The :class:`Placement` of ``dp`` × ``tp`` × ``pp`` ranks on nodes of ``gpus_per_node``:
+    a tensor-parallel group (consecutive ranks) stays inside a node where the whole job is
+    one node or its size divides the node's; a pipeline hop (``tp × dp`` ranks) only where
+    the whole job is one node; a data-parallel group (``tp`` ranks apart) counted rank by rank."""
+    n, node = tp * dp * pp, gpus_per_node
+    one = n <= node
+    fewest = dp
+    for first in range(0, n, tp * dp):  # each stage's block of ranks
+        for lane in range(tp):
+            counts = Counter((first + lane + tp * k) // node for k in range(dp))
+            fewest = min(fewest, *counts.values())
+    return Placement(tp_inside=one or node % tp == 0, dp_per_node=fewest, pp_inside=one)
+
+
 def _dp_time(phi: float, lay: Layout, cl: Cluster, m: int) -> float:
     """The data-parallel traffic of a step: the gradients' allreduce over the ``dp``
     replicas once, by the fastest algorithm :func:`collectives.cost.allreduce_times` knows
@@ -496,7 +534,7 @@ def _dp_time(phi: float, lay: Layout, cl: Cluster, m: int) -> float:
     d, nbytes = lay.dp, cl.word * phi
     if d < 2:
         return 0.0
-    here = max(1, min(d, cl.gpus_per_node // lay.tp))  # replicas sharing a node: dp is next to tp in rank order
+    here = placement(lay.tp, d, lay.pp, cl.gpus_per_node).dp_per_node  # replicas sharing a node
     # the node's ports serve all its GPUs: this group gets its share of them
     ports = cl.nics_per_node * here / cl.gpus_per_node
     t = min(allreduce_times(nbytes, d, here, cl.intra, cl.inter, ports).values())
@@ -534,15 +572,15 @@ def estimate(model: GPT, batch: int, lay: Layout, cl: Cluster) -> Estimate:
     one = passes * layer_pass(model, b, t, gpu, cl.efficiency, sp, lay.flash_attention)
     if lay.selective:
         one += attention_core_pass(model, b, t, gpu, cl.efficiency)
-    if lay.flash_attention:  # its backward computes the scores again: half the core's forward FLOPs
-        one += 2 * b * s * s * h / t / rate
+    if lay.flash_attention:  # its backward computes the scores again: QK^T's unmasked half
+        one += b * s * s * h / t / rate
     logits = 6 * b * s * h * model.vocab / t / rate
     slowest = max(range(p), key=lambda i: split[i] * one + (logits if i == p - 1 else 0.0))
     per, last = split[slowest], slowest == p - 1
     layers = per * one + (logits if last else 0.0)
     act = cl.word * b * s * h  # bytes of a micro-batch's activations
-    # a group of consecutive ranks stays inside a node only where its size divides the node's GPUs
-    tp_link = cl.intra if cl.gpus_per_node % t == 0 else cl.inter_per_gpu()
+    where = placement(t, d, p, cl.gpus_per_node)
+    tp_link = cl.intra if where.tp_inside else cl.inter_per_gpu()
     tp = 0.0
     if t > 1:  # each layer's; on the last stage the vocabulary-parallel head's input gradient and its loss's 3 sums
         # an allreduce, or along the sequence a reduce-scatter and an allgather: the same bytes in two calls,
@@ -553,7 +591,7 @@ def estimate(model: GPT, batch: int, lay: Layout, cl: Cluster) -> Estimate:
             tp += ring_allreduce(tp_link, t, act) + call + 3 * (ring_allreduce(tp_link, t, 4 * b * s) + call)
         if p == 1:  # and the vocabulary-parallel embedding's output, on the first stage
             tp += ring_allreduce(tp_link, t, act) + call
-    pp_link = cl.intra if cl.gpus_per_node % (t * d * p) == 0 else cl.inter_per_gpu()  # stages t x d ranks apart
+    pp_link = cl.intra if where.pp_inside else cl.inter_per_gpu()
     pp = 0.0 if p == 1 else 2 * v * (send_time(pp_link, act / t) + call)
     phi = _stage_params(model, lay, split)
     shard = phi / d if lay.zero >= 1 else phi
@@ -610,9 +648,10 @@ def layouts(
     :data:`RECOMPUTATION`, or True for full and False for none). ZeRO-2 and 3 only without
     pipeline stages (their gradients and parameters are sharded per micro-batch); chunks
     only where they split the layers evenly and the micro-batches are a multiple of the
-    stages (Megatron-LM's conditions for its interleaved schedule); sequence parallelism
-    wherever ``tp`` > 1 unless ``sequence_parallel`` is False (with ``tp`` 1 there is
-    nothing to split, as Megatron-LM turns it off); attention as ``flash_attention`` says,
+    stages (Megatron-LM's conditions for its interleaved schedule); with and without
+    sequence parallelism wherever ``tp`` > 1, unless ``sequence_parallel`` fixes it (with
+    ``tp`` 1 there is nothing to split, as Megatron-LM turns it off); attention as
+    ``flash_attention`` says,
     without selective recomputation. Where ``skipped`` is given, it gets why each
     combination tried does not divide or run."""
     skip = skipped.append if skipped is not None else (lambda _: None)
@@ -637,15 +676,9 @@ def layouts(
                 if batch % (d * b):
                     skip(f"the batch of {batch} is not a multiple of dp={d} x micro_batch={b} (tp={t}, pp={p})")
                     continue
-                lay = Layout(
-                    dp=d,
-                    tp=t,
-                    pp=p,
-                    micro_batch=b,
-                    sequence_parallel=t > 1 and sequence_parallel is not False,
-                    flash_attention=flash_attention,
-                )
-                yield from _variants(model, lay, batch // (d * b), zero, recompute, chunks, skip)
+                for sp in [False] if t == 1 else [True, False] if sequence_parallel is None else [sequence_parallel]:
+                    lay = Layout(dp=d, tp=t, pp=p, micro_batch=b, sequence_parallel=sp, flash_attention=flash_attention)
+                    yield from _variants(model, lay, batch // (d * b), zero, recompute, chunks, skip)
 
 
 def _variants(
@@ -849,8 +882,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3])
     p.add_argument(
         "--recompute",
-        choices=["full", "selective", "no", "yes"],
-        help="activation recomputation: the whole forward (full, or yes), the attention core's alone (selective), none",
+        choices=["full", "selective", "none", "no", "yes"],
+        help="activation recomputation: the whole forward (full, or yes), the attention core's alone (selective), "
+        "none (or no)",
     )
     p.add_argument(
         "--sequence-parallel",
@@ -1017,9 +1051,10 @@ def _calibrated(a: argparse.Namespace, p: argparse.ArgumentParser, model: GPT, c
     fits with the parts given (which must name the layout), said on stderr."""
     if None in (a.tp, a.pp, a.micro_batch):
         p.error("--measured-tflops needs the measured layout: --tp, --pp and --micro-batch")
-    fits = plan(model, a.global_batch, cl, **fixed)[0]
+    skipped: list[str] = []
+    fits, refused = plan(model, a.global_batch, cl, skipped=skipped, **fixed)
     if not fits:
-        p.error("--measured-tflops: no layout with the parts given fits")
+        p.error(f"--measured-tflops: {'no layout with the parts given fits' if refused else _undivided(a, skipped)}")
     try:
         cl = replace(cl, efficiency=calibrate(model, a.global_batch, fits[0].layout, cl, a.measured_tflops))
     except ValueError as exc:
@@ -1038,6 +1073,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command: parse, plan, print (a table, or ``--json``); 0, or 2 on bad input."""
     p = _parser()
     a = p.parse_args(argv)
+    if a.validate and a.validate_recompute:
+        p.error("--validate and --validate-recompute: one at a time")
     if a.validate:
         return _validation(a.validate, a.json, p)
     if a.validate_recompute:
@@ -1047,8 +1084,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = _model(a, p)
     if a.gpus < 1 or a.global_batch < 1 or a.gpus_per_node < 1:
         p.error("--gpus, --global-batch and --gpus-per-node must be positive")
-    if a.tokens is not None and not a.tokens > 0:
-        p.error(f"--tokens {a.tokens:g}: must be positive")
+    if a.tokens is not None and not (math.isfinite(a.tokens) and a.tokens > 0):
+        p.error(f"--tokens {a.tokens:g}: must be a finite positive number")
+    for name in ("tp", "pp", "micro_batch", "chunks", "nics_per_node", "top"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be at least 1")
+    if a.sequence_parallel == "yes" and a.tp == 1:
+        p.error("--sequence-parallel yes needs --tp > 1: with one rank a group there is nothing to split")
     gpu = GPUS[a.gpu]
     try:
         intra = _link(a.intra or gpu.intra, "--intra", a.gpus_per_node)
