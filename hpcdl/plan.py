@@ -651,9 +651,8 @@ def layouts(
     stages (Megatron-LM's conditions for its interleaved schedule); with and without
     sequence parallelism wherever ``tp`` > 1, unless ``sequence_parallel`` fixes it (with
     ``tp`` 1 there is nothing to split, as Megatron-LM turns it off); attention as
-    ``flash_attention`` says,
-    without selective recomputation. Where ``skipped`` is given, it gets why each
-    combination tried does not divide or run."""
+    ``flash_attention`` says, without selective recomputation. Where ``skipped`` is given,
+    it gets why each combination tried does not divide or run."""
     skip = skipped.append if skipped is not None else (lambda _: None)
     if isinstance(recompute, bool):
         recompute = "full" if recompute else "none"
@@ -1069,6 +1068,19 @@ def _calibrated(a: argparse.Namespace, p: argparse.ArgumentParser, model: GPT, c
     return cl
 
 
+def _check_sizes(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    """Exit 2 with the reason on sizes that cannot be, and on flags that contradict each other."""
+    if a.gpus < 1 or a.global_batch < 1 or a.gpus_per_node < 1:
+        p.error("--gpus, --global-batch and --gpus-per-node must be positive")
+    if a.tokens is not None and not (math.isfinite(a.tokens) and a.tokens > 0):
+        p.error(f"--tokens {a.tokens:g}: must be a finite positive number")
+    for name in ("tp", "pp", "micro_batch", "chunks", "nics_per_node", "top"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be at least 1")
+    if a.sequence_parallel == "yes" and a.tp == 1:
+        p.error("--sequence-parallel yes needs --tp > 1: with one rank a group there is nothing to split")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The command: parse, plan, print (a table, or ``--json``); 0, or 2 on bad input."""
     p = _parser()
@@ -1082,15 +1094,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.global_batch is None or a.gpus is None:
         p.error("--global-batch and --gpus are required")
     model = _model(a, p)
-    if a.gpus < 1 or a.global_batch < 1 or a.gpus_per_node < 1:
-        p.error("--gpus, --global-batch and --gpus-per-node must be positive")
-    if a.tokens is not None and not (math.isfinite(a.tokens) and a.tokens > 0):
-        p.error(f"--tokens {a.tokens:g}: must be a finite positive number")
-    for name in ("tp", "pp", "micro_batch", "chunks", "nics_per_node", "top"):
-        if getattr(a, name) is not None and getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be at least 1")
-    if a.sequence_parallel == "yes" and a.tp == 1:
-        p.error("--sequence-parallel yes needs --tp > 1: with one rank a group there is nothing to split")
+    _check_sizes(a, p)
     gpu = GPUS[a.gpu]
     try:
         intra = _link(a.intra or gpu.intra, "--intra", a.gpus_per_node)
