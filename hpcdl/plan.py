@@ -888,7 +888,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sequence-parallel",
         choices=["yes", "no"],
-        help="split the layer norms and dropouts along the sequence where tp > 1 (default: yes)",
+        help="split the layer norms and dropouts along the sequence where tp > 1 (default: both are tried)",
     )
     p.add_argument("--chunks", type=int, help="model chunks per stage (the interleaved schedule; 1: plain 1F1B)")
     p.add_argument(
