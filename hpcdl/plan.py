@@ -99,6 +99,7 @@ __all__ = [
     "placement",
     "plan",
     "published",
+    "recomputation_name",
     "stage_layers",
     "train_days",
     "validate",
@@ -319,8 +320,8 @@ class Layout:
             raise ValueError("sequence parallelism needs tp > 1")
 
     def recomputation(self) -> str:
-        """``full``, ``selective`` or ``none``."""
-        return "full" if self.recompute else "selective" if self.selective else "none"
+        """``full``, ``selective`` or ``none`` (:data:`RECOMPUTATION`)."""
+        return recomputation_name(self.recompute, self.selective)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -422,6 +423,18 @@ def _activation_bytes(model: GPT, lay: Layout, m: int, split: tuple[int, ...]) -
     return kept * per_layer + working + logits
 
 
+def _core_flops(model: GPT, micro_batch: int, tp: int) -> float:
+    """FLOPs of one layer's attention core forward on one of ``tp`` GPUs: its two batched
+    products, ``4 b s² h / tp``."""
+    return 4 * micro_batch * model.seq * model.seq * model.hidden / tp
+
+
+def _score_bytes(model: GPT, micro_batch: int, tp: int) -> float:
+    """Bytes the attention scores' scale, mask, softmax and dropout move through memory in
+    one layer's forward on one of ``tp`` GPUs: 9 a score."""
+    return 9 * micro_batch * model.heads * model.seq * model.seq / tp
+
+
 def _elementwise_bytes(
     model: GPT, micro_batch: int, tp: int, sequence_parallel: bool = False, flash_attention: bool = False
 ) -> float:
@@ -431,8 +444,8 @@ def _elementwise_bytes(
     bias and GeLU on the MLP's 4h (16 bytes per token and h, split), and the two layer
     norms, dropouts and residual adds (24, repeated on every ``tp`` rank but split along the
     sequence with ``sequence_parallel``)."""
-    s, b, h, a, t = model.seq, micro_batch, model.hidden, model.heads, tp
-    scores = 0 if flash_attention else 9 * b * a * s * s / t
+    s, b, h, t = model.seq, micro_batch, model.hidden, tp
+    scores = 0 if flash_attention else _score_bytes(model, b, t)
     return scores + b * s * h * (24 / (t if sequence_parallel else 1) + 16 / t)
 
 
@@ -440,8 +453,8 @@ def _layer_flops(model: GPT, micro_batch: int, tp: int, flash_attention: bool = 
     """FLOPs of one layer's forward matrix products on one of ``tp`` GPUs:
     ``24 b s h² (1 + s / 6h) / tp``, of which the attention core's ``4 b s² h / tp``; flash
     attention's kernel skips the blocks the causal mask hides, half the core's."""
-    s, h = model.seq, model.hidden
-    return (24 * micro_batch * s * h * h + (2 if flash_attention else 4) * micro_batch * s * s * h) / tp
+    core = _core_flops(model, micro_batch, tp)
+    return 24 * micro_batch * model.seq * model.hidden**2 / tp + (core / 2 if flash_attention else core)
 
 
 def layer_pass(
@@ -466,8 +479,8 @@ def attention_core_pass(model: GPT, micro_batch: int, tp: int, gpu: GPU, efficie
     """Seconds of the attention core's forward on one of ``tp`` GPUs, which selective
     recomputation repeats: the two batched products ``4 b s² h / tp`` FLOPs and the scores'
     scale, mask, softmax and dropout (9 bytes per score)."""
-    s, b, h, a, t = model.seq, micro_batch, model.hidden, model.heads, tp
-    return 4 * b * s * s * h / t / (efficiency * gpu.peak) + 9 * b * a * s * s / t / gpu.hbm
+    core = _core_flops(model, micro_batch, tp)
+    return core / (efficiency * gpu.peak) + _score_bytes(model, micro_batch, tp) / gpu.hbm
 
 
 def fit_compute(model: GPT, gpu: GPU, points: Sequence[tuple[int, int, float]]) -> GPU:
@@ -525,16 +538,16 @@ def placement(tp: int, dp: int, pp: int, gpus_per_node: int) -> Placement:
     return Placement(tp_inside=one or node % tp == 0, dp_per_node=fewest, pp_inside=one)
 
 
-def _dp_time(phi: float, lay: Layout, cl: Cluster, m: int) -> float:
+def _dp_time(phi: float, lay: Layout, cl: Cluster, m: int, here: int) -> float:
     """The data-parallel traffic of a step: the gradients' allreduce over the ``dp``
     replicas once, by the fastest algorithm :func:`collectives.cost.allreduce_times` knows
     (the model ``auto`` chooses by across links), as ZeRO-1's reduce-scatter and allgather
     cost; ZeRO-2 reduce-scatters every micro-batch's gradients, and ZeRO-3 also allgathers
-    the parameters for each micro-batch's forward and backward."""
+    the parameters for each micro-batch's forward and backward. ``here``: the fewest
+    replicas of a group that share a node (:func:`placement`)."""
     d, nbytes = lay.dp, cl.word * phi
     if d < 2:
         return 0.0
-    here = placement(lay.tp, d, lay.pp, cl.gpus_per_node).dp_per_node  # replicas sharing a node
     # the node's ports serve all its GPUs: this group gets its share of them
     ports = cl.nics_per_node * here / cl.gpus_per_node
     t = min(allreduce_times(nbytes, d, here, cl.intra, cl.inter, ports).values())
@@ -573,7 +586,7 @@ def estimate(model: GPT, batch: int, lay: Layout, cl: Cluster) -> Estimate:
     if lay.selective:
         one += attention_core_pass(model, b, t, gpu, cl.efficiency)
     if lay.flash_attention:  # its backward computes the scores again: QK^T's unmasked half
-        one += b * s * s * h / t / rate
+        one += _core_flops(model, b, t) / 4 / rate
     logits = 6 * b * s * h * model.vocab / t / rate
     slowest = max(range(p), key=lambda i: split[i] * one + (logits if i == p - 1 else 0.0))
     per, last = split[slowest], slowest == p - 1
@@ -601,7 +614,7 @@ def estimate(model: GPT, batch: int, lay: Layout, cl: Cluster) -> Estimate:
         "bubble": (p - 1) / v * (cl.contention * layers + tp + pp),
         "tp_comm": m * tp,
         "pp_comm": m * pp,
-        "dp_comm": _dp_time(phi, lay, cl, m),
+        "dp_comm": _dp_time(phi, lay, cl, m, where.dp_per_node),
     }
     step = sum(parts.values())
     memory = _states_bytes(phi, lay)
@@ -625,6 +638,12 @@ def _divisors(n: int) -> list[int]:
 
 RECOMPUTATION = {"full": (True, False), "selective": (False, True), "none": (False, False)}
 """Activation recomputation by name: the ``(recompute, selective)`` of a :class:`Layout`."""
+
+
+def recomputation_name(recompute: bool, selective: bool) -> str:
+    """The name in :data:`RECOMPUTATION` of a layout's (or a ``--json`` row's) ``recompute``
+    and ``selective``."""
+    return next(k for k, v in RECOMPUTATION.items() if v == (recompute, selective))
 
 
 def layouts(
@@ -750,19 +769,36 @@ def calibrate(model: GPT, batch: int, lay: Layout, cl: Cluster, tflops: float) -
     return (lo + hi) / 2
 
 
-def published(name: str, tp: int, pp: int, gpus: int, batch: int, cl: Cluster) -> Estimate:
-    """The estimate of a published run's layout (Megatron-LM's of 2021: no ZeRO, full
-    recomputation, no sequence parallelism) at the micro-batch and chunks that are fastest
-    and fit, which the table does not give.
+def published(
+    name: str,
+    tp: int,
+    pp: int,
+    gpus: int,
+    batch: int,
+    cl: Cluster,
+    *,
+    recompute: str = "full",
+    sequence_parallel: bool = False,
+) -> Estimate:
+    """The estimate of a published run's layout (Megatron-LM's of 2021 by default: no ZeRO,
+    full recomputation, no sequence parallelism) at the micro-batch and chunks that are
+    fastest and fit, which the tables do not give.
 
     Raises:
         ValueError: no micro-batch and chunks fit.
     """
     ok, _ = plan(
-        MODELS[name], batch, replace(cl, gpus=gpus), tp=tp, pp=pp, zero=0, recompute=True, sequence_parallel=False
+        MODELS[name],
+        batch,
+        replace(cl, gpus=gpus),
+        tp=tp,
+        pp=pp,
+        zero=0,
+        recompute=recompute,
+        sequence_parallel=sequence_parallel,
     )
     if not ok:
-        raise ValueError(f"{name}: no micro-batch fits tp={tp} pp={pp} on {gpus} GPUs")
+        raise ValueError(f"{name}: no micro-batch fits tp={tp} pp={pp} on {gpus} GPUs with {recompute} recomputation")
     return ok[0]
 
 
@@ -803,17 +839,9 @@ def validate_recomputation(anchor: str, cl: Cluster) -> list[dict[str, Any]]:
     runs = {r[0]: r for r in MEGATRON_RECOMPUTATION}
     if anchor not in runs:
         raise ValueError(f"anchor {anchor!r}: one of {', '.join(runs)}")
-    ways = {"full": ("full", False), "selective": ("selective", True)}
 
-    def fastest(name: str, way: str, at: Cluster) -> Estimate:
-        _, tp, pp, gpus, batch, *_ = runs[name]
-        recompute, sp = ways[way]
-        ok, _ = plan(
-            MODELS[name], batch, replace(at, gpus=gpus), tp=tp, pp=pp, zero=0, recompute=recompute, sequence_parallel=sp
-        )
-        if not ok:
-            raise ValueError(f"{name}: no micro-batch fits tp={tp} pp={pp} on {gpus} GPUs with {way} recomputation")
-        return ok[0]
+    def fastest(name: str, way: str, at: Cluster) -> Estimate:  # both techniques, or neither
+        return published(*runs[name][:5], at, recompute=way, sequence_parallel=way == "selective")
 
     name, _, _, gpus, batch, _, seconds = runs[anchor]
     tflops = MODELS[name].flops(batch, False) / seconds / gpus / 1e12
@@ -953,7 +981,7 @@ def _validation(anchor: str, as_json: bool, p: argparse.ArgumentParser, recomput
         print(
             f"{r['model']:<10} {r['published_tflops']:>9.0f} {r['predicted_tflops']:>9.1f} {r['error']:>+7.1%}  "
             f"dp={c['dp']} tp={c['tp']} pp={c['pp']} micro_batch={c['micro_batch']} zero={c['zero']} "
-            f"recompute={'full' if c['recompute'] else 'selective' if c['selective'] else 'none'} "
+            f"recompute={recomputation_name(c['recompute'], c['selective'])} "
             f"sp={'yes' if c['sequence_parallel'] else 'no'} "
             f"chunks={c['chunks']} "
             f"({c['step_s'] / r['published_step_s']:.2f})"
