@@ -15,7 +15,7 @@ First the job measures the planner's inputs, none of them fitted to the grids' s
   others asleep (:func:`benchmarks.parallel_gpt.alpha_beta`);
 - contention: every rank trains a replica's stack of blocks at once, and how much longer
   that takes than on one rank alone, beyond the ranks' share of the cores (``--cores``,
-  default the cores this process may run on), is the planner's ``contention`` (caches and
+  default the cores any of its ranks may run on), is the planner's ``contention`` (caches and
   memory); the two are timed in turn, nine pairs, and the median of their ratios taken;
 - a call's cost beside its link's time: every rank runs forward and backward through a
   tensor-parallel block of two ranks and, alternately with it, through the same block's
@@ -201,6 +201,14 @@ def measured_link(n: int, attempts: int = 3) -> AlphaBeta:
     return link
 
 
+def job_cores() -> int:
+    """The cores the job's ranks may run on together: the union of every rank's CPU
+    affinity. A rank bound to cores of its own (``mpiexec -bind-to core``, ``srun
+    --cpu-bind``) may run on those alone, and counted as the job's they would make its
+    ranks seem to share them (collective over the world)."""
+    return len(set().union(*MPI.COMM_WORLD.allgather(os.sched_getaffinity(0))))
+
+
 def calibrate(a: Any, cores: int) -> dict[str, Any]:
     """The planner's inputs measured on this machine (collective over the world)."""
     n = hvd.size()
@@ -329,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--cores", type=int, default=None, help="cores the ranks share (default: this process's)")
+    p.add_argument("--cores", type=int, default=None, help="cores the ranks share (default: those any rank may run on)")
     p.add_argument("--json", default=None, help="also write the figures to this file (rank 0)")
     argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
@@ -349,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     bad = [s for s in shapes if len(s) != 3 or s[0] * s[1] * s[2] != n or a.n_layer % s[2] or a.n_head % s[1]]
     if bad:
         p.error(f"--grids: {bad} do not have {n} ranks, or do not divide the layers and heads")
-    cal = calibrate(a, a.cores or len(os.sched_getaffinity(0)))
+    cal = calibrate(a, a.cores or job_cores())
     a.schedule = "1f1b"
     train, _ = corpus(a.block_size)
     rows = []

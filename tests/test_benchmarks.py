@@ -554,6 +554,20 @@ def test_the_parameter_server_sweep_names_each_sizes_winner_beside_the_model(tmp
     assert (tmp_path / "again" / "ps_links.svg").read_text() == (tmp_path / "p.svg").read_text()
 
 
+def test_the_planner_check_counts_the_cores_any_rank_may_run_on(monkeypatch):
+    from benchmarks import plan_check
+
+    # bound as mpiexec -bind-to core:2 binds them: two cores a rank, none shared
+    monkeypatch.setattr(plan_check.os, "sched_getaffinity", lambda pid: {2 * WORLD.rank, 2 * WORLD.rank + 1})
+    assert plan_check.job_cores() == 2 * WORLD.size
+    # unbound on a node of 3 cores: every rank may run on each
+    monkeypatch.setattr(plan_check.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert plan_check.job_cores() == 3
+    # a core each, the last two ranks on one
+    monkeypatch.setattr(plan_check.os, "sched_getaffinity", lambda pid: {min(WORLD.rank, WORLD.size - 2)})
+    assert plan_check.job_cores() == WORLD.size - 1
+
+
 def test_the_planner_check_predicts_each_grid_from_the_rates_it_measured():
     import hpcdl
     from benchmarks import plan_check
