@@ -735,14 +735,33 @@ def plot(path: str, args: argparse.Namespace, rows: list[dict[str, Any]], ranks:
 
 
 def main(bench: str, argv: list[str] | None = None, comm: MPI.Comm | None = None) -> list[dict[str, Any]]:
-    """Parse options, measure, print (rank 0) and return the rows."""
+    """Parse options, measure, print (rank 0) and return the rows. With ``--json`` the file
+    is written again after each size, ``"complete": false`` until the last, so that a run
+    cut off (by a time limit, say) leaves what it measured."""
     comm = comm or MPI.COMM_WORLD
     args = parse_args(bench, argv, comm.size)
     names = contenders(args)
     say = comm.rank == 0
+    record: dict[str, Any] = {
+        "benchmark": f"osu_{bench}",
+        "argv": sys.argv[1:] if argv is None else argv,
+        "ranks": comm.size,
+        "datatype": DATATYPES[args.type][0],
+        "machine": machine() if say else None,
+        "device_copy_bandwidth": None,
+        "complete": False,
+        "rows": [],
+    }
+
+    def measured(row: dict[str, Any]) -> None:
+        print(table_row(args, row, names), flush=True)
+        record["rows"].append(row)
+        if args.json:
+            _write_json(args.json, record)
+
     if say:  # the header now and each row as it is measured, as OSU prints
         print("\n".join(table_head(args, names, comm.size)), flush=True)
-    rows = run(args, comm, (lambda row: print(table_row(args, row, names), flush=True)) if say else None)
+    rows = run(args, comm, measured if say else None)
     rate = None
     if getattr(args, "accelerator", "host") == "cuda" and getattr(args, "busbw", False):
         comm.Barrier()  # rank 0 copies alone on its GPU
@@ -751,20 +770,16 @@ def main(bench: str, argv: list[str] | None = None, comm: MPI.Comm | None = None
             print(copy_share(rows, names, rate), flush=True)
     if say:
         if args.json:
-            with open(args.json, "w", encoding="utf-8") as fh:
-                dump_json(
-                    {
-                        "benchmark": f"osu_{bench}",
-                        "argv": sys.argv[1:] if argv is None else argv,
-                        "ranks": comm.size,
-                        "datatype": DATATYPES[args.type][0],
-                        "machine": machine(),
-                        "device_copy_bandwidth": rate,
-                        "rows": rows,
-                    },
-                    fh,
-                    indent=1,
-                )
+            _write_json(args.json, {**record, "device_copy_bandwidth": rate, "complete": True, "rows": rows})
         if getattr(args, "plot", None) and rows:
             plot(args.plot, args, rows, comm.size)
     return rows
+
+
+def _write_json(path: str, record: dict[str, Any]) -> None:
+    """``record`` into ``path`` whole: written beside it, then moved over it, so that a
+    reader never finds half a file."""
+    part = f"{path}.part"
+    with open(part, "w", encoding="utf-8") as fh:
+        dump_json(record, fh, indent=1)
+    os.replace(part, path)

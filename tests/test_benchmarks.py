@@ -189,6 +189,36 @@ def test_compare_with_gloo_busbw_json_and_plot():
                     os.remove(f)
 
 
+def test_the_json_holds_each_size_as_soon_as_it_is_measured(monkeypatch):
+    # a run cut off by a time limit (the node report's) leaves the sizes it measured
+    js, seen, real = shared_path(".json"), [], osu.run
+
+    def run(args, comm=None, on_row=None):
+        def each(row):
+            on_row(row)
+            with open(js, encoding="utf-8") as fh:
+                rec = json.load(fh)
+            seen.append((rec["complete"], [r["size"] for r in rec["rows"]]))
+
+        return real(args, comm, each if on_row else None)
+
+    monkeypatch.setattr(osu, "run", run)
+    try:
+        osu.main("allreduce", ["-m", "4:16", "-i", "2", "-x", "1", "--compare", "mpi,auto", "--json", js])
+        if WORLD.rank == 0:
+            assert seen == [(False, [4]), (False, [4, 8]), (False, [4, 8, 16])]
+            with open(js, encoding="utf-8") as fh:
+                rec = json.load(fh)
+            assert rec["complete"] and [r["size"] for r in rec["rows"]] == [4, 8, 16]
+            assert rec["machine"]["mpi"] and not os.path.exists(js + ".part")
+        else:
+            assert seen == []
+    finally:
+        WORLD.Barrier()
+        if WORLD.rank == 0 and os.path.exists(js):
+            os.remove(js)
+
+
 @pytest.mark.parametrize(
     "argv, text",
     [
