@@ -580,6 +580,8 @@ def _gpu_lines(gpu: dict[str, Any]) -> list[str]:
         names = list(rows[0]["results"]) if rows else []
         cut = crossover(rows)
         mode = "under MPS" if key.endswith("mps") else "without MPS"
+        if data.get("complete") is False:  # cut off: the sizes it measured
+            mode += f" (cut off after {_size(rows[-1]['size']) if rows else 'no size'})"
         lines += [
             f"{mode}: staged faster than ipc up to {_size(cut) if cut else 'no size'}",
             "",
@@ -745,21 +747,39 @@ def _plan(r: Runner, counts: list[int], args: argparse.Namespace, got: dict[str,
     got["plan"] = r.load(name)
 
 
+SWEEP_SECONDS = 0.5
+"""About what one iteration of the GPU step's sweep costs, every size and contender once
+(2 ranks sharing an H100 or H200 without MPS; gloo's calls, of 3.5-5.5 ms each, the most):
+the step fits its iterations to its share of the budget by it."""
+
+
+def gpu_iterations(seconds: float, start: float = 10.0) -> tuple[int, int]:
+    """The timed and warm-up iterations a size gets in a GPU sweep of ``seconds``, less
+    ``start`` for the ranks' start and the GPU's: up to 100 and 10, as OSU takes, and no
+    fewer than 10 and 2."""
+    timed = int(max(10, min(100, (seconds - start) / SWEEP_SECONDS)))
+    return timed, max(2, timed // 10)
+
+
 def _gpu(r: Runner, args: argparse.Namespace) -> dict[str, Any]:
     """The device path against staged and gloo at 2 ranks on this node's GPUs, without MPS
     and (where ``nvidia-cuda-mps-control`` is found and no MPS daemon is named already) with
-    it; NCCL at one rank."""
+    it; NCCL at one rank. Each sweep's iterations fit its share of what is left."""
     sizes = "4:64K" if args.quick else "4:16M"
-    osu = ["benchmarks.osu_allreduce", "-d", "cuda", "-m", sizes, "--compare", "auto,ipc,staged,gloo"]
-    osu += ["--rounds", "1" if args.quick else "2", "-i", "100", "-x", "10"]  # a call takes up to ms on a shared GPU
     ctl = shutil.which("nvidia-cuda-mps-control")
     mps = ctl is not None and "CUDA_MPS_PIPE_DIRECTORY" not in os.environ
     parts = 3 if mps else 2
-    r.run("gpu_np2", 2, [*osu, "--json", str(r.raw / "gpu_np2.json")], r.left() / parts)
+
+    def osu(json_name: str, share: float) -> list[str]:
+        timed, warm = (10, 2) if args.quick else gpu_iterations(share)
+        cmd = ["benchmarks.osu_allreduce", "-d", "cuda", "-m", sizes, "--compare", "auto,ipc,staged,gloo"]
+        return [*cmd, "--rounds", "1" if args.quick else "2", "-i", str(timed), "-x", str(warm), "--json", json_name]
+
+    r.run("gpu_np2", 2, osu(str(r.raw / "gpu_np2.json"), r.left() / parts), r.left() / parts)
     got: dict[str, Any] = {"np2": r.load("gpu_np2")}
     if mps:
         with _mps_daemon(ctl, r.raw) as env:
-            r.run("gpu_np2_mps", 2, [*osu, "--json", str(r.raw / "gpu_np2_mps.json")], r.left() / 2, env)
+            r.run("gpu_np2_mps", 2, osu(str(r.raw / "gpu_np2_mps.json"), r.left() / 2), r.left() / 2, env)
         got["np2_mps"] = r.load("gpu_np2_mps")
     r.run("gpu_nccl_np1", 1, ["benchmarks.osu_allreduce", "-d", "cuda", "-a", "nccl", "-c", "-m", sizes], r.left())
     return got

@@ -15,6 +15,7 @@ from benchmarks.node_report import (
     Runner,
     binding_flags,
     crossover,
+    gpu_iterations,
     huge_pages,
     machine,
     model_cores,
@@ -222,6 +223,17 @@ def test_the_gpu_section_gives_the_staged_ipc_crossover_with_and_without_mps():
     assert "without MPS: staged faster than ipc up to 64 KiB" in text
     assert "under MPS: staged faster than ipc up to no size" in text
     assert "| 1 MiB | 720.0 | 900.0 |" in text
+    # a sweep cut off by its share of the budget gives the sizes it measured, and says so
+    report["gpu"] = {"np2": {"rows": no_mps[:2], "complete": False}, "np2_mps": {"rows": mps, "complete": True}}
+    text = summarize(report)
+    assert "without MPS (cut off after 64 KiB): staged faster than ipc up to 64 KiB" in text
+    assert "under MPS: staged faster" in text and "| 64 KiB | 710.0 | 400.0 |" in text
+
+
+def test_the_gpu_sweeps_fit_their_iterations_to_their_share_of_the_budget():
+    # OSU's 100 and 10 where the share holds them; fewer, by half a second an iteration, where not
+    assert gpu_iterations(200) == (100, 10) and gpu_iterations(60) == (100, 10)
+    assert gpu_iterations(33) == (46, 4) and gpu_iterations(5) == (10, 2)
 
 
 def _one_f_one_b(
