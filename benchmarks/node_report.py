@@ -67,7 +67,7 @@ from typing import Any
 from collectives.node.channel import SINGLE_COPY_PROBE
 from collectives.select import load_table, rules
 
-__all__ = ["main", "rank_counts", "summarize", "worst_ratios", "crossover"]
+__all__ = ["main", "rank_counts", "summarize", "worst_ratios", "crossover", "world_check"]
 
 BAR = 1.10
 """auto / MPI at or below which a size meets the bar."""
@@ -267,6 +267,49 @@ class Runner:
             return json.loads(path.read_text())
         except (OSError, ValueError):
             return None
+
+
+def launcher_name(version: str) -> str:
+    """Which MPI a launcher is, from the text its ``--version`` prints."""
+    if "HYDRA" in version:
+        number = [line.split(":", 1)[1].strip() for line in version.splitlines() if line.strip().startswith("Version:")]
+        return f"MPICH's Hydra {number[0]}" if number else "MPICH's Hydra"
+    if "Open MPI" in version or "OpenRTE" in version:
+        return version.strip().splitlines()[0]
+    return version.strip().splitlines()[0] if version.strip() else "unknown"
+
+
+_PROBE = (  # one write a line, so that the launcher's forwarding of two ranks' output never splits one
+    "import sys; from mpi4py import MPI; "
+    "sys.stdout.write(f'{MPI.COMM_WORLD.size} {MPI.Get_library_version().splitlines()[0].strip()}\\n')"
+)
+
+
+def world_check(mpiexec: str, version: str = "") -> str | None:
+    """None where ``mpiexec -n 2`` starts one MPI job of 2 ranks of this Python; else why
+    not, in words. Where the MPI library mpi4py loads is not the one ``mpiexec`` belongs
+    to (a system's mpi4py built on its Open MPI, launched by the wheel's MPICH), each
+    process is a job of its own rank, and every figure after would be one rank's."""
+    try:
+        proc = subprocess.run(
+            [mpiexec, "-n", "2", sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=120, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"`{mpiexec} -n 2` did not run: {exc}"
+    seen = [line.split(" ", 1) for line in proc.stdout.splitlines() if line[:1].isdigit() and " " in line]
+    sizes = [int(size) for size, _ in seen]
+    if proc.returncode == 0 and sizes == [2, 2]:
+        return None
+    if sizes and set(sizes) == {1}:
+        launcher = launcher_name(version)
+        return (
+            f"`{mpiexec} -n 2` started {len(sizes)} processes, but each is an MPI job of 1 rank: mpi4py here "
+            f"loads {seen[0][1]}, which is not this mpiexec's MPI ({launcher}). Launch with the mpiexec of "
+            "mpi4py's MPI (on PATH first), or point mpi4py at this one's library (MPI4PY_LIBMPI=.../libmpi.so.12 "
+            "for MPICH)"
+        )
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return f"`{mpiexec} -n 2` ended with status {proc.returncode}, ranks seen {sizes}: {tail}"
 
 
 def worst_ratios(bars: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -838,6 +881,11 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     counts = rank_counts(info["cores"] or 2, args.max_ranks)
     r = Runner(out, args.budget, args.bind, info["cores"] or 2)
+    why = world_check(r.mpiexec, r.version)
+    if why:  # every figure would be one rank's: say so instead
+        (out / "summary.md").write_text(f"# Node report: {info['host']}\n\nNot run: {why}.\n")
+        print(f"node_report: not run: {why}", file=sys.stderr)
+        return 2
     got = _steps(r, counts, args, info.get("gpus", 0))
     report = {
         "machine": info,

@@ -22,6 +22,7 @@ from benchmarks.node_report import (
     rank_counts,
     single_copy_line,
     summarize,
+    world_check,
     worst_ratios,
 )
 
@@ -179,6 +180,31 @@ def test_bad_options_are_refused(tmp_path):
     ):
         proc = run_report(tmp_path, *args)
         assert proc.returncode == 2 and says in proc.stderr
+
+
+def test_a_launcher_whose_ranks_each_see_one_rank_stops_the_report_before_it_measures(tmp_path, monkeypatch):
+    from benchmarks import node_report
+
+    mpiexec = str(Runner(tmp_path, 60).mpiexec)
+    assert world_check(mpiexec) is None  # the wheel's mpiexec and the MPICH mpi4py loads
+    # a launcher of another MPI: it starts the processes, but mpi4py's MPI sees each alone
+    other = tmp_path / "other-mpiexec"
+    other.write_text('#!/bin/sh\nshift 2\n"$@" & "$@"\nwait\n')
+    other.chmod(0o755)
+    why = world_check(str(other), "HYDRA build details:\n    Version:       9.9\n    Release Date: x")
+    assert why.startswith(f"`{other} -n 2` started 2 processes, but each is an MPI job of 1 rank")
+    assert "mpi4py here loads MPICH" in why and "(MPICH's Hydra 9.9)" in why and "MPI4PY_LIBMPI" in why
+    assert world_check(str(other), "mpiexec (OpenRTE) 4.1.6\n\nReport bugs").count("(mpiexec (OpenRTE) 4.1.6)") == 1
+    broken = tmp_path / "broken-mpiexec"
+    broken.write_text("#!/bin/sh\necho no such host >&2\nexit 3\n")
+    broken.chmod(0o755)
+    assert world_check(str(broken)) == f"`{broken} -n 2` ended with status 3, ranks seen []: no such host"
+    assert world_check(str(tmp_path / "missing")).startswith(f"`{tmp_path / 'missing'} -n 2` did not run: ")
+    # the report says why on stderr and in its summary, and measures nothing
+    monkeypatch.setattr(node_report, "world_check", lambda mpiexec, version="": "each rank alone")
+    assert node_report.main(["--out", str(tmp_path / "r"), "--quick", "--steps", "plan"]) == 2
+    assert (tmp_path / "r" / "summary.md").read_text().endswith("Not run: each rank alone.\n")
+    assert not (tmp_path / "r" / "report.json").exists() and not list((tmp_path / "r" / "raw").iterdir())
 
 
 def _gpu_rows(times):
