@@ -28,6 +28,7 @@ from . import state
 from .config import AGREED, Config, load_config
 from .engine import Engine
 from .errors import HorovodInternalError, HpcdlError
+from .launcher import check_world
 from .process_sets import add_process_set
 from .state import Runtime
 from .timeline import path_problem
@@ -67,7 +68,10 @@ def init(
     nothing, as in Horovod.
 
     The ranks first exchange what they were given, so bad arguments on any rank raise
-    :class:`HpcdlError` on every rank instead of leaving the others waiting. With a list of
+    :class:`HpcdlError` on every rank instead of leaving the others waiting. Where the
+    launcher started several tasks and MPI sees each as a job of its own (``srun`` without
+    an MPI plugin, the ``mpiexec`` of another MPI than mpi4py's), each raises
+    :class:`HpcdlError` instead of running alone (:func:`hpcdl.launcher.check_world`). With a list of
     ranks every world rank must pass the same list; ranks outside it get an
     :class:`HpcdlError` (they are not part of the job).
 
@@ -80,6 +84,7 @@ def init(
             worker has called :func:`shutdown` (or exited), then ends the process with exit
             status 0; on the workers the runtime counts the workers only. Needs ``comm=None``.
     """
+    check_world(MPI.COMM_WORLD.Get_size(), library=MPI.Get_library_version().splitlines()[0].strip())
     with state.LOCK:
         old = state.peek()
         if old is not None:

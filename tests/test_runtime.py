@@ -3,6 +3,8 @@ init on a subset, what the build reports."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from mpi4py import MPI
@@ -39,6 +41,25 @@ def test_hpcdl_basics_on_one_rank():
     assert hvd.size() == 1
     hvd.shutdown()
     assert not hvd.is_initialized()
+
+
+@pytest.mark.mpi
+def test_a_launcher_whose_tasks_mpi_sees_as_jobs_of_one_rank_stops_init(monkeypatch):
+    # as under Open MPI's mpirun with an mpi4py that loads MPICH: each task alone would train alone
+    hvd.shutdown()
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", str(WORLD.size + 2))
+    library = MPI.Get_library_version().splitlines()[0].strip()
+    if WORLD.size == 1:
+        said = rf"^mpiexec \(Open MPI\) started 3 tasks, but MPI sees each as a separate 1-rank job; "
+        said += rf"launch with the mpiexec of the MPI library mpi4py loads \({re.escape(library)}\)$"
+        with pytest.raises(hvd.HpcdlError, match=said):
+            hvd.init([0])
+        assert not hvd.is_initialized()
+        monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")  # a launcher of one task: a world of one is right
+    hvd.init()  # several ranks: MPI sees the launcher's tasks as one job (however many it says)
+    assert hvd.size() == WORLD.size
+    hvd.shutdown()
 
 
 @pytest.mark.mpi(min_size=2)

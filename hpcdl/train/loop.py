@@ -33,7 +33,7 @@ from . import checkpoint as ckpt
 from .agreement import check_same_settings
 from .config import Interrupted, RunError, TrainConfig
 from .data import ShardedOrder, Split, corpus, digits, eval_indices
-from .launch import check_world, launcher, output_is_terminal, pick_device, rank_placement, servers
+from .launch import launcher, output_is_terminal, pick_device, rank_placement, servers
 from .lock import LockHeld, RunLock
 from .models import GPT, DigitsCNN, DigitsMLP, parallel_gpt, parallel_gpt_loss, wide
 from .report import Metrics, plot, write_json
@@ -44,14 +44,14 @@ _OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.
 
 
 def init_runtime(cfg: TrainConfig) -> None:
-    """Start hpcdl with the job's runtime section, check that MPI sees the launcher's tasks,
-    and that every rank has the same settings (a :class:`RunError` on every rank if not)."""
+    """Start hpcdl with the job's runtime section (which checks that MPI sees the launcher's
+    tasks as one job), after checking that every rank has the same settings (a
+    :class:`RunError` on every rank if not)."""
     check_same_settings(cfg)
     try:
         hvd.init(config=cfg.runtime)
     except hvd.HpcdlError as exc:  # a runtime section that does not fit the world: every rank alike
         raise RunError(str(exc)) from None
-    check_world(hvd.size())
 
 
 def uses_grid(cfg: TrainConfig) -> bool:
