@@ -521,7 +521,9 @@ def _training_lines(report: dict[str, Any]) -> list[str]:
             base = model["rows"].get("no communication", {}).get("step_ms")
             for row, fig in model["rows"].items():
                 if base and row != "no communication":
-                    lines.append(f"- {n} ranks, {model['model']}: {row} {fig['step_ms'] / base:.2f} x")
+                    each = fig.get("round_ratios") or []
+                    spread = f" (round by round {', '.join(f'{v:.2f}' for v in each)})" if len(each) > 1 else ""
+                    lines.append(f"- {n} ranks, {model['model']}: {row} {fig['step_ms'] / base:.2f} x{spread}")
     return lines
 
 

@@ -218,6 +218,7 @@ def measure(model_name: str, rounds: int, steps: int, timeline_steps: int, horov
     per_step: dict[str, list[float]] = {c: [] for c in contenders}
     tail: dict[str, list[float]] = {c: [] for c in contenders}  # end of backward compute -> end of step
     engine_cpu: dict[str, list[float]] = {c: [] for c in contenders}  # hpcdl engine thread, per step
+    rounds_ms: dict[str, list[float]] = {c: [] for c in contenders}  # each round's median step
     for rnd in range(rounds):
         k = rnd % len(contenders)
         for c in contenders[k:] + contenders[:k]:
@@ -232,6 +233,7 @@ def measure(model_name: str, rounds: int, steps: int, timeline_steps: int, horov
             for i in range(steps):
                 per_step[c].append(max(e[i][0] for e in every))
                 tail[c].append(max(e[i][1] for e in every))
+            rounds_ms[c].append(statistics.median(per_step[c][-steps:]) * 1e3)
             del model, opt, clock
     result: dict[str, Any] = {"model": model_name, "ranks": world.size, "batch_per_rank": BATCH, "rows": {}}
     local_tail = statistics.median(tail[NO_COMM])
@@ -244,6 +246,9 @@ def measure(model_name: str, rounds: int, steps: int, timeline_steps: int, horov
             "hidden": None,
             # the mean over ranks of the per-round median: CPU the engine thread used per step
             "engine_cpu_ms": world.allreduce(statistics.median(engine_cpu[c])) / world.size * 1e3,
+            # each round's median step over the same round's without communication: the rounds
+            # interleave the contenders, so a slow spell of the machine falls on both of a pair
+            "round_ratios": [mine / base for mine, base in zip(rounds_ms[c], rounds_ms[NO_COMM], strict=True)],
         }
     # the hidden share, from a timeline of extra steps (not the timed ones: tracing costs a little)
     for c in (HPCDL, ZERO):

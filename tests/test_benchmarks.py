@@ -451,7 +451,7 @@ def test_train_throughput_benchmark_measures_every_row():
     hpcdl.init()
     gloo_init(WORLD)
     try:
-        res = tt.measure("cnn", rounds=1, steps=2, timeline_steps=2, horovod=None)
+        res = tt.measure("cnn", rounds=2, steps=2, timeline_steps=2, horovod=None)
     finally:
         hpcdl.shutdown()
     assert set(res["rows"]) == {tt.NO_COMM, tt.HPCDL, tt.ZERO, tt.DDP}
@@ -462,6 +462,9 @@ def test_train_throughput_benchmark_measures_every_row():
         if name in (tt.HPCDL, tt.ZERO):
             assert 0.0 <= row["hidden"] <= 1.0
         assert 0.0 <= row["engine_cpu_ms"] < row["step_ms"]
+        # a ratio to the step without communication per round, each of its own round's steps
+        assert len(row["round_ratios"]) == 2 and all(v > 0 for v in row["round_ratios"])
+    assert res["rows"][tt.NO_COMM]["round_ratios"] == [1.0, 1.0]
     # the engine only works for the hpcdl rows
     assert res["rows"][tt.HPCDL]["engine_cpu_ms"] > res["rows"][tt.NO_COMM]["engine_cpu_ms"]
     # the floor allreduces every gradient once: 4 bytes per parameter of the CNN

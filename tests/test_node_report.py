@@ -256,6 +256,17 @@ def test_the_gpu_section_gives_the_staged_ipc_crossover_with_and_without_mps():
     assert "under MPS: staged faster" in text and "| 64 KiB | 710.0 | 400.0 |" in text
 
 
+def test_each_training_ratio_comes_with_its_rounds_one_by_one():
+    rows = {"no communication": {"step_ms": 100.0, "round_ratios": [1.0, 1.0]}}
+    rows["hpcdl DistributedOptimizer"] = {"step_ms": 108.0, "round_ratios": [1.05, 1.123]}
+    rows["torch DDP (gloo)"] = {"step_ms": 150.0, "round_ratios": [1.5]}  # one round: nothing to add
+    report = {"machine": {"host": "h"}, "date": "d", "seconds": 1.0, "budget": 2.0, "runs": [], "steps": ["training"]}
+    report["training"] = {"2": [{"model": "mlp", "rows": rows}]}
+    text = summarize(report)
+    assert "- 2 ranks, mlp: hpcdl DistributedOptimizer 1.08 x (round by round 1.05, 1.12)\n" in text
+    assert text.endswith("- 2 ranks, mlp: torch DDP (gloo) 1.50 x\n")
+
+
 def test_the_gpu_sweeps_fit_their_iterations_to_their_share_of_the_budget():
     # OSU's 100 and 10 where the share holds them; fewer, by half a second an iteration, where not
     assert gpu_iterations(200) == (100, 10) and gpu_iterations(60) == (100, 10)
