@@ -71,8 +71,8 @@ def init(
     :class:`HpcdlError` on every rank instead of leaving the others waiting. Where the
     launcher started several tasks and MPI sees each as a job of its own (``srun`` without
     an MPI plugin, the ``mpiexec`` of another MPI than mpi4py's), each raises
-    :class:`HpcdlError` instead of running alone (:func:`hpcdl.launcher.check_world`). With a list of
-    ranks every world rank must pass the same list; ranks outside it get an
+    :class:`HpcdlError` instead of running alone (:func:`hpcdl.launcher.check_world`).
+    With a list of ranks every world rank must pass the same list; ranks outside it get an
     :class:`HpcdlError` (they are not part of the job).
 
     Args:
