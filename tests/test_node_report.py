@@ -67,10 +67,25 @@ def run_report(tmp_path, *args):
     )
 
 
+def _what_did_not_finish(out) -> str:
+    """The runs of a report that did not end well, each with the end of its output."""
+    try:
+        runs = json.loads((out / "report.json").read_text())["runs"]
+    except (OSError, ValueError, KeyError):
+        return ""
+    text = ""
+    for r in runs:
+        if r.get("status") != "ok":
+            log = out / "raw" / f"{r['name']}.txt"
+            tail = log.read_text()[-3000:] if log.exists() else ""
+            text += f"\n--- {r['command']}: {r.get('status')}\n{tail}"
+    return text
+
+
 @pytest.mark.timeout(300)
 def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_figures(tmp_path):
     proc = run_report(tmp_path, "--quick", "--max-ranks", "2", "--budget", "200")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr + _what_did_not_finish(tmp_path)
     names = {p.name for p in tmp_path.iterdir()}
     assert {"report.json", "summary.md", "raw"} <= names
     total = sum(p.stat().st_size for p in tmp_path.rglob("*") if p.is_file())
