@@ -274,9 +274,7 @@ def launcher_name(version: str) -> str:
     if "HYDRA" in version:
         number = [line.split(":", 1)[1].strip() for line in version.splitlines() if line.strip().startswith("Version:")]
         return f"MPICH's Hydra {number[0]}" if number else "MPICH's Hydra"
-    if "Open MPI" in version or "OpenRTE" in version:
-        return version.strip().splitlines()[0]
-    return version.strip().splitlines()[0] if version.strip() else "unknown"
+    return version.strip().splitlines()[0] if version.strip() else "unknown"  # Open MPI's names itself first
 
 
 _PROBE = (  # one write a line, so that the launcher's forwarding of two ranks' output never splits one
@@ -820,11 +818,13 @@ def _gpu(r: Runner, args: argparse.Namespace) -> dict[str, Any]:
         cmd = ["benchmarks.osu_allreduce", "-d", "cuda", "-m", sizes, "--compare", "auto,ipc,staged,gloo"]
         return [*cmd, "--rounds", "1" if args.quick else "2", "-i", str(timed), "-x", str(warm), "--json", json_name]
 
-    r.run("gpu_np2", 2, osu(str(r.raw / "gpu_np2.json"), r.left() / parts), r.left() / parts)
+    share = r.left() / parts
+    r.run("gpu_np2", 2, osu(str(r.raw / "gpu_np2.json"), share), share)
     got: dict[str, Any] = {"np2": r.load("gpu_np2")}
     if mps:
         with _mps_daemon(ctl, r.raw) as env:
-            r.run("gpu_np2_mps", 2, osu(str(r.raw / "gpu_np2_mps.json"), r.left() / 2), r.left() / 2, env)
+            share = r.left() / 2
+            r.run("gpu_np2_mps", 2, osu(str(r.raw / "gpu_np2_mps.json"), share), share, env)
         got["np2_mps"] = r.load("gpu_np2_mps")
     r.run("gpu_nccl_np1", 1, ["benchmarks.osu_allreduce", "-d", "cuda", "-a", "nccl", "-c", "-m", sizes], r.left())
     return got
