@@ -22,8 +22,8 @@ core (or ``--max-ranks``):
    communication (``benchmarks.train_throughput``, at each count up to 8);
 6. ``pipeline``: the measured bubble of a 2-stage pipeline (the GPT, and equal stages)
    against ``(p-1)/(m+p-1)``, and the TP grid's traffic per step (calls, bytes, the time
-   spent in them) against what α-β models fitted on its group predict
-   (``benchmarks.parallel_gpt``);
+   spent in them: the calls' own cost, against what α-β models fitted on its group
+   predict, and the wait for a later peer) (``benchmarks.parallel_gpt``);
 7. ``plan``: the planner (``hpcdl.plan``) against the GPT's measured step on every grid of
    4 ranks (2 where the node has fewer cores), from this node's measured compute, links
    and per-call cost (``benchmarks.plan_check``; the bound is 25%, and the two rankings
@@ -550,9 +550,11 @@ def _pipeline_lines(report: dict[str, Any]) -> list[str]:
         if "tp_calls" in row:
             lines.append(
                 f"- {row['grid']} step {row['step_s'] * 1e3:.1f} ms: {row['tp_calls']:.0f} tensor-parallel calls "
-                f"of {row['tp_bytes'] / (1 << 20):.2f} MiB in all, {row['tp_seconds'] * 1e3:.1f} ms waiting in them; "
-                f"the alpha-beta models measured on its group predict {row['tp_predicted_seconds'] * 1e3:.1f} ms "
-                "(" + ", ".join(f"{k} {m['alpha_s'] * 1e6:.0f} us" for k, m in row["tp_models"].items()) + " a call)"
+                f"of {row['tp_bytes'] / (1 << 20):.2f} MiB in all, {row['tp_seconds'] * 1e3:.1f} ms waiting in them: "
+                f"{row['tp_call_seconds'] * 1e3:.1f} ms the calls' own, where the alpha-beta models measured on its "
+                f"group predict {row['tp_predicted_seconds'] * 1e3:.1f} ms ("
+                + ", ".join(f"{k} {m['alpha_s'] * 1e6:.0f} us" for k, m in row["tp_models"].items())
+                + f" a call), and {row['tp_peer_wait_seconds'] * 1e3:.1f} ms for a later peer"
             )
     return lines
 

@@ -31,9 +31,11 @@ that cost in time per micro-batch.
 
 For each grid with tp > 1, a line explains the step by its tensor-parallel traffic: the
 calls and bytes per step of the TP functions (:data:`hpcdl.parallel.tp_comm.traffic`), the
-time the slowest rank waited in them, and the time predicted by α-β models
-(:mod:`collectives.cost`) of each kind of call, fitted to calls of 1 KiB to 1 MiB made on the
-grid's TP group just before (:func:`alpha_beta`).
+time the slowest rank waited in them, split into the calls' own cost and the wait for a
+later peer (a rank that reaches a call first waits for the others' compute:
+:func:`split_waiting`), and the time predicted by α-β models (:mod:`collectives.cost`) of
+each kind of call, fitted to calls of 1 KiB to 1 MiB made on the grid's TP group just
+before (:func:`alpha_beta`), to set against the calls' own cost.
 
 The last line is a pipeline of ``p`` stages of equal layers (each a stack of Linear layers,
 tp = 1, dp = 1 over the job's ranks), where the slowest stage's bubble should be within 10%
@@ -229,17 +231,35 @@ def alpha_beta(group: Any, repeats: int = 8) -> dict[str, AlphaBeta]:
     return models
 
 
-def _tp_columns(grid: Grid, counts: dict[str, dict[str, float]], steps: int, models: dict[str, AlphaBeta]):
+def split_waiting(calls: list[float], group: Any) -> tuple[float, float]:
+    """``calls`` (this rank's seconds in each tensor-parallel call, in order) split into the
+    calls' own cost and the wait for peers (collective over the world; the ranks of each TP
+    ``group`` made the same calls in the same order): a call's own cost is the least of its
+    group's ranks' seconds in it, the time it took once the last of them arrived, and what
+    this rank waited beyond that was for a later peer. Both summed over the calls."""
+    own = torch.tensor(calls, dtype=torch.float64)
+    lengths = hvd.allreduce(torch.tensor([len(calls), -len(calls)], dtype=torch.float64), op=hvd.Max, process_set=group)
+    if max_over_ranks(float(lengths.sum() != 0)):
+        raise RuntimeError("the ranks of a tensor-parallel group made different numbers of calls")
+    least = hvd.allreduce(own, op=hvd.Min, process_set=group, name="bench.least")
+    return float(least.sum()), float((own - least).sum())
+
+
+def _tp_columns(
+    grid: Grid, counts: dict[str, dict[str, float]], calls: list[float], steps: int, models: dict[str, AlphaBeta]
+):
     """The step's tensor-parallel traffic (calls, bytes, seconds measured and predicted, each
-    per step; the slowest rank's seconds) and the α-β models behind the prediction."""
-    calls = sum(c["calls"] for c in counts.values()) / steps
-    nbytes = sum(c["bytes"] for c in counts.values()) / steps
+    per step; the slowest rank's seconds, split into the calls' own cost and the wait for a
+    later peer: :func:`split_waiting`) and the α-β models behind the prediction."""
     measured = sum(c["seconds"] for c in counts.values()) / steps
     predicted = sum(models[k].time(c["bytes"], c["calls"]) for k, c in counts.items() if c["calls"]) / steps
+    cost, waited = split_waiting(calls, grid.tp_group)
     return {
-        "tp_calls": calls,
-        "tp_bytes": nbytes,
+        "tp_calls": sum(c["calls"] for c in counts.values()) / steps,
+        "tp_bytes": sum(c["bytes"] for c in counts.values()) / steps,
         "tp_seconds": max_over_ranks(measured),
+        "tp_call_seconds": max_over_ranks(cost / steps),
+        "tp_peer_wait_seconds": max_over_ranks(waited / steps),
         "tp_predicted_seconds": max_over_ranks(predicted),
         "tp_models": {k: {"alpha_s": m.alpha, "beta_Bps": m.beta} for k, m in models.items()},
     }
@@ -298,14 +318,15 @@ def measure(
         step(k)
     models = alpha_beta(grid.tp_group) if grid.tp > 1 else {}
     times, steps_spans = [], []
-    traffic.reset()
+    traffic.reset(keep_calls=grid.tp > 1)
     for k in range(steps):
         hvd.barrier()
         t0 = time.perf_counter()
         step(2 + k)
         times.append(max_over_ranks(time.perf_counter() - t0))
         steps_spans.append(step_spans(pipe))
-    counts = traffic.snapshot()
+    counts, calls = traffic.snapshot(), traffic.calls
+    traffic.reset()
     bubble = bubbles(steps_spans) or {}
     meter = ActivationMeter()
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
@@ -332,7 +353,7 @@ def measure(
         "bubble_formula": (grid.pp - 1) / (chunks + grid.pp - 1),
     }
     if models:
-        row.update(_tp_columns(grid, counts, steps, models))
+        row.update(_tp_columns(grid, counts, calls, steps, models))
     pipe.close()
     return row
 
@@ -408,7 +429,8 @@ def report(rows: list[dict[str, Any]], command: str, a: Any) -> str:
 
 def _tp_lines(rows: list[dict[str, Any]]) -> list[str]:
     """Per grid with tp > 1: its tensor-parallel traffic per step, the time its ranks waited
-    in it, and the time the α-β models measured on its TP group predict."""
+    in it, split into the calls' own cost (beside what the α-β models measured on its TP
+    group predict) and the wait for a later peer."""
     lines = []
     for r in rows:
         if "tp_calls" not in r:
@@ -418,8 +440,10 @@ def _tp_lines(rows: list[dict[str, Any]]) -> list[str]:
         )
         lines.append(
             f"{r['grid']} tensor parallelism per step: {r['tp_calls']:.0f} calls, {r['tp_bytes'] / (1 << 20):.2f} MiB; "
-            f"{r['tp_seconds'] * 1e3:.1f} ms waiting in them of a {r['step_s'] * 1e3:.1f} ms step, "
-            f"alpha-beta predicts {r['tp_predicted_seconds'] * 1e3:.1f} ms ({models})"
+            f"{r['tp_seconds'] * 1e3:.1f} ms waiting in them of a {r['step_s'] * 1e3:.1f} ms step: "
+            f"{r['tp_call_seconds'] * 1e3:.1f} ms the calls' own, where alpha-beta predicts "
+            f"{r['tp_predicted_seconds'] * 1e3:.1f} ms ({models}), and {r['tp_peer_wait_seconds'] * 1e3:.1f} ms "
+            "for a later peer"
         )
     return lines
 

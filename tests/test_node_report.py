@@ -139,6 +139,10 @@ def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_f
     tp = [r for r in json.loads((tmp_path / "raw" / "pipeline_np2.json").read_text()) if r["grid"] == "1x2x1"][0]
     assert tp["tp_calls"] > 0 and tp["tp_bytes"] > 0 and 0 < tp["tp_seconds"] < tp["step_s"]
     assert f"{tp['tp_calls']:.0f} tensor-parallel calls of {tp['tp_bytes'] / (1 << 20):.2f} MiB" in summary
+    # the wait split: the calls' own cost (the least of the ranks' seconds in each) is at most any rank's seconds
+    assert 0 < tp["tp_call_seconds"] <= tp["tp_seconds"] + 1e-12 and tp["tp_peer_wait_seconds"] >= 0
+    own, peer = tp["tp_call_seconds"] * 1e3, tp["tp_peer_wait_seconds"] * 1e3
+    assert f"{own:.1f} ms the calls' own" in summary and f"{peer:.1f} ms for a later peer" in summary
     # the planner against the GPT's steps, each grid's line from the check's own JSON
     plan = json.loads((tmp_path / "raw" / "plan_np2.json").read_text())
     assert [r["grid"] for r in plan["rows"]] == ["2x1x1", "1x1x2"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import re
+import time
 
 import pytest
 import torch
@@ -305,6 +306,38 @@ def test_allreduce_sequence_parallel_grads_sums_the_marked_gradients_only():
     assert not any(getattr(p, "sequence_parallel", False) for p in ParallelMLP(4, 2 * n, dtype=D).parameters())
     sp = ParallelMLP(4, 2 * n, dtype=D, sequence_parallel=True)
     assert [name for name, p in sp.named_parameters() if getattr(p, "sequence_parallel", False)] == ["fc2.bias"]
+    g.close()
+
+
+def test_the_wait_in_tensor_parallel_calls_splits_into_their_own_cost_and_the_wait_for_a_later_peer():
+    """TP rank r reaches each of five calls r x 10 ms after rank 0: rank r waits about
+    (tp - 1 - r) x 10 ms a call for the last, and the calls' own cost (the least of the
+    group's seconds in each) is what the last rank spent in them; the split of each
+    rank's seconds adds up to them. Lists of different lengths on a group's ranks raise
+    on every rank."""
+    from benchmarks.parallel_gpt import split_waiting
+
+    g = tp_grid()
+    group, n, r = g.tp_group, g.tp, g.tp_rank
+    late, calls = 0.01, 5
+    tp_comm.tp_sum(torch.ones(256, dtype=D), group)  # the first call sets the group's path up
+    traffic.reset(keep_calls=True)
+    for _ in range(calls):
+        time.sleep(r * late)
+        tp_comm.tp_sum(torch.ones(256, dtype=D), group)
+    mine = traffic.calls
+    traffic.reset()
+    assert traffic.calls is None and len(mine) == calls
+    cost, waited = split_waiting(mine, group)
+    assert cost + waited == pytest.approx(sum(mine))
+    expected = calls * (n - 1 - r) * late
+    assert 0.8 * expected <= waited <= expected + calls * late / 2, (waited, expected)
+    last = torch.tensor([sum(mine) if r == n - 1 else 0.0], dtype=torch.float64)
+    last = float(hvd.allreduce(last, op=hvd.Sum, process_set=group))  # what the last rank spent in the calls
+    assert cost <= last + 1e-12 and cost < calls * late / 2
+    if n > 1:
+        with pytest.raises(RuntimeError, match="made different numbers of calls"):
+            split_waiting(mine + [0.001] if r == 0 else mine, group)
     g.close()
 
 

@@ -76,16 +76,27 @@ class Traffic:
     """The tensor-parallel collectives run on this process since :meth:`reset`, by kind
     (``allreduce``, ``allgather``, ``reducescatter``): calls, bytes (each call's input on
     this rank, the size a cost model takes) and seconds (from starting the call to its
-    result, on this rank)."""
+    result, on this rank).
+
+    Attributes:
+        counts: by kind, the calls, bytes and seconds so far.
+        calls: with ``reset(keep_calls=True)``, each call's seconds in the order they ran
+            (else None). A group's ranks make the same calls in the same order, so the
+            least of its ranks' seconds for one call is that call's own cost, paid once
+            every rank had reached it, and what a rank waited beyond that was for a later
+            peer (``benchmarks.parallel_gpt`` splits a step's waiting so).
+    """
 
     KINDS = ("allreduce", "allgather", "reducescatter")
 
     def __init__(self) -> None:
         self.reset()
 
-    def reset(self) -> None:
-        """Start counting afresh."""
+    def reset(self, keep_calls: bool = False) -> None:
+        """Start counting afresh; with ``keep_calls``, also list each call's seconds (a
+        float a call, for as long as it counts: for measurements, not a training run)."""
         self.counts = {k: {"calls": 0, "bytes": 0, "seconds": 0.0} for k in self.KINDS}
+        self.calls: list[float] | None = [] if keep_calls else None
 
     def add(self, kind: str, nbytes: int, seconds: float) -> None:
         """Count one call of ``kind``."""
@@ -93,6 +104,8 @@ class Traffic:
         c["calls"] += 1
         c["bytes"] += nbytes
         c["seconds"] += seconds
+        if self.calls is not None:
+            self.calls.append(seconds)
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """A copy of the counts, by kind."""
