@@ -44,7 +44,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives as C
-from collectives.cli import ArgumentParser, dump_json, parse_size
+from collectives.cli import ArgumentParser, dump_json, parse_size, replace_file
 from collectives.context import get_context
 from collectives.select import choose
 
@@ -777,9 +777,5 @@ def main(bench: str, argv: list[str] | None = None, comm: MPI.Comm | None = None
 
 
 def _write_json(path: str, record: dict[str, Any]) -> None:
-    """``record`` into ``path`` whole: written beside it, then moved over it, so that a
-    reader never finds half a file."""
-    part = f"{path}.part"
-    with open(part, "w", encoding="utf-8") as fh:
-        dump_json(record, fh, indent=1)
-    os.replace(part, path)
+    """``record`` into ``path`` whole: a reader never finds half a file."""
+    replace_file(path, lambda fh: dump_json(record, fh, indent=1))

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ArgumentParser", "run_main", "parse_size", "parse_sizes", "dump_json"]
+__all__ = ["ArgumentParser", "run_main", "parse_size", "parse_sizes", "dump_json", "replace_file"]
 
 _DRAIN_S = 0.5
 """How long a failing rank waits between printing why and ``MPI_Abort``: the abort tears
@@ -60,6 +61,32 @@ def dump_json(obj: Any, fh: Any, **kw: Any) -> None:
     """``json.dump`` that writes valid JSON only: a non-finite float (a ratio of a zero
     time, say) becomes ``null`` instead of the ``NaN``/``Infinity`` JSON has no word for."""
     json.dump(_finite(obj), fh, allow_nan=False, **kw)
+
+
+def replace_file(path: str, write: Callable[[Any], None], binary: bool = False, durable: bool = False) -> None:
+    """Give ``path`` new content whole: ``write(fh)`` fills a file beside it (text, UTF-8, or
+    ``binary``), which then replaces ``path``, so that a reader finds the old file or the
+    complete new one, never part of one, however the writer ends. If ``write`` raises, the
+    partial file is removed and ``path`` is left as it was. ``durable`` also flushes the
+    file and its directory to disk before returning (a checkpoint), so a crash of the
+    machine after it keeps the new file. The partial file is ``path.tmp-PID``."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") if binary else open(tmp, "w", encoding="utf-8") as fh:
+            write(fh)
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    if durable:
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def parse_size(text: str) -> int:

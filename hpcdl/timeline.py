@@ -19,6 +19,8 @@ import os
 import time
 from typing import Any
 
+from collectives.cli import replace_file
+
 __all__ = ["Timeline", "write_trace", "path_problem"]
 
 
@@ -106,7 +108,4 @@ def write_trace(path: str, per_rank: list[list[dict[str, Any]]]) -> None:
         "displayTimeUnit": "ms",
         "otherData": {"producer": "hpcdl", "ranks": len(per_rank), "written": time.time()},
     }
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(doc, fh, allow_nan=False)
-    os.replace(tmp, path)
+    replace_file(path, lambda fh: json.dump(doc, fh, allow_nan=False))

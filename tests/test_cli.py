@@ -3,11 +3,14 @@ job without a traceback, and an uncaught exception on one rank aborting the whol
 
 from __future__ import annotations
 
+import os
 import textwrap
 import time
 
 import pytest
 from conftest import mpiexec_job
+
+from collectives.cli import replace_file
 
 
 def test_parse_size_reads_suffixes_and_names_bad_text():
@@ -20,6 +23,24 @@ def test_parse_size_reads_suffixes_and_names_bad_text():
     for bad in ("4Q", "", "M", "-4", "1.5M", "4KK"):
         with pytest.raises(argparse.ArgumentTypeError, match=f"bad size {bad!r}"):
             parse_size(bad)
+
+
+@pytest.mark.parametrize("binary, durable", [(False, False), (True, True)])
+def test_replace_file_gives_the_whole_new_file_or_leaves_the_old_one(tmp_path, binary, durable):
+    path = str(tmp_path / "f")
+    old, new = ("old", "new\n") if not binary else (b"old", bytes(range(256)))
+    replace_file(path, lambda fh: fh.write(old), binary=binary, durable=durable)
+
+    def half(fh):
+        fh.write(new[:2])
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        replace_file(path, half, binary=binary, durable=durable)
+    read = (lambda: open(path, "rb").read()) if binary else (lambda: open(path, encoding="utf-8").read())
+    assert read() == old and os.listdir(tmp_path) == ["f"]  # the old file, no partial one beside it
+    replace_file(path, lambda fh: fh.write(new), binary=binary, durable=durable)
+    assert read() == new and os.listdir(tmp_path) == ["f"]
 
 
 def test_a_bad_size_on_the_command_line_is_a_usage_error_on_every_rank_without_a_traceback():

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from collectives.cli import replace_file
+
 __all__ = [
     "save_atomic",
     "latest",
@@ -87,23 +89,8 @@ def save_atomic(obj: dict[str, Any], path: str) -> None:
     ``path`` is either absent, the old file, or the complete new one."""
     obj = {k: v for k, v in obj.items() if k != "sha256"}
     obj["sha256"] = content_digest(obj)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as fh:
-            torch.save(obj, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    replace_file(path, lambda fh: torch.save(obj, fh), binary=True, durable=True)
 
 
 def steps_in(directory: str) -> list[int]:

@@ -7,15 +7,20 @@ import json
 import os
 from typing import Any
 
+from collectives.cli import replace_file
+
 __all__ = ["Metrics", "write_json", "plot"]
 
 
 def write_json(path: str, obj: Any) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=1, allow_nan=False)  # NaN and Infinity are not JSON
+    """``obj`` as JSON into ``path``, whole (:func:`collectives.cli.replace_file`); a NaN or
+    an infinity raises, as JSON has no word for them."""
+
+    def write(fh: Any) -> None:
+        json.dump(obj, fh, indent=1, allow_nan=False)
         fh.write("\n")
-    os.replace(tmp, path)
+
+    replace_file(path, write)
 
 
 class Metrics:
