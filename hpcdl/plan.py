@@ -1105,6 +1105,8 @@ def _check_sizes(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
     for name in ("tp", "pp", "micro_batch", "chunks", "nics_per_node", "top"):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} {getattr(a, name)}: must be at least 1")
+    if not (math.isfinite(a.compute_efficiency) and 0 < a.compute_efficiency <= 1):
+        p.error(f"--compute-efficiency {a.compute_efficiency:g}: must lie in (0, 1], a fraction of the GPU's peak")
     if a.sequence_parallel == "yes" and a.tp == 1:
         p.error("--sequence-parallel yes needs --tp > 1: with one rank a group there is nothing to split")
 
@@ -1150,9 +1152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.plot and ok:
         _svg(ok[: min(a.top, 12)], a.plot)
     days = None if a.tokens is None else (lambda step: train_days(step, a.global_batch, model.seq, a.tokens))
-    if a.json:
-        if not ok and not refused:
-            print(_undivided(a, skipped), file=sys.stderr)
+    if a.json:  # the rows on stdout; why none fits, if none does, on stderr
+        if not ok:
+            print("\n".join(_refusals(refused)) if refused else _undivided(a, skipped), file=sys.stderr)
         rows = [e.row() for e in ok]
         for r in rows if days else []:
             r["train_days"] = round(days(r["step_s"]), 3)
@@ -1163,18 +1165,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{model.heads} heads, seq {model.seq}, vocab {model.vocab}), batch {a.global_batch}, {a.gpus} x {gpu.name}, "
         f"{cl.gpus_per_node} per node, efficiency {cl.efficiency:.3f}{', flash attention' * fixed['flash_attention']}"
     )
-    if ok or refused:
-        print("\n".join(_table(ok, a.top, days)) if ok else "no layout fits")
-    else:  # not one layout to estimate: say what does not divide
+    if ok:
+        print("\n".join(_table(ok, a.top, days)))
+    if refused:
+        print("\n".join(_refusals(refused, fits=bool(ok))))
+    elif not ok:  # not one layout to estimate: say what does not divide
         print(_undivided(a, skipped))
-    for e in refused[:5]:
-        lay = e.layout
-        print(
-            f"refused dp={lay.dp} tp={lay.tp} pp={lay.pp} micro_batch={lay.micro_batch} zero={lay.zero} "
-            f"recompute={lay.recomputation()} sequence_parallel={'yes' if lay.sequence_parallel else 'no'} "
-            f"chunks={lay.chunks} ({e.step_s:.3f} s): {e.refused}"
-        )
     return 0 if ok else 1
+
+
+def _refusals(refused: list[Estimate], fits: bool = False) -> list[str]:
+    """Why the fastest refused layouts cannot run (after "no layout fits" where none does),
+    and, where none fits, the one that comes closest in memory (the least per GPU)."""
+    shown = refused[:5]
+    closest = min(refused, key=lambda e: sum(e.memory.values()))
+    lines = [] if fits else ["no layout fits"]
+    for e in shown + ([] if fits or closest in shown else [closest]):
+        lay = e.layout
+        lines.append(
+            f"{'refused' if e is not closest or fits else 'closest to fitting'} dp={lay.dp} tp={lay.tp} pp={lay.pp} "
+            f"micro_batch={lay.micro_batch} zero={lay.zero} recompute={lay.recomputation()} "
+            f"sequence_parallel={'yes' if lay.sequence_parallel else 'no'} chunks={lay.chunks} "
+            f"({e.step_s:.3f} s): {e.refused}"
+        )
+    return lines
 
 
 if __name__ == "__main__":

@@ -334,6 +334,9 @@ def test_the_command_takes_a_node_reports_link_and_refuses_bad_input(capsys, tmp
         (["--measured-tflops", "100"], "needs the measured layout"),
         (["--intra", str(tmp_path / "list.json")], "holds no measured allreduce"),
         (["--hidden", "2300"], "not a multiple of heads"),
+        (["--compute-efficiency", "0"], "--compute-efficiency 0: must lie in (0, 1]"),
+        (["--compute-efficiency", "1.5"], "--compute-efficiency 1.5: must lie in (0, 1]"),
+        (["--compute-efficiency", "nan"], "--compute-efficiency nan: must lie in (0, 1]"),
     ):
         with pytest.raises(SystemExit) as exc:
             main(base + args)
@@ -341,6 +344,16 @@ def test_the_command_takes_a_node_reports_link_and_refuses_bad_input(capsys, tmp
         assert why in capsys.readouterr().err, args
     code, out = _run(capsys, "--model", "gpt-1t", "--global-batch", "64", "--gpus", "8")
     assert code == 1 and "no layout fits" in out.out and "refused" in out.out and "out of memory" in out.out
+    # where none fits: the fastest refused, and the one needing the least memory, with its figure
+    _, refused = plan(MODELS["gpt-1t"], 64, replace(SELENE, gpus=8))
+    least = min(refused, key=lambda e: sum(e.memory.values()))
+    lines = out.out.splitlines()
+    closest = [line for line in lines if line.startswith("closest to fitting")]
+    assert len(closest) == 1 and least.refused in closest[0] and f"pp={least.layout.pp} " in closest[0], closest
+    assert len([line for line in lines if line.startswith("refused")]) == 5 - (least in refused[:5])
+    # with --json: the empty list on stdout, the same reasons on stderr
+    code, out = _run(capsys, "--model", "gpt-1t", "--global-batch", "64", "--gpus", "8", "--json")
+    assert code == 1 and json.loads(out.out) == [] and "no layout fits" in out.err and closest[0] in out.err
 
 
 def test_a_processor_core_fits_back_to_the_rate_and_overhead_it_ran_at():
