@@ -14,6 +14,8 @@ source "$(dirname "$0")/env.sh"
 # rewritten test modules, from __pycache__ rather than each compiling them again (where the
 # environment says not to write bytecode: 0.3 s of a process's start, 4 s of a rank's collection)
 unset PYTHONDONTWRITEBYTECODE
+echo "-- environment ready in ${SECONDS} s"
+SECONDS=0
 # SIGTERM (a CI runner or Slurm cancelling the job) and Ctrl-C end the running test job too: each
 # runs in the background under `timeout`, which passes the signal on to its whole job
 # (bash runs a trap only once the command it waits for ends, but `wait` it interrupts)
@@ -39,8 +41,9 @@ STALLS=(HPCDL_STALL_TIMEOUT="${HPCDL_STALL_TIMEOUT:-60}"
 status=0
 
 echo "== single process"
-# the slowest tests listed at the end: where the suite's time goes
+# the slowest tests listed at the end, and each run's seconds: where the suite's time goes
 in_bg timeout -k 10 1200 python -m pytest "${PYTEST_OPTS[@]}" --durations=15 tests || status=1
+echo "-- single process: ${SECONDS} s"
 
 # mpirun N [VAR=value ...] -- test files
 mpirun() {
@@ -51,6 +54,7 @@ mpirun() {
     files=("$@")
     echo "== mpiexec -n $n ${envs[*]} ${files[*]}"
     rm -f .pytest-rank*.log
+    local start=$SECONDS
     # thread timeouts end the process, so mpiexec ends the other ranks too
     if ! in_bg env "${STALLS[@]}" "${envs[@]}" timeout -k 10 900 mpiexec -n "$n" python tests/mpi_pytest.py "${PYTEST_OPTS[@]}" \
             --timeout=120 --timeout-method=thread -m mpi "${files[@]}"; then
@@ -59,6 +63,7 @@ mpirun() {
             [ -f "$f" ] && { echo "---- $f"; tail -n 80 "$f"; }
         done
     fi
+    echo "-- mpiexec -n $n: $((SECONDS - start)) s"
 }
 
 # at 3 and 4 ranks, every file but those the 5-rank run covers too (the collectives, ops and
@@ -83,5 +88,5 @@ mpirun 4 HPCDL_SHM_SPIN=2000 -- tests/test_collectives.py tests/test_compiled_ch
 mpirun 5 -- "${AT_5[@]}"
 mpirun 8 -- "${AT_8[@]}"
 rm -f .pytest-rank*.log
-if [ "$status" -eq 0 ]; then echo "all test runs passed"; else echo "SOME TEST RUNS FAILED"; fi
+if [ "$status" -eq 0 ]; then echo "all test runs passed in ${SECONDS} s"; else echo "SOME TEST RUNS FAILED (${SECONDS} s)"; fi
 exit "$status"
