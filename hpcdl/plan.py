@@ -1176,14 +1176,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _refusals(refused: list[Estimate], fits: bool = False) -> list[str]:
     """Why the fastest refused layouts cannot run (after "no layout fits" where none does),
-    and, where none fits, the one that comes closest in memory (the least per GPU)."""
+    and, where none fits, of those out of memory the one that comes closest (the least
+    memory per GPU)."""
     shown = refused[:5]
-    closest = min(refused, key=lambda e: sum(e.memory.values()))
+    short = [e for e in refused if e.refused.startswith("out of memory")]
+    closest = None if fits or not short else min(short, key=lambda e: sum(e.memory.values()))
     lines = [] if fits else ["no layout fits"]
-    for e in shown + ([] if fits or closest in shown else [closest]):
+    for e in shown + ([] if closest is None or closest in shown else [closest]):
         lay = e.layout
         lines.append(
-            f"{'refused' if e is not closest or fits else 'closest to fitting'} dp={lay.dp} tp={lay.tp} pp={lay.pp} "
+            f"{'refused' if e is not closest else 'closest to fitting'} dp={lay.dp} tp={lay.tp} pp={lay.pp} "
             f"micro_batch={lay.micro_batch} zero={lay.zero} recompute={lay.recomputation()} "
             f"sequence_parallel={'yes' if lay.sequence_parallel else 'no'} chunks={lay.chunks} "
             f"({e.step_s:.3f} s): {e.refused}"

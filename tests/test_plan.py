@@ -346,7 +346,7 @@ def test_the_command_takes_a_node_reports_link_and_refuses_bad_input(capsys, tmp
     assert code == 1 and "no layout fits" in out.out and "refused" in out.out and "out of memory" in out.out
     # where none fits: the fastest refused, and the one needing the least memory, with its figure
     _, refused = plan(MODELS["gpt-1t"], 64, replace(SELENE, gpus=8))
-    least = min(refused, key=lambda e: sum(e.memory.values()))
+    least = min((e for e in refused if "out of memory" in e.refused), key=lambda e: sum(e.memory.values()))
     lines = out.out.splitlines()
     closest = [line for line in lines if line.startswith("closest to fitting")]
     assert len(closest) == 1 and least.refused in closest[0] and f"pp={least.layout.pp} " in closest[0], closest
@@ -354,6 +354,9 @@ def test_the_command_takes_a_node_reports_link_and_refuses_bad_input(capsys, tmp
     # with --json: the empty list on stdout, the same reasons on stderr
     code, out = _run(capsys, "--model", "gpt-1t", "--global-batch", "64", "--gpus", "8", "--json")
     assert code == 1 and json.loads(out.out) == [] and "no layout fits" in out.err and closest[0] in out.err
+    # refused for the bubble alone (one sequence for 16 GPUs): nothing is closest in memory
+    code, out = _run(capsys, "--model", "gpt-1.7b", "--global-batch", "1", "--gpus", "16")
+    assert code == 1 and "bubble" in out.out and "closest to fitting" not in out.out and "out of memory" not in out.out
 
 
 def test_a_processor_core_fits_back_to_the_rate_and_overhead_it_ran_at():
