@@ -1182,7 +1182,7 @@ def _refusals(refused: list[Estimate], fits: bool = False) -> list[str]:
     short = [e for e in refused if e.refused.startswith("out of memory")]
     closest = None if fits or not short else min(short, key=lambda e: sum(e.memory.values()))
     lines = [] if fits else ["no layout fits"]
-    for e in shown + ([] if closest is None or closest in shown else [closest]):
+    for e in shown + ([] if closest is None or any(e is closest for e in shown) else [closest]):
         lay = e.layout
         lines.append(
             f"{'refused' if e is not closest else 'closest to fitting'} dp={lay.dp} tp={lay.tp} pp={lay.pp} "
