@@ -65,7 +65,7 @@ import math
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, NamedTuple
 
 from collectives.cost import (
@@ -322,6 +322,14 @@ class Layout:
     def recomputation(self) -> str:
         """``full``, ``selective`` or ``none`` (:data:`RECOMPUTATION`)."""
         return recomputation_name(self.recompute, self.selective)
+
+    def describe(self) -> str:
+        """The layout in one line, as the command's flags name its parts."""
+        return (
+            f"dp={self.dp} tp={self.tp} pp={self.pp} micro_batch={self.micro_batch} zero={self.zero} "
+            f"recompute={self.recomputation()} sequence_parallel={'yes' if self.sequence_parallel else 'no'} "
+            f"chunks={self.chunks}" + (" attention=flash" if self.flash_attention else "")
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -980,10 +988,7 @@ def _validation(anchor: str, as_json: bool, p: argparse.ArgumentParser, recomput
         c = r["chosen"]
         print(
             f"{r['model']:<10} {r['published_tflops']:>9.0f} {r['predicted_tflops']:>9.1f} {r['error']:>+7.1%}  "
-            f"dp={c['dp']} tp={c['tp']} pp={c['pp']} micro_batch={c['micro_batch']} zero={c['zero']} "
-            f"recompute={recomputation_name(c['recompute'], c['selective'])} "
-            f"sp={'yes' if c['sequence_parallel'] else 'no'} "
-            f"chunks={c['chunks']} "
+            f"{Layout(**{f.name: c[f.name] for f in fields(Layout)}).describe()} "
             f"({c['step_s'] / r['published_step_s']:.2f})"
         )
     return 0
@@ -1089,8 +1094,7 @@ def _calibrated(a: argparse.Namespace, p: argparse.ArgumentParser, model: GPT, c
     lay = fits[0].layout
     print(
         f"# compute efficiency {cl.efficiency:.3f} of peak gives {a.measured_tflops} TFLOP/s per GPU "
-        f"at dp={lay.dp} tp={lay.tp} pp={lay.pp} micro_batch={lay.micro_batch} zero={lay.zero} "
-        f"recompute={lay.recomputation()} chunks={lay.chunks}",
+        f"at {lay.describe()}",
         file=sys.stderr,
     )
     return cl
@@ -1183,11 +1187,8 @@ def _refusals(refused: list[Estimate], fits: bool = False) -> list[str]:
     closest = None if fits or not short else min(short, key=lambda e: sum(e.memory.values()))
     lines = [] if fits else ["no layout fits"]
     for e in shown + ([] if closest is None or any(e is closest for e in shown) else [closest]):
-        lay = e.layout
         lines.append(
-            f"{'refused' if e is not closest else 'closest to fitting'} dp={lay.dp} tp={lay.tp} pp={lay.pp} "
-            f"micro_batch={lay.micro_batch} zero={lay.zero} recompute={lay.recomputation()} "
-            f"sequence_parallel={'yes' if lay.sequence_parallel else 'no'} chunks={lay.chunks} "
+            f"{'refused' if e is not closest else 'closest to fitting'} {e.layout.describe()} "
             f"({e.step_s:.3f} s): {e.refused}"
         )
     return lines
