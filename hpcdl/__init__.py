@@ -20,10 +20,13 @@ except PackageNotFoundError:  # running from a source tree that was not installe
     __version__ = "0+unknown"
 
 from .basics import (
+    ccl_built,
     cross_rank,
     cross_size,
     cuda_built,
+    ddl_built,
     gloo_built,
+    gloo_enabled,
     init,
     is_homogeneous,
     is_initialized,
@@ -34,6 +37,7 @@ from .basics import (
     mpi_threads_supported,
     nccl_built,
     rank,
+    rocm_built,
     shutdown,
     size,
 )
@@ -104,7 +108,11 @@ __all__ = [
     "mpi_built",
     "nccl_built",
     "gloo_built",
+    "gloo_enabled",
+    "ddl_built",
+    "ccl_built",
     "cuda_built",
+    "rocm_built",
     "Config",
     "ReduceOp",
     "Average",

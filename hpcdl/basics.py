@@ -51,7 +51,11 @@ __all__ = [
     "mpi_built",
     "nccl_built",
     "gloo_built",
+    "gloo_enabled",
+    "ddl_built",
+    "ccl_built",
     "cuda_built",
+    "rocm_built",
 ]
 
 
@@ -329,6 +333,26 @@ def nccl_built() -> bool:
 
 def gloo_built() -> bool:
     """False: hpcdl does not use Gloo."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """False: hpcdl never runs over Gloo."""
+    return False
+
+
+def ddl_built() -> bool:
+    """False: hpcdl has no IBM DDL support."""
+    return False
+
+
+def ccl_built() -> bool:
+    """False: hpcdl has no oneCCL support."""
+    return False
+
+
+def rocm_built() -> bool:
+    """False: hpcdl's device path is for CUDA only, whatever torch was built for."""
     return False
 
 
