@@ -66,6 +66,12 @@ class _GlobalProcessSet(ProcessSet):
     def ranks(self) -> list[int]:
         return list(range(state.current().size))
 
+    def __repr__(self) -> str:
+        # shown in signatures and help() before init: it must not raise there
+        if state.peek() is None:
+            return "ProcessSet(process_set_id=0, ranks=every rank, once initialized)"
+        return super().__repr__()
+
 
 global_process_set: ProcessSet = _GlobalProcessSet()
 """Every rank (process set id 0)."""

@@ -3,6 +3,7 @@ init on a subset, what the build reports."""
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
@@ -24,6 +25,9 @@ def test_hpcdl_basics_on_one_rank():
     assert not hvd.is_initialized()
     with pytest.raises(ValueError, match="not been initialized"):
         hvd.rank()
+    # help() and signatures show the default process set before init
+    assert "every rank" in repr(hvd.global_process_set)
+    assert "process_set: 'ProcessSet' = ProcessSet(process_set_id=0" in str(inspect.signature(hvd.allreduce))
     with pytest.raises(hvd.HpcdlError, match="list of ranks"):
         hvd.init(comm="world")
     with pytest.raises(hvd.HpcdlError, match=r"distinct world ranks in \[0, 1\)"):
