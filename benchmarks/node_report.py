@@ -1,7 +1,9 @@
 """Characterise the node this runs on, in one command, and say what the figures mean.
 
-Run it on the node itself, not under ``mpiexec``: it launches each measurement with the
-``mpiexec`` beside this Python (the wheel's MPICH, or the one on ``PATH``)::
+Run it on the node itself, once, not under ``mpiexec`` or ``srun -n N`` (started as one of
+several tasks, each stops and says so; a Slurm batch script or ``srun -n 1`` is fine): it
+launches each measurement with the ``mpiexec`` beside this Python (the wheel's MPICH, or
+the one on ``PATH``)::
 
     python -m benchmarks.node_report --out report/ [--budget 480] [--max-ranks N]
 
@@ -64,6 +66,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from collectives.launcher import launcher, launcher_size
 from collectives.node.channel import SINGLE_COPY_PROBE
 from collectives.select import load_table, rules
 
@@ -879,8 +882,20 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [x for x in args.steps if x not in SHARES]
     if unknown:
         p.error(f"--steps: unknown {', '.join(unknown)}; the steps are {', '.join(SHARES)}")
+    tasks = launcher_size()
+    if tasks is not None and tasks > 1:  # every task would run the whole report into one directory
+        print(
+            f"node_report: started as one of {tasks} tasks by {launcher()}; run it once, not under mpiexec or "
+            "srun -n: it starts its own MPI jobs",
+            file=sys.stderr,
+        )
+        return 2
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "raw").mkdir(exist_ok=True)
+    except OSError as exc:
+        p.error(f"--out {out}: cannot make the directory: {exc.strerror or exc}")
     t0 = time.monotonic()
     info = machine()
     counts = rank_counts(info["cores"] or 2, args.max_ranks)

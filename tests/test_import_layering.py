@@ -114,6 +114,7 @@ COLLECTIVES_LAYERS = (
         "collectives.cost",
         "collectives.link",
         "collectives.cli",
+        "collectives.launcher",
     ),
     (
         "collectives.node.futex",

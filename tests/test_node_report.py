@@ -25,6 +25,7 @@ from benchmarks.node_report import (
     world_check,
     worst_ratios,
 )
+from collectives.launcher import launcher_size
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -199,6 +200,37 @@ def test_bad_options_are_refused(tmp_path):
     ):
         proc = run_report(tmp_path, *args)
         assert proc.returncode == 2 and says in proc.stderr
+
+
+def test_a_report_started_as_one_of_several_tasks_or_into_a_directory_it_cannot_make_stops_in_one_line(
+    tmp_path, monkeypatch, capsys
+):
+    """Under ``mpiexec -n 2`` or ``srun -n 2`` every task would run the whole report into one
+    directory: each stops at once and says why. A Slurm batch script is one process (no step
+    id), as is ``srun -n 1``."""
+    from benchmarks import node_report
+
+    for var in ("OMPI_COMM_WORLD_RANK", "HYDI_CONTROL_FD", "SLURM_STEP_ID", "PMI_RANK", "PMIX_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    assert launcher_size({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}) is None  # the batch script
+    assert launcher_size({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "1"}) == 1  # srun -n 1
+    for env, who in (
+        ({"HYDI_CONTROL_FD": "7", "PMI_RANK": "1", "PMI_SIZE": "2"}, "2 tasks by mpiexec (MPICH hydra)"),
+        ({"SLURM_STEP_ID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}, "4 tasks by srun (Slurm)"),
+    ):
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            assert node_report.main(["--out", str(tmp_path / "r"), "--quick"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"started as one of {who}; run it once" in err, err
+        assert not (tmp_path / "r").exists()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as stop:
+        node_report.main(["--out", str(tmp_path / "file" / "r"), "--quick"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and f"--out {tmp_path / 'file' / 'r'}: cannot make the directory" in err, err
+    assert "Traceback" not in err
 
 
 def test_a_launcher_whose_ranks_each_see_one_rank_stops_the_report_before_it_measures(tmp_path, monkeypatch):

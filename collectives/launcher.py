@@ -1,0 +1,50 @@
+"""Which launcher started this process, from the variables it sets: MPICH's Hydra, Open
+MPI, Slurm's ``srun``, or another PMI or PMIx launcher. Only the environment is read (MPI
+is not initialized), so a tool that starts MPI jobs of its own can ask first whether it was
+itself started as one of several tasks.
+
+A Slurm batch script is not a task: ``sbatch`` sets ``SLURM_NTASKS`` for the allocation but
+no ``SLURM_STEP_ID``, which only an ``srun`` step has.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+__all__ = ["launcher", "launcher_size"]
+
+# (launcher, a variable only it sets, the variable holding the task count), looked at in
+# this order: hydra's and Open MPI's ranks inside a Slurm allocation still see SLURM_*, and
+# srun's PMI-2 plugin sets PMI_RANK as hydra does
+_LAUNCHERS = (
+    ("mpiexec (Open MPI)", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+    ("mpiexec (MPICH hydra)", "HYDI_CONTROL_FD", "PMI_SIZE"),
+    ("srun (Slurm)", "SLURM_STEP_ID", "SLURM_NTASKS"),
+    ("a PMI launcher", "PMI_RANK", "PMI_SIZE"),
+    ("a PMIx launcher", "PMIX_RANK", None),
+)
+
+
+def _detect(env: Mapping[str, str]) -> tuple[str, str | None]:
+    for name, marker, size_var in _LAUNCHERS:
+        if marker in env:
+            return name, size_var
+    return "none (a single process)", None
+
+
+def launcher(environ: Mapping[str, str] | None = None) -> str:
+    """The name of the launcher that started this process, from its environment."""
+    return _detect(os.environ if environ is None else environ)[0]
+
+
+def launcher_size(environ: Mapping[str, str] | None = None) -> int | None:
+    """The number of tasks the launcher says it started, when it says."""
+    env = os.environ if environ is None else environ
+    size_var = _detect(env)[1]
+    if size_var and size_var in env:
+        try:
+            return int(env[size_var])
+        except ValueError:
+            return None
+    return None
