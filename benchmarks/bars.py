@@ -34,7 +34,7 @@ from mpi4py import MPI
 
 import collectives as C
 from benchmarks import osu
-from collectives.cli import ArgumentParser, dump_json, parse_size, run_main
+from collectives.cli import ArgumentParser, dump_json, output_file, parse_size, run_main
 
 BARS = {
     "allreduce": ["auto", "mpi", "window", "window_inplace", "gloo"],
@@ -219,10 +219,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--collectives", default=",".join(BARS))
     p.add_argument("--no-gloo", action="store_true", help="leave torch.distributed out")
-    p.add_argument("--json", default=None)
-    p.add_argument("--plot", default=None, help="PNG of allreduce latency and busbw against size")
+    p.add_argument("--json", type=output_file, default=None)
+    p.add_argument("--plot", type=output_file, default=None, help="PNG of allreduce latency and busbw against size")
     args = p.parse_args(argv)
     p.require_at_least(("--rounds", args.rounds, 1), ("--min", args.min, 1), ("--max", args.max, args.min))
+    if unknown := [c for c in args.collectives.split(",") if c not in BARS]:
+        p.error(f"--collectives: unknown {', '.join(unknown)}; the collectives are {', '.join(BARS)}")
     np.seterr(over="ignore")  # window_inplace sums its own result again and again: inf, at full speed
     comm = MPI.COMM_WORLD
     comm.Barrier()

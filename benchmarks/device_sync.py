@@ -32,7 +32,7 @@ from typing import Any
 from mpi4py import MPI
 
 import collectives as C
-from collectives.cli import ArgumentParser, dump_json, parse_size, run_main
+from collectives.cli import ArgumentParser, dump_json, output_file, parse_size, run_main
 from collectives.device import ipc
 
 from .osu import use_gpu
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(prog="device_sync", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="4,4K,64K,1M,4M,16M", help="comma-separated sizes in bytes (K, M suffixes)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_file, default=None)
     args = p.parse_args(argv)
     p.require_at_least(("--rounds", args.rounds, 1))
     sizes = [parse_size(s) for s in args.sizes.split(",")]

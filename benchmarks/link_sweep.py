@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from collectives.cli import ArgumentParser, dump_json, parse_size, run_main
+from collectives.cli import ArgumentParser, dump_json, output_dir, parse_size, run_main
 from collectives.cost import allreduce_times, parse_link
 from collectives.select import configured_node_path
 
@@ -121,7 +121,7 @@ def main() -> None:
     p.add_argument("--max", default="4M", help="largest message")
     p.add_argument("--iterations", type=int, default=5)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--out", required=True, help="directory for link_sweep.{json,md,svg}")
+    p.add_argument("--out", type=output_dir, required=True, help="directory for link_sweep.{json,md,svg}")
     a = p.parse_args()
     links = a.link or ["eth-10g", "eth-25g", "eth-100g"]
     for link in links:

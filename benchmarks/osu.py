@@ -44,7 +44,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives as C
-from collectives.cli import ArgumentParser, dump_json, parse_size, replace_file
+from collectives.cli import ArgumentParser, dump_json, output_file, parse_size, replace_file
 from collectives.context import get_context
 from collectives.select import choose
 
@@ -115,8 +115,10 @@ def parse_args(bench: str, argv: list[str] | None = None, ranks: int | None = No
         p.add_argument("--compare", default=None, help="comma-separated contenders: algorithms, window, mpi, gloo")
         p.add_argument("--rounds", type=int, default=5, help="interleaved rounds per size with --compare")
         p.add_argument("--busbw", action="store_true", help="add nccl-tests algbw/busbw columns (GB/s)")
-        p.add_argument("--plot", default=None, help="write latency and busbw against size to this PNG")
-    p.add_argument("--json", default=None, help="write the figures to this file (rank 0)")
+        p.add_argument(
+            "--plot", type=output_file, default=None, help="write latency and busbw against size to this PNG"
+        )
+    p.add_argument("--json", type=output_file, default=None, help="write the figures to this file (rank 0)")
     if not pt2pt:
         p.add_argument(
             "-d",

@@ -31,7 +31,7 @@ from mpi4py import MPI
 import collectives as C
 from benchmarks import osu
 from benchmarks.bars import sized
-from collectives.cli import ArgumentParser, dump_json, parse_size, run_main
+from collectives.cli import ArgumentParser, dump_json, output_file, parse_size, run_main
 
 PLACES = ("huge", "4k", "window")
 BENCHES = ("allgather", "allreduce", "bcast", "reduce_scatter", "reduce")
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--collectives", default="allgather,allreduce,bcast", help="of " + ",".join(BENCHES))
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_file, default=None)
     args = p.parse_args(argv)
     p.require_at_least(("--rounds", args.rounds, 1))
     benches = args.collectives.split(",")

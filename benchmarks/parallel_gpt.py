@@ -62,7 +62,7 @@ from torch import nn
 
 import hpcdl as hvd
 from benchmarks.node_report import bubble_line
-from collectives.cli import ArgumentParser, dump_json, run_main
+from collectives.cli import ArgumentParser, dump_json, output_file, run_main
 from collectives.cost import AlphaBeta, fit
 from hpcdl.parallel import Grid, Pipeline, gather_from_tp, reduce_scatter_seq_to_tp
 from hpcdl.parallel.tp_comm import tp_sum, traffic
@@ -461,7 +461,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--equal-width", type=int, default=512, help="width of the equal stages' Linear layers")
     p.add_argument("--no-equal", action="store_true", help="skip the pipeline of equal stages")
-    p.add_argument("--json", default=None, help="also write the figures to this file (rank 0)")
+    p.add_argument("--json", type=output_file, default=None, help="also write the figures to this file (rank 0)")
     argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
     p.require_at_least(("--steps", a.steps, 1))

@@ -49,7 +49,7 @@ from torch import nn
 import hpcdl as hvd
 from benchmarks.osu import copy_bandwidth
 from benchmarks.parallel_gpt import alpha_beta, gpt_row, max_over_ranks
-from collectives.cli import ArgumentParser, dump_json, run_main
+from collectives.cli import ArgumentParser, dump_json, output_file, run_main
 from collectives.cost import AlphaBeta, link_from_allreduce, ring_allreduce
 from hpcdl.parallel import Grid
 from hpcdl.plan import GPT, GPU, Cluster, Layout, estimate, fit_compute
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--cores", type=int, default=None, help="cores the ranks share (default: those any rank may run on)")
-    p.add_argument("--json", default=None, help="also write the figures to this file (rank 0)")
+    p.add_argument("--json", type=output_file, default=None, help="also write the figures to this file (rank 0)")
     argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
     cores = 1 if a.cores is None else a.cores

@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from collectives.cli import ArgumentParser, dump_json, parse_size, run_main
+from collectives.cli import ArgumentParser, dump_json, output_dir, parse_size, run_main
 from collectives.cost import allreduce_times, parse_link, ps_times
 from collectives.select import configured_node_path
 
@@ -274,7 +274,7 @@ def main() -> None:
     p.add_argument("--sizes", default="1M,4M,16M", help="comma-separated gradient sizes (K/M suffixes)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--partitions", type=int, default=4, help="partitions a server")
-    p.add_argument("--out", help="directory for ps_links.{json,md,svg}")
+    p.add_argument("--out", type=output_dir, help="directory for ps_links.{json,md,svg}")
     p.add_argument("--render", metavar="JSON", help="instead: write the tables and plot of a stored ps_links.json")
     p.add_argument("--work", help=argparse.SUPPRESS)  # the worker part, under mpiexec: where to write its rows
     args = p.parse_args()

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from collectives.cli import ArgumentParser, dump_json, run_main
+from collectives.cli import ArgumentParser, dump_json, output_file, run_main
 
 BATCH = 64
 WARMUP = 2
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--section", choices=["bytes", "steps", "accuracy"], required=True)
     p.add_argument("--steps", type=int, default=8, help="timed steps per contender and case")
     p.add_argument("--mib", type=int, default=4, help="bytes section: MiB of gradients")
-    p.add_argument("--json", default=None, help="also write the figures to this file (rank 0)")
+    p.add_argument("--json", type=output_file, default=None, help="also write the figures to this file (rank 0)")
     argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
     p.require_at_least(("--steps", a.steps, 1), ("--mib", a.mib, 1))

@@ -35,7 +35,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives as C
-from collectives.cli import ArgumentParser, dump_json, parse_size, run_main
+from collectives.cli import ArgumentParser, dump_json, output_file, parse_size, run_main
 from collectives.context import get_context
 from collectives.node.channel import forget_calls
 
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--collectives", default="allreduce,broadcast,allgather")
     p.add_argument("--calls", type=int, default=2000, help="calls per timing")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_file, default=None)
     args = p.parse_args(argv)
     p.require_at_least(("--calls", args.calls, 1), ("--rounds", args.rounds, 1))
     comm = MPI.COMM_WORLD

@@ -31,7 +31,7 @@ from mpi4py import MPI
 from benchmarks import osu
 from benchmarks.bars import sized, sizes_by_four
 from benchmarks.node_report import single_copy_line
-from collectives.cli import ArgumentParser, dump_json, parse_size, run_main
+from collectives.cli import ArgumentParser, dump_json, output_file, parse_size, run_main
 from collectives.context import get_context
 from collectives.node.channel import NONTEMPORAL, last_level_caches
 
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max", type=parse_size, default="16M")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--collectives", default=",".join(BENCHES))
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", type=output_file, default=None)
     args = p.parse_args(argv)
     p.require_at_least(("--rounds", args.rounds, 1), ("--min", args.min, 1), ("--max", args.max, args.min))
     comm = MPI.COMM_WORLD

@@ -35,7 +35,7 @@ from mpi4py import MPI
 
 import hpcdl as hvd
 from benchmarks.osu import gloo_init
-from collectives.cli import ArgumentParser, dump_json, parse_sizes, run_main
+from collectives.cli import ArgumentParser, dump_json, output_file, parse_sizes, run_main
 from hpcdl import state
 from hpcdl.config import load_config
 from hpcdl.staging import device_source
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=None, help="calls per round (default: by size)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the tensors live")
-    p.add_argument("--json", default=None, help="also write the figures to this file (rank 0)")
+    p.add_argument("--json", type=output_file, default=None, help="also write the figures to this file (rank 0)")
     a = p.parse_args(argv)
     p.require_at_least(("--rounds", a.rounds, 1))
     if a.device == "cuda" and not torch.cuda.is_available():

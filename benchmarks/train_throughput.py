@@ -54,7 +54,7 @@ from mpi4py import MPI
 import collectives
 import hpcdl as hvd
 from benchmarks.osu import gloo_init
-from collectives.cli import ArgumentParser, dump_json, run_main
+from collectives.cli import ArgumentParser, dump_json, output_file, run_main
 from hpcdl import state
 
 BATCH = 64
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=12, help="timed steps per contender and round")
     p.add_argument("--timeline-steps", type=int, default=6, help="steps traced for the hidden share")
-    p.add_argument("--json", default=None, help="also write the figures to this file (rank 0)")
+    p.add_argument("--json", type=output_file, default=None, help="also write the figures to this file (rank 0)")
     argv = sys.argv[1:] if argv is None else argv
     a = p.parse_args(argv)
     p.require_at_least(("--rounds", a.rounds, 1), ("--steps", a.steps, 1))

@@ -7,12 +7,22 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ArgumentParser", "run_main", "parse_size", "parse_sizes", "dump_json", "replace_file"]
+__all__ = [
+    "ArgumentParser",
+    "run_main",
+    "parse_size",
+    "parse_sizes",
+    "output_file",
+    "output_dir",
+    "dump_json",
+    "replace_file",
+]
 
 _DRAIN_S = 0.5
 """How long a failing rank waits between printing why and ``MPI_Abort``: the abort tears
@@ -104,6 +114,39 @@ def parse_size(text: str) -> int:
 def parse_sizes(text: str) -> list[int]:
     """Parse a comma-separated list of byte counts (``4,1K,1M``): an argparse ``type=``."""
     return [parse_size(s) for s in text.split(",")]
+
+
+def output_file(text: str) -> str:
+    """An argparse ``type=`` for a file a script writes when it ends (world rank 0 writes
+    it): where that could not succeed (no such directory, no permission, a directory by that
+    name), a usage error before anything is measured instead of a traceback after. World
+    rank 0 tries, on its own filesystem, to open the file for appending (which leaves an
+    existing file as it is; one it made is removed again); the others take the text as it is."""
+    if world_rank() != 0:
+        return text
+    existed = os.path.lexists(text)
+    try:
+        with open(text, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {exc.strerror or exc}") from None
+    if not existed:
+        os.unlink(text)
+    return text
+
+
+def output_dir(text: str) -> str:
+    """As :func:`output_file`, for a directory a script writes its files into: world rank 0
+    makes it (with its parents) where missing, and writes and removes a file in it."""
+    if world_rank() != 0:
+        return text
+    try:
+        os.makedirs(text, exist_ok=True)
+        with tempfile.TemporaryFile(dir=text):
+            pass
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write in {text}: {exc.strerror or exc}") from None
+    return text
 
 
 def run_main(main: Callable[[], Any]) -> Any:

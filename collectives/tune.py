@@ -35,7 +35,7 @@ from mpi4py import MPI
 
 from . import api
 from .blocks import block_counts
-from .cli import ArgumentParser, dump_json, parse_size, run_main
+from .cli import ArgumentParser, dump_json, output_file, parse_size, run_main
 from .context import get_context
 from .cost import AlphaBeta, fit, link_from_allreduce
 from .select import REGISTRY
@@ -139,7 +139,7 @@ def rules_from(winners: list[tuple[int, str]]) -> list[list[Any]]:
 
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(prog="python -m collectives.tune", description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="tuning table to write (rank 0)")
+    p.add_argument("--out", type=output_file, required=True, help="tuning table to write (rank 0)")
     p.add_argument("--merge", help="existing table whose other entries are kept")
     p.add_argument("--min", type=parse_size, default="4", help="smallest message in bytes (K/M suffixes)")
     p.add_argument("--max", type=parse_size, default="64M", help="largest message in bytes")

@@ -43,6 +43,41 @@ def test_replace_file_gives_the_whole_new_file_or_leaves_the_old_one(tmp_path, b
     assert read() == new and os.listdir(tmp_path) == ["f"]
 
 
+def test_an_output_that_could_not_be_written_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    import argparse
+
+    from collectives import cli
+
+    (tmp_path / "plain").write_text("kept")
+    before = os.stat(tmp_path / "plain").st_mtime_ns
+    assert cli.output_file(str(tmp_path / "plain")) == str(tmp_path / "plain")  # appended to, never truncated
+    assert (tmp_path / "plain").read_text() == "kept" and os.stat(tmp_path / "plain").st_mtime_ns == before
+    assert cli.output_file(str(tmp_path / "new.json")) and not (tmp_path / "new.json").exists()  # tried, removed
+    for bad, why in (
+        (tmp_path / "missing" / "t.json", "No such file or directory"),
+        (tmp_path, "Is a directory"),
+        (tmp_path / "plain" / "t.json", "Not a directory"),
+    ):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"cannot write {bad}: {why}"):
+            cli.output_file(str(bad))
+    deep = tmp_path / "a" / "b"
+    assert cli.output_dir(str(deep)) == str(deep) and deep.is_dir() and not list(deep.iterdir())
+    with pytest.raises(argparse.ArgumentTypeError, match=f"cannot write in {tmp_path / 'plain' / 'd'}: "):
+        cli.output_dir(str(tmp_path / "plain" / "d"))
+    monkeypatch.setattr(cli, "world_rank", lambda: 1)  # only the rank that writes checks
+    assert cli.output_file(str(tmp_path / "missing" / "t.json")) == str(tmp_path / "missing" / "t.json")
+    assert not (tmp_path / "missing").exists()
+
+
+def test_the_tuner_with_an_output_it_cannot_write_and_the_bars_with_an_unknown_collective_stop_at_once(tmp_path):
+    tune = mpiexec_job(["-m", "collectives.tune", "--out", str(tmp_path / "missing" / "t.json")])
+    bars = mpiexec_job(["-m", "benchmarks.bars", "--collectives", "allreduce,scan"])
+    assert tune.returncode == 2 and bars.returncode == 2, (tune.stderr, bars.stderr)
+    assert f"argument --out: cannot write {tmp_path / 'missing' / 't.json'}: No such file" in tune.stderr
+    assert "--collectives: unknown scan; the collectives are allreduce, reduce_scatter" in bars.stderr
+    assert "Traceback" not in tune.stderr + bars.stderr  # argument errors: before anything is measured
+
+
 def test_a_bad_size_on_the_command_line_is_a_usage_error_on_every_rank_without_a_traceback():
     proc = mpiexec_job(["-m", "benchmarks.torch_allreduce", "--sizes", "4,1Q"])
     assert proc.returncode == 2, proc.stderr
