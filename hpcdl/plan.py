@@ -68,6 +68,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, NamedTuple
 
+from collectives.cli import output_file
 from collectives.cost import (
     LINKS,
     AlphaBeta,
@@ -938,7 +939,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=float, help="tokens to train on: each row also gives the days it takes")
     p.add_argument("--top", type=int, default=10, help="rows in the table")
     p.add_argument("--json", action="store_true", help="print the rows as JSON, best first")
-    p.add_argument("--plot", help="write the step breakdown of the best rows to this SVG file")
+    p.add_argument("--plot", type=output_file, help="write the step breakdown of the best rows to this SVG file")
     p.add_argument(
         "--validate",
         metavar="ANCHOR",
