@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -118,34 +118,37 @@ def parse_sizes(text: str) -> list[int]:
 
 def output_file(text: str) -> str:
     """An argparse ``type=`` for a file a script writes when it ends (world rank 0 writes
-    it): where that could not succeed (no such directory, no permission, a directory by that
-    name), a usage error before anything is measured instead of a traceback after. World
-    rank 0 tries, on its own filesystem, to open the file for appending (which leaves an
-    existing file as it is; one it made is removed again); the others take the text as it is."""
+    it): where that could not succeed (no such directory, a file where a directory should
+    be, a directory by that name, no permission), a usage error before anything is measured
+    instead of a traceback after. World rank 0 checks, on its own filesystem and without
+    making anything; the others take the text as it is."""
     if world_rank() != 0:
         return text
-    existed = os.path.lexists(text)
-    try:
-        with open(text, "a", encoding="utf-8"):
-            pass
-    except OSError as exc:
-        raise argparse.ArgumentTypeError(f"cannot write {text}: {exc.strerror or exc}") from None
-    if not existed:
-        os.unlink(text)
-    return text
+    path = os.path.abspath(text)
+    parent = os.path.dirname(path)
+    if os.path.isdir(path):
+        why = errno.EISDIR
+    elif not os.path.isdir(parent):
+        why = errno.ENOTDIR if os.path.exists(parent) else errno.ENOENT
+    elif not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        why = errno.EACCES
+    else:
+        return text
+    raise argparse.ArgumentTypeError(f"cannot write {text}: {os.strerror(why)}")
 
 
 def output_dir(text: str) -> str:
     """As :func:`output_file`, for a directory a script writes its files into: world rank 0
-    makes it (with its parents) where missing, and writes and removes a file in it."""
+    makes it (with its parents) where missing, as the script would, and checks that it may
+    write there."""
     if world_rank() != 0:
         return text
     try:
         os.makedirs(text, exist_ok=True)
-        with tempfile.TemporaryFile(dir=text):
-            pass
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot write in {text}: {exc.strerror or exc}") from None
+    if not os.access(text, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write in {text}: {os.strerror(errno.EACCES)}")
     return text
 
 

@@ -23,7 +23,6 @@ that, where ``auto`` chooses across emulated links and where the planner costs a
 from __future__ import annotations
 
 import collections
-import json
 import math
 import statistics
 import sys
@@ -36,8 +35,10 @@ from mpi4py import MPI
 from . import api
 from .blocks import block_counts
 from .cli import ArgumentParser, dump_json, output_file, parse_size, run_main
+from .config import read_tuning_file
 from .context import get_context
 from .cost import AlphaBeta, fit, link_from_allreduce
+from .errors import ConfigError
 from .select import REGISTRY
 
 __all__ = ["measure", "vote", "rules_from", "main"]
@@ -137,6 +138,21 @@ def rules_from(winners: list[tuple[int, str]]) -> list[list[Any]]:
     return rules
 
 
+def _merge_base(p: ArgumentParser, path: str | None, comm: MPI.Comm) -> dict[str, Any] | None:
+    """The table ``--merge`` names, read by rank 0 before anything is measured; a usage
+    error on every rank where it is not a tuning table."""
+    table, why = None, None
+    if path and comm.rank == 0:
+        try:
+            table = read_tuning_file(path)
+        except ConfigError as exc:
+            why = str(exc)
+    why = comm.bcast(why, root=0)
+    if why:
+        p.error(f"--merge: {why}")
+    return table
+
+
 def main(argv: list[str] | None = None) -> None:
     p = ArgumentParser(prog="python -m collectives.tune", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=output_file, required=True, help="tuning table to write (rank 0)")
@@ -161,7 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     p.require_at_least(("--rounds", args.rounds, 1), ("--sweeps", args.sweeps, 1), ("--iterations", args.iterations, 0))
     if not 0 < args.min <= args.max:
         p.error(f"--min {args.min} --max {args.max}: need 0 < min <= max")
+    if unknown := [c for c in args.collectives.split(",") if c not in COLLECTIVES]:
+        p.error(f"--collectives: unknown {', '.join(unknown)}; the collectives are {', '.join(COLLECTIVES)}")
     comm = MPI.COMM_WORLD
+    merged = _merge_base(p, args.merge, comm)
     ctx = get_context(comm)
     nodes = ctx.topology().nodes
     lo, hi = args.min, args.max
@@ -191,10 +210,7 @@ def main(argv: list[str] | None = None) -> None:
         if coll == "allreduce" and nodes == 1 and comm.size > 1 and "ring" in names and len(sizes) > 1:
             path = measured_node_path(meds, comm.size)
     if comm.rank == 0:
-        table: dict[str, Any] = {"machine": args.machine, "tables": []}
-        if args.merge:
-            with open(args.merge, encoding="utf-8") as fh:
-                table = json.load(fh)
+        table: dict[str, Any] = merged or {"machine": args.machine, "tables": []}
         keys = {(e["collective"], e["size"], e["nodes"]) for e in entries}
         kept = [e for e in table.get("tables", []) if (e["collective"], e["size"], e["nodes"]) not in keys]
         table["tables"] = sorted(kept + entries, key=lambda e: (e["collective"], e["nodes"], e["size"]))

@@ -227,6 +227,8 @@ def test_the_json_holds_each_size_as_soon_as_it_is_measured(monkeypatch):
         (["--sweeps", "-1"], "--sweeps -1: must be at least 1"),
         (["--iterations", "-3"], "--iterations -3: must be at least 0"),
         (["--min", "1M", "--max", "4K"], "--min 1048576 --max 4096: need 0 < min <= max"),
+        (["--collectives", "allreduce,scan"], "--collectives: unknown scan; the collectives are allreduce"),
+        (["--merge", "no-such-table.json"], "--merge: tuning_file='no-such-table.json' does not exist"),
     ],
 )
 def test_options_the_tuner_refuses_are_refused(argv, text, capsys):
@@ -242,6 +244,7 @@ def test_options_the_tuner_refuses_are_refused(argv, text, capsys):
     [
         ("bars", ["--rounds", "0"], "--rounds 0: must be at least 1"),
         ("bars", ["--min", "1M", "--max", "4K"], "--max 4096: must be at least 1048576"),
+        ("bars", ["--collectives", "allreduce,scan"], "--collectives: unknown scan; the collectives are allreduce"),
         ("torch_allreduce", ["--rounds", "-1"], "--rounds -1: must be at least 1"),
         ("train_throughput", ["--steps", "0"], "--steps 0: must be at least 1"),
         ("parallel_gpt", ["--steps", "0"], "--steps 0: must be at least 1"),
@@ -299,6 +302,16 @@ def test_tuner_writes_a_table_that_auto_follows():
             assert choose(ctx, "allreduce", nbytes) == want
         assert np.array_equal(C.allreduce(np.ones(3), comm=comm), np.full(3, float(WORLD.size)))
         comm.Free()
+        # --merge keeps the table's other rows and adds the new ones
+        tune.main(
+            ["--out", path, "--merge", path, "--max", "16", "--rounds", "1", "--iterations", "3"]
+            + ["--collectives", "reduce"]
+        )
+        WORLD.Barrier()
+        with open(path, encoding="utf-8") as fh:
+            merged = json.load(fh)
+        assert [e for e in merged["tables"] if e["collective"] != "reduce"] == table["tables"]
+        assert [e["collective"] for e in merged["tables"]].count("reduce") == 1 and len(merged["runs"]) == 2
     finally:
         WORLD.Barrier()
         if WORLD.rank == 0 and os.path.exists(path):

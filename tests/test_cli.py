@@ -50,9 +50,9 @@ def test_an_output_that_could_not_be_written_is_refused_before_anything_runs(tmp
 
     (tmp_path / "plain").write_text("kept")
     before = os.stat(tmp_path / "plain").st_mtime_ns
-    assert cli.output_file(str(tmp_path / "plain")) == str(tmp_path / "plain")  # appended to, never truncated
+    assert cli.output_file(str(tmp_path / "plain")) == str(tmp_path / "plain")  # checked, not touched
     assert (tmp_path / "plain").read_text() == "kept" and os.stat(tmp_path / "plain").st_mtime_ns == before
-    assert cli.output_file(str(tmp_path / "new.json")) and not (tmp_path / "new.json").exists()  # tried, removed
+    assert cli.output_file(str(tmp_path / "new.json")) and not (tmp_path / "new.json").exists()  # nothing made
     for bad, why in (
         (tmp_path / "missing" / "t.json", "No such file or directory"),
         (tmp_path, "Is a directory"),
