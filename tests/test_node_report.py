@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import mpiexec_job
 
 from benchmarks.node_report import (
     BAR,
@@ -231,6 +232,13 @@ def test_a_report_started_as_one_of_several_tasks_or_into_a_directory_it_cannot_
     err = capsys.readouterr().err
     assert stop.value.code == 2 and f"--out {tmp_path / 'file' / 'r'}: cannot make the directory" in err, err
     assert "Traceback" not in err
+
+
+def test_under_mpiexec_every_rank_of_the_report_stops_at_once_and_nothing_is_written(tmp_path):
+    proc = mpiexec_job(["-m", "benchmarks.node_report", "--out", str(tmp_path / "r"), "--quick"], n=2, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("node_report: started as one of 2 tasks by mpiexec (MPICH hydra); run it once") == 2
+    assert "Traceback" not in proc.stderr and not (tmp_path / "r").exists()
 
 
 def test_a_launcher_whose_ranks_each_see_one_rank_stops_the_report_before_it_measures(tmp_path, monkeypatch):
