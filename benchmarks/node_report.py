@@ -572,12 +572,14 @@ def _plan_lines(report: dict[str, Any]) -> list[str]:
         f"- measured here: compute {cal['gpu']['peak'] / 1e9:.1f} GFLOP/s a rank and "
         f"{cal['gpu']['overhead'] * 1e6:.0f} us a layer pass, a call {cal['call_overhead'] * 1e3:.2f} ms "
         "beside its link, contention "
-        f"{cal['contention']:.2f} ({cal['gpus']} ranks on {cal['cores_per_node']} cores)"
+        f"{cal['contention']:.2f} ({cal['gpus']} ranks on {cal['cores_per_node']} cores); each grid is predicted "
+        "at the contention measured just before and after it"
     )
     for row in got["rows"]:
+        beside = f", contention {row['contention']:.2f}" if "contention" in row else ""
         lines.append(
             f"- {row['grid']}: measured {row['step_s'] * 1e3:.1f} ms, predicted {row['predicted_step_s'] * 1e3:.1f} "
-            f"({row['predicted_step_s'] / row['step_s']:.2f} x)"
+            f"({row['predicted_step_s'] / row['step_s']:.2f} x{beside})"
         )
     v = got["verdict"]
     unordered = {tuple(p) for p in v.get("unordered", [])}

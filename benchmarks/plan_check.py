@@ -14,9 +14,10 @@ First the job measures the planner's inputs, none of them fitted to the grids' s
 - the link between ranks: the α-β of the tensor-parallel allreduce on ranks 0 and 1, the
   others asleep (:func:`benchmarks.parallel_gpt.alpha_beta`);
 - contention: every rank trains a replica's stack of blocks at once, and how much longer
-  that takes than on one rank alone, beyond the ranks' share of the cores (``--cores``,
-  default the cores any of its ranks may run on), is the planner's ``contention`` (caches and
-  memory); the two are timed in turn, nine pairs, and the median of their ratios taken;
+  the slowest rank takes than the fitted rate and overhead say one rank alone takes for it,
+  beyond the ranks' share of the cores (``--cores``, default the cores any of its ranks may
+  run on), is the planner's ``contention`` (caches, memory, and cores that run slower when
+  all are busy); the median of nine such steps;
 - a call's cost beside its link's time: every rank runs forward and backward through a
   tensor-parallel block of two ranks and, alternately with it, through the same block's
   compute without its calls, under the same load; what the first takes beyond the second
@@ -52,7 +53,7 @@ from benchmarks.parallel_gpt import alpha_beta, gpt_row, max_over_ranks
 from collectives.cli import ArgumentParser, dump_json, output_file, run_main
 from collectives.cost import AlphaBeta, link_from_allreduce, ring_allreduce
 from hpcdl.parallel import Grid
-from hpcdl.plan import GPT, GPU, Cluster, Layout, estimate, fit_compute
+from hpcdl.plan import GPT, GPU, Cluster, Layout, estimate, fit_compute, layer_pass
 from hpcdl.train.data import corpus
 from hpcdl.train.models import GPT as TinyGPT
 from hpcdl.train.models import ParallelBlock
@@ -129,14 +130,9 @@ def _slowest_rank_seconds(fn: Any, rounds: int) -> float:
     return max_over_ranks((time.perf_counter() - t0) / rounds)
 
 
-def contention(a: Any, cores: int, samples: int = 9) -> float:
-    """How many times as long compute takes when every rank computes at once as when one
-    does alone, beyond their share of the cores: each rank trains ``--n-layer`` blocks
-    (:class:`BlockShare`, tp 1) on ``--chunks`` micro-batches, one forward and backward
-    after another as a replica does. Alone on rank 0 (the others asleep), then on every
-    rank at once from a barrier (the slowest rank's time), ``samples`` pairs in turn; the
-    median of the pairs' ratios, so that a passing slowdown of the machine, which falls on
-    both of a pair, cancels; over the ranks' share of a core (collective over the world)."""
+def replica_step(a: Any) -> Any:
+    """A replica's compute, warmed up: ``--n-layer`` blocks (:class:`BlockShare`, tp 1)
+    trained on ``--chunks`` micro-batches, one forward and backward after another."""
     torch.manual_seed(0)
     blocks = nn.Sequential(*[BlockShare(a.d_model, a.n_head, 1) for _ in range(a.n_layer)])
     x = torch.randn(a.batch_size // a.chunks, a.block_size, a.d_model, requires_grad=True)
@@ -146,11 +142,23 @@ def contention(a: Any, cores: int, samples: int = 9) -> float:
             blocks(x).sum().backward()
 
     step()
-    ratios = []
-    for _ in range(samples):
-        alone = hvd.broadcast_object(_asleep_unless(hvd.rank() == 0, lambda: _seconds(step)), 0)
-        ratios.append(_slowest_rank_seconds(step, 1) / alone)
-    return max(1.0, statistics.median(ratios) / max(1.0, hvd.size() / cores))
+    return step
+
+
+def contention(step: Any, alone: float, cores: int, samples: int = 9) -> float:
+    """How many times as long compute takes when every rank computes at once as ``alone``
+    says one rank takes, beyond their share of the cores: :func:`replica_step` on every
+    rank at once from a barrier, ``samples`` times; the slowest rank's median over the
+    ranks' share of a core (collective over the world).
+
+    ``alone`` is the step's time from the compute fit (rank 0 alone), not a second timing
+    of rank 0 alone: where a node's cores run at speeds that change from one moment to the
+    next (a virtual machine's, by up to 1.5 times), a ratio of two timings would set the
+    slowest of the ranks against one rank, and one moment against another. Set against the
+    fit, the product of fit and contention is the pace of every rank at once, whatever
+    speed the fit's moment caught."""
+    together = statistics.median(_slowest_rank_seconds(step, 1) for _ in range(samples))
+    return max(1.0, together / alone / max(1.0, hvd.size() / cores))
 
 
 def call_seconds(a: Any, link: AlphaBeta, rounds: int = 6, samples: int = 3) -> float:
@@ -222,12 +230,14 @@ def calibrate(a: Any, cores: int) -> dict[str, Any]:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     gpu = fit_compute(model, GPU(name="this machine's core", peak=1.0, memory=memory, hbm=hbm, intra="-"), times)
     link = measured_link(n)
+    alone = a.chunks * a.n_layer * 3 * layer_pass(model, a.batch_size // a.chunks, 1, gpu, 1.0)  # forward, backward
+    step = replica_step(a)
     cl = Cluster(
         gpus=n, gpu=gpu, gpus_per_node=n, intra=link, inter=link, nics_per_node=n, efficiency=1.0, word=4,
-        cores_per_node=cores, contention=contention(a, cores),
+        cores_per_node=cores, contention=contention(step, alone, cores),
     )  # fmt: skip
     cl = replace(cl, call_overhead=call_seconds(a, link))
-    return {"model": model, "cluster": cl, "block_times": times}
+    return {"model": model, "cluster": cl, "block_times": times, "step": step, "alone": alone}
 
 
 def predict(model: GPT, cl: Cluster, shape: tuple[int, int, int], a: Any) -> dict[str, Any]:
@@ -261,13 +271,14 @@ def report(rows: list[dict[str, Any]], cal: dict[str, Any], command: str, a: Any
         f"{cl.gpus} ranks on {cl.cores_per_node} cores, contention {cl.contention:.2f}: share {cl.share():.2f}; "
         f"a call {cl.call_overhead * 1e3:.2f} ms beside its link",
         f"{'grid':<7} {'step ms':>8} {'predicted':>9} {'ratio':>6} {'tokens/s':>9} {'rank':>4} {'predicted':>9} "
-        f"{'rank':>4}  predicted parts ms: compute bubble tp pp dp",
+        f"{'rank':>4} {'cont.':>5}  predicted parts ms: compute bubble tp pp dp",
     ]
     for r, rk, pt, prk in zip(rows, ranks_, ptok, pranks, strict=True):
         p = r["predicted_parts"]
         lines.append(
             f"{r['grid']:<7} {r['step_s'] * 1e3:>8.1f} {r['predicted_step_s'] * 1e3:>9.1f} "
-            f"{r['predicted_step_s'] / r['step_s']:>6.2f} {r['tokens_per_s']:>9.0f} {rk:>4} {pt:>9.0f} {prk:>4}  "
+            f"{r['predicted_step_s'] / r['step_s']:>6.2f} {r['tokens_per_s']:>9.0f} {rk:>4} {pt:>9.0f} {prk:>4} "
+            f"{r.get('contention', cl.contention):>5.2f}  "
             + " ".join(f"{p[k] * 1e3:.1f}" for k in ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm"))
         )
     lines.append(verdict_line(verdict(rows)))
@@ -357,14 +368,18 @@ def main(argv: list[str] | None = None) -> None:
     bad = [s for s in shapes if len(s) != 3 or s[0] * s[1] * s[2] != n or a.n_layer % s[2] or a.n_head % s[1]]
     if bad:
         p.error(f"--grids: {bad} do not have {n} ranks, or do not divide the layers and heads")
-    cal = calibrate(a, a.cores or job_cores())
+    cl_cores = a.cores or job_cores()
+    cal = calibrate(a, cl_cores)
     a.schedule = "1f1b"
     train, _ = corpus(a.block_size)
     rows = []
     for shape in shapes:
+        before = contention(cal["step"], cal["alone"], cl_cores, 2)
         row = gpt_row(shape, a, train)
-        guess = predict(cal["model"], cal["cluster"], shape, a)
-        row.update(predicted_step_s=guess["step_s"], predicted_parts=guess["parts"])
+        after = contention(cal["step"], cal["alone"], cl_cores, 2)
+        cl = replace(cal["cluster"], contention=(before + after) / 2)
+        guess = predict(cal["model"], cl, shape, a)
+        row.update(predicted_step_s=guess["step_s"], predicted_parts=guess["parts"], contention=cl.contention)
         rows.append(row)
     if hvd.rank() == 0:
         cmd = f"mpiexec -n {n} python -m benchmarks.plan_check " + " ".join(argv)

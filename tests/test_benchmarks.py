@@ -615,6 +615,28 @@ def test_the_planner_check_counts_the_cores_any_rank_may_run_on(monkeypatch):
     assert plan_check.job_cores() == WORLD.size - 1
 
 
+def test_the_planner_checks_contention_sets_the_slowest_rank_against_the_fit():
+    import time
+
+    import hpcdl
+    from benchmarks import plan_check
+
+    hpcdl.init()
+    try:
+        # the last rank's step takes 40 ms, the others' 10: the slowest rank sets the pace
+        def step() -> None:
+            time.sleep(0.04 if WORLD.rank == WORLD.size - 1 else 0.01)
+
+        n = WORLD.size
+        assert 3.6 < plan_check.contention(step, alone=0.01, cores=n, samples=3) < 5.0
+        # beyond the ranks' share of the cores: n ranks sharing one core take n times the fit's step
+        assert 3.6 < plan_check.contention(step, alone=0.01 / n, cores=1, samples=3) < 5.0
+        # never below 1: a fit slower than every rank at once
+        assert plan_check.contention(step, alone=1.0, cores=n, samples=3) == 1.0
+    finally:
+        hpcdl.shutdown()
+
+
 def test_the_planner_check_predicts_each_grid_from_the_rates_it_measured():
     import hpcdl
     from benchmarks import plan_check
@@ -659,6 +681,20 @@ def test_the_planner_check_predicts_each_grid_from_the_rates_it_measured():
     assert list(rows) == ["2x1x1", "1x2x1", "1x1x2"]
     for r in rows.values():
         assert r["step_s"] > 0 and sum(r["predicted_parts"].values()) == pytest.approx(r["predicted_step_s"])
+    # each grid is predicted at the contention measured beside it, the calibration's otherwise
+    from argparse import Namespace
+
+    from hpcdl.plan import GPT, GPU, Cluster
+
+    fields = {k: v for k, v in cal.items() if k != "share"}
+    fields.update(gpu=GPU(**cal["gpu"]), intra=AlphaBeta(*cal["intra"]), inter=AlphaBeta(*cal["inter"]))
+    model = GPT(layers=2, hidden=32, heads=2, seq=16, vocab=256)
+    for r in rows.values():
+        assert r["contention"] >= 1
+        shape = tuple(int(v) for v in r["grid"].split("x"))
+        cl = Cluster(**{**fields, "contention": r["contention"]})
+        again = plan_check.predict(model, cl, shape, Namespace(batch_size=4, chunks=2))
+        assert again["step_s"] == pytest.approx(r["predicted_step_s"])
     # 1x2x1: 2 micro-batches of 2 blocks' 4 allreduces, the head's, the cross-entropy's 3 and the embedding's
     link, b = AlphaBeta(*cal["intra"]), 2
     act, sums = 4 * b * 16 * 32, 4 * b * 16

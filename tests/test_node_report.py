@@ -152,6 +152,7 @@ def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_f
     for row in plan["rows"]:
         line = f"- {row['grid']}: measured {row['step_s'] * 1e3:.1f} ms, predicted {row['predicted_step_s'] * 1e3:.1f} "
         assert line in section, (line, section)
+        assert f"x, contention {row['contention']:.2f})" in section
     assert f"- worst {plan['verdict']['worst']:+.1%} (the bound is 25%)" in section
 
 
