@@ -26,10 +26,12 @@ First the job measures the planner's inputs, none of them fitted to the grids' s
 Then each grid trains as ``benchmarks.parallel_gpt`` trains it (``--batch-size`` sequences
 per replica in ``--chunks`` micro-batches, 1F1B, Adam in fp32), and the table gives per
 grid the measured step, the predicted one and their ratio, tokens per second measured and
-predicted with their ranks, and the predicted step's parts. The planner's check is that
-every prediction falls within 25% of its measurement and the two rankings agree; a pair the
-prediction orders the other way whose timed steps overlap is marked "within their steps'
-spread": the measurement does not order it either.
+predicted with their ranks, the contention it was predicted at (measured as above just
+before and after the grid, two steps each, so that a machine whose pace drifts between the
+calibration and a grid is followed), and the predicted step's parts. The planner's check
+is that every prediction falls within 25% of its measurement and the two rankings agree; a
+pair the prediction orders the other way whose timed steps overlap is marked "within their
+steps' spread": the measurement does not order it either.
 """
 
 from __future__ import annotations
