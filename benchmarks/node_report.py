@@ -19,7 +19,9 @@ core (or ``--max-ranks``):
    ``HPCDL_SHM_NONTEMPORAL_BYTES`` (decided by the last-level caches the ranks span) suits
    this node;
 4. ``tuner``: ``collectives.tune`` at the same counts: the algorithm that wins each size
-   here, to set against the packaged table's rows;
+   here, to set against the packaged table's rows, and ``tuning.json``: the packaged table
+   with every row measured here in place of its own (:func:`node_tuning`), for
+   ``HPCDL_TUNING_FILE``;
 5. ``training``: a training step with each optimizer against the same step without
    communication (``benchmarks.train_throughput``, at each count up to 8);
 6. ``pipeline``: the measured bubble of a 2-stage pipeline (the GPT, and equal stages)
@@ -47,8 +49,9 @@ between its cores.
 Every step has a share of ``--budget`` seconds (default 480) and ends at it; what a step
 did not finish is said in the summary, and the steps after it still run. The directory
 holds ``report.json`` (every figure), ``summary.md`` (the verdicts, read first),
-``ratios.png`` (auto / MPI against size) when matplotlib is installed, and ``raw/`` (each
-step's output and JSON): well under 5 MB, small enough to copy off a machine.
+``ratios.png`` (auto / MPI against size) when matplotlib is installed, ``tuning.json``
+(after the tuner step) and ``raw/`` (each step's output and JSON): well under 5 MB, small
+enough to copy off a machine.
 """
 
 from __future__ import annotations
@@ -66,11 +69,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from collectives.cli import dump_json
 from collectives.launcher import launcher, launcher_size
 from collectives.node.channel import SINGLE_COPY_PROBE
 from collectives.select import load_table, rules
+from collectives.tune import merge
 
-__all__ = ["main", "rank_counts", "summarize", "worst_ratios", "crossover", "world_check"]
+__all__ = ["main", "rank_counts", "summarize", "worst_ratios", "crossover", "world_check", "node_tuning"]
 
 BAR = 1.10
 """auto / MPI at or below which a size meets the bar."""
@@ -502,9 +507,13 @@ def _tuner_lines(report: dict[str, Any]) -> list[str]:
     lines = [
         "## What the tuner picks here, against the packaged table",
         "",
-        "Where they differ, `HPCDL_TUNING_FILE=raw/tuner_npN.json` makes `auto` follow this node.",
-        "",
     ]
+    if report.get("tuning_file"):
+        lines += [
+            f"Where they differ, `HPCDL_TUNING_FILE={report['tuning_file']}` (in this directory: the packaged "
+            "table with every row measured here in place of its own) makes `auto` follow this node.",
+            "",
+        ]
     packaged = load_table()
     for n, table in sorted(report["tuner"].items(), key=lambda kv: int(kv[0])):
         for e in table:
@@ -701,6 +710,26 @@ def _ends(r: Runner, chosen: list[str]) -> dict[str, float]:
         end += total * SHARES[step] * scale
         ends[step] = end
     return ends
+
+
+def node_tuning(out: Path, counts: list[int], machine: str) -> str | None:
+    """Write ``out/tuning.json``: the packaged tuning table with every row the tuner step
+    measured here (``raw/tuner_npN.json``) in place of the packaged row of that collective
+    and rank count, each labelled ``machine``: the one file ``HPCDL_TUNING_FILE`` takes for
+    a job of any rank count on this node. Its name, or None where the tuner measured nothing."""
+    table, measured = load_table(), False
+    for n in counts:
+        try:
+            new = json.loads((out / "raw" / f"tuner_np{n}.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if new.get("tables"):
+            table, measured = merge(table, new, machine), True
+    if not measured:
+        return None
+    with open(out / "tuning.json", "w", encoding="utf-8") as fh:
+        dump_json(table, fh, indent=1)
+    return "tuning.json"
 
 
 def _steps(r: Runner, counts: list[int], args: argparse.Namespace, gpus: int) -> dict[str, Any]:
@@ -908,6 +937,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"node_report: not run: {why}", file=sys.stderr)
         return 2
     got = _steps(r, counts, args, info.get("gpus", 0))
+    got["tuning_file"] = node_tuning(out, counts, f"{info['cores']} cores ({info.get('cpu', '?')}), node report")
     report = {
         "machine": info,
         "binding": r.binding,

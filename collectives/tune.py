@@ -41,7 +41,7 @@ from .cost import AlphaBeta, fit, link_from_allreduce
 from .errors import ConfigError
 from .select import REGISTRY
 
-__all__ = ["measure", "vote", "rules_from", "main"]
+__all__ = ["measure", "vote", "rules_from", "merge", "main"]
 
 
 def _caller(collective: str, x: np.ndarray, comm: MPI.Comm) -> Callable[[str], Any]:
@@ -138,6 +138,23 @@ def rules_from(winners: list[tuple[int, str]]) -> list[list[Any]]:
     return rules
 
 
+def merge(table: dict[str, Any], new: dict[str, Any], machine: str | None = None) -> dict[str, Any]:
+    """``table`` with ``new``'s rows in place of its rows of the same collective, rank count
+    and node count (its other rows kept), ``new``'s ``node_paths`` in place of those of the
+    same rank count, and ``new``'s ``runs`` after its own; each row taken from ``new`` is
+    labelled with ``machine`` where given. Neither argument is changed."""
+    rows = [{**e, "machine": machine} if machine else dict(e) for e in new.get("tables", [])]
+    keys = {(e["collective"], e["size"], e["nodes"]) for e in rows}
+    kept = [e for e in table.get("tables", []) if (e["collective"], e["size"], e["nodes"]) not in keys]
+    out = {**table, "tables": sorted(kept + rows, key=lambda e: (e["collective"], e["nodes"], e["size"]))}
+    if new.get("node_paths"):
+        sizes = {e["size"] for e in new["node_paths"]}
+        paths = [e for e in table.get("node_paths", []) if e["size"] not in sizes] + list(new["node_paths"])
+        out["node_paths"] = sorted(paths, key=lambda e: e["size"])
+    out["runs"] = [*table.get("runs", []), *new.get("runs", [])]
+    return out
+
+
 def _merge_base(p: ArgumentParser, path: str | None, comm: MPI.Comm) -> dict[str, Any] | None:
     """The table ``--merge`` names, read by rank 0 before anything is measured; a usage
     error on every rank where it is not a tuning table."""
@@ -210,20 +227,17 @@ def main(argv: list[str] | None = None) -> None:
         if coll == "allreduce" and nodes == 1 and comm.size > 1 and "ring" in names and len(sizes) > 1:
             path = measured_node_path(meds, comm.size)
     if comm.rank == 0:
-        table: dict[str, Any] = merged or {"machine": args.machine, "tables": []}
-        keys = {(e["collective"], e["size"], e["nodes"]) for e in entries}
-        kept = [e for e in table.get("tables", []) if (e["collective"], e["size"], e["nodes"]) not in keys]
-        table["tables"] = sorted(kept + entries, key=lambda e: (e["collective"], e["nodes"], e["size"]))
-        if args.machine:
-            table["machine"] = args.machine
+        words = sys.argv[1:] if argv is None else argv
+        new: dict[str, Any] = {
+            "tables": entries,
+            "runs": [f"mpiexec -n {comm.size} python -m collectives.tune " + " ".join(words)],
+        }
         if path is not None and path.alpha > 0 and math.isfinite(path.beta):  # else the sizes told too little
             # what auto across emulated links, and the planner, take a node's messages to cost
-            entry = {"size": comm.size, "alpha": path.alpha, "beta": path.beta}
-            kept_paths = [e for e in table.get("node_paths", []) if e["size"] != comm.size]
-            table["node_paths"] = sorted([*kept_paths, entry], key=lambda e: e["size"])
-        runs = table.setdefault("runs", [])
-        words = sys.argv[1:] if argv is None else argv
-        runs.append(f"mpiexec -n {comm.size} python -m collectives.tune " + " ".join(words))
+            new["node_paths"] = [{"size": comm.size, "alpha": path.alpha, "beta": path.beta}]
+        table = merge(merged or {"machine": args.machine, "tables": []}, new)
+        if args.machine:
+            table["machine"] = args.machine
         with open(args.out, "w", encoding="utf-8") as fh:
             dump_json(table, fh, indent=1)
         print(f"wrote {args.out}: {len(entries)} tables for {comm.size} ranks on {nodes} node(s)", flush=True)

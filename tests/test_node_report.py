@@ -20,13 +20,16 @@ from benchmarks.node_report import (
     huge_pages,
     machine,
     model_cores,
+    node_tuning,
     rank_counts,
     single_copy_line,
     summarize,
     world_check,
     worst_ratios,
 )
+from collectives.config import read_tuning_file
 from collectives.launcher import launcher_size
+from collectives.select import load_table, rules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -108,6 +111,14 @@ def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_f
         size, worst = max(ratios, key=lambda x: x[1])
         assert f"| 2 | {coll} | {worst:.2f} (" in summary, (coll, worst, summary)
     assert "ranks, allreduce:" in summary.split("## What the tuner")[1]
+    # one tuning file for every rank count: the packaged table with the rows measured here
+    tuned = read_tuning_file(str(tmp_path / "tuning.json"))
+    measured = json.loads((tmp_path / "raw" / "tuner_np2.json").read_text())["tables"]
+    here = [e for e in tuned["tables"] if e["size"] == 2 and e["nodes"] == 1]
+    assert [{k: v for k, v in e.items() if k != "machine"} for e in here] == measured
+    assert all(e["machine"].endswith("node report") for e in here)
+    assert [e for e in tuned["tables"] if e["size"] != 2] == [e for e in load_table()["tables"] if e["size"] != 2]
+    assert report["tuning_file"] == "tuning.json" and "`HPCDL_TUNING_FILE=tuning.json`" in summary
     for coll, rows in raw["bars"].items():  # what auto took: at 2 ranks the packaged rows' pick, shm
         assert {r["algorithm"] for r in rows} == {"shm"}, (coll, rows)
     small = json.loads((tmp_path / "raw" / "small_calls_np2.json").read_text())
@@ -391,3 +402,27 @@ def test_the_bubble_of_equal_stages_is_the_formula_and_the_hops_and_unequal_stag
     cheap_first = bubbles([_one_f_one_b(p, m, [1.0] * p, [1.5] + [2.0] * (p - 1))])
     assert cheap_first["mean"] > formula + 0.01 and cheap_first["slowest"] <= formula + 1e-9
     assert bubbles([]) is None and bubbles([{0: (0, [])}]) is None
+
+
+def test_the_node_tuning_file_merges_each_count_the_tuner_measured_into_the_packaged_table(tmp_path):
+    (tmp_path / "raw").mkdir()
+    assert node_tuning(tmp_path, [2, 4], "node") is None and not (tmp_path / "tuning.json").exists()
+    row = {"collective": "allgather", "nodes": 1, "rules": [[None, "ring"]], "oversubscribed": False}
+    for n in (2, 4):
+        new = {
+            "tables": [{**row, "size": n}],
+            "runs": [f"run {n}"],
+            "node_paths": [{"size": n, "alpha": 1e-6, "beta": 1e9}],
+        }
+        (tmp_path / "raw" / f"tuner_np{n}.json").write_text(json.dumps(new))
+    (tmp_path / "raw" / "tuner_np8.json").write_text("{cut off")  # a run that did not finish: left out
+    assert node_tuning(tmp_path, [2, 4, 8], "16 cores (X), node report") == "tuning.json"
+    tuned = read_tuning_file(str(tmp_path / "tuning.json"))
+    packaged = load_table()
+    assert rules(tuned, "allgather", 2, 1) == rules(tuned, "allgather", 4, 1) == [[None, "ring"]]
+    assert rules(tuned, "allgather", 8, 1) == rules(packaged, "allgather", 8, 1)
+    assert rules(tuned, "allreduce", 2, 1) == rules(packaged, "allreduce", 2, 1)
+    assert [p["size"] for p in tuned["node_paths"]] == [2, 4] and tuned["runs"][-2:] == ["run 2", "run 4"]
+    assert {e["machine"] for e in tuned["tables"] if e["collective"] == "allgather" and e["size"] in (2, 4)} == {
+        "16 cores (X), node report"
+    }

@@ -142,3 +142,34 @@ def test_tuning_votes_for_the_algorithm_that_wins_most_sweeps():
         [4096, "tree"],
         [None, "shm"],
     ]
+
+
+def test_merging_tables_replaces_rows_of_the_same_kind_and_keeps_the_rest():
+    from collectives.tune import merge
+
+    def row(coll: str, size: int, algo: str, nodes: int = 1) -> dict:
+        return {"collective": coll, "size": size, "nodes": nodes, "rules": [[None, algo]]}
+
+    base = {
+        "machine": "per entry",
+        "tables": [row("allreduce", 2, "shm"), row("allreduce", 8, "ring"), row("allreduce", 8, "tree", 2)],
+        "node_paths": [{"size": 2, "alpha": 1e-6, "beta": 1e9}, {"size": 8, "alpha": 2e-6, "beta": 2e9}],
+        "runs": ["first"],
+    }
+    frozen = repr(base)
+    new = {"tables": [row("allreduce", 8, "shm"), row("bcast", 8, "shm")], "runs": ["second"]}
+    new["node_paths"] = [{"size": 8, "alpha": 3e-6, "beta": 3e9}]
+    out = merge(base, new, "node X")
+    assert repr(base) == frozen  # the base is not changed
+    got = {(e["collective"], e["size"], e["nodes"]): (e["rules"][0][1], e.get("machine")) for e in out["tables"]}
+    assert got == {
+        ("allreduce", 2, 1): ("shm", None),
+        ("allreduce", 8, 1): ("shm", "node X"),  # the same collective, ranks and nodes: replaced, labelled
+        ("allreduce", 8, 2): ("tree", None),  # another node count: kept
+        ("bcast", 8, 1): ("shm", "node X"),
+    }
+    assert [(p["size"], p["alpha"]) for p in out["node_paths"]] == [(2, 1e-6), (8, 3e-6)]
+    assert out["runs"] == ["first", "second"] and out["machine"] == "per entry"
+    # what auto reads from it: the merged row
+    assert rules(out, "allreduce", 8, 1) == [[None, "shm"]] and rules(out, "allreduce", 8, 2) == [[None, "tree"]]
+    assert "machine" not in merge(base, new)["tables"][1]
