@@ -727,6 +727,7 @@ def node_tuning(out: Path, counts: list[int], machine: str) -> str | None:
             table, measured = merge(table, new, machine), True
     if not measured:
         return None
+    table["machine"] = f"per entry: those labelled {machine!r} measured here, the others the packaged table's"
     with open(out / "tuning.json", "w", encoding="utf-8") as fh:
         dump_json(table, fh, indent=1)
     return "tuning.json"

@@ -423,6 +423,7 @@ def test_the_node_tuning_file_merges_each_count_the_tuner_measured_into_the_pack
     assert rules(tuned, "allgather", 8, 1) == rules(packaged, "allgather", 8, 1)
     assert rules(tuned, "allreduce", 2, 1) == rules(packaged, "allreduce", 2, 1)
     assert [p["size"] for p in tuned["node_paths"]] == [2, 4] and tuned["runs"][-2:] == ["run 2", "run 4"]
+    assert tuned["machine"].startswith("per entry: those labelled '16 cores (X), node report' measured here")
     assert {e["machine"] for e in tuned["tables"] if e["collective"] == "allgather" and e["size"] in (2, 4)} == {
         "16 cores (X), node report"
     }
