@@ -628,9 +628,9 @@ def test_the_planner_checks_contention_sets_the_slowest_rank_against_the_fit():
             time.sleep(0.04 if WORLD.rank == WORLD.size - 1 else 0.01)
 
         n = WORLD.size
-        assert 3.6 < plan_check.contention(step, alone=0.01, cores=n, samples=3) < 5.0
+        assert 3.6 < plan_check.contention(step, alone=0.01, cores=n, samples=3) < 6.0
         # beyond the ranks' share of the cores: n ranks sharing one core take n times the fit's step
-        assert 3.6 < plan_check.contention(step, alone=0.01 / n, cores=1, samples=3) < 5.0
+        assert 3.6 < plan_check.contention(step, alone=0.01 / n, cores=1, samples=3) < 6.0
         # never below 1: a fit slower than every rank at once
         assert plan_check.contention(step, alone=1.0, cores=n, samples=3) == 1.0
     finally:
