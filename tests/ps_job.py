@@ -124,6 +124,15 @@ def equivalence(servers: str | None) -> None:
     print("OK equivalence", flush=True)
 
 
+def waits(nap: str) -> None:
+    """A worker waits on the dedicated servers sleeping at most ``nap`` seconds between
+    polls (HPCDL_SHM_SPIN decides it), and the exchange is the same either way."""
+    job = hvd.state.current().ps
+    assert job is not None and job.dedicated and job.nap == float(nap), (job and job.nap, nap)
+    equivalence(None)
+    print("OK waits", flush=True)
+
+
 def straggler(servers: str | None) -> None:
     """ssp: with worker 1 slowed, no pull is more than s clocks stale, and the fast worker
     does use stale parameters; async: a stalled worker does not hold the others back."""
@@ -511,6 +520,7 @@ def main() -> None:
     {
         "equivalence": lambda: equivalence(arg),
         "straggler": lambda: straggler(arg),
+        "waits": lambda: waits(arg or "0.001"),
         "checkpoint": lambda: checkpoint(arg or "ssp"),
         "errors": errors,
         "bfloat16": bfloat16,

@@ -87,6 +87,23 @@ def test_sync_equals_distributed_optimizer_and_ssp_zero_equals_sync(shape):
     run(["equivalence", *args], n, env, workers)
 
 
+def test_waits_on_the_servers_sleep_only_where_a_hosts_ranks_outnumber_its_cores():
+    from hpcdl.ps import NAP, wait_nap
+
+    a_core_each = [("a", [0]), ("a", [1]), ("b", [0]), ("b", [1])]
+    assert wait_nap(-1, a_core_each) == 0.0
+    assert wait_nap(-1, [("a", [0, 1]), ("a", [0, 1]), ("b", [0])]) == 0.0  # unbound, no more ranks than cores
+    assert wait_nap(-1, [("a", [0]), ("a", [1]), ("b", [0]), ("b", [0])]) == NAP  # host b: 2 ranks on one core
+    assert wait_nap(-1, [("a", [0, 1])] * 3) == NAP
+    # HPCDL_SHM_SPIN decides where it is set, as for the collectives' waits
+    assert wait_nap(0, a_core_each) == NAP and wait_nap(2000, [("a", [0])] * 3) == 0.0
+
+
+@pytest.mark.parametrize("spin, nap", [("0", "0.001"), ("2000", "0.0")])
+def test_a_job_whose_waits_sleep_or_spin_exchanges_the_same(spin, nap):
+    run(["waits", nap], 3, {"HPCDL_PS_SERVERS": "1", "HPCDL_SHM_SPIN": spin}, 2)
+
+
 @pytest.mark.parametrize("shape", ["2 workers + 1 server", "co-located, 2 nodes x 1 worker"])
 def test_staleness_stays_bounded_with_a_straggler_and_async_passes_a_stalled_worker(shape):
     n, env, args = SHAPES[shape]

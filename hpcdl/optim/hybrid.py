@@ -481,7 +481,7 @@ class HybridReducer(Reducer):
         if f.rs is not None:
             self._push_reduced(b)
         t0 = time.perf_counter()
-        wait_politely(f.reqs, self._stalled, nap=1e-3 if self._job.dedicated else 0.0)
+        wait_politely(f.reqs, self._stalled, nap=self._job.nap)
         self.wait_seconds += time.perf_counter() - t0
         f.reqs = []
         if self._L > 1:

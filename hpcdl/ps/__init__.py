@@ -28,6 +28,7 @@ from .server import Server, serve
 from .wire import (
     CTRL,
     CTRL_REPLY,
+    NAP,
     Ask,
     Bye,
     Counter,
@@ -39,6 +40,7 @@ from .wire import (
     TableSpec,
     Tags,
     as_bytes,
+    wait_nap,
     wait_politely,
 )
 
@@ -51,6 +53,7 @@ __all__ = [
     "Tags",
     "Counter",
     "wait_politely",
+    "wait_nap",
     "as_bytes",
     "CTRL",
     "CTRL_REPLY",
@@ -75,13 +78,23 @@ class PSJob:
         where: for each server, ``(host, pid)``, to tell a dead one by name.
         counter: bytes this worker moved on the parameter-server path.
         dedicated: True for server ranks of their own, False for co-located threads.
+        nap: the longest sleep between polls while this worker waits on the servers
+            (:func:`.wire.wait_nap`); 0 only yields, as a worker whose own thread serves does.
     """
 
-    def __init__(self, comm: MPI.Comm, servers: list[int], where: list[tuple[str, int]], dedicated: bool) -> None:
+    def __init__(
+        self,
+        comm: MPI.Comm,
+        servers: list[int],
+        where: list[tuple[str, int]],
+        dedicated: bool,
+        nap: float | None = None,
+    ) -> None:
         self.comm = comm
         self.servers = servers
         self.where = where
         self.dedicated = dedicated
+        self.nap = (NAP if dedicated else 0.0) if nap is None else nap
         self.counter = Counter()
         self.threads: list[threading.Thread] = []
         self.ended = False
@@ -145,10 +158,12 @@ class PSJob:
             self.comm.Free()
 
 
-def split_roles(world: MPI.Comm, k: int, stall_seconds: float) -> tuple[MPI.Comm, PSJob]:
+def split_roles(world: MPI.Comm, k: int, stall_seconds: float, spin: int = -1) -> tuple[MPI.Comm, PSJob]:
     """Collective over ``world``: make its last ``k`` ranks servers. On a server, serve and
     then end the process (exit status 0); on a worker, return the workers' communicator
-    and the :class:`PSJob`. Every rank raises alike on a bad ``k``."""
+    and the :class:`PSJob`. Every rank raises alike on a bad ``k``. Workers and servers
+    sleep between polls while they wait only where a host's ranks outnumber its cores, or
+    as ``spin`` (``HPCDL_SHM_SPIN``) says (:func:`.wire.wait_nap`)."""
     n = world.size
     if k >= n:
         raise HpcdlError(
@@ -158,16 +173,19 @@ def split_roles(world: MPI.Comm, k: int, stall_seconds: float) -> tuple[MPI.Comm
     first = n - k
     is_server = world.rank >= first
     comm = emulate_comm(world.Dup())  # the data between nodes takes an emulated link's time
-    where = comm.allgather((socket.gethostname(), os.getpid()))[first:]
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    everyone = comm.allgather((socket.gethostname(), os.getpid(), cpus))
+    where = [(host, pid) for host, pid, _ in everyone[first:]]
+    nap = wait_nap(spin, [(host, c) for host, _, c in everyone])
     part = world.Split(1 if is_server else 0, world.rank)
     if not is_server:
         if world.rank == 0:  # a launcher that ends the job when a rank dies names its pid: say whose it is
             told = ", ".join(f"{i} = rank {first + i} (pid {pid} on {host})" for i, (host, pid) in enumerate(where))
             sys.stderr.write(f"hpcdl: {first} workers; parameter servers {told}\n")
             sys.stderr.flush()
-        return part, PSJob(comm, list(range(first, n)), where, dedicated=True)
+        return part, PSJob(comm, list(range(first, n)), where, dedicated=True, nap=nap)
     part.Free()
-    serve(comm, world.rank - first, list(range(first)), stall_seconds)
+    serve(comm, world.rank - first, list(range(first)), stall_seconds, nap)
     comm.Free()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -46,6 +46,8 @@ from .wire import (
     CTRL,
     CTRL_REPLY,
     MAX_TABLES,
+    NAP,
+    POLL_WINDOW,
     Ask,
     Bye,
     Counter,
@@ -411,9 +413,15 @@ class Server:
     """The server with index ``index`` among ``servers`` (ranks of ``comm``), serving the
     workers ``workers`` (ranks of ``comm``) until each of them has said goodbye."""
 
-    def __init__(self, comm: MPI.Comm, index: int, workers: list[int], stall_seconds: float = 60.0) -> None:
+    def __init__(
+        self, comm: MPI.Comm, index: int, workers: list[int], stall_seconds: float = 60.0, nap: float = NAP
+    ) -> None:
         self.comm = comm
         self.index = index
+        self.nap = nap
+        """How an idle server waits (:func:`.wire.wait_nap`): with 0, it polls without
+        sleeping for :data:`.wire.POLL_WINDOW` after its last message, then sleeps as with
+        :data:`.wire.NAP`; else it sleeps at once, up to ``nap`` between polls."""
         self.workers = list(workers)
         self.left = set(workers)
         self.tables: dict[int, _Table] = {}
@@ -430,7 +438,7 @@ class Server:
         """Serve until every worker said goodbye."""
         status = MPI.Status()
         sleep = 0.0
-        last_check = time.monotonic()
+        last_check = last_busy = time.monotonic()
         while self.left:
             busy = False
             while self.comm.Iprobe(MPI.ANY_SOURCE, CTRL, status):
@@ -450,16 +458,17 @@ class Server:
                     self._answer_deferred()
             for t in self.tables.values():  # every pass, busy or not: snapshots pile up otherwise
                 t.retire()
-            if busy:
-                sleep = 0.0
-                continue
             now = time.monotonic()
+            if busy:
+                sleep, last_busy = 0.0, now
+                continue
             if now - last_check > 1.0:
                 last_check = now
                 for t in self.tables.values():
                     for line in t.held_back(now, self.stall_seconds):
                         log.warning("hpcdl: parameter server %d: %s", self.index, line)
-            sleep = min(1e-3, max(sleep * 2, 20e-6))
+            polling = not self.nap and now - last_busy < POLL_WINDOW  # a core of its own: between a step's messages
+            sleep = 0.0 if polling else min(self.nap or NAP, max(sleep * 2, 20e-6))
             time.sleep(sleep)
         for t in self.tables.values():
             t.close()
@@ -547,9 +556,9 @@ class Server:
             self.comm.send(Reply(False, problem) if problem else Reply(True, slot), dest=w, tag=CTRL_REPLY)
 
 
-def serve(comm: MPI.Comm, index: int, workers: list[int], stall_seconds: float = 60.0) -> Counter:
-    """Run server ``index`` over ``comm`` until every worker in ``workers`` said goodbye;
-    return its byte counter."""
-    srv = Server(comm, index, workers, stall_seconds)
+def serve(comm: MPI.Comm, index: int, workers: list[int], stall_seconds: float = 60.0, nap: float = NAP) -> Counter:
+    """Run server ``index`` over ``comm`` until every worker in ``workers`` said goodbye,
+    sleeping at most ``nap`` seconds between polls while idle; return its byte counter."""
+    srv = Server(comm, index, workers, stall_seconds, nap)
     srv.serve()
     return srv.counter

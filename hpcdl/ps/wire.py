@@ -22,6 +22,7 @@ import torch
 from mpi4py import MPI
 
 from collectives.link import testall
+from collectives.node.channel import node_cores
 
 __all__ = [
     "CTRL",
@@ -37,6 +38,9 @@ __all__ = [
     "Reply",
     "Tags",
     "wait_politely",
+    "NAP",
+    "POLL_WINDOW",
+    "wait_nap",
     "Counter",
     "as_bytes",
 ]
@@ -161,6 +165,36 @@ class Counter:
     def __init__(self) -> None:
         self.sent = 0
         self.received = 0
+
+
+NAP = 1e-3
+"""The longest sleep between polls of a worker or a dedicated server that waits where the
+ranks of its host outnumber the cores they may run on (:func:`wait_nap`)."""
+
+
+POLL_WINDOW = 5e-3
+"""Where every rank has a core (:func:`wait_nap` 0), how long an idle dedicated server polls
+without sleeping after its last message: through the gaps between one step's messages, not
+through the workers' compute between steps."""
+
+
+def wait_nap(spin: int, placement: list[tuple[str, list[int]]]) -> float:
+    """The longest sleep between polls of a worker waiting on the dedicated servers, and of
+    an idle server: :data:`NAP` where the ranks of some host outnumber the cores they may
+    run on together (``placement``: each rank's host and the CPUs it may run on), so that
+    a waiting rank leaves its core to the one it waits for; 0, only yielding between polls,
+    where every rank has a core of its own, as MPI's own waits poll (an idle server then
+    polls for :data:`POLL_WINDOW` after its last message, and sleeps after that). ``spin``
+    (``HPCDL_SHM_SPIN``, as for the collectives' waits) decides instead where it is not -1:
+    0 sleeps, more polls."""
+    if spin == 0:
+        return NAP
+    if spin > 0:
+        return 0.0
+    hosts: dict[str, list[list[int]]] = {}
+    for host, cpus in placement:
+        hosts.setdefault(host, []).append(list(cpus))
+    return NAP if any(len(cpus) > node_cores(cpus) for cpus in hosts.values()) else 0.0
 
 
 def wait_politely(
