@@ -371,9 +371,9 @@ def test_a_stage_waits_in_mpi_with_a_core_per_rank_and_sleeps_between_looks_wher
     assert (waits(Config(shm_spin=0)), waits(Config(shm_spin=10**9)), waits(Config(shm_spin=100))) == (0, None, 100)
     # ranks bound to a core each (srun, mpiexec --bind-to core) may each run on one core
     # only, but have one each: they wait in MPI; bound to one core together, they sleep
-    monkeypatch.setattr(channel, "_cpus", lambda: [me])
+    monkeypatch.setattr(channel, "process_cpus", lambda: [me])
     assert waits(Config()) is None
-    monkeypatch.setattr(channel, "_cpus", lambda: [0])
+    monkeypatch.setattr(channel, "process_cpus", lambda: [0])
     assert waits(Config()) == channel.POLITE_SPIN
     with pytest.raises(ValueError, match="spin=-1 must be None or >= 0"):
         Link(MPI.COMM_WORLD, -1)

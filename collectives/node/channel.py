@@ -128,7 +128,7 @@ def spin_budget(ranks: int, cores: int) -> int:
 
 def node_cores(cpus: list[list[int]]) -> int:
     """The cores a node's ranks may run on together: the union of each rank's CPUs
-    (:func:`_cpus`, gathered), or the machine's count where a rank's are unknown."""
+    (:func:`process_cpus`, gathered), or the machine's count where a rank's are unknown."""
     if not cpus or any(not c for c in cpus):
         return os.cpu_count() or 1
     return len(set().union(*cpus))
@@ -140,7 +140,7 @@ a broadcast's root's on any node (:func:`nontemporal_broadcast_bytes`), every ot
 the node's ranks may run on cores that share no last-level cache (:func:`nontemporal_bytes`)."""
 
 
-def _cpus() -> list[int]:
+def process_cpus() -> list[int]:
     """The CPUs this process may run on (empty where the system does not say)."""
     try:
         return sorted(os.sched_getaffinity(0))
@@ -152,7 +152,7 @@ def last_level_caches(cpus: Any = None) -> dict[str, int]:
     """The last-level caches of ``cpus`` (default: the CPUs this process may run on): each
     named by the CPUs that share it, with its size in bytes (Linux sysfs); empty where sysfs
     does not say."""
-    cpus = _cpus() if cpus is None else cpus
+    cpus = process_cpus() if cpus is None else cpus
     out: dict[str, int] = {}
     seen: set[int] = set()
     for cpu in sorted(cpus):
@@ -272,7 +272,7 @@ def _agree_layout(t: Any, settings: dict[str, int], caches: bool) -> tuple[list[
     every rank's last-level caches where ``caches`` asks (the non-temporal settings decided
     by them) and the cores the ranks may run on together (:func:`node_cores`), gathered at
     once."""
-    everyone = t.allgather_obj((list(settings.values()), last_level_caches() if caches else {}, _cpus()))
+    everyone = t.allgather_obj((list(settings.values()), last_level_caches() if caches else {}, process_cpus()))
     for k, name in enumerate(settings):
         values = [e[0][k] for e in everyone]
         if len(set(values)) > 1:

@@ -21,6 +21,7 @@ from typing import Any
 from mpi4py import MPI
 
 from collectives.link import emulate_comm
+from collectives.node.channel import process_cpus
 
 from ..errors import HpcdlError
 from .partitions import PartitionPlan, Piece
@@ -173,8 +174,7 @@ def split_roles(world: MPI.Comm, k: int, stall_seconds: float, spin: int = -1) -
     first = n - k
     is_server = world.rank >= first
     comm = emulate_comm(world.Dup())  # the data between nodes takes an emulated link's time
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    everyone = comm.allgather((socket.gethostname(), os.getpid(), cpus))
+    everyone = comm.allgather((socket.gethostname(), os.getpid(), process_cpus()))
     where = [(host, pid) for host, pid, _ in everyone[first:]]
     nap = wait_nap(spin, [(host, c) for host, _, c in everyone])
     part = world.Split(1 if is_server else 0, world.rank)
