@@ -99,6 +99,54 @@ def test_waits_on_the_servers_sleep_only_where_a_hosts_ranks_outnumber_its_cores
     assert wait_nap(0, a_core_each) == NAP and wait_nap(2000, [("a", [0])] * 3) == 0.0
 
 
+def test_a_wait_that_polls_never_takes_a_timer_sleep_and_one_that_naps_does(monkeypatch):
+    """Where a rank has a core of its own its waits poll: ``time.sleep(0)`` is a timer sleep
+    on Linux (77 µs on a virtual machine), which answered a message only every 77 µs."""
+    from collectives.link import LinkRequest
+    from hpcdl.ps import wire
+
+    slept: list[float] = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(wire.time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
+    for nap in (0.0, 1e-3):
+        slept.clear()
+        due = time.perf_counter_ns() + 3_000_000  # a request that completes 3 ms from now
+        wire.wait_politely([LinkRequest([], at=due)], nap=nap)
+        assert time.perf_counter_ns() >= due
+        assert (slept == []) == (nap == 0.0), (nap, slept[:5])
+        assert all(0 < s <= 1e-3 for s in slept)
+
+
+@pytest.mark.parametrize("nap", [0.0, 1e-3])
+def test_an_idle_server_polls_without_a_timer_sleep_only_where_it_has_a_core(monkeypatch, nap):
+    """A dedicated server with a core of its own (``nap`` 0) polls within its window after a
+    message, yielding its core without a timer sleep; one that shares cores sleeps."""
+    import threading
+
+    from mpi4py import MPI
+
+    from hpcdl.ps import server, wire
+
+    slept: list[float] = []
+    real_sleep = time.sleep
+    monkeypatch.setattr(server.time, "sleep", lambda s: (slept.append(s), real_sleep(s)))
+    monkeypatch.setattr(server, "POLL_WINDOW", 60.0)  # every pass of this test within the window
+    comm = MPI.COMM_SELF.Dup()
+    srv = server.Server(comm, 0, [0], nap=nap)
+    t = threading.Thread(target=srv.serve)
+    t.start()
+    for _ in range(20):
+        real_sleep(1e-3)
+        comm.send(wire.Stats(7), dest=0, tag=wire.CTRL)
+        reply = comm.recv(source=0, tag=wire.CTRL_REPLY)
+        assert not reply.ok and "no table 7" in reply.value
+    comm.send(wire.Bye(), dest=0, tag=wire.CTRL)
+    t.join(30)
+    comm.Free()
+    assert not t.is_alive()
+    assert (slept == []) == (nap == 0.0), (nap, slept[:5])
+
+
 @pytest.mark.parametrize("spin, nap", [("0", "0.001"), ("2000", "0.0")])
 def test_a_job_whose_waits_sleep_or_spin_exchanges_the_same(spin, nap):
     run(["waits", nap], 3, {"HPCDL_PS_SERVERS": "1", "HPCDL_SHM_SPIN": spin}, 2)

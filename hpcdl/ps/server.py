@@ -59,6 +59,7 @@ from .wire import (
     TableSpec,
     Tags,
     as_bytes,
+    yield_core,
 )
 
 __all__ = ["Server", "serve"]
@@ -467,8 +468,10 @@ class Server:
                 for t in self.tables.values():
                     for line in t.held_back(now, self.stall_seconds):
                         log.warning("hpcdl: parameter server %d: %s", self.index, line)
-            polling = not self.nap and now - last_busy < POLL_WINDOW  # a core of its own: between a step's messages
-            sleep = 0.0 if polling else min(self.nap or NAP, max(sleep * 2, 20e-6))
+            if not self.nap and now - last_busy < POLL_WINDOW:  # a core of its own: between a step's messages
+                yield_core()
+                continue
+            sleep = min(self.nap or NAP, max(sleep * 2, 20e-6))
             time.sleep(sleep)
         for t in self.tables.values():
             t.close()
