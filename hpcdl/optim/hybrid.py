@@ -491,6 +491,9 @@ class HybridReducer(Reducer):
             for p, v in zip(b.params, f.pieces(b.params, f.full), strict=True):
                 if p.grad is None or p.grad.is_sparse:
                     p.grad = torch.zeros_like(p)
+                if scale != 1.0 and p.grad.device == v.device and p.grad.dtype == v.dtype:
+                    torch.mul(v, scale, out=p.grad)  # one pass, not a copy and a product
+                    continue
                 p.grad.copy_(v)
                 if scale != 1.0:
                     p.grad.mul_(scale)

@@ -91,7 +91,10 @@ class _Table:
         self.reqs: dict[tuple[int, int], Any] = {}
         self.sends: dict[int, list[Any]] = {p.index: [] for p in self.pieces}
         self.arrived: dict[int, set[int]] = {p.index: set() for p in self.pieces}
-        self.acc = {p.index: torch.zeros(p.numel, dtype=self.dtype) for p in self.pieces}
+        # sync: a partition's spare buffer; a sum is made in the first contributor's buffer and
+        # sent from there, and that contributor's next push lands in the spare
+        sync = self.mode == "sync"
+        self.spare = {p.index: torch.empty(p.numel, dtype=self.dtype) for p in self.pieces} if sync else {}
         self.lags: dict[int, int] = {}  # worker -> largest lag sent
         self.lag_counts: dict[tuple[int, int], int] = {}  # (worker, lag) -> replies
         if self.mode != "sync":
@@ -230,11 +233,11 @@ class _Table:
         who = self.contrib[i]
         if len(self.arrived[i]) < len(who):
             return
-        waitall(self.sends[i])
-        acc = self.acc[i]
-        acc.copy_(self.bufs[i, who[0]])
-        for w in who[1:]:
+        waitall(self.sends[i])  # the last sum's replies, from the spare
+        acc = self.bufs[i, who[0]]
+        for w in who[1:]:  # summed in place, in contributor order: no pass to copy the first
             acc.add_(self.bufs[i, w])
+        self.bufs[i, who[0]], self.spare[i] = self.spare[i], acc
         self.arrived[i].clear()
         self.sends[i] = []
         for w in who:
