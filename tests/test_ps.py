@@ -147,6 +147,43 @@ def test_an_idle_server_polls_without_a_timer_sleep_only_where_it_has_a_core(mon
     assert (slept == []) == (nap == 0.0), (nap, slept[:5])
 
 
+def test_a_worker_waiting_on_its_co_located_server_sums_and_replies_itself():
+    """The waiting thread does the server's work on the partitions while the server's own
+    thread is not looking (here it never runs), and leaves control messages to it."""
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+
+    from hpcdl.ps import PartitionPlan, TableSpec, Tags, server, wire
+
+    comm = MPI.COMM_SELF.Dup()
+    srv = server.Server(comm, 0, [0])
+    spec = TableSpec("t", "sync", 0, [1000], 4, "float32", 1, [[0]], 1024, [0], [0])
+    answer = comm.irecv(source=0, tag=wire.CTRL_REPLY)  # a send to oneself waits for its receive
+    srv._control(0, wire.Register(spec))  # what its thread, which never runs here, would do
+    slot = answer.wait().value
+    plan, tags = PartitionPlan([1000], 4, 1, 1, 1024), Tags(slot, 4)
+    grad = torch.arange(1000, dtype=torch.float32)
+    for step in range(3):
+        got = torch.zeros(1000)
+        reqs = []
+        for pc in plan.of_bucket(0, 0):
+            reqs.append(comm.Irecv(wire.as_bytes(got[pc.lo : pc.hi]), 0, tags.reply(pc.index)))
+            reqs.append(comm.Isend(wire.as_bytes(grad[pc.lo : pc.hi] * (step + 1)), 0, tags.push(pc.index)))
+        wire.wait_politely(reqs, nap=0.0, progress=srv.serve_once)
+        np.testing.assert_array_equal(got.numpy(), grad.numpy() * (step + 1))  # one contributor: its own
+    asked = [comm.isend(wire.Stats(slot), dest=0, tag=wire.CTRL)]
+    srv.serve_once()
+    assert comm.Iprobe(0, wire.CTRL)  # still there, for the server's thread
+    asked.append(comm.isend(wire.Bye(), dest=0, tag=wire.CTRL))
+    answer = comm.irecv(source=0, tag=wire.CTRL_REPLY)
+    srv.serve()  # the server's own loop: the Stats answered, then the goodbye
+    assert answer.wait().ok
+    MPI.Request.waitall(asked)
+    srv.serve_once()  # after the end: nothing
+    comm.Free()
+
+
 @pytest.mark.parametrize("spin, nap", [("0", "0.001"), ("2000", "0.0")])
 def test_a_job_whose_waits_sleep_or_spin_exchanges_the_same(spin, nap):
     run(["waits", nap], 3, {"HPCDL_PS_SERVERS": "1", "HPCDL_SHM_SPIN": spin}, 2)

@@ -206,6 +206,7 @@ def _start_colocated_servers(sub: MPI.Comm, leaders: list[int], rt: state.Runtim
         t = threading.Thread(target=srv.serve, name="hpcdl-ps-server", daemon=True)
         t.start()
         job.threads.append(t)
+        job.progress = srv.serve_once
     rt.at_shutdown.append(job.end)
     return job
 
@@ -481,7 +482,7 @@ class HybridReducer(Reducer):
         if f.rs is not None:
             self._push_reduced(b)
         t0 = time.perf_counter()
-        wait_politely(f.reqs, self._stalled, nap=self._job.nap)
+        wait_politely(f.reqs, self._stalled, nap=self._job.nap, progress=self._job.progress)
         self.wait_seconds += time.perf_counter() - t0
         f.reqs = []
         if self._L > 1:

@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mpi4py import MPI
@@ -99,6 +100,9 @@ class PSJob:
         self.counter = Counter()
         self.threads: list[threading.Thread] = []
         self.ended = False
+        self.progress: Callable[[], None] | None = None
+        """Where a server thread runs in this process: its :meth:`.Server.serve_once`,
+        which this worker calls while it waits on the servers."""
 
     def register(self, specs: list[TableSpec]) -> list[int]:
         """Register a table with every server (``specs[s]`` for server ``s``), all of them

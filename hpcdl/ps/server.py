@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from typing import Any
 
@@ -437,6 +438,11 @@ class Server:
         self._reqs: list[Any] | None = None
         self._what: list[tuple[_Table, tuple]] = []
         self.deferred: list[tuple[int, Ask]] = []  # (worker, what it asked), answered once the table reached it
+        self.lock = threading.Lock()
+        """Held while a thread looks at the messages: the server's own, or one that helps
+        (:meth:`serve_once`)."""
+        self.finished = False
+        self._status = MPI.Status()
 
     def serve(self) -> None:
         """Serve until every worker said goodbye."""
@@ -444,24 +450,8 @@ class Server:
         sleep = 0.0
         last_check = last_busy = time.monotonic()
         while self.left:
-            busy = False
-            while self.comm.Iprobe(MPI.ANY_SOURCE, CTRL, status):
-                src = status.Get_source()
-                self._control(src, self.comm.recv(source=src, tag=CTRL))
-                busy = True
-            if self._reqs is None:
-                self._collect()
-            if self._reqs:
-                done = testsome(self._reqs)
-                if done:
-                    busy = True
-                    what = [self._what[k] for k in done]
-                    self._reqs = None
-                    for table, w in what:
-                        table.arrived_from(w)
-                    self._answer_deferred()
-            for t in self.tables.values():  # every pass, busy or not: snapshots pile up otherwise
-                t.retire()
+            with self.lock:
+                busy = self._look(status, control=True)
             now = time.monotonic()
             if busy:
                 sleep, last_busy = 0.0, now
@@ -476,8 +466,48 @@ class Server:
                 continue
             sleep = min(self.nap or NAP, max(sleep * 2, 20e-6))
             time.sleep(sleep)
-        for t in self.tables.values():
-            t.close()
+        with self.lock:
+            self.finished = True
+            for t in self.tables.values():
+                t.close()
+
+    def serve_once(self) -> None:
+        """One look at the partitions' messages, by another thread of this server's process
+        (a worker waiting on this co-located server), unless the server's own thread is
+        looking: the waiting thread sums and replies at once, where the server's thread
+        sleeps between looks and must win the interpreter back from the waiting one.
+        Control messages are left to the server's thread."""
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            if not self.finished:
+                self._look(self._status, control=False)
+        finally:
+            self.lock.release()
+
+    def _look(self, status: MPI.Status, control: bool) -> bool:
+        """One look at the control messages (``control``) and the partitions' messages, and
+        the work they bring; whether there was any."""
+        busy = False
+        while control and self.comm.Iprobe(MPI.ANY_SOURCE, CTRL, status):
+            src = status.Get_source()
+            self._control(src, self.comm.recv(source=src, tag=CTRL))
+            busy = True
+        if self._reqs is None:
+            self._collect()
+        if self._reqs:
+            done = testsome(self._reqs)
+            if done:
+                busy = True
+                what = [self._what[k] for k in done]
+                self._reqs = None
+                for table, w in what:
+                    table.arrived_from(w)
+        if control and self.deferred:
+            self._answer_deferred()
+        for t in self.tables.values():  # every look, busy or not: snapshots pile up otherwise
+            t.retire()
+        return busy
 
     def _collect(self) -> None:
         self._reqs, self._what = [], []

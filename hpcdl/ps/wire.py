@@ -211,15 +211,20 @@ def yield_core() -> None:
 
 
 def wait_politely(
-    reqs: list[Any], stall: Callable[[float], None] | None = None, spin: float = 50e-6, nap: float = 1e-3
+    reqs: list[Any],
+    stall: Callable[[float], None] | None = None,
+    spin: float = 50e-6,
+    nap: float = 1e-3,
+    progress: Callable[[], None] | None = None,
 ) -> None:
     """Wait for every request in ``reqs`` without holding a core: poll, and once nothing
     has completed for ``spin`` seconds sleep between polls, up to ``nap`` seconds (a
     rank that waits on a server shares the machine with it). ``nap=0`` only yields the
     core between polls (:func:`yield_core`): for a rank with a core of its own, and for a
     process whose own thread serves the requests (a co-located server), which a napping
-    waiter would have to win the GIL back from at every wake-up. ``stall(seconds)`` is
-    called about once a second while the wait goes on."""
+    waiter would have to win the GIL back from at every wake-up. ``progress()``, where
+    given, is called at every poll (the co-located server's :meth:`.Server.serve_once`).
+    ``stall(seconds)`` is called about once a second while the wait goes on."""
     if not reqs:
         return
     if testall(reqs):
@@ -227,6 +232,8 @@ def wait_politely(
     start = told = time.perf_counter()
     sleep = 0.0
     while not testall(reqs):
+        if progress is not None:
+            progress()
         now = time.perf_counter()
         if now - start > spin and not nap:
             yield_core()
