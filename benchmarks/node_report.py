@@ -32,7 +32,13 @@ core (or ``--max-ranks``):
    4 ranks (2 where the node has fewer cores), from this node's measured compute, links
    and per-call cost (``benchmarks.plan_check``; the bound is 25%, and the two rankings
    should agree);
-8. ``gpu`` (when torch sees a GPU): the device path against staging through host memory and
+8. ``ps``: the parameter servers against allreduce across emulated 10 and 100 Gbit/s
+   Ethernet (``benchmarks.ps_links``'s exchange of 4 and 16 MiB, 2 simulated nodes of 2
+   workers and 4 of one, each with 4 servers on nodes of their own; 2 nodes of one worker
+   and 2 servers on 4 to 7 cores): the winner by size against the cost model's, what
+   ``HybridOptimizer(node_reduce="auto")`` took, and the same exchanges without a link
+   (this node's own cost); ``DIR/ps_links.{json,md,svg}``;
+9. ``gpu`` (when torch sees a GPU): the device path against staging through host memory and
    gloo by size at 2 ranks (``benchmarks.osu_allreduce -d cuda``), without NVIDIA's MPS and
    with it where ``nvidia-cuda-mps-control`` is found (the daemon started and stopped for
    the run), the crossover ``auto`` should use; NCCL at one rank.
@@ -75,6 +81,11 @@ from collectives.node.channel import SINGLE_COPY_PROBE
 from collectives.select import load_table, rules
 from collectives.tune import merge
 
+from .ps_links import CONTENDERS as PS_CONTENDERS
+from .ps_links import parse_layout
+from .ps_links import summarize as summarize_ps
+from .ps_links import write as write_ps
+
 __all__ = ["main", "rank_counts", "summarize", "worst_ratios", "crossover", "world_check", "node_tuning"]
 
 BAR = 1.10
@@ -91,6 +102,7 @@ SHARES = {
     "training": 0.20,
     "pipeline": 0.10,
     "plan": 0.08,
+    "ps": 0.12,
     "gpu": 0.15,
 }
 """Each step's share of the budget (the GPU's only where there is one; the shares of steps
@@ -397,6 +409,7 @@ def summarize(report: dict[str, Any]) -> str:
         "training": _training_lines,
         "pipeline": _pipeline_lines,
         "plan": _plan_lines,
+        "ps": _ps_lines,
     }
     for step, section in sections.items():
         if step in report.get("steps", SHARES):
@@ -608,6 +621,39 @@ def _plan_lines(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _ps_lines(report: dict[str, Any]) -> list[str]:
+    lines = ["## Parameter servers against allreduce across emulated links", ""]
+    got = report.get("ps")
+    if got and got.get("skipped"):
+        return lines + [f"- not run: {got['skipped']}"]
+    if not got or not got["runs"]:
+        return lines + ["- did not finish (see below)"]
+    ms = lambda us: " / ".join(f"{us[c] / 1e3:.2f}" for c in PS_CONTENDERS)  # noqa: E731
+    lines.append(
+        f"One synchronous exchange of a gradient without compute, the fastest of its steps, ms "
+        f"({' / '.join(PS_CONTENDERS)}; with one worker a node the hybrid is the parameter servers' own path); "
+        "`ps_links.md` has the model's prediction of each."
+    )
+    lines.append("")
+    for layout, run in {run["layout"]: run for run in got["runs"]}.items():
+        own = "; ".join(f"{_size(s['size'])} {ms(s['no_link_us'])}" for s in run["sizes"])
+        lines.append(f"- {layout}, without a link (this node's own cost): {own}")
+    rows = [(run, s) for run in got["runs"] for s in run["sizes"]]
+    for run, s in rows:
+        lines.append(
+            f"- {run['link']}, {run['layout']}, {_size(s['size'])}: {ms(s['us'])}: {s['winner']} wins (the model: "
+            f'{s["predicted_winner"]}); `node_reduce="auto"` took {s["auto_took"]}, '
+            f"{s['auto_over_best_ps']:.2f} x the better parameter-server path"
+        )
+    right = sum(s["winner"] == s["predicted_winner"] for _, s in rows)
+    close = sum(s["auto_over_best_ps"] <= BAR for _, s in rows)
+    lines.append(
+        f"- the model named the winner in {right} of {len(rows)} rows; `auto` took within {BAR:.2f} x the better "
+        f"parameter-server path in {close} of {len(rows)}"
+    )
+    return lines
+
+
 def crossover(rows: list[dict[str, Any]], below: str = "staged", above: str = "ipc") -> int | None:
     """The largest size up to which ``below`` is faster than ``above`` at every measured
     size (0: not even at the smallest; None: neither measured)."""
@@ -736,7 +782,7 @@ def node_tuning(out: Path, counts: list[int], machine: str) -> str | None:
 def _steps(r: Runner, counts: list[int], args: argparse.Namespace, gpus: int) -> dict[str, Any]:
     """Run every chosen step under the budget; their figures by step and rank count."""
     got: dict[str, Any] = {step: {} for step in ("collectives", "small_calls", "stores", "tuner", "training")}
-    got.update(pipeline=[], plan=None, gpu=None)
+    got.update(pipeline=[], plan=None, ps=None, gpu=None)
     chosen = [k for k in SHARES if k in args.steps and (gpus or k != "gpu")]
     ends = _ends(r, chosen) if chosen else {}
     for step in ("collectives", "small_calls", "stores", "tuner"):
@@ -761,6 +807,8 @@ def _steps(r: Runner, counts: list[int], args: argparse.Namespace, gpus: int) ->
         _pipeline(r, args, got, ends["pipeline"])
     if "plan" in ends:
         _plan(r, counts, args, got, ends["plan"])
+    if "ps" in ends:
+        got["ps"] = _ps(r, counts, args, ends["ps"])
     if "gpu" in ends:
         got["gpu"] = _gpu(r, args)
     return got
@@ -825,6 +873,50 @@ def _plan(r: Runner, counts: list[int], args: argparse.Namespace, got: dict[str,
         model=True,
     )
     got["plan"] = r.load(name)
+
+
+PS_LINKS = ("eth-10g", "eth-100g")
+"""The links of the ``ps`` step: the slowest and the fastest of the Ethernet presets."""
+
+
+def ps_layouts(ranks: int) -> list[str]:
+    """The ``ps`` step's layouts (``benchmarks.ps_links``'s ``NODESxWORKERS+SERVERS``) for
+    a node whose ``ranks`` ranks have a core each: 2 simulated nodes of 2 workers, and 4 of
+    one, each with 4 servers on nodes of their own (where theory has the hierarchical
+    allreduce win, and the parameter servers); 2 nodes of one worker and 2 servers on 4
+    to 7 cores; none on fewer."""
+    if ranks >= 8:
+        return ["2x2+4", "4x1+4"]
+    return ["2x1+2"] if ranks >= 4 else []
+
+
+def _ps(r: Runner, counts: list[int], args: argparse.Namespace, end: float) -> dict[str, Any]:
+    """Parameter servers against allreduce across emulated links: each layout's exchange
+    without a link (this node's own cost) and across each of :data:`PS_LINKS`, by
+    ``benchmarks.ps_links``'s worker part; ``DIR/ps_links.{json,md,svg}`` beside the summary."""
+    layouts = ["2x1+2"] if args.quick else ps_layouts(counts[-1])
+    if not layouts:
+        return {"skipped": f"it needs 4 ranks with a core each (2 workers, 2 servers); this node runs {counts[-1]}"}
+    links = ["eth-25g"] if args.quick else list(PS_LINKS)
+    sizes, steps = ("64K", "1") if args.quick else ("4M,16M", "3")
+    jobs = [(layout, link) for layout in layouts for link in ["", *links]]
+    plain: dict[str, Any] = {}
+    runs = []
+    for i, (layout, link) in enumerate(jobs):
+        nodes, per_node, servers = parse_layout(layout)
+        name = f"ps_{nodes}x{per_node}_{servers}_{link or 'nolink'}"
+        env = {"HPCDL_LINK": link, "HPCDL_RANKS_PER_NODE": str(per_node), "HPCDL_PS_SERVERS": str(servers)}
+        work = ["benchmarks.ps_links", "--work", str(r.raw / f"{name}.json"), "--sizes", sizes, "--steps", steps]
+        r.run(name, nodes * per_node + servers, work, (end - time.monotonic()) / (len(jobs) - i), env=env)
+        rows = r.load(name)
+        if rows and not link:
+            plain[layout] = rows
+        elif rows and layout in plain:
+            runs.append(summarize_ps(link, layout, rows, plain[layout]))
+    if runs:
+        command = f"node report: benchmarks.ps_links --sizes {sizes} --steps {steps}, layouts {','.join(layouts)}"
+        write_ps(runs, r.raw.parent, command)
+    return {"runs": runs}
 
 
 SWEEP_SECONDS = 0.5

@@ -21,6 +21,7 @@ from benchmarks.node_report import (
     machine,
     model_cores,
     node_tuning,
+    ps_layouts,
     rank_counts,
     single_copy_line,
     summarize,
@@ -165,6 +166,33 @@ def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_f
         assert line in section, (line, section)
         assert f"x, contention {row['contention']:.2f})" in section
     assert f"- worst {plan['verdict']['worst']:+.1%} (the bound is 25%)" in section
+    # parameter servers against allreduce across a link: each row's winner recomputed from the worker part's own JSON
+    ps = json.loads((tmp_path / "ps_links.json").read_text())
+    section = summary.split("## Parameter servers against allreduce across emulated links")[1]
+    assert [(run["link"], run["layout"]) for run in ps["runs"]] == [("eth-25g", "2x1+2")]
+    ms = lambda us: " / ".join(f"{us[c] / 1e3:.2f}" for c in ("ring", "hierarchical", "ps-sync", "hybrid"))  # noqa: E731
+    for run in ps["runs"]:
+        measured = json.loads((tmp_path / "raw" / "ps_2x1_2_eth-25g.json").read_text())
+        alone = json.loads((tmp_path / "raw" / "ps_2x1_2_nolink.json").read_text())
+        for s, row, own in zip(run["sizes"], measured, alone, strict=True):
+            assert s["size"] == row["size"] == own["size"] == 64 << 10
+            assert s["winner"] == min(("ring", "hierarchical", "ps-sync"), key=row["us"].__getitem__)
+            assert f"- eth-25g, 2x1+2, 64 KiB: {ms(row['us'])}: {s['winner']} wins (the model: " in section
+            assert f"- 2x1+2, without a link (this node's own cost): 64 KiB {ms(own['us'])}" in section
+            took = f'`node_reduce="auto"` took {row["auto_took"]}, '
+            best = min(row["us"]["ps-sync"], row["us"]["hybrid"])
+            assert took + f"{row['us']['auto'] / best:.2f} x the better parameter-server path" in section
+
+
+def test_the_parameter_server_step_places_its_layouts_by_the_cores_and_says_why_it_did_not_run():
+    assert ps_layouts(16) == ps_layouts(8) == ["2x2+4", "4x1+4"]  # 8 ranks each: 4 or 2 workers a node, 4 servers
+    assert ps_layouts(7) == ps_layouts(4) == ["2x1+2"]
+    assert ps_layouts(2) == []
+    report = {"machine": {}, "date": "d", "seconds": 1.0, "budget": 2.0, "runs": [], "steps": ["ps"]}
+    report["ps"] = {"skipped": "it needs 4 ranks with a core each (2 workers, 2 servers); this node runs 2"}
+    assert "- not run: it needs 4 ranks with a core each" in summarize(report)
+    report["ps"] = {"runs": []}
+    assert "## Parameter servers against allreduce across emulated links\n\n- did not finish" in summarize(report)
 
 
 def test_ranks_are_bound_to_a_core_each_by_the_launchers_own_option():
