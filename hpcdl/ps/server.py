@@ -458,9 +458,10 @@ class Server:
                 continue
             if now - last_check > 1.0:
                 last_check = now
-                for t in self.tables.values():
-                    for line in t.held_back(now, self.stall_seconds):
-                        log.warning("hpcdl: parameter server %d: %s", self.index, line)
+                with self.lock:  # a helping thread may be stepping the tables
+                    stalls = [line for t in self.tables.values() for line in t.held_back(now, self.stall_seconds)]
+                for line in stalls:
+                    log.warning("hpcdl: parameter server %d: %s", self.index, line)
             if not self.nap and now - last_busy < POLL_WINDOW:  # a core of its own: between a step's messages
                 yield_core()
                 continue
