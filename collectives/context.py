@@ -117,7 +117,9 @@ class Context:
     def __init__(self, transport: Any, config: Config | None = None) -> None:
         self.config = config or load_config()
         if self.config.link and type(transport) is MPITransport:  # messages between nodes take the link's time
-            transport = emulate(transport, parse_link(self.config.link), self.config.ranks_per_node)
+            transport = emulate(
+                transport, parse_link(self.config.link), self.config.ranks_per_node, self.config.shm_spin
+            )
         self.transport = transport
         self.scratch = ScratchPool()
         self.inflight: list[Pending] = []

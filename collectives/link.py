@@ -42,6 +42,7 @@ from mpi4py import MPI
 
 from .cost import AlphaBeta
 from .errors import ConfigError
+from .node.channel import node_cores, process_cpus
 from .transport import MPITransport
 
 __all__ = [
@@ -54,9 +55,11 @@ __all__ = [
     "emulate_comm",
     "locate",
     "located",
+    "polls",
     "testall",
     "testsome",
     "waitall",
+    "waits_poll",
 ]
 
 
@@ -135,9 +138,34 @@ class LinkRequest:
         _sleep_while_pending([q for r in reqs for q in r.reqs])
 
 
+_POLL = False
+"""Whether a wait on the link's MPI requests polls, yielding the core between looks (every
+rank of this machine has a core of its own), or sleeps 20 µs between them (ranks share
+cores): set by :func:`locate` and :func:`emulate` (:func:`waits_poll`)."""
+
+
+def waits_poll(shared: MPI.Comm, spin: int = -1) -> bool:
+    """Whether the ranks of ``shared`` (one machine's, collective) wait on the link by
+    polling: where they are no more than the cores they may run on together, as the node
+    channel's waits decide; ``spin`` (``HPCDL_SHM_SPIN``) decides instead where it is not
+    -1 (0: sleep, more: poll). A sleep of 20 µs is a timer's, 77 µs on a virtual machine,
+    which an emulated latency of 5 µs would drown in."""
+    cpus = shared.allgather(process_cpus())
+    return spin > 0 if spin >= 0 else len(cpus) <= node_cores(cpus)
+
+
+def polls() -> bool:
+    """Whether this process's waits on the link poll (else they sleep between looks): what
+    :func:`waits_poll` decided at the last :func:`locate` or :func:`emulate`."""
+    return _POLL
+
+
 def _sleep_while_pending(reqs: list[Any]) -> None:
     while reqs and not MPI.Request.Testall(reqs):
-        time.sleep(20e-6)
+        if _POLL:
+            os.sched_yield()
+        else:
+            time.sleep(20e-6)
 
 
 def _sleep_until(at: int) -> None:
@@ -205,19 +233,20 @@ def located() -> Located | None:
     return _LOCATED
 
 
-def locate(comm: MPI.Comm, ranks_per_node: int, link: AlphaBeta | None) -> Located:
+def locate(comm: MPI.Comm, ranks_per_node: int, link: AlphaBeta | None, spin: int = -1) -> Located:
     """Number the nodes of ``comm``'s ranks as the collectives see them (the ranks sharing
     memory, cut into ``ranks_per_node`` where that is set) and, with a ``link``, make each
     node's :class:`Port`; collective over ``comm``. Contexts and :func:`emulate_comm` made
     afterwards over any subset of these ranks take their nodes, and port, from here: a
     subset's own shared-memory split would not know where the cuts between nodes fall.
+    ``spin``: as for :func:`waits_poll`.
 
     Raises:
         ConfigError: on every rank, where the ranks' links differ.
     """
-    global _LOCATED
+    global _LOCATED, _POLL
     _agree_link(comm, link)
-    key, node = _node_of(comm, ranks_per_node)
+    key, node, _POLL = *_node_of(comm, ranks_per_node), _poll_of(comm, spin)
     keys = comm.allgather(key)
     port = Port(node) if link is not None else None  # lives as long as MPI
     node.Free()
@@ -256,17 +285,30 @@ def located_nodes(comm: MPI.Comm, ranks_per_node: int, link: Any = False) -> lis
     return None if None in nodes else nodes
 
 
-def emulate(t: MPITransport, link: AlphaBeta, ranks_per_node: int) -> LinkTransport:
+def _poll_of(comm: MPI.Comm, spin: int) -> bool:
+    """:func:`waits_poll` for this rank's machine among ``comm``'s ranks (collective)."""
+    shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        return waits_poll(shared, spin)
+    finally:
+        shared.Free()
+
+
+def emulate(t: MPITransport, link: AlphaBeta, ranks_per_node: int, spin: int = -1) -> LinkTransport:
     """``t`` with its messages between nodes taking ``link``'s time (collective over ``t``).
     The nodes are those the collectives see: :func:`locate`'s, with its ports, where every
     rank was located with this link and ``ranks_per_node``; else the ranks sharing memory,
     cut into ``ranks_per_node`` where that is set, with ports of their own. Each rank's
     link must be the same.
 
+    Its waits poll or sleep as :func:`waits_poll` says (``spin`` as there).
+
     Raises:
         ConfigError: on every rank, where the ranks' links differ.
     """
+    global _POLL
     _agree_link(t.comm, link)
+    _POLL = _poll_of(t.comm, spin)
     nodes = located_nodes(t.comm, ranks_per_node, link)
     if nodes is not None:
         return LinkTransport(t.comm, link, nodes, _LOCATED.port)  # type: ignore[union-attr,arg-type]

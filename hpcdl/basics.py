@@ -208,7 +208,7 @@ def _start(base: MPI.Comm, args: _InitArgs) -> Runtime:
     serves, then ends the process."""
     ps_job = None
     cfg = load_collectives_config()  # the nodes, and the link between them, every rank of the job sees alike
-    locate(base, cfg.ranks_per_node, parse_link(cfg.link) if cfg.link else None)
+    locate(base, cfg.ranks_per_node, parse_link(cfg.link) if cfg.link else None, cfg.shm_spin)
     if args.servers:
         base, ps_job = ps_roles.split_roles(base, args.servers, args.config.stall_check_time_seconds, cfg.shm_spin)
     comm, owned = base, ps_job is not None

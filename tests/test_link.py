@@ -84,6 +84,27 @@ def test_a_ping_pong_across_the_link_measures_its_latency_and_bandwidth():
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("spin", [-1, 0, 100])
+def test_waits_on_the_link_poll_only_where_every_rank_has_a_core(spin):
+    """A wait on the link's messages sleeps 20 µs between looks where ranks share cores (a
+    timer's sleep: 77 µs on a virtual machine, which drowns an emulated latency of 5 µs) and
+    polls where every rank has a core; HPCDL_SHM_SPIN decides where set (0 sleeps)."""
+    import os
+
+    from collectives.link import polls
+
+    cpus = WORLD.allgather(sorted(os.sched_getaffinity(0)))  # every rank of these tests is on this machine
+    comm = WORLD.Dup()
+    get_context(comm, Config(link="eth-100g", ranks_per_node=1, shm_spin=spin))
+    a_core_each = N <= len(set().union(*map(set, cpus)))
+    assert polls() == (a_core_each if spin < 0 else spin > 0)
+    x = np.arange(1000, dtype=np.float32) + ME
+    want = sum(np.arange(1000, dtype=np.float32) + r for r in range(N))
+    np.testing.assert_array_equal(C.allreduce(x, algorithm="ring", comm=comm), want)
+    comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_flat_ring_allreduce_across_the_link_measures_its_latency_and_bandwidth():
     comm = linked()
     sizes = (4 << 10, 4 << 20)
