@@ -17,8 +17,10 @@ it would on that link:
 Only timing changes: the bytes are MPI's, so results are bitwise what they are without a
 link. Messages inside a node go straight through; so do MPI's own collective calls, which
 ``auto`` therefore leaves across emulated nodes. The port's clock lives in a shared window
-of the node's ranks, reserved by MPI's atomic compare-and-swap. A waiting rank sleeps
-rather than polls, so ranks that share a core do not slow each other's emulated time.
+of the node's ranks, reserved by MPI's atomic compare-and-swap. Where ranks share cores a
+waiting rank sleeps rather than polls, so that they do not slow each other's emulated time;
+where each has a core of its own it polls (:func:`waits_poll`), so that a latency of a few
+microseconds holds too.
 
 The same link applies outside the collectives, to communicators wrapped by
 :func:`emulate_comm` (a :class:`LinkComm`: the parameter servers' data and the pipeline's
@@ -55,7 +57,6 @@ __all__ = [
     "emulate_comm",
     "locate",
     "located",
-    "polls",
     "testall",
     "testsome",
     "waitall",
@@ -104,12 +105,13 @@ class LinkRequest:
     """A request of :class:`LinkTransport`; quacks like ``MPI.Request``. It completes when
     its MPI requests have and the clock (``perf_counter_ns``) has passed ``at``: for a send
     across nodes, when its bytes have left the port; for a receive, when they arrive, a
-    time the sender passes along with them (``stamp``)."""
+    time the sender passes along with them (``stamp``). ``poll``: whether a wait on it
+    polls (:func:`waits_poll`)."""
 
-    __slots__ = ("at", "reqs", "stamp")
+    __slots__ = ("at", "poll", "reqs", "stamp")
 
-    def __init__(self, reqs: list[Any], at: int = 0, stamp: np.ndarray | None = None) -> None:
-        self.reqs, self.at, self.stamp = reqs, at, stamp  # a send keeps its stamp alive, at set
+    def __init__(self, reqs: list[Any], at: int = 0, stamp: np.ndarray | None = None, poll: bool = False) -> None:
+        self.reqs, self.at, self.stamp, self.poll = reqs, at, stamp, poll  # a send keeps its stamp alive, at set
 
     def _due(self) -> int:
         return self.at if self.at else int(self.stamp[0]) if self.stamp is not None else 0
@@ -132,37 +134,36 @@ class LinkRequest:
     def Waitall(cls, reqs: list[LinkRequest]) -> None:  # noqa: N802
         # the receives' arrival times first (they come at once), then sleep until the last
         # is due; MPI's own wait would poll the core that a rank sharing it may need to send
-        # what this one waits for, so this one looks every 20 µs and sleeps in between
-        _sleep_while_pending([r.reqs[1] for r in reqs if r.stamp is not None and not r.at])
+        # what this one waits for, so there this one looks every 20 µs and sleeps in between
+        poll = any(r.poll for r in reqs)
+        _sleep_while_pending([r.reqs[1] for r in reqs if r.stamp is not None and not r.at], poll)
         _sleep_until(max(r._due() for r in reqs))
-        _sleep_while_pending([q for r in reqs for q in r.reqs])
-
-
-_POLL = False
-"""Whether a wait on the link's MPI requests polls, yielding the core between looks (every
-rank of this machine has a core of its own), or sleeps 20 µs between them (ranks share
-cores): set by :func:`locate` and :func:`emulate` (:func:`waits_poll`)."""
+        _sleep_while_pending([q for r in reqs for q in r.reqs], poll)
 
 
 def waits_poll(shared: MPI.Comm, spin: int = -1) -> bool:
     """Whether the ranks of ``shared`` (one machine's, collective) wait on the link by
-    polling: where they are no more than the cores they may run on together, as the node
-    channel's waits decide; ``spin`` (``HPCDL_SHM_SPIN``) decides instead where it is not
-    -1 (0: sleep, more: poll). A sleep of 20 µs is a timer's, 77 µs on a virtual machine,
-    which an emulated latency of 5 µs would drown in."""
+    polling, yielding the core between looks: where they are no more than the cores they
+    may run on together, as the node channel's waits decide; else they sleep 20 µs between
+    looks, a timer's sleep (77 µs on a virtual machine, which an emulated latency of 5 µs
+    would drown in). ``spin`` (``HPCDL_SHM_SPIN``) decides instead where it is not -1 (0:
+    sleep, more: poll)."""
     cpus = shared.allgather(process_cpus())
     return spin > 0 if spin >= 0 else len(cpus) <= node_cores(cpus)
 
 
-def polls() -> bool:
-    """Whether this process's waits on the link poll (else they sleep between looks): what
-    :func:`waits_poll` decided at the last :func:`locate` or :func:`emulate`."""
-    return _POLL
+def _poll_of(comm: MPI.Comm, spin: int) -> bool:
+    """:func:`waits_poll` for this rank's machine among ``comm``'s ranks (collective)."""
+    shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        return waits_poll(shared, spin)
+    finally:
+        shared.Free()
 
 
-def _sleep_while_pending(reqs: list[Any]) -> None:
+def _sleep_while_pending(reqs: list[Any], poll: bool) -> None:
     while reqs and not MPI.Request.Testall(reqs):
-        if _POLL:
+        if poll:
             os.sched_yield()
         else:
             time.sleep(20e-6)
@@ -182,12 +183,13 @@ class LinkTransport(MPITransport):
     """An :class:`MPITransport` whose messages between ranks of different nodes take the
     time ``link`` says (module docstring): each goes at once, with its arrival time on a
     duplicate of the communicator, and the receive completes no earlier. ``nodes``: each
-    rank's node, by rank; ``port``: this rank's node's :class:`Port`."""
+    rank's node, by rank; ``port``: this rank's node's :class:`Port`; ``poll``: whether its
+    waits poll (:func:`waits_poll`)."""
 
-    def __init__(self, comm: MPI.Comm, link: AlphaBeta, nodes: list[Any], port: Port) -> None:
+    def __init__(self, comm: MPI.Comm, link: AlphaBeta, nodes: list[Any], port: Port, poll: bool = False) -> None:
         super().__init__(comm)
-        self.link, self.nodes, self.port = link, nodes, port
-        self.wire = LinkComm(comm, link, nodes, port)
+        self.link, self.nodes, self.port, self.poll = link, nodes, port, poll
+        self.wire = LinkComm(comm, link, nodes, port, poll)
         """Times the messages: the transport's are stamped as :class:`LinkComm`'s are."""
 
     @property
@@ -203,11 +205,11 @@ class LinkTransport(MPITransport):
 
     def split(self, color: int, key: int) -> LinkTransport:
         sub = self.comm.Split(color, key)
-        return LinkTransport(sub, self.link, sub.allgather(self.nodes[self.rank]), self.port)
+        return LinkTransport(sub, self.link, sub.allgather(self.nodes[self.rank]), self.port, self.poll)
 
     def split_shared(self) -> LinkTransport:
         sub = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        return LinkTransport(sub, self.link, sub.allgather(self.nodes[self.rank]), self.port)
+        return LinkTransport(sub, self.link, sub.allgather(self.nodes[self.rank]), self.port, self.poll)
 
     def free(self) -> None:
         super().free()
@@ -216,13 +218,15 @@ class LinkTransport(MPITransport):
 
 class Located(NamedTuple):
     """Where :func:`locate` put this process: its ``node`` (a number, the same on every rank
-    of the node), the node's :class:`Port`, the emulated ``link`` (None without one) and the
-    ``ranks_per_node`` that cut the nodes."""
+    of the node), the node's :class:`Port`, the emulated ``link`` (None without one), the
+    ``ranks_per_node`` that cut the nodes and whether waits on the link ``poll``
+    (:func:`waits_poll`, decided by every rank of the job on this machine)."""
 
     node: int
     port: Port | None
     link: AlphaBeta | None
     ranks_per_node: int
+    poll: bool = False
 
 
 _LOCATED: Located | None = None
@@ -244,13 +248,14 @@ def locate(comm: MPI.Comm, ranks_per_node: int, link: AlphaBeta | None, spin: in
     Raises:
         ConfigError: on every rank, where the ranks' links differ.
     """
-    global _LOCATED, _POLL
+    global _LOCATED
     _agree_link(comm, link)
-    key, node, _POLL = *_node_of(comm, ranks_per_node), _poll_of(comm, spin)
+    key, node = _node_of(comm, ranks_per_node)
+    poll = _poll_of(comm, spin)
     keys = comm.allgather(key)
     port = Port(node) if link is not None else None  # lives as long as MPI
     node.Free()
-    _LOCATED = Located(sorted(set(keys)).index(key), port, link, ranks_per_node)
+    _LOCATED = Located(sorted(set(keys)).index(key), port, link, ranks_per_node, poll)
     return _LOCATED
 
 
@@ -301,21 +306,20 @@ def emulate(t: MPITransport, link: AlphaBeta, ranks_per_node: int, spin: int = -
     cut into ``ranks_per_node`` where that is set, with ports of their own. Each rank's
     link must be the same.
 
-    Its waits poll or sleep as :func:`waits_poll` says (``spin`` as there).
+    Its waits poll or sleep as :func:`locate` decided, or else as :func:`waits_poll` says
+    for ``t``'s ranks (``spin`` as there).
 
     Raises:
         ConfigError: on every rank, where the ranks' links differ.
     """
-    global _POLL
     _agree_link(t.comm, link)
-    _POLL = _poll_of(t.comm, spin)
     nodes = located_nodes(t.comm, ranks_per_node, link)
     if nodes is not None:
-        return LinkTransport(t.comm, link, nodes, _LOCATED.port)  # type: ignore[union-attr,arg-type]
+        return LinkTransport(t.comm, link, nodes, _LOCATED.port, _LOCATED.poll)  # type: ignore[union-attr,arg-type]
     key, node = _node_of(t.comm, ranks_per_node)
     port = Port(node)  # lives as long as MPI: every transport split from this one shares it
     node.Free()
-    return LinkTransport(t.comm, link, t.comm.allgather(key), port)
+    return LinkTransport(t.comm, link, t.comm.allgather(key), port, _poll_of(t.comm, spin))
 
 
 class LinkMessage:
@@ -343,10 +347,11 @@ class LinkComm:
     different nodes take the time ``link`` says (module docstring), through ``port`` (this
     rank's node's); everything else (pickled ``send``/``recv``, probes, attributes) is the
     communicator's own, untimed. ``nodes``: each rank's node, by rank. Wait on its requests
-    with :func:`testall`, :func:`waitall` or :func:`testsome`."""
+    with :func:`testall`, :func:`waitall` or :func:`testsome`, which poll where ``poll``
+    (:func:`waits_poll`)."""
 
-    def __init__(self, comm: MPI.Comm, link: AlphaBeta, nodes: list[Any], port: Port) -> None:
-        self.comm, self.link, self.nodes, self.port = comm, link, nodes, port
+    def __init__(self, comm: MPI.Comm, link: AlphaBeta, nodes: list[Any], port: Port, poll: bool = False) -> None:
+        self.comm, self.link, self.nodes, self.port, self.poll = comm, link, nodes, port, poll
         self.me = nodes[comm.Get_rank()]
         self.stamps = comm.Dup()
         """Where each message across nodes sends its arrival time (same peer and tag)."""
@@ -366,19 +371,19 @@ class LinkComm:
         """The started send ``req`` of ``nbytes`` to ``dest``, timed: across nodes it takes
         the port for its bytes and sends its arrival time beside them."""
         if self.nodes[dest] == self.me:
-            return LinkRequest([req])
+            return LinkRequest([req], poll=self.poll)
         self.crossed += nbytes
         left = self.port.reserve(round(nbytes / self.link.beta * 1e9), time.perf_counter_ns())
         stamp = np.array([left + round(self.link.alpha * 1e9)], np.int64)
-        return LinkRequest([req, self.stamps.Isend(stamp, dest, tag)], left, stamp)
+        return LinkRequest([req, self.stamps.Isend(stamp, dest, tag)], left, stamp, self.poll)
 
     def stamp_recv(self, req: Any, source: int, tag: int) -> LinkRequest:
         """The started receive ``req`` from ``source``, timed: across nodes it completes no
         earlier than the arrival time the sender passes along."""
         if self.nodes[source] == self.me:
-            return LinkRequest([req])
+            return LinkRequest([req], poll=self.poll)
         stamp = np.zeros(1, np.int64)
-        return LinkRequest([req, self.stamps.Irecv(stamp, source, tag)], 0, stamp)
+        return LinkRequest([req, self.stamps.Irecv(stamp, source, tag)], 0, stamp, self.poll)
 
     def Isend(self, buf: Any, dest: int, tag: int = 0) -> LinkRequest:  # noqa: N802
         return self.stamp_send(self.comm.Isend(buf, dest, tag), _nbytes(buf), dest, tag)
@@ -399,7 +404,7 @@ class LinkComm:
         return LinkMessage(msg, stamp)
 
     def Dup(self) -> LinkComm:  # noqa: N802
-        return LinkComm(self.comm.Dup(), self.link, self.nodes, self.port)
+        return LinkComm(self.comm.Dup(), self.link, self.nodes, self.port, self.poll)
 
     def Free(self) -> None:  # noqa: N802
         self.stamps.Free()
@@ -414,7 +419,7 @@ def emulate_comm(comm: MPI.Comm) -> Any:
     nodes = located_nodes(comm, mine.ranks_per_node if mine is not None else -1, link)
     if nodes is None or link is None:
         return comm
-    return LinkComm(comm, _LOCATED.link, nodes, _LOCATED.port)  # type: ignore[union-attr,arg-type]
+    return LinkComm(comm, _LOCATED.link, nodes, _LOCATED.port, _LOCATED.poll)  # type: ignore[union-attr,arg-type]
 
 
 def _plain(reqs: list[Any]) -> bool:
