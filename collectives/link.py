@@ -290,15 +290,6 @@ def located_nodes(comm: MPI.Comm, ranks_per_node: int, link: Any = False) -> lis
     return None if None in nodes else nodes
 
 
-def _poll_of(comm: MPI.Comm, spin: int) -> bool:
-    """:func:`waits_poll` for this rank's machine among ``comm``'s ranks (collective)."""
-    shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    try:
-        return waits_poll(shared, spin)
-    finally:
-        shared.Free()
-
-
 def emulate(t: MPITransport, link: AlphaBeta, ranks_per_node: int, spin: int = -1) -> LinkTransport:
     """``t`` with its messages between nodes taking ``link``'s time (collective over ``t``).
     The nodes are those the collectives see: :func:`locate`'s, with its ports, where every
