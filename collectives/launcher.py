@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-__all__ = ["launcher", "launcher_size"]
+__all__ = ["launcher", "launcher_size", "process_cpus", "node_cores"]
 
 # (launcher, a variable only it sets, the variable holding the task count), looked at in
 # this order: hydra's and Open MPI's ranks inside a Slurm allocation still see SLURM_*, and
@@ -48,3 +48,20 @@ def launcher_size(environ: Mapping[str, str] | None = None) -> int | None:
         except ValueError:
             return None
     return None
+
+
+def process_cpus() -> list[int]:
+    """The CPUs the launcher (or a binding inside the job) let this process run on; empty
+    where the system does not say."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return []
+
+
+def node_cores(cpus: list[list[int]]) -> int:
+    """The cores a node's ranks may run on together: the union of each rank's CPUs
+    (:func:`process_cpus`, gathered), or the machine's count where a rank's are unknown."""
+    if not cpus or any(not c for c in cpus):
+        return os.cpu_count() or 1
+    return len(set().union(*cpus))

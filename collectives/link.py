@@ -44,7 +44,7 @@ from mpi4py import MPI
 
 from .cost import AlphaBeta
 from .errors import ConfigError
-from .node.channel import node_cores, process_cpus
+from .launcher import node_cores, process_cpus
 from .transport import MPITransport
 
 __all__ = [

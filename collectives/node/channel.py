@@ -54,6 +54,7 @@ import numpy as np
 
 from ..blocks import block_counts
 from ..errors import ConfigError, StallError
+from ..launcher import node_cores, process_cpus
 from ..ops import OPS, dtype_code, rank_order_reducer
 from . import futex
 
@@ -126,26 +127,10 @@ def spin_budget(ranks: int, cores: int) -> int:
     return SPIN if ranks <= cores else POLITE_SPIN
 
 
-def node_cores(cpus: list[list[int]]) -> int:
-    """The cores a node's ranks may run on together: the union of each rank's CPUs
-    (:func:`process_cpus`, gathered), or the machine's count where a rank's are unknown."""
-    if not cpus or any(not c for c in cpus):
-        return os.cpu_count() or 1
-    return len(set().union(*cpus))
-
-
 NONTEMPORAL = 4096
 """Copies into the shared window from this many bytes up use non-temporal stores by default:
 a broadcast's root's on any node (:func:`nontemporal_broadcast_bytes`), every other where
 the node's ranks may run on cores that share no last-level cache (:func:`nontemporal_bytes`)."""
-
-
-def process_cpus() -> list[int]:
-    """The CPUs this process may run on (empty where the system does not say)."""
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return []
 
 
 def last_level_caches(cpus: Any = None) -> dict[str, int]:

@@ -21,8 +21,8 @@ from typing import Any
 
 from mpi4py import MPI
 
+from collectives.launcher import process_cpus
 from collectives.link import emulate_comm
-from collectives.node.channel import process_cpus
 
 from ..errors import HpcdlError
 from .partitions import PartitionPlan, Piece

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from collectives.launcher import node_cores
 from collectives.link import testall
-from collectives.node.channel import node_cores
 
 __all__ = [
     "CTRL",
