@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-__all__ = ["launcher", "launcher_size", "process_cpus", "node_cores"]
+__all__ = ["launcher", "launcher_size", "process_cpus", "node_cores", "waits_poll"]
 
 # (launcher, a variable only it sets, the variable holding the task count), looked at in
 # this order: hydra's and Open MPI's ranks inside a Slurm allocation still see SLURM_*, and
@@ -65,3 +65,11 @@ def node_cores(cpus: list[list[int]]) -> int:
     if not cpus or any(not c for c in cpus):
         return os.cpu_count() or 1
     return len(set().union(*cpus))
+
+
+def waits_poll(cpus: list[list[int]], spin: int = -1) -> bool:
+    """Whether ranks of one machine that may run on ``cpus`` (each rank's, gathered) poll
+    while they wait, yielding the core between looks, rather than sleep: where they are no
+    more than the cores they may run on together (:func:`node_cores`). ``spin``
+    (``HPCDL_SHM_SPIN``) decides instead where it is not -1: 0 sleeps, more polls."""
+    return spin > 0 if spin >= 0 else len(cpus) <= node_cores(cpus)

@@ -19,8 +19,8 @@ link. Messages inside a node go straight through; so do MPI's own collective cal
 ``auto`` therefore leaves across emulated nodes. The port's clock lives in a shared window
 of the node's ranks, reserved by MPI's atomic compare-and-swap. Where ranks share cores a
 waiting rank sleeps rather than polls, so that they do not slow each other's emulated time;
-where each has a core of its own it polls (:func:`waits_poll`), so that a latency of a few
-microseconds holds too.
+where each has a core of its own it polls (:func:`.launcher.waits_poll`), so that a latency
+of a few microseconds holds too.
 
 The same link applies outside the collectives, to communicators wrapped by
 :func:`emulate_comm` (a :class:`LinkComm`: the parameter servers' data and the pipeline's
@@ -44,7 +44,7 @@ from mpi4py import MPI
 
 from .cost import AlphaBeta
 from .errors import ConfigError
-from .launcher import node_cores, process_cpus
+from .launcher import process_cpus, waits_poll
 from .transport import MPITransport
 
 __all__ = [
@@ -60,7 +60,6 @@ __all__ = [
     "testall",
     "testsome",
     "waitall",
-    "waits_poll",
 ]
 
 
@@ -106,7 +105,7 @@ class LinkRequest:
     its MPI requests have and the clock (``perf_counter_ns``) has passed ``at``: for a send
     across nodes, when its bytes have left the port; for a receive, when they arrive, a
     time the sender passes along with them (``stamp``). ``poll``: whether a wait on it
-    polls (:func:`waits_poll`)."""
+    polls (:func:`.launcher.waits_poll`)."""
 
     __slots__ = ("at", "poll", "reqs", "stamp")
 
@@ -141,22 +140,14 @@ class LinkRequest:
         _sleep_while_pending([q for r in reqs for q in r.reqs], poll)
 
 
-def waits_poll(shared: MPI.Comm, spin: int = -1) -> bool:
-    """Whether the ranks of ``shared`` (one machine's, collective) wait on the link by
-    polling, yielding the core between looks: where they are no more than the cores they
-    may run on together, as the node channel's waits decide; else they sleep 20 µs between
-    looks, a timer's sleep (77 µs on a virtual machine, which an emulated latency of 5 µs
-    would drown in). ``spin`` (``HPCDL_SHM_SPIN``) decides instead where it is not -1 (0:
-    sleep, more: poll)."""
-    cpus = shared.allgather(process_cpus())
-    return spin > 0 if spin >= 0 else len(cpus) <= node_cores(cpus)
-
-
 def _poll_of(comm: MPI.Comm, spin: int) -> bool:
-    """:func:`waits_poll` for this rank's machine among ``comm``'s ranks (collective)."""
+    """Whether this rank's waits on the link poll (collective over ``comm``): as
+    :func:`.launcher.waits_poll` says for the ranks of ``comm`` on this rank's machine. Else
+    they sleep 20 µs between looks, a timer's sleep (77 µs on a virtual machine, which an
+    emulated latency of 5 µs would drown in)."""
     shared = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     try:
-        return waits_poll(shared, spin)
+        return waits_poll(shared.allgather(process_cpus()), spin)
     finally:
         shared.Free()
 
@@ -184,7 +175,7 @@ class LinkTransport(MPITransport):
     time ``link`` says (module docstring): each goes at once, with its arrival time on a
     duplicate of the communicator, and the receive completes no earlier. ``nodes``: each
     rank's node, by rank; ``port``: this rank's node's :class:`Port`; ``poll``: whether its
-    waits poll (:func:`waits_poll`)."""
+    waits poll (:func:`.launcher.waits_poll`)."""
 
     def __init__(self, comm: MPI.Comm, link: AlphaBeta, nodes: list[Any], port: Port, poll: bool = False) -> None:
         super().__init__(comm)
@@ -220,7 +211,7 @@ class Located(NamedTuple):
     """Where :func:`locate` put this process: its ``node`` (a number, the same on every rank
     of the node), the node's :class:`Port`, the emulated ``link`` (None without one), the
     ``ranks_per_node`` that cut the nodes and whether waits on the link ``poll``
-    (:func:`waits_poll`, decided by every rank of the job on this machine)."""
+    (:func:`.launcher.waits_poll`, decided by every rank of the job on this machine)."""
 
     node: int
     port: Port | None
@@ -243,7 +234,7 @@ def locate(comm: MPI.Comm, ranks_per_node: int, link: AlphaBeta | None, spin: in
     node's :class:`Port`; collective over ``comm``. Contexts and :func:`emulate_comm` made
     afterwards over any subset of these ranks take their nodes, and port, from here: a
     subset's own shared-memory split would not know where the cuts between nodes fall.
-    ``spin``: as for :func:`waits_poll`.
+    ``spin``: as for :func:`.launcher.waits_poll`.
 
     Raises:
         ConfigError: on every rank, where the ranks' links differ.
@@ -297,8 +288,8 @@ def emulate(t: MPITransport, link: AlphaBeta, ranks_per_node: int, spin: int = -
     cut into ``ranks_per_node`` where that is set, with ports of their own. Each rank's
     link must be the same.
 
-    Its waits poll or sleep as :func:`locate` decided, or else as :func:`waits_poll` says
-    for ``t``'s ranks (``spin`` as there).
+    Its waits poll or sleep as :func:`locate` decided, or else as
+    :func:`.launcher.waits_poll` says for ``t``'s ranks (``spin`` as there).
 
     Raises:
         ConfigError: on every rank, where the ranks' links differ.
@@ -339,7 +330,7 @@ class LinkComm:
     rank's node's); everything else (pickled ``send``/``recv``, probes, attributes) is the
     communicator's own, untimed. ``nodes``: each rank's node, by rank. Wait on its requests
     with :func:`testall`, :func:`waitall` or :func:`testsome`, which poll where ``poll``
-    (:func:`waits_poll`)."""
+    (:func:`.launcher.waits_poll`)."""
 
     def __init__(self, comm: MPI.Comm, link: AlphaBeta, nodes: list[Any], port: Port, poll: bool = False) -> None:
         self.comm, self.link, self.nodes, self.port, self.poll = comm, link, nodes, port, poll

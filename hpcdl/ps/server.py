@@ -446,12 +446,11 @@ class Server:
 
     def serve(self) -> None:
         """Serve until every worker said goodbye."""
-        status = MPI.Status()
         sleep = 0.0
         last_check = last_busy = time.monotonic()
         while self.left:
             with self.lock:
-                busy = self._look(status, control=True)
+                busy = self._look(control=True)
             now = time.monotonic()
             if busy:
                 sleep, last_busy = 0.0, now
@@ -482,14 +481,14 @@ class Server:
             return
         try:
             if not self.finished:
-                self._look(self._status, control=False)
+                self._look(control=False)
         finally:
             self.lock.release()
 
-    def _look(self, status: MPI.Status, control: bool) -> bool:
+    def _look(self, control: bool) -> bool:
         """One look at the control messages (``control``) and the partitions' messages, and
-        the work they bring; whether there was any."""
-        busy = False
+        the work they bring; whether there was any. Under :attr:`lock`."""
+        busy, status = False, self._status
         while control and self.comm.Iprobe(MPI.ANY_SOURCE, CTRL, status):
             src = status.Get_source()
             self._control(src, self.comm.recv(source=src, tag=CTRL))

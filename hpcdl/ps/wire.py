@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from collectives.launcher import node_cores
+from collectives.launcher import waits_poll
 from collectives.link import testall
 
 __all__ = [
@@ -188,15 +188,11 @@ def wait_nap(spin: int, placement: list[tuple[str, list[int]]]) -> float:
     where every rank has a core of its own, as MPI's own waits poll (an idle server then
     polls for :data:`POLL_WINDOW` after its last message, and sleeps after that). ``spin``
     (``HPCDL_SHM_SPIN``, as for the collectives' waits) decides instead where it is not -1:
-    0 sleeps, more polls."""
-    if spin == 0:
-        return NAP
-    if spin > 0:
-        return 0.0
+    0 sleeps, more polls (:func:`collectives.launcher.waits_poll`, host by host)."""
     hosts: dict[str, list[list[int]]] = {}
     for host, cpus in placement:
         hosts.setdefault(host, []).append(list(cpus))
-    return NAP if any(len(cpus) > node_cores(cpus) for cpus in hosts.values()) else 0.0
+    return 0.0 if all(waits_poll(cpus, spin) for cpus in hosts.values()) else NAP
 
 
 def yield_core() -> None:
@@ -235,11 +231,12 @@ def wait_politely(
         if progress is not None:
             progress()
         now = time.perf_counter()
-        if now - start > spin and not nap:
-            yield_core()
-        elif now - start > spin:
-            sleep = min(nap, max(sleep * 2, 20e-6))
-            time.sleep(sleep)
+        if now - start > spin:
+            if nap:
+                sleep = min(nap, max(sleep * 2, 20e-6))
+                time.sleep(sleep)
+            else:
+                yield_core()
         if stall is not None and now - told >= 1.0:
             told = now
             stall(now - start)
