@@ -16,7 +16,8 @@ over ``n`` ranks implies. :func:`ring_allreduce`, :func:`ring_allgather`,
 :func:`allreduce_times`, :func:`reduce_scatter_times` and :func:`allgather_times` that of
 each algorithm over nodes joined by a link (what ``auto`` chooses by across emulated
 links, :mod:`.link`), and :func:`ps_times` that of a push and pull through the parameter
-servers (what ``HybridOptimizer(node_reduce="auto")`` chooses by).
+servers (what ``HybridOptimizer(node_reduce="auto")`` chooses by), with their own work
+fitted by :func:`fit_ps_own`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ __all__ = [
     "ring_reduce_scatter",
     "send_time",
     "ps_times",
+    "ps_own_load",
+    "fit_ps_own",
 ]
 
 
@@ -283,6 +286,7 @@ def ps_times(
     servers: int = 0,
     piece: float = 4 << 20,
     servers_per_node: int = 0,
+    own: AlphaBeta | None = None,
 ) -> dict[str, float]:
     """Seconds one synchronous push and pull of ``nbytes`` of gradients takes through the
     parameter servers of :mod:`hpcdl.ps`, ``workers`` placed ``per_node`` to a node in
@@ -300,14 +304,48 @@ def ps_times(
     leave it first, then their second ones, and so on. A partition is summed once every
     worker's has arrived (a latency after leaving), and its server's node port then sends it
     to each worker in turn. The result is when the last reply has arrived.
+
+    ``own`` is what the exchange costs the processes themselves, per contribution (one
+    worker's partition): ``own.alpha`` plus its bytes at ``own.beta``, for the worker's
+    packing and unpacking, the server's receive, sum and reply, the runtime's waits
+    (:func:`fit_ps_own` fits it to exchanges timed without a link). The busiest server's
+    share of it is added to the links' time: across emulated links the two were measured
+    to add, not to overlap (within 0.83-1.28 of the measured exchange, where letting a
+    server's work on one partition overlap the arrival of the next predicted 0.57-0.96).
+    Without ``own`` that work takes no time.
     """
     k = max(1, min(per_node, workers))
     times = {
         name: _ps_exchange(nbytes, workers, k, reduce, inter, servers, piece, servers_per_node or k)
+        + (_own_work(own, nbytes, workers, k, reduce, servers, piece) if own is not None else 0.0)
         for name, reduce in (("ps-sync", False), ("hybrid", True))
     }
     times["hybrid"] += ring_reduce_scatter(intra, k, nbytes) + ring_allgather(intra, k, nbytes)
     return times
+
+
+def _ps_cuts(
+    nbytes: float, workers: int, k: int, reduce: bool, count: int, piece: float
+) -> tuple[list[float], list[int], list[list[int]], int]:
+    """The partitions of one exchange (:func:`ps_times`; ``reduce``: the hybrid's shards) over
+    ``count`` servers: each cut's bytes, its server, the workers that push it, and how many
+    cuts a shard has (cut ``s * m + j`` is partition ``j`` of shard ``s``)."""
+    nodes = -(-workers // k)
+    shards = k if reduce else 1
+    shard = nbytes / shards
+    m = max(1, math.ceil(shard / piece))
+    sizes = [min(piece, shard - j * piece) for j in range(m)]
+    cuts = [sizes[j] for _ in range(shards) for j in range(m)]
+    load, owner = [0.0] * count, [0] * len(cuts)
+    for i in sorted(range(len(cuts)), key=lambda i: (-cuts[i], i)):
+        owner[i] = min(range(count), key=lambda j: (load[j], j))
+        load[owner[i]] += cuts[i]
+    pushers: list[list[int]] = [[] for _ in cuts]
+    for node in range(nodes):
+        for w in range(node * k, min(workers, (node + 1) * k)):
+            for j in range(m):
+                pushers[((w - node * k) if reduce else 0) * m + j].append(w)
+    return cuts, owner, pushers, m
 
 
 def _ps_exchange(
@@ -315,29 +353,16 @@ def _ps_exchange(
 ) -> float:
     """:func:`ps_times`' wire time of one path (``reduce``: the hybrid's shards)."""
     nodes = -(-workers // k)
-    shards = k if reduce else 1
-    shard = nbytes / shards
-    m = max(1, math.ceil(shard / piece))
-    sizes = [min(piece, shard - j * piece) for j in range(m)]
-    cuts = [sizes[j] for _ in range(shards) for j in range(m)]  # cut s * m + j: partition j of shard s
     count = servers or nodes
-    load, owner = [0.0] * count, [0] * len(cuts)
-    for i in sorted(range(len(cuts)), key=lambda i: (-cuts[i], i)):
-        owner[i] = min(range(count), key=lambda j: (load[j], j))
-        load[owner[i]] += cuts[i]
+    cuts, owner, pushers, m = _ps_cuts(nbytes, workers, k, reduce, count, piece)
     home = [nodes + s // spn for s in range(count)] if servers else list(range(count))
     free = [0.0] * (nodes + (-(-count // spn) if servers else 0))  # each node's port: busy until
     ready = [0.0] * len(cuts)
-    pushers: list[list[int]] = [[] for _ in cuts]
     for node in range(nodes):
         ranks = range(node * k, min(workers, (node + 1) * k))
         for j in range(m):  # the node's workers' partitions j leave together
-            crossing = []
-            for w in ranks:
-                i = ((w - node * k) if reduce else 0) * m + j
-                pushers[i].append(w)
-                if home[owner[i]] != node:
-                    crossing.append(i)
+            mine = [((w - node * k) if reduce else 0) * m + j for w in ranks]
+            crossing = [i for i in mine if home[owner[i]] != node]
             free[node] += sum(cuts[i] for i in crossing) / inter.beta
             for i in crossing:
                 ready[i] = max(ready[i], free[node] + inter.alpha)
@@ -351,3 +376,47 @@ def _ps_exchange(
             free[port] = max(free[port], ready[i]) + cuts[i] / inter.beta
             done = max(done, free[port] + inter.alpha)
     return done
+
+
+def _server_loads(
+    nbytes: float, workers: int, k: int, reduce: bool, servers: int, piece: float
+) -> list[tuple[int, float]]:
+    """Each server's contributions in one exchange, and their bytes."""
+    count = servers or -(-workers // k)
+    cuts, owner, pushers, _ = _ps_cuts(nbytes, workers, k, reduce, count, piece)
+    loads = [(0, 0.0)] * count
+    for i, c in enumerate(cuts):
+        calls, load = loads[owner[i]]
+        loads[owner[i]] = (calls + len(pushers[i]), load + len(pushers[i]) * c)
+    return loads
+
+
+def _own_work(own: AlphaBeta, nbytes: float, workers: int, k: int, reduce: bool, servers: int, piece: float) -> float:
+    """:func:`ps_times`' own work of one path: the busiest server's contributions at ``own``."""
+    return max(own.time(load, calls) for calls, load in _server_loads(nbytes, workers, k, reduce, servers, piece))
+
+
+def ps_own_load(
+    nbytes: float, workers: int, per_node: int, servers: int = 0, piece: float = 4 << 20, reduce: bool = False
+) -> tuple[int, float]:
+    """The busiest server's share of one exchange (:func:`ps_times`' placement; ``reduce``:
+    the hybrid's): its contributions and their bytes."""
+    k = max(1, min(per_node, workers))
+    return max(_server_loads(nbytes, workers, k, reduce, servers, piece), key=lambda cl: (cl[1], cl[0]))
+
+
+def fit_ps_own(points: Iterable[tuple[float, float, int, int, int, float]]) -> AlphaBeta:
+    """The parameter servers' own cost a contribution (:func:`ps_times`' ``own``) that
+    predicts ``points`` best: each ``(seconds, nbytes, workers, per_node, servers, piece)``,
+    one ``ps-sync`` exchange timed without a link, where the busiest server's work
+    (:func:`ps_own_load`) is all its time. Relative least squares, as :func:`fit`.
+
+    Raises:
+        ValueError: fewer than two distinct partition sizes among the points, or a time
+            that is not positive.
+    """
+    per_call = []
+    for seconds, nbytes, workers, per_node, servers, piece in points:
+        calls, load = ps_own_load(nbytes, workers, per_node, servers, piece)
+        per_call.append((load / calls, seconds / calls))
+    return fit(per_call)

@@ -169,6 +169,21 @@ def configured_node_path(ranks: int) -> AlphaBeta:
     return node_path(load_table(load_config().tuning_file), ranks)
 
 
+def ps_own(table: dict[str, Any] | None) -> AlphaBeta | None:
+    """The parameter servers' own cost a contribution (:func:`.cost.ps_times`' ``own``) that
+    the tuning table holds under ``ps_own`` (the node report fits it to exchanges timed
+    without a link), or None."""
+    own = (table or {}).get("ps_own")
+    return AlphaBeta(float(own["alpha"]), float(own["beta"])) if own else None
+
+
+def configured_ps_own() -> AlphaBeta | None:
+    """:func:`ps_own` of the tuning table the configuration names (``HPCDL_TUNING_FILE``,
+    else the packaged one): what ``HybridOptimizer(node_reduce="auto")`` takes the servers'
+    own work to cost."""
+    return ps_own(load_table(load_config().tuning_file))
+
+
 def link_rules(
     ranks: int, per_node: int, link: AlphaBeta, collective: str = "allreduce", intra: AlphaBeta = NODE_PATH
 ) -> list[list[Any]]:

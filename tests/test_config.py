@@ -37,6 +37,9 @@ def test_config_reads_env_and_rejects_unknown_names():
         ('{"tables": [], "node_paths": [{"size": 1, "alpha": 1e-6, "beta": 1e9}]}', 'node_paths[0] needs "size"'),
         ('{"tables": [], "node_paths": [{"size": 2, "alpha": 0, "beta": 1e9}]}', 'positive "alpha"'),
         ('{"tables": [], "node_paths": [{"size": 2, "alpha": 1e-6}]}', 'and "beta" (B/s)'),
+        ('{"tables": [], "ps_own": {"alpha": 1e-4, "beta": 0}}', '"ps_own" needs "alpha"'),
+        ('{"tables": [], "ps_own": {"alpha": -1, "beta": 1e9}}', 'a positive "beta" (B/s)'),
+        ('{"tables": [], "ps_own": [1e-4, 1e9]}', '"ps_own" needs'),
     ],
 )
 def test_a_tuning_file_that_is_not_a_tuning_table_is_named_with_what_is_wrong(tmp_path, text, problem):

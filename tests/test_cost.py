@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from collectives.cost import AlphaBeta, fit, ps_times, ring_allreduce
+from collectives.cost import AlphaBeta, fit, fit_ps_own, ps_own_load, ps_times, ring_allreduce
 
 
 def test_fit_recovers_the_model_that_made_the_points():
@@ -64,6 +64,34 @@ def test_the_parameter_servers_exchange_counts_each_ports_bytes():
     assert t["ps-sync"] == pytest.approx(2 * link.alpha + 2 * half)
     assert ps_times(s, 2, 1, inside, link)["ps-sync"] == pytest.approx(2 * link.alpha + 4 * half)  # one partition
     assert ps_times(s, 2, 2, inside, link)["ps-sync"] == 0.0  # one node, its own server
+
+
+def test_the_parameter_servers_own_work_adds_the_busiest_servers_contributions_and_is_fitted_back():
+    link, inside, s = AlphaBeta(1e-3, 1e8), AlphaBeta(1e-6, 1e10), 4 << 20
+    own = AlphaBeta(2e-4, 2e9)
+    # 4 workers, 2 a node, 2 servers, partitions of S/2: under ps-sync each server holds one
+    # partition that all 4 workers push (4 contributions, 2 S bytes); under the hybrid, one
+    # shard of S/2 that one worker of each node pushes (2 contributions, S bytes)
+    wire = ps_times(s, 4, 2, inside, link, servers=2, piece=s // 2)
+    got = ps_times(s, 4, 2, inside, link, servers=2, piece=s // 2, own=own)
+    assert got["ps-sync"] == pytest.approx(wire["ps-sync"] + 4 * own.alpha + 2 * s / own.beta)
+    assert got["hybrid"] == pytest.approx(wire["hybrid"] + 2 * own.alpha + s / own.beta)
+    assert ps_own_load(s, 4, 2, 2, s // 2) == (4, 2 * s) and ps_own_load(s, 4, 2, 2, s // 2, reduce=True) == (2, s)
+    # co-located on 2 nodes of 1, one partition: the server holding it sums both workers'
+    assert ps_own_load(s, 2, 1, 0, s) == (2, 2 * s)
+    # uneven: 3 partitions over 2 servers: the one with two is the busiest
+    assert ps_own_load(3 * s, 2, 1, 2, s) == (4, 4 * s)
+    # the fit reads own back from exchanges timed without a link, over layouts and sizes
+    points = []
+    for workers, per_node, servers in ((4, 2, 4), (4, 1, 4), (2, 1, 1), (8, 2, 2)):
+        for size in (1 << 20, 4 << 20, 16 << 20):
+            piece = size / servers / 4
+            calls, load = ps_own_load(size, workers, per_node, servers, piece)
+            points.append((own.time(load, calls), size, workers, per_node, servers, piece))
+    fitted = fit_ps_own(points)
+    assert fitted.alpha == pytest.approx(own.alpha) and fitted.beta == pytest.approx(own.beta)
+    with pytest.raises(ValueError, match="two distinct sizes"):
+        fit_ps_own(points[:1])
 
 
 def test_the_tuner_reads_a_nodes_message_cost_back_from_the_ring_allreduces_times():

@@ -19,8 +19,8 @@ from conftest import mpiexec_job, mpiexec_start
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collectives.cost import parse_link, ps_times
-from collectives.select import NODE_PATH
+from collectives.cost import AlphaBeta, parse_link, ps_times
+from collectives.select import NODE_PATH, load_table
 from hpcdl.ps import PartitionPlan
 from hpcdl.train.config import ConfigError, parse_config
 
@@ -257,6 +257,28 @@ def test_across_an_emulated_link_the_servers_give_the_same_parameters_in_the_tim
         f"twice a step took {took * 1e3:.1f} ms across the link and {mine * 1e3:.1f} ms without; the link's model "
         f"says {want * 1e3:.1f} ms"
     )
+
+
+def test_auto_costs_the_servers_own_work_where_the_tuning_table_holds_it(tmp_path):
+    # across a fast link the pure parameter server moves fewer bytes than the hybrid's three
+    # phases; where each contribution costs a server as much as the node report's ps_own
+    # says, the hybrid's fewer contributions a server win
+    env = {"HPCDL_PS_SERVERS": "2", "HPCDL_RANKS_PER_NODE": "2", "HPCDL_LINK": "ib-ndr"}
+    own = {"alpha": 1e-3, "beta": 1e8}
+    link, args = parse_link("ib-ndr"), (4 << 20, 4, 2, NODE_PATH)
+    assert min(ps_times(*args, link, 2, 2 << 20), key=ps_times(*args, link, 2, 2 << 20).get) == "ps-sync"
+    with_own = ps_times(*args, link, 2, 2 << 20, own=AlphaBeta(**own))
+    assert min(with_own, key=with_own.get) == "hybrid"
+    table = tmp_path / "tuning.json"
+    table.write_text(json.dumps({**load_table(), "ps_own": own}))
+    found = {}
+    for tuning in (None, str(table)):
+        out = run(["link"], 6, {**env, **({"HPCDL_TUNING_FILE": tuning} if tuning else {})}, 4)
+        lines = re.findall(r"LINK reduced (\w+) digest (\w+) step", out)
+        assert len(set(lines)) == 1, out[-2000:]
+        found[tuning] = lines[0]
+    assert found[None][0] == "False" and found[str(table)][0] == "True", found
+    assert found[None][1] == found[str(table)][1]  # the same parameters either way
 
 
 @pytest.mark.parametrize("mode", ["sync", "ssp"])

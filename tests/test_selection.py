@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 import collectives as C
-from collectives.select import choose, rules
+from collectives.cost import AlphaBeta
+from collectives.select import choose, ps_own, rules
 
 
 def test_algorithms_list_native_and_auto():
@@ -169,6 +170,11 @@ def test_merging_tables_replaces_rows_of_the_same_kind_and_keeps_the_rest():
         ("bcast", 8, 1): ("shm", "node X"),
     }
     assert [(p["size"], p["alpha"]) for p in out["node_paths"]] == [(2, 1e-6), (8, 3e-6)]
+    # the parameter servers' own work: the new table's, where it has one, else the base's
+    assert ps_own(out) is None and "ps_own" not in out
+    owned = merge(out, {"ps_own": {"alpha": 1e-4, "beta": 2e9}})
+    assert ps_own(owned) == AlphaBeta(1e-4, 2e9) and ps_own(merge(owned, new)) == AlphaBeta(1e-4, 2e9)
+    assert ps_own(merge(owned, {"ps_own": {"alpha": 0, "beta": 3e9}})) == AlphaBeta(0.0, 3e9)
     assert out["runs"] == ["first", "second"] and out["machine"] == "per entry"
     # what auto reads from it: the merged row
     assert rules(out, "allreduce", 8, 1) == [[None, "shm"]] and rules(out, "allreduce", 8, 2) == [[None, "tree"]]

@@ -40,7 +40,7 @@ from mpi4py import MPI
 from collectives.context import node_groups
 from collectives.cost import ps_times
 from collectives.link import LinkComm, emulate_comm, located, waitall
-from collectives.select import configured_node_path
+from collectives.select import configured_node_path, configured_ps_own
 
 from .. import state
 from ..compression import Compression, Compressor
@@ -93,7 +93,9 @@ def HybridOptimizer(  # noqa: N802 - a factory that looks like a class, as Distr
         node_reduce: ``sync``: True: reduce-scatter inside a node before pushing (the
             hybrid); False: every worker pushes its whole gradient (a pure parameter server);
             ``"auto"``: whichever :func:`collectives.cost.ps_times` says is faster for the
-            whole gradient, across the emulated link (``HPCDL_LINK``) where one is set; else
+            whole gradient, across the emulated link (``HPCDL_LINK``) where one is set,
+            with the servers' own work that the tuning table holds (``ps_own``: the node
+            report's ``tuning.json``); else
             the hybrid between machines, and between simulated nodes of one machine (whose
             bytes all share its memory) the pure parameter server.
         backward_passes_per_step, op, bucket_bytes: as for :func:`DistributedOptimizer`
@@ -296,7 +298,8 @@ class HybridReducer(Reducer):
         nbytes = sum(p.numel() * p.element_size() for b in self._buckets for p in b.params)
         workers, per_node = sum(len(n) for n in nodes), max(len(n) for n in nodes)
         intra = configured_node_path(per_node)  # measured by the tuner, or assumed
-        times = ps_times(nbytes, workers, per_node, intra, link, servers, partition_bytes, per_server_node)
+        own = configured_ps_own()  # the servers' own work, where the node report measured it
+        times = ps_times(nbytes, workers, per_node, intra, link, servers, partition_bytes, per_server_node, own)
         return times["hybrid"] < times["ps-sync"]
 
     def _agree_setup(self, base: type, node_reduce: bool | str, where: str) -> None:
