@@ -78,10 +78,11 @@ from typing import Any
 from collectives.cli import dump_json
 from collectives.launcher import launcher, launcher_size
 from collectives.node.channel import SINGLE_COPY_PROBE
-from collectives.select import load_table, rules
+from collectives.select import configured_ps_own, load_table, rules
 from collectives.tune import merge
 
 from .ps_links import CONTENDERS as PS_CONTENDERS
+from .ps_links import fit_own as fit_ps_own
 from .ps_links import parse_layout
 from .ps_links import summarize as summarize_ps
 from .ps_links import write as write_ps
@@ -645,6 +646,15 @@ def _ps_lines(report: dict[str, Any]) -> list[str]:
             f'{s["predicted_winner"]}); `node_reduce="auto"` took {s["auto_took"]}, '
             f"{s['auto_over_best_ps']:.2f} x the better parameter-server path"
         )
+    own = got.get("ps_own")
+    lines.append(
+        f"- the servers' own work a contribution, fitted to the exchanges without a link: {own['alpha'] * 1e6:.0f} µs "
+        f'+ its bytes at {own["beta"] / 1e9:.2f} GB/s (`ps_own` in `tuning.json`, which `node_reduce="auto"` '
+        "costs it at); the model's predictions include it"
+        if own
+        else "- the servers' own work: not fitted here (it needs two sizes); the model takes the tuning table's "
+        "`ps_own` where it has one"
+    )
     right = sum(s["winner"] == s["predicted_winner"] for _, s in rows)
     close = sum(s["auto_over_best_ps"] <= BAR for _, s in rows)
     lines.append(
@@ -758,11 +768,12 @@ def _ends(r: Runner, chosen: list[str]) -> dict[str, float]:
     return ends
 
 
-def node_tuning(out: Path, counts: list[int], machine: str) -> str | None:
+def node_tuning(out: Path, counts: list[int], machine: str, ps_own: dict[str, float] | None = None) -> str | None:
     """Write ``out/tuning.json``: the packaged tuning table with every row the tuner step
     measured here (``raw/tuner_npN.json``) in place of the packaged row of that collective
-    and rank count, each labelled ``machine``: the one file ``HPCDL_TUNING_FILE`` takes for
-    a job of any rank count on this node. Its name, or None where the tuner measured nothing."""
+    and rank count, each labelled ``machine``, and the parameter servers' own work the
+    ``ps`` step fitted (``ps_own``): the one file ``HPCDL_TUNING_FILE`` takes for a job of
+    any rank count on this node. Its name, or None where neither step measured anything."""
     table, measured = load_table(), False
     for n in counts:
         try:
@@ -771,6 +782,8 @@ def node_tuning(out: Path, counts: list[int], machine: str) -> str | None:
             continue
         if new.get("tables"):
             table, measured = merge(table, new, machine), True
+    if ps_own:
+        table, measured = merge(table, {"ps_own": ps_own}), True
     if not measured:
         return None
     table["machine"] = f"per entry: those labelled {machine!r} measured here, the others the packaged table's"
@@ -899,9 +912,9 @@ def _ps(r: Runner, counts: list[int], args: argparse.Namespace, end: float) -> d
         return {"skipped": f"it needs 4 ranks with a core each (2 workers, 2 servers); this node runs {counts[-1]}"}
     links = ["eth-25g"] if args.quick else list(PS_LINKS)
     sizes, steps = ("64K", "1") if args.quick else ("4M,16M", "3")
-    jobs = [(layout, link) for layout in layouts for link in ["", *links]]
+    jobs = [(layout, "") for layout in layouts] + [(layout, link) for layout in layouts for link in links]
     plain: dict[str, Any] = {}
-    runs = []
+    linked = []
     for i, (layout, link) in enumerate(jobs):
         nodes, per_node, servers = parse_layout(layout)
         name = f"ps_{nodes}x{per_node}_{servers}_{link or 'nolink'}"
@@ -912,11 +925,14 @@ def _ps(r: Runner, counts: list[int], args: argparse.Namespace, end: float) -> d
         if rows and not link:
             plain[layout] = rows
         elif rows and layout in plain:
-            runs.append(summarize_ps(link, layout, rows, plain[layout]))
+            linked.append((link, layout, rows))
+    fitted = fit_ps_own(plain)  # the servers' own work, measured here: for tuning.json
+    own = fitted or configured_ps_own()
+    runs = [summarize_ps(link, layout, rows, plain[layout], own=own) for link, layout, rows in linked]
     if runs:
         command = f"node report: benchmarks.ps_links --sizes {sizes} --steps {steps}, layouts {','.join(layouts)}"
         write_ps(runs, r.raw.parent, command)
-    return {"runs": runs}
+    return {"runs": runs, "ps_own": {"alpha": fitted.alpha, "beta": fitted.beta} if fitted else None}
 
 
 SWEEP_SECONDS = 0.5
@@ -1030,7 +1046,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"node_report: not run: {why}", file=sys.stderr)
         return 2
     got = _steps(r, counts, args, info.get("gpus", 0))
-    got["tuning_file"] = node_tuning(out, counts, f"{info['cores']} cores ({info.get('cpu', '?')}), node report")
+    where = f"{info['cores']} cores ({info.get('cpu', '?')}), node report"
+    got["tuning_file"] = node_tuning(out, counts, where, (got["ps"] or {}).get("ps_own"))
     report = {
         "machine": info,
         "binding": r.binding,

@@ -15,24 +15,27 @@ machine's own cost), for:
   worker's shard, allgather inside the node (Herring's scheme);
 - ``auto``: ``node_reduce="auto"``, which takes one of the last two by the cost model.
 
-With one worker a node the last three are one path; the winner is then named among
-the first three.
+With one worker a node the last three are one path, and the hierarchical allreduce is
+the ring across the nodes; the winner is then named between the ring and ``ps-sync``.
 
 Each gradient is cut into ``--partitions`` partitions a server (``partition_bytes``): with
 one a server, the pushes of every worker reach the last server only at their end, and its
 replies start then. The figures are the fastest of
 ``--steps`` exchanges (the slowest worker's time each), beside the predictions of
 :func:`collectives.cost.allreduce_times` and :func:`collectives.cost.ps_times` (the one
-cost model ``auto`` and the planner use). It writes ``DIR/ps_links.json``,
+cost model ``auto`` and the planner use), the latter with the servers' own work a
+contribution fitted to the runs without a link (:func:`collectives.cost.fit_ps_own`; with
+one size, the tuning table's ``ps_own``, if any). It writes ``DIR/ps_links.json``,
 ``DIR/ps_links.md`` and ``DIR/ps_links.svg`` (the winner by size, one row per link and
 layout)::
 
     python -m benchmarks.ps_links --out DIR
     python -m benchmarks.ps_links --link eth-10g --layouts 4x1+4 --sizes 4M,16M --out DIR
 
-Below each table, each contender's prediction over its measurement, by the model alone
-and by the model plus the exchange's time without a link. ``--render F.json --out DIR``
-writes the tables and the plot of a stored run again.
+Below each table, each contender's prediction over its measurement: by the model, by the
+links' time alone, and by the links' time plus the exchange's time without a link.
+``--render F.json --out DIR`` writes the tables and the plot of a stored run again
+(``--refit``: with the model's figures recomputed from its stored times).
 """
 
 from __future__ import annotations
@@ -48,8 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from collectives.cli import ArgumentParser, dump_json, output_dir, parse_size, run_main
-from collectives.cost import allreduce_times, parse_link, ps_times
-from collectives.select import configured_node_path
+from collectives.cost import AlphaBeta, allreduce_times, fit_ps_own, parse_link, ps_times
+from collectives.select import configured_node_path, configured_ps_own
 
 CONTENDERS = ("ring", "hierarchical", "ps-sync", "hybrid")
 COLORS = {"ring": "#4c72b0", "hierarchical": "#c44e52", "ps-sync": "#55a868", "hybrid": "#8172b3"}
@@ -157,37 +160,63 @@ def measure(link: str, layout: str, sizes: list[int], steps: int, partitions: in
             return json.load(fh)
 
 
+def fit_own(plain: dict[str, list[dict[str, Any]]], partitions: int = 4) -> AlphaBeta | None:
+    """The parameter servers' own cost a contribution (:func:`collectives.cost.fit_ps_own`)
+    fitted to the ``ps-sync`` exchanges of ``plain`` (each layout's rows without a link), or
+    None where they hold fewer than two partition sizes."""
+    points = []
+    for layout, rows in plain.items():
+        nodes, per_node, servers = parse_layout(layout)
+        for row in rows:
+            piece = -(-row["size"] // (servers * partitions))
+            points.append((row["us"]["ps-sync"] / 1e6, row["size"], nodes * per_node, per_node, servers, piece))
+    try:
+        return fit_ps_own(points)
+    except ValueError:
+        return None
+
+
 def summarize(
-    link: str, layout: str, rows: list[dict[str, Any]], plain: list[dict[str, Any]], partitions: int = 4
+    link: str,
+    layout: str,
+    rows: list[dict[str, Any]],
+    plain: list[dict[str, Any]],
+    partitions: int = 4,
+    own: AlphaBeta | None = None,
 ) -> dict[str, Any]:
     """Per size: µs of each contender across ``link`` and without a link (``plain``: this
-    machine's own cost), the measured and the modelled winner, auto's pick."""
+    machine's own cost), the model's prediction with the servers' ``own`` work and of the
+    links' time alone, the measured and the modelled winner, auto's pick."""
     nodes, per_node, servers = parse_layout(layout)
     model = parse_link(link)
     intra = configured_node_path(per_node)  # as auto costs a node's messages
     workers = nodes * per_node
     out = []
-    for row, own in zip(rows, plain, strict=True):
+    for row, own_row in zip(rows, plain, strict=True):
         size = row["size"]
-        pred = allreduce_times(size, workers, per_node, intra, model)
-        pred.update(ps_times(size, workers, per_node, intra, model, servers, -(-size // (servers * partitions))))
+        piece = -(-size // (servers * partitions))
+        wire = allreduce_times(size, workers, per_node, intra, model)
+        wire.update(ps_times(size, workers, per_node, intra, model, servers, piece))
+        pred = {**wire, **ps_times(size, workers, per_node, intra, model, servers, piece, own=own)}
         got = row["us"]
-        names = CONTENDERS if per_node > 1 else [c for c in CONTENDERS if c != "hybrid"]  # one a node: the same path
+        names = CONTENDERS if per_node > 1 else ("ring", "ps-sync")  # one a node: the others are these paths
         winner = min(names, key=got.__getitem__)
         best_ps = min(("ps-sync", "hybrid"), key=got.__getitem__)
         out.append(
             {
                 "size": size,
                 "us": got,
-                "no_link_us": own["us"],
+                "no_link_us": own_row["us"],
                 "predicted_us": {c: pred[c] * 1e6 for c in CONTENDERS},
+                "link_us": {c: wire[c] * 1e6 for c in CONTENDERS},
                 "winner": winner,
                 "predicted_winner": min(names, key=pred.__getitem__),
                 "auto_took": row["auto_took"],
                 "auto_over_best_ps": got["auto"] / got[best_ps],
             }
         )
-    return {"link": link, "layout": layout, "partitions": partitions, "sizes": out}
+    ps_own = {"alpha": own.alpha, "beta": own.beta} if own is not None else None
+    return {"link": link, "layout": layout, "partitions": partitions, "ps_own": ps_own, "sizes": out}
 
 
 def table(run: dict[str, Any]) -> list[str]:
@@ -210,19 +239,28 @@ def table(run: dict[str, Any]) -> list[str]:
 
 
 def accuracy(run: dict[str, Any]) -> list[str]:
-    """Each contender's prediction over its measurement: the model alone (the link's time
-    and a node's messages at the measured path), and the model plus the same exchange's
-    time without a link (this machine's own cost: its copies, reductions, waits and, for
-    the parameter servers, the runtime's negotiations, which the model leaves out)."""
+    """Each contender's prediction over its measurement: the model (the links' time, a
+    node's messages at the measured path and, for the parameter servers, their own work
+    fitted without a link), the links' time alone, and the links' time plus the same
+    exchange's time without a link (this machine's own cost: its copies, reductions,
+    waits and the runtime's negotiations)."""
+    own = run.get("ps_own")
+    fitted = (
+        f"the servers' own work {own['alpha'] * 1e6:.0f} µs + bytes at {own['beta'] / 1e9:.2f} GB/s a contribution"
+        if own
+        else "no own work fitted"
+    )
     lines = [
-        "prediction / measurement: the model alone / the model plus the time without a link",
+        f"prediction / measurement: the model ({fitted}) / the links alone / the links plus the time without a link",
         "",
         "| size | " + " | ".join(CONTENDERS) + " |",
         "|---" * (len(CONTENDERS) + 1) + "|",
     ]
     for s in run["sizes"]:
+        wire = s.get("link_us", s["predicted_us"])  # runs stored before the own work was modelled
         cells = " | ".join(
-            f"{s['predicted_us'][c] / s['us'][c]:.2f} / {(s['predicted_us'][c] + s['no_link_us'][c]) / s['us'][c]:.2f}"
+            f"{s['predicted_us'][c] / s['us'][c]:.2f} / {wire[c] / s['us'][c]:.2f} / "
+            f"{(wire[c] + s['no_link_us'][c]) / s['us'][c]:.2f}"
             for c in CONTENDERS
         )
         lines.append(f"| {_label(s['size'])} | {cells} |")
@@ -276,13 +314,20 @@ def main() -> None:
     p.add_argument("--partitions", type=int, default=4, help="partitions a server")
     p.add_argument("--out", type=output_dir, help="directory for ps_links.{json,md,svg}")
     p.add_argument("--render", metavar="JSON", help="instead: write the tables and plot of a stored ps_links.json")
+    p.add_argument(
+        "--refit",
+        action="store_true",
+        help="with --render: the model's figures again, from the stored times, with the servers' own work fitted "
+        "to the stored runs without a link",
+    )
     p.add_argument("--work", help=argparse.SUPPRESS)  # the worker part, under mpiexec: where to write its rows
     args = p.parse_args()
     if args.render:
         if not args.out:
             p.error("--out is required")
         with open(args.render, encoding="utf-8") as fh:
-            write(json.load(fh)["runs"], Path(args.out), None)
+            runs = json.load(fh)["runs"]
+        write(refit(runs) if args.refit else runs, Path(args.out), None)
         return
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     if args.work:
@@ -298,13 +343,29 @@ def main() -> None:
             p.error(str(exc))
     runs = []
     plain = {layout: measure("", layout, sizes, args.steps, args.partitions) for layout in layouts}
+    own = fit_own(plain, args.partitions) or configured_ps_own()
     for link in args.link or ["eth-10g", "eth-25g", "eth-100g"]:
         for layout in layouts:
             rows = measure(link, layout, sizes, args.steps, args.partitions)
-            run = summarize(link, layout, rows, plain[layout], args.partitions)
+            run = summarize(link, layout, rows, plain[layout], args.partitions, own)
             print("\n".join(table(run)), flush=True)
             runs.append(run)
     write(runs, Path(args.out), " ".join(["python -m benchmarks.ps_links", *sys.argv[1:]]))
+
+
+def refit(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``runs`` (a stored ``ps_links.json``'s) summarized again from their measured times:
+    the model's figures by today's model, with the servers' own work fitted to the stored
+    exchanges without a link (:func:`fit_own`)."""
+    rows = {
+        id(run): [{"size": s["size"], "us": s["us"], "auto_took": s["auto_took"]} for s in run["sizes"]] for run in runs
+    }
+    plain = {run["layout"]: [{"size": s["size"], "us": s["no_link_us"]} for s in run["sizes"]] for run in runs}
+    own = fit_own(plain, runs[0]["partitions"]) if runs else None
+    return [
+        summarize(run["link"], run["layout"], rows[id(run)], plain[run["layout"]], run["partitions"], own)
+        for run in runs
+    ]
 
 
 def write(runs: list[dict[str, Any]], out: Path, command: str | None) -> None:

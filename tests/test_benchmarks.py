@@ -563,7 +563,7 @@ def test_the_link_sweep_names_each_sizes_winner_and_auto_against_it(tmp_path):
 
 def test_the_parameter_server_sweep_names_each_sizes_winner_beside_the_model(tmp_path, monkeypatch):
     from benchmarks import ps_links
-    from collectives.cost import parse_link, ps_times
+    from collectives.cost import AlphaBeta, parse_link, ps_own_load, ps_times
 
     assert ps_links.parse_layout("2x2+4") == (2, 2, 4)
     with pytest.raises(ValueError, match="NODESxWORKERS_PER_NODE"):
@@ -588,16 +588,41 @@ def test_the_parameter_server_sweep_names_each_sizes_winner_beside_the_model(tmp
     assert lines[5].startswith("| 16 MiB | 90.0 (") and lines[5].endswith("| hybrid | 1.05 | 9.0 / 7.0 / 8.0 / 6.0 |")
     ps_links.svg([run], tmp_path / "p.svg")
     assert (tmp_path / "p.svg").read_text().count("<rect") == 2 * 4 + 4  # a bar per contender and size, the key
-    # below the table: each prediction over its measurement, alone and with the time without a link
+    # below the table: each prediction over its measurement: the model (here without the
+    # servers' own work), the links alone, the links with the time without a link
     hybrid = want["hybrid"] * 1e6
     assert lines[-2].startswith("| 16 MiB | ") and lines[-2].endswith(
-        f"| {hybrid / 6e4:.2f} / {(hybrid + 6e3) / 6e4:.2f} |"
+        f"| {hybrid / 6e4:.2f} / {hybrid / 6e4:.2f} / {(hybrid + 6e3) / 6e4:.2f} |"
     )
+    assert "(no own work fitted)" in lines[-7]
     stored = tmp_path / "ps_links.json"
     stored.write_text(json.dumps({"command": "python -m benchmarks.ps_links", "runs": [run]}))
     monkeypatch.setattr("sys.argv", ["ps_links", "--render", str(stored), "--out", str(tmp_path / "again")])
     ps_links.main()
     assert (tmp_path / "again" / "ps_links.md").read_text() == "\n".join(lines)
+    # the servers' own work, fitted to the exchanges without a link: each layout's ps-sync
+    # rows are the busiest server's contributions at 50 µs + bytes at 1 GB/s
+    own = AlphaBeta(50e-6, 1e9)
+    plain_by = {}
+    for layout in ("2x2+4", "4x1+2"):
+        nodes, per_node, servers = ps_links.parse_layout(layout)
+        loads = {s: ps_own_load(s, 4, per_node, servers, s / servers / 4) for s in (1 << 20, 16 << 20)}
+        plain_by[layout] = [
+            {"size": s, "us": {"ps-sync": 1e6 * own.time(load, calls)}} for s, (calls, load) in loads.items()
+        ]
+    fitted = ps_links.fit_own(plain_by)
+    assert fitted.alpha == pytest.approx(own.alpha) and fitted.beta == pytest.approx(own.beta)
+    assert ps_links.fit_own({"2x2+4": plain_by["2x2+4"][:1]}) is None  # one size: nothing to fit
+    run = ps_links.summarize("eth-10g", "2x2+4", rows, plain, own=fitted)
+    large = run["sizes"][1]
+    with_own = ps_times(16 << 20, 4, 2, NODE_PATH, parse_link("eth-10g"), 4, 1 << 20, own=fitted)
+    assert large["predicted_us"]["hybrid"] == pytest.approx(with_own["hybrid"] * 1e6)
+    assert large["link_us"]["hybrid"] == pytest.approx(hybrid) and hybrid < large["predicted_us"]["hybrid"]
+    assert large["predicted_us"]["ring"] == large["link_us"]["ring"]  # the allreduces have no servers
+    lines = ps_links.table(run)
+    assert "(the servers' own work 50 µs + bytes at 1.00 GB/s a contribution)" in lines[-7]
+    model = with_own["hybrid"] * 1e6
+    assert lines[-2].endswith(f"| {model / 6e4:.2f} / {hybrid / 6e4:.2f} / {(hybrid + 6e3) / 6e4:.2f} |")
     assert (tmp_path / "again" / "ps_links.svg").read_text() == (tmp_path / "p.svg").read_text()
 
 

@@ -28,7 +28,9 @@ from benchmarks.node_report import (
     world_check,
     worst_ratios,
 )
+from benchmarks.ps_links import summarize as summarize_ps
 from collectives.config import read_tuning_file
+from collectives.cost import AlphaBeta
 from collectives.launcher import launcher_size
 from collectives.select import load_table, rules
 
@@ -176,12 +178,15 @@ def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_f
         alone = json.loads((tmp_path / "raw" / "ps_2x1_2_nolink.json").read_text())
         for s, row, own in zip(run["sizes"], measured, alone, strict=True):
             assert s["size"] == row["size"] == own["size"] == 64 << 10
-            assert s["winner"] == min(("ring", "hierarchical", "ps-sync"), key=row["us"].__getitem__)
+            assert s["winner"] == min(("ring", "ps-sync"), key=row["us"].__getitem__)  # one path each, one a node
             assert f"- eth-25g, 2x1+2, 64 KiB: {ms(row['us'])}: {s['winner']} wins (the model: " in section
             assert f"- 2x1+2, without a link (this node's own cost): 64 KiB {ms(own['us'])}" in section
             took = f'`node_reduce="auto"` took {row["auto_took"]}, '
             best = min(row["us"]["ps-sync"], row["us"]["hybrid"])
             assert took + f"{row['us']['auto'] / best:.2f} x the better parameter-server path" in section
+    # one size: the servers' own work is not fitted, and tuning.json holds none
+    assert report["ps"]["ps_own"] is None and "ps_own" not in tuned
+    assert "- the servers' own work: not fitted here (it needs two sizes)" in section
 
 
 def test_the_parameter_server_step_places_its_layouts_by_the_cores_and_says_why_it_did_not_run():
@@ -193,6 +198,16 @@ def test_the_parameter_server_step_places_its_layouts_by_the_cores_and_says_why_
     assert "- not run: it needs 4 ranks with a core each" in summarize(report)
     report["ps"] = {"runs": []}
     assert "## Parameter servers against allreduce across emulated links\n\n- did not finish" in summarize(report)
+    # a run with the servers' own work fitted: the summary gives it, the model's winner includes it
+    us = {"ring": 9e3, "hierarchical": 8e3, "ps-sync": 7e3, "hybrid": 6e3, "auto": 6e3}
+    rows = [{"size": 4 << 20, "us": us, "auto_took": "hybrid"}]
+    plain = [{"size": 4 << 20, "us": {k: v / 4 for k, v in us.items()}}]
+    own = {"alpha": 1.5e-4, "beta": 2.5e9}
+    run = summarize_ps("eth-10g", "2x2+4", rows, plain, own=AlphaBeta(**own))
+    report["ps"] = {"runs": [run], "ps_own": own}
+    text = summarize(report)
+    assert "fitted to the exchanges without a link: 150 µs + its bytes at 2.50 GB/s (`ps_own` in `tuning.json`" in text
+    assert f"hybrid wins (the model: {run['sizes'][0]['predicted_winner']})" in text
 
 
 def test_ranks_are_bound_to_a_core_each_by_the_launchers_own_option():
@@ -435,6 +450,10 @@ def test_the_bubble_of_equal_stages_is_the_formula_and_the_hops_and_unequal_stag
 def test_the_node_tuning_file_merges_each_count_the_tuner_measured_into_the_packaged_table(tmp_path):
     (tmp_path / "raw").mkdir()
     assert node_tuning(tmp_path, [2, 4], "node") is None and not (tmp_path / "tuning.json").exists()
+    # the parameter servers' own work alone: the packaged table with it
+    assert node_tuning(tmp_path, [2, 4], "node", {"alpha": 1e-4, "beta": 2e9}) == "tuning.json"
+    owned = read_tuning_file(str(tmp_path / "tuning.json"))
+    assert owned["ps_own"] == {"alpha": 1e-4, "beta": 2e9} and owned["tables"] == load_table()["tables"]
     row = {"collective": "allgather", "nodes": 1, "rules": [[None, "ring"]], "oversubscribed": False}
     for n in (2, 4):
         new = {
