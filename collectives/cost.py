@@ -309,10 +309,10 @@ def ps_times(
     worker's partition): ``own.alpha`` plus its bytes at ``own.beta``, for the worker's
     packing and unpacking, the server's receive, sum and reply, the runtime's waits
     (:func:`fit_ps_own` fits it to exchanges timed without a link). The busiest server's
-    share of it is added to the links' time: across emulated links the two were measured
-    to add, not to overlap (within 0.83-1.28 of the measured exchange, where letting a
-    server's work on one partition overlap the arrival of the next predicted 0.57-0.96).
-    Without ``own`` that work takes no time.
+    share of it is added to the links' time: across emulated links the sum predicted the
+    measured exchanges better than letting a server's work on one partition overlap the
+    next one's arrival, which under-predicted them (``benchmarks/README.md``). Without
+    ``own`` that work takes no time.
     """
     k = max(1, min(per_node, workers))
     times = {
