@@ -272,10 +272,11 @@ def _label(size: int) -> str:
 
 
 def svg(runs: list[dict[str, Any]], path: Path) -> None:
-    """Each contender's time over the fastest one's, a bar per contender, by run and size."""
+    """Each contender's time over the fastest one's, a bar per contender, by run and size;
+    a mark over the bar of the contender the model names the winner."""
     cells = [(run, s) for run in runs for s in run["sizes"]]
     bar, group, left, top, height = 9, 9 * len(CONTENDERS) + 10, 60, 30, 160
-    width = left + group * len(cells) + 20
+    width = max(left + group * len(cells) + 20, 18 + (len(CONTENDERS) + 1) * 110 + 60)  # the key fits
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{top + height + 120}" '
         'font-family="sans-serif" font-size="10">',
@@ -296,13 +297,22 @@ def svg(runs: list[dict[str, Any]], path: Path) -> None:
                 f'<rect x="{x0 + j * bar}" y="{top + height - h:.1f}" width="{bar - 1}" height="{h:.1f}" '
                 f'fill="{COLORS[c]}"/>'
             )
+            if c == s["predicted_winner"]:
+                out.append(_mark(x0 + j * bar + (bar - 1) / 2, top + height - h - 2))
         label = f"{run['link']} {run['layout']} {_label(s['size'])}"
         out.append(f'<text transform="translate({x0 + 12},{top + height + 6}) rotate(60)" font-size="9">{label}</text>')
     y = top + height + 100
     for k, name in enumerate(CONTENDERS):
         out.append(f'<rect x="{4 + k * 110}" y="{y}" width="10" height="10" fill="{COLORS[name]}"/>')
         out.append(f'<text x="{18 + k * 110}" y="{y + 9}">{name}</text>')
+    out.append(_mark(4 + len(CONTENDERS) * 110 + 5, y + 8))
+    out.append(f'<text x="{18 + len(CONTENDERS) * 110}" y="{y + 9}">the model\'s winner</text>')
     path.write_text("\n".join([*out, "</svg>"]) + "\n")
+
+
+def _mark(x: float, y: float) -> str:
+    """A small downward triangle whose tip is at ``(x, y)``."""
+    return f'<path class="model" d="M{x - 4:.1f},{y - 6:.1f} L{x + 4:.1f},{y - 6:.1f} L{x:.1f},{y:.1f} Z" fill="#333"/>'
 
 
 def main() -> None:

@@ -587,7 +587,14 @@ def test_the_parameter_server_sweep_names_each_sizes_winner_beside_the_model(tmp
     assert lines[0].startswith("### eth-10g: 2 nodes of 2 workers, 4 servers")
     assert lines[5].startswith("| 16 MiB | 90.0 (") and lines[5].endswith("| hybrid | 1.05 | 9.0 / 7.0 / 8.0 / 6.0 |")
     ps_links.svg([run], tmp_path / "p.svg")
-    assert (tmp_path / "p.svg").read_text().count("<rect") == 2 * 4 + 4  # a bar per contender and size, the key
+    drawn = (tmp_path / "p.svg").read_text()
+    assert drawn.count("<rect") == 2 * 4 + 4  # a bar per contender and size, the key
+    # a mark over the model's winner of each size (its bar's middle), and one in the key
+    marks = re.findall(r'<path class="model" d="M[\d.]+,[\d.]+ L[\d.]+,[\d.]+ L([\d.]+),', drawn)
+    assert len(marks) == 2 + 1
+    for k, s in enumerate(run["sizes"]):
+        x = 60 + k * (9 * 4 + 10) + 9 * ps_links.CONTENDERS.index(s["predicted_winner"]) + 4
+        assert float(marks[k]) == x
     # below the table: each prediction over its measurement: the model (here without the
     # servers' own work), the links alone, the links with the time without a link
     hybrid = want["hybrid"] * 1e6
