@@ -82,8 +82,7 @@ from collectives.select import configured_ps_own, load_table, rules
 from collectives.tune import merge
 
 from .ps_links import CONTENDERS as PS_CONTENDERS
-from .ps_links import fit_own as fit_ps_own
-from .ps_links import parse_layout
+from .ps_links import fit_own, parse_layout
 from .ps_links import summarize as summarize_ps
 from .ps_links import write as write_ps
 
@@ -652,8 +651,8 @@ def _ps_lines(report: dict[str, Any]) -> list[str]:
         f'+ its bytes at {own["beta"] / 1e9:.2f} GB/s (`ps_own` in `tuning.json`, which `node_reduce="auto"` '
         "costs it at); the model's predictions include it"
         if own
-        else "- the servers' own work: not fitted here (it needs two sizes); the model takes the tuning table's "
-        "`ps_own` where it has one"
+        else "- the servers' own work: not fitted here (it needs exchanges without a link at two partition sizes, "
+        "a contribution's time growing with its bytes); the model takes the tuning table's `ps_own` where it has one"
     )
     right = sum(s["winner"] == s["predicted_winner"] for _, s in rows)
     close = sum(s["auto_over_best_ps"] <= BAR for _, s in rows)
@@ -926,7 +925,7 @@ def _ps(r: Runner, counts: list[int], args: argparse.Namespace, end: float) -> d
             plain[layout] = rows
         elif rows and layout in plain:
             linked.append((link, layout, rows))
-    fitted = fit_ps_own(plain)  # the servers' own work, measured here: for tuning.json
+    fitted = fit_own(plain)  # the servers' own work, measured here: for tuning.json
     own = fitted or configured_ps_own()
     runs = [summarize_ps(link, layout, rows, plain[layout], own=own) for link, layout, rows in linked]
     if runs:

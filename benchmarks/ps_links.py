@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -63,9 +64,12 @@ def parse_layout(text: str) -> tuple[int, int, int]:
     try:
         nodes_by, servers = text.split("+")
         nodes, per_node = (int(v) for v in nodes_by.split("x"))
-        return nodes, per_node, int(servers)
+        counts = nodes, per_node, int(servers)
     except ValueError:
         raise ValueError(f"layout {text!r}: expected NODESxWORKERS_PER_NODE+SERVERS, e.g. 2x2+4") from None
+    if min(counts) < 1:
+        raise ValueError(f"layout {text!r}: nodes, workers a node and dedicated servers are each at least 1")
+    return counts
 
 
 # -- the worker part, under mpiexec -----------------------------------------------------------
@@ -163,7 +167,8 @@ def measure(link: str, layout: str, sizes: list[int], steps: int, partitions: in
 def fit_own(plain: dict[str, list[dict[str, Any]]], partitions: int = 4) -> AlphaBeta | None:
     """The parameter servers' own cost a contribution (:func:`collectives.cost.fit_ps_own`)
     fitted to the ``ps-sync`` exchanges of ``plain`` (each layout's rows without a link), or
-    None where they hold fewer than two partition sizes."""
+    None where they hold fewer than two partition sizes, or where the time a contribution
+    did not grow with its bytes (the fit's bandwidth is infinite: the sizes told too little)."""
     points = []
     for layout, rows in plain.items():
         nodes, per_node, servers = parse_layout(layout)
@@ -171,9 +176,10 @@ def fit_own(plain: dict[str, list[dict[str, Any]]], partitions: int = 4) -> Alph
             piece = -(-row["size"] // (servers * partitions))
             points.append((row["us"]["ps-sync"] / 1e6, row["size"], nodes * per_node, per_node, servers, piece))
     try:
-        return fit_ps_own(points)
+        own = fit_ps_own(points)
     except ValueError:
         return None
+    return own if math.isfinite(own.beta) else None
 
 
 def summarize(
@@ -366,12 +372,13 @@ def main() -> None:
 def refit(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``runs`` (a stored ``ps_links.json``'s) summarized again from their measured times:
     the model's figures by today's model, with the servers' own work fitted to the stored
-    exchanges without a link (:func:`fit_own`)."""
+    exchanges without a link (:func:`fit_own`; where it fits none, the tuning table's
+    ``ps_own``, if any)."""
     rows = {
         id(run): [{"size": s["size"], "us": s["us"], "auto_took": s["auto_took"]} for s in run["sizes"]] for run in runs
     }
     plain = {run["layout"]: [{"size": s["size"], "us": s["no_link_us"]} for s in run["sizes"]] for run in runs}
-    own = fit_own(plain, runs[0]["partitions"]) if runs else None
+    own = (fit_own(plain, runs[0]["partitions"]) if runs else None) or configured_ps_own()
     return [
         summarize(run["link"], run["layout"], rows[id(run)], plain[run["layout"]], run["partitions"], own)
         for run in runs

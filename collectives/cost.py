@@ -400,7 +400,9 @@ def ps_own_load(
     nbytes: float, workers: int, per_node: int, servers: int = 0, piece: float = 4 << 20, reduce: bool = False
 ) -> tuple[int, float]:
     """The busiest server's share of one exchange (:func:`ps_times`' placement; ``reduce``:
-    the hybrid's): its contributions and their bytes."""
+    the hybrid's): its contributions and their bytes, the server with the most bytes (of
+    those, the most contributions). :func:`ps_times` itself takes the server whose share
+    costs the most at its ``own``, which is the same one where the partitions are even."""
     k = max(1, min(per_node, workers))
     return max(_server_loads(nbytes, workers, k, reduce, servers, piece), key=lambda cl: (cl[1], cl[0]))
 

@@ -620,6 +620,12 @@ def test_the_parameter_server_sweep_names_each_sizes_winner_beside_the_model(tmp
     fitted = ps_links.fit_own(plain_by)
     assert fitted.alpha == pytest.approx(own.alpha) and fitted.beta == pytest.approx(own.beta)
     assert ps_links.fit_own({"2x2+4": plain_by["2x2+4"][:1]}) is None  # one size: nothing to fit
+    # a contribution no slower at 16 MiB than at 1 MiB: no finite bandwidth fits, so none
+    flat = [{"size": s, "us": {"ps-sync": 4e3}} for s in (1 << 20, 16 << 20)]
+    assert ps_links.fit_own({"2x2+4": flat}) is None
+    for bad in ("2x2+0", "0x1+1", "2x0+2"):
+        with pytest.raises(ValueError, match="each at least 1"):
+            ps_links.parse_layout(bad)
     run = ps_links.summarize("eth-10g", "2x2+4", rows, plain, own=fitted)
     large = run["sizes"][1]
     with_own = ps_times(16 << 20, 4, 2, NODE_PATH, parse_link("eth-10g"), 4, 1 << 20, own=fitted)

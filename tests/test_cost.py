@@ -92,6 +92,11 @@ def test_the_parameter_servers_own_work_adds_the_busiest_servers_contributions_a
     assert fitted.alpha == pytest.approx(own.alpha) and fitted.beta == pytest.approx(own.beta)
     with pytest.raises(ValueError, match="two distinct sizes"):
         fit_ps_own(points[:1])
+    # exchanges of different sizes whose contributions are all of one size tell nothing of the bytes
+    even = [(1e-3 * n, n * (1 << 20), 4, 1, n, 1 << 20) for n in (1, 2, 4)]  # n servers, a partition each
+    assert len({ps_own_load(*p[1:])[1] / ps_own_load(*p[1:])[0] for p in even}) == 1
+    with pytest.raises(ValueError, match="two distinct sizes"):
+        fit_ps_own(even)
 
 
 def test_the_tuner_reads_a_nodes_message_cost_back_from_the_ring_allreduces_times():

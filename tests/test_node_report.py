@@ -186,7 +186,7 @@ def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_f
             assert took + f"{row['us']['auto'] / best:.2f} x the better parameter-server path" in section
     # one size: the servers' own work is not fitted, and tuning.json holds none
     assert report["ps"]["ps_own"] is None and "ps_own" not in tuned
-    assert "- the servers' own work: not fitted here (it needs two sizes)" in section
+    assert "- the servers' own work: not fitted here (it needs exchanges without a link at two partition" in section
 
 
 def test_the_parameter_server_step_places_its_layouts_by_the_cores_and_says_why_it_did_not_run():
@@ -198,16 +198,19 @@ def test_the_parameter_server_step_places_its_layouts_by_the_cores_and_says_why_
     assert "- not run: it needs 4 ranks with a core each" in summarize(report)
     report["ps"] = {"runs": []}
     assert "## Parameter servers against allreduce across emulated links\n\n- did not finish" in summarize(report)
-    # a run with the servers' own work fitted: the summary gives it, the model's winner includes it
+    # a run with the servers' own work fitted: the summary gives it, and the model's winner
+    # with it: one worker a node across 10 Gbit/s, where the links alone have the servers win
     us = {"ring": 9e3, "hierarchical": 8e3, "ps-sync": 7e3, "hybrid": 6e3, "auto": 6e3}
-    rows = [{"size": 4 << 20, "us": us, "auto_took": "hybrid"}]
+    rows = [{"size": 4 << 20, "us": us, "auto_took": "ps-sync"}]
     plain = [{"size": 4 << 20, "us": {k: v / 4 for k, v in us.items()}}]
-    own = {"alpha": 1.5e-4, "beta": 2.5e9}
-    run = summarize_ps("eth-10g", "2x2+4", rows, plain, own=AlphaBeta(**own))
+    own = {"alpha": 1.5e-3, "beta": 2.5e8}
+    alone = summarize_ps("eth-10g", "4x1+4", rows, plain)
+    assert alone["sizes"][0]["predicted_winner"] == "ps-sync"
+    run = summarize_ps("eth-10g", "4x1+4", rows, plain, own=AlphaBeta(**own))
     report["ps"] = {"runs": [run], "ps_own": own}
     text = summarize(report)
-    assert "fitted to the exchanges without a link: 150 µs + its bytes at 2.50 GB/s (`ps_own` in `tuning.json`" in text
-    assert f"hybrid wins (the model: {run['sizes'][0]['predicted_winner']})" in text
+    assert "fitted to the exchanges without a link: 1500 µs + its bytes at 0.25 GB/s (`ps_own` in `tuning.json`" in text
+    assert "- eth-10g, 4x1+4, 4 MiB: 9.00 / 8.00 / 7.00 / 6.00: ps-sync wins (the model: ring)" in text
 
 
 def test_ranks_are_bound_to_a_core_each_by_the_launchers_own_option():
