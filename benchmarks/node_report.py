@@ -82,7 +82,7 @@ from collectives.select import configured_ps_own, load_table, rules
 from collectives.tune import merge
 
 from .ps_links import CONTENDERS as PS_CONTENDERS
-from .ps_links import fit_own, parse_layout
+from .ps_links import fit_own, fit_phases, parse_layout
 from .ps_links import summarize as summarize_ps
 from .ps_links import write as write_ps
 
@@ -654,6 +654,13 @@ def _ps_lines(report: dict[str, Any]) -> list[str]:
         else "- the servers' own work: not fitted here (it needs exchanges without a link at two partition sizes, "
         "a contribution's time growing with its bytes); the model takes the tuning table's `ps_own` where it has one"
     )
+    phases = got.get("ps_phases")
+    if phases:
+        lines.append(
+            f"- a message of the hybrid's reduce-scatter and allgather inside a node, fitted to its exchanges without "
+            f"a link less the servers' work: {phases['alpha'] * 1e6:.0f} µs + its bytes at "
+            f"{phases['beta'] / 1e9:.2f} GB/s (`ps_phases` in `tuning.json`)"
+        )
     right = sum(s["winner"] == s["predicted_winner"] for _, s in rows)
     close = sum(s["auto_over_best_ps"] <= BAR for _, s in rows)
     lines.append(
@@ -767,11 +774,11 @@ def _ends(r: Runner, chosen: list[str]) -> dict[str, float]:
     return ends
 
 
-def node_tuning(out: Path, counts: list[int], machine: str, ps_own: dict[str, float] | None = None) -> str | None:
+def node_tuning(out: Path, counts: list[int], machine: str, ps: dict[str, Any] | None = None) -> str | None:
     """Write ``out/tuning.json``: the packaged tuning table with every row the tuner step
     measured here (``raw/tuner_npN.json``) in place of the packaged row of that collective
-    and rank count, each labelled ``machine``, and the parameter servers' own work the
-    ``ps`` step fitted (``ps_own``): the one file ``HPCDL_TUNING_FILE`` takes for a job of
+    and rank count, each labelled ``machine``, and what the ``ps`` step fitted (``ps``'s
+    ``ps_own`` and ``ps_phases``): the one file ``HPCDL_TUNING_FILE`` takes for a job of
     any rank count on this node. Its name, or None where neither step measured anything."""
     table, measured = load_table(), False
     for n in counts:
@@ -781,8 +788,9 @@ def node_tuning(out: Path, counts: list[int], machine: str, ps_own: dict[str, fl
             continue
         if new.get("tables"):
             table, measured = merge(table, new, machine), True
-    if ps_own:
-        table, measured = merge(table, {"ps_own": ps_own}), True
+    fitted = {key: (ps or {}).get(key) for key in ("ps_own", "ps_phases")}
+    if any(fitted.values()):
+        table, measured = merge(table, {k: v for k, v in fitted.items() if v}), True
     if not measured:
         return None
     table["machine"] = f"per entry: those labelled {machine!r} measured here, the others the packaged table's"
@@ -925,13 +933,19 @@ def _ps(r: Runner, counts: list[int], args: argparse.Namespace, end: float) -> d
             plain[layout] = rows
         elif rows and layout in plain:
             linked.append((link, layout, rows))
-    fitted = fit_own(plain)  # the servers' own work, measured here: for tuning.json
+    fitted = fit_own(plain)  # the servers' own work and the hybrid's phases, measured here: for tuning.json
     own = fitted or configured_ps_own()
-    runs = [summarize_ps(link, layout, rows, plain[layout], own=own) for link, layout, rows in linked]
+    fitted_phases = fit_phases(plain, own)
+    phases = fitted_phases or configured_ps_own("ps_phases")
+    runs = [summarize_ps(link, layout, rows, plain[layout], own=own, phases=phases) for link, layout, rows in linked]
     if runs:
         command = f"node report: benchmarks.ps_links --sizes {sizes} --steps {steps}, layouts {','.join(layouts)}"
         write_ps(runs, r.raw.parent, command)
-    return {"runs": runs, "ps_own": {"alpha": fitted.alpha, "beta": fitted.beta} if fitted else None}
+    kept = {
+        key: {"alpha": v.alpha, "beta": v.beta} if v else None
+        for key, v in (("ps_own", fitted), ("ps_phases", fitted_phases))
+    }
+    return {"runs": runs, **kept}
 
 
 SWEEP_SECONDS = 0.5
@@ -1046,7 +1060,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     got = _steps(r, counts, args, info.get("gpus", 0))
     where = f"{info['cores']} cores ({info.get('cpu', '?')}), node report"
-    got["tuning_file"] = node_tuning(out, counts, where, (got["ps"] or {}).get("ps_own"))
+    got["tuning_file"] = node_tuning(out, counts, where, got["ps"])
     report = {
         "machine": info,
         "binding": r.binding,

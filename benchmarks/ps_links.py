@@ -24,8 +24,9 @@ replies start then. The figures are the fastest of
 ``--steps`` exchanges (the slowest worker's time each), beside the predictions of
 :func:`collectives.cost.allreduce_times` and :func:`collectives.cost.ps_times` (the one
 cost model ``auto`` and the planner use), the latter with the servers' own work a
-contribution fitted to the runs without a link (:func:`collectives.cost.fit_ps_own`; with
-one size, the tuning table's ``ps_own``, if any). It writes ``DIR/ps_links.json``,
+contribution and the hybrid's phases inside a node fitted to the runs without a link
+(:func:`collectives.cost.fit_ps_own`, :func:`collectives.cost.fit_ps_phases`; where they
+fit none, the tuning table's ``ps_own`` and ``ps_phases``, if any). It writes ``DIR/ps_links.json``,
 ``DIR/ps_links.md`` and ``DIR/ps_links.svg`` (the winner by size, one row per link and
 layout)::
 
@@ -52,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from collectives.cli import ArgumentParser, dump_json, output_dir, parse_size, run_main
-from collectives.cost import AlphaBeta, allreduce_times, fit_ps_own, parse_link, ps_times
+from collectives.cost import AlphaBeta, allreduce_times, fit_ps_own, fit_ps_phases, parse_link, ps_times
 from collectives.select import configured_node_path, configured_ps_own
 
 CONTENDERS = ("ring", "hierarchical", "ps-sync", "hybrid")
@@ -182,6 +183,26 @@ def fit_own(plain: dict[str, list[dict[str, Any]]], partitions: int = 4) -> Alph
     return own if math.isfinite(own.beta) else None
 
 
+def fit_phases(plain: dict[str, list[dict[str, Any]]], own: AlphaBeta | None, partitions: int = 4) -> AlphaBeta | None:
+    """A message of the hybrid's phases inside a node (:func:`collectives.cost.fit_ps_phases`)
+    fitted to the ``hybrid`` exchanges of ``plain``'s layouts of two or more workers a node,
+    less the servers' ``own`` work; None where those hold fewer than two sizes or no finite
+    bandwidth fits."""
+    points = []
+    for layout, rows in plain.items():
+        nodes, per_node, servers = parse_layout(layout)
+        if per_node < 2:
+            continue
+        for row in rows:
+            piece = -(-row["size"] // (servers * partitions))
+            points.append((row["us"]["hybrid"] / 1e6, row["size"], nodes * per_node, per_node, servers, piece))
+    try:
+        phases = fit_ps_phases(points, own)
+    except ValueError:
+        return None
+    return phases if math.isfinite(phases.beta) else None
+
+
 def summarize(
     link: str,
     layout: str,
@@ -189,9 +210,11 @@ def summarize(
     plain: list[dict[str, Any]],
     partitions: int = 4,
     own: AlphaBeta | None = None,
+    phases: AlphaBeta | None = None,
 ) -> dict[str, Any]:
     """Per size: µs of each contender across ``link`` and without a link (``plain``: this
-    machine's own cost), the model's prediction with the servers' ``own`` work and of the
+    machine's own cost), the model's prediction with the servers' ``own`` work and the
+    hybrid's ``phases`` inside a node (a message's cost; None: a node's messages), and of the
     links' time alone, the measured and the modelled winner, auto's pick."""
     nodes, per_node, servers = parse_layout(layout)
     model = parse_link(link)
@@ -203,7 +226,7 @@ def summarize(
         piece = -(-size // (servers * partitions))
         wire = allreduce_times(size, workers, per_node, intra, model)
         wire.update(ps_times(size, workers, per_node, intra, model, servers, piece))
-        pred = {**wire, **ps_times(size, workers, per_node, intra, model, servers, piece, own=own)}
+        pred = {**wire, **ps_times(size, workers, per_node, phases or intra, model, servers, piece, own=own)}
         got = row["us"]
         names = CONTENDERS if per_node > 1 else ("ring", "ps-sync")  # one a node: the others are these paths
         winner = min(names, key=got.__getitem__)
@@ -221,8 +244,10 @@ def summarize(
                 "auto_over_best_ps": got["auto"] / got[best_ps],
             }
         )
-    ps_own = {"alpha": own.alpha, "beta": own.beta} if own is not None else None
-    return {"link": link, "layout": layout, "partitions": partitions, "ps_own": ps_own, "sizes": out}
+    fitted = {
+        key: {"alpha": v.alpha, "beta": v.beta} if v else None for key, v in (("ps_own", own), ("ps_phases", phases))
+    }
+    return {"link": link, "layout": layout, "partitions": partitions, **fitted, "sizes": out}
 
 
 def table(run: dict[str, Any]) -> list[str]:
@@ -250,12 +275,17 @@ def accuracy(run: dict[str, Any]) -> list[str]:
     fitted without a link), the links' time alone, and the links' time plus the same
     exchange's time without a link (this machine's own cost: its copies, reductions,
     waits and the runtime's negotiations)."""
-    own = run.get("ps_own")
+    own, phases = run.get("ps_own"), run.get("ps_phases")
     fitted = (
         f"the servers' own work {own['alpha'] * 1e6:.0f} µs + bytes at {own['beta'] / 1e9:.2f} GB/s a contribution"
         if own
         else "no own work fitted"
     )
+    if phases:
+        fitted += (
+            f"; the hybrid's phases inside a node {phases['alpha'] * 1e6:.0f} µs + bytes at "
+            f"{phases['beta'] / 1e9:.2f} GB/s a message"
+        )
     lines = [
         f"prediction / measurement: the model ({fitted}) / the links alone / the links plus the time without a link",
         "",
@@ -360,10 +390,11 @@ def main() -> None:
     runs = []
     plain = {layout: measure("", layout, sizes, args.steps, args.partitions) for layout in layouts}
     own = fit_own(plain, args.partitions) or configured_ps_own()
+    phases = fit_phases(plain, own, args.partitions) or configured_ps_own("ps_phases")
     for link in args.link or ["eth-10g", "eth-25g", "eth-100g"]:
         for layout in layouts:
             rows = measure(link, layout, sizes, args.steps, args.partitions)
-            run = summarize(link, layout, rows, plain[layout], args.partitions, own)
+            run = summarize(link, layout, rows, plain[layout], args.partitions, own, phases)
             print("\n".join(table(run)), flush=True)
             runs.append(run)
     write(runs, Path(args.out), " ".join(["python -m benchmarks.ps_links", *sys.argv[1:]]))
@@ -372,15 +403,17 @@ def main() -> None:
 def refit(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``runs`` (a stored ``ps_links.json``'s) summarized again from their measured times:
     the model's figures by today's model, with the servers' own work fitted to the stored
-    exchanges without a link (:func:`fit_own`; where it fits none, the tuning table's
-    ``ps_own``, if any)."""
+    exchanges without a link (:func:`fit_own`, :func:`fit_phases`; where they fit none, the
+    tuning table's ``ps_own`` and ``ps_phases``, if any)."""
     rows = {
         id(run): [{"size": s["size"], "us": s["us"], "auto_took": s["auto_took"]} for s in run["sizes"]] for run in runs
     }
     plain = {run["layout"]: [{"size": s["size"], "us": s["no_link_us"]} for s in run["sizes"]] for run in runs}
-    own = (fit_own(plain, runs[0]["partitions"]) if runs else None) or configured_ps_own()
+    partitions = runs[0]["partitions"] if runs else 4
+    own = (fit_own(plain, partitions) if runs else None) or configured_ps_own()
+    phases = (fit_phases(plain, own, partitions) if runs else None) or configured_ps_own("ps_phases")
     return [
-        summarize(run["link"], run["layout"], rows[id(run)], plain[run["layout"]], run["partitions"], own)
+        summarize(run["link"], run["layout"], rows[id(run)], plain[run["layout"]], run["partitions"], own, phases)
         for run in runs
     ]
 

@@ -265,14 +265,15 @@ def _table_problem(table: Any) -> str | None:
         good = isinstance(e, dict) and isinstance(e.get("size"), int) and e["size"] >= 2
         if not good or not all(isinstance(e.get(k), (int, float)) and e[k] > 0 for k in ("alpha", "beta")):
             return f'node_paths[{i}] needs "size" (ranks, at least 2) and positive "alpha" (s) and "beta" (B/s)'
-    own = table.get("ps_own")
-    if own is not None and not (
-        isinstance(own, dict)
-        and all(isinstance(own.get(k), (int, float)) and not isinstance(own[k], bool) for k in ("alpha", "beta"))
-        and own["alpha"] >= 0
-        and own["beta"] > 0
-    ):
-        return '"ps_own" needs "alpha" (s, at least 0) and a positive "beta" (B/s)'
+    for key in ("ps_own", "ps_phases"):
+        own = table.get(key)
+        if own is not None and not (
+            isinstance(own, dict)
+            and all(isinstance(own.get(k), (int, float)) and not isinstance(own[k], bool) for k in ("alpha", "beta"))
+            and own["alpha"] >= 0
+            and own["beta"] > 0
+        ):
+            return f'"{key}" needs "alpha" (s, at least 0) and a positive "beta" (B/s)'
     return None
 
 

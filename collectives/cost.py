@@ -17,7 +17,7 @@ over ``n`` ranks implies. :func:`ring_allreduce`, :func:`ring_allgather`,
 each algorithm over nodes joined by a link (what ``auto`` chooses by across emulated
 links, :mod:`.link`), and :func:`ps_times` that of a push and pull through the parameter
 servers (what ``HybridOptimizer(node_reduce="auto")`` chooses by), with their own work
-fitted by :func:`fit_ps_own`.
+fitted by :func:`fit_ps_own` and the hybrid's phases inside a node by :func:`fit_ps_phases`.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ __all__ = [
     "ps_times",
     "ps_own_load",
     "fit_ps_own",
+    "fit_ps_phases",
 ]
 
 
@@ -422,3 +423,26 @@ def fit_ps_own(points: Iterable[tuple[float, float, int, int, int, float]]) -> A
         calls, load = ps_own_load(nbytes, workers, per_node, servers, piece)
         per_call.append((load / calls, seconds / calls))
     return fit(per_call)
+
+
+def fit_ps_phases(points: Iterable[tuple[float, float, int, int, int, float]], own: AlphaBeta | None) -> AlphaBeta:
+    """The cost of a message of the hybrid's reduce-scatter and allgather inside a node, as
+    :func:`ps_times` counts them (a ring of the node's workers each way: its ``intra``),
+    that predicts ``points`` best: each ``(seconds, nbytes, workers, per_node, servers,
+    piece)``, one ``hybrid`` exchange timed without a link, less the servers' ``own`` work
+    of it (:func:`fit_ps_own`; None: none). Those phases run through the runtime's
+    collectives, whose negotiation the node's message path leaves out. Relative least
+    squares, as :func:`fit`.
+
+    Raises:
+        ValueError: a layout of one worker a node (no phases inside it), fewer than two
+            distinct sizes, or an exchange no longer than its servers' work.
+    """
+    per_msg = []
+    for seconds, nbytes, workers, per_node, servers, piece in points:
+        k = max(1, min(per_node, workers))
+        if k < 2:
+            raise ValueError(f"fit_ps_phases: {workers} workers, {per_node} a node: no phases inside a node")
+        left = seconds - (_own_work(own, nbytes, workers, k, True, servers, piece) if own is not None else 0.0)
+        per_msg.append((nbytes / k, left / (2 * (k - 1))))
+    return fit(per_msg)

@@ -141,8 +141,8 @@ def rules_from(winners: list[tuple[int, str]]) -> list[list[Any]]:
 def merge(table: dict[str, Any], new: dict[str, Any], machine: str | None = None) -> dict[str, Any]:
     """``table`` with ``new``'s rows in place of its rows of the same collective, rank count
     and node count (its other rows kept), ``new``'s ``node_paths`` in place of those of the
-    same rank count, ``new``'s ``ps_own`` in place of its own, and ``new``'s ``runs`` after
-    its own; each row taken from ``new`` is labelled with ``machine`` where given. Neither
+    same rank count, ``new``'s ``ps_own`` and ``ps_phases`` in place of its own, and
+    ``new``'s ``runs`` after its own; each row taken from ``new`` is labelled with ``machine`` where given. Neither
     argument is changed."""
     rows = [{**e, "machine": machine} if machine else dict(e) for e in new.get("tables", [])]
     keys = {(e["collective"], e["size"], e["nodes"]) for e in rows}
@@ -152,8 +152,9 @@ def merge(table: dict[str, Any], new: dict[str, Any], machine: str | None = None
         sizes = {e["size"] for e in new["node_paths"]}
         paths = [e for e in table.get("node_paths", []) if e["size"] not in sizes] + list(new["node_paths"])
         out["node_paths"] = sorted(paths, key=lambda e: e["size"])
-    if new.get("ps_own"):
-        out["ps_own"] = dict(new["ps_own"])
+    for key in ("ps_own", "ps_phases"):
+        if new.get(key):
+            out[key] = dict(new[key])
     out["runs"] = [*table.get("runs", []), *new.get("runs", [])]
     return out
 

@@ -40,6 +40,7 @@ def test_config_reads_env_and_rejects_unknown_names():
         ('{"tables": [], "ps_own": {"alpha": 1e-4, "beta": 0}}', '"ps_own" needs "alpha"'),
         ('{"tables": [], "ps_own": {"alpha": -1, "beta": 1e9}}', 'a positive "beta" (B/s)'),
         ('{"tables": [], "ps_own": [1e-4, 1e9]}', '"ps_own" needs'),
+        ('{"tables": [], "ps_phases": {"alpha": 1e-4}}', '"ps_phases" needs "alpha"'),
     ],
 )
 def test_a_tuning_file_that_is_not_a_tuning_table_is_named_with_what_is_wrong(tmp_path, text, problem):

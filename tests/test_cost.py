@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from collectives.cost import AlphaBeta, fit, fit_ps_own, ps_own_load, ps_times, ring_allreduce
+from collectives.cost import AlphaBeta, fit, fit_ps_own, fit_ps_phases, ps_own_load, ps_times, ring_allreduce
 
 
 def test_fit_recovers_the_model_that_made_the_points():
@@ -97,6 +97,26 @@ def test_the_parameter_servers_own_work_adds_the_busiest_servers_contributions_a
     assert len({ps_own_load(*p[1:])[1] / ps_own_load(*p[1:])[0] for p in even}) == 1
     with pytest.raises(ValueError, match="two distinct sizes"):
         fit_ps_own(even)
+
+
+def test_the_hybrids_phases_inside_a_node_are_fitted_back_from_its_exchanges_less_the_servers_work():
+    own, phases, free = AlphaBeta(2e-4, 2e9), AlphaBeta(3e-3, 8e8), AlphaBeta(0.0, math.inf)
+    points = []
+    for workers, per_node, servers in ((4, 2, 4), (8, 4, 2), (6, 3, 3)):
+        for size in (1 << 20, 4 << 20, 16 << 20):
+            piece = size / servers / 4
+            # without a link: the servers' work on the hybrid's shards and its ring each way inside the node
+            seconds = ps_times(size, workers, per_node, phases, free, servers, piece, own=own)["hybrid"]
+            k = per_node
+            want = own.time(*reversed(ps_own_load(size, workers, per_node, servers, piece, reduce=True)))
+            assert seconds == pytest.approx(want + 2 * (k - 1) * phases.time(size / k))
+            points.append((seconds, size, workers, per_node, servers, piece))
+    fitted = fit_ps_phases(points, own)
+    assert fitted.alpha == pytest.approx(phases.alpha) and fitted.beta == pytest.approx(phases.beta)
+    with pytest.raises(ValueError, match="no phases inside a node"):
+        fit_ps_phases([(1e-3, 1 << 20, 4, 1, 4, 1 << 18)], own)
+    with pytest.raises(ValueError, match="two distinct sizes"):
+        fit_ps_phases(points[:1], own)
 
 
 def test_the_tuner_reads_a_nodes_message_cost_back_from_the_ring_allreduces_times():

@@ -185,7 +185,7 @@ def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_f
             best = min(row["us"]["ps-sync"], row["us"]["hybrid"])
             assert took + f"{row['us']['auto'] / best:.2f} x the better parameter-server path" in section
     # one size: the servers' own work is not fitted, and tuning.json holds none
-    assert report["ps"]["ps_own"] is None and "ps_own" not in tuned
+    assert report["ps"]["ps_own"] is None and report["ps"]["ps_phases"] is None and "ps_own" not in tuned
     assert "- the servers' own work: not fitted here (it needs exchanges without a link at two partition" in section
 
 
@@ -207,8 +207,9 @@ def test_the_parameter_server_step_places_its_layouts_by_the_cores_and_says_why_
     alone = summarize_ps("eth-10g", "4x1+4", rows, plain)
     assert alone["sizes"][0]["predicted_winner"] == "ps-sync"
     run = summarize_ps("eth-10g", "4x1+4", rows, plain, own=AlphaBeta(**own))
-    report["ps"] = {"runs": [run], "ps_own": own}
+    report["ps"] = {"runs": [run], "ps_own": own, "ps_phases": {"alpha": 2e-3, "beta": 1e9}}
     text = summarize(report)
+    assert "inside a node, fitted to its exchanges without a link less the servers' work: 2000 µs + its bytes" in text
     assert "fitted to the exchanges without a link: 1500 µs + its bytes at 0.25 GB/s (`ps_own` in `tuning.json`" in text
     assert "- eth-10g, 4x1+4, 4 MiB: 9.00 / 8.00 / 7.00 / 6.00: ps-sync wins (the model: ring)" in text
 
@@ -453,10 +454,15 @@ def test_the_bubble_of_equal_stages_is_the_formula_and_the_hops_and_unequal_stag
 def test_the_node_tuning_file_merges_each_count_the_tuner_measured_into_the_packaged_table(tmp_path):
     (tmp_path / "raw").mkdir()
     assert node_tuning(tmp_path, [2, 4], "node") is None and not (tmp_path / "tuning.json").exists()
-    # the parameter servers' own work alone: the packaged table with it
-    assert node_tuning(tmp_path, [2, 4], "node", {"alpha": 1e-4, "beta": 2e9}) == "tuning.json"
+    # the parameter servers' own work alone (the hybrid's phases not fitted): the packaged table with it
+    ps = {"runs": [], "ps_own": {"alpha": 1e-4, "beta": 2e9}, "ps_phases": None}
+    assert node_tuning(tmp_path, [2, 4], "node", ps) == "tuning.json"
     owned = read_tuning_file(str(tmp_path / "tuning.json"))
     assert owned["ps_own"] == {"alpha": 1e-4, "beta": 2e9} and owned["tables"] == load_table()["tables"]
+    assert "ps_phases" not in owned
+    ps["ps_phases"] = {"alpha": 2e-3, "beta": 1e9}
+    assert node_tuning(tmp_path, [2, 4], "node", ps) == "tuning.json"
+    assert read_tuning_file(str(tmp_path / "tuning.json"))["ps_phases"] == {"alpha": 2e-3, "beta": 1e9}
     row = {"collective": "allgather", "nodes": 1, "rules": [[None, "ring"]], "oversubscribed": False}
     for n in (2, 4):
         new = {

@@ -259,7 +259,7 @@ def test_across_an_emulated_link_the_servers_give_the_same_parameters_in_the_tim
     )
 
 
-def test_auto_costs_the_servers_own_work_where_the_tuning_table_holds_it(tmp_path):
+def test_auto_costs_the_servers_own_work_and_the_hybrids_phases_where_the_tuning_table_holds_them(tmp_path):
     # across a fast link the pure parameter server moves fewer bytes than the hybrid's three
     # phases; where each contribution costs a server as much as the node report's ps_own
     # says, the hybrid's fewer contributions a server win
@@ -279,6 +279,14 @@ def test_auto_costs_the_servers_own_work_where_the_tuning_table_holds_it(tmp_pat
         found[tuning] = lines[0]
     assert found[None][0] == "False" and found[str(table)][0] == "True", found
     assert found[None][1] == found[str(table)][1]  # the same parameters either way
+    # and where the hybrid's phases inside a node cost as much as the table's ps_phases says,
+    # they outweigh what its fewer contributions save: the pure parameter server again
+    phases = {"alpha": 0.1, "beta": 1e9}
+    slow = ps_times(4 << 20, 4, 2, AlphaBeta(**phases), link, 2, 2 << 20, own=AlphaBeta(**own))
+    assert min(slow, key=slow.get) == "ps-sync"
+    table.write_text(json.dumps({**load_table(), "ps_own": own, "ps_phases": phases}))
+    out = run(["link"], 6, {**env, "HPCDL_TUNING_FILE": str(table)}, 4)
+    assert set(re.findall(r"LINK reduced (\w+) digest (\w+) step", out)) == {("False", found[None][1])}, out[-2000:]
 
 
 @pytest.mark.parametrize("mode", ["sync", "ssp"])

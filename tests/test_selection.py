@@ -175,6 +175,9 @@ def test_merging_tables_replaces_rows_of_the_same_kind_and_keeps_the_rest():
     owned = merge(out, {"ps_own": {"alpha": 1e-4, "beta": 2e9}})
     assert ps_own(owned) == AlphaBeta(1e-4, 2e9) and ps_own(merge(owned, new)) == AlphaBeta(1e-4, 2e9)
     assert ps_own(merge(owned, {"ps_own": {"alpha": 0, "beta": 3e9}})) == AlphaBeta(0.0, 3e9)
+    assert ps_own(owned, "ps_phases") is None  # the hybrid's phases inside a node: a key of their own
+    phased = merge(owned, {"ps_phases": {"alpha": 2e-3, "beta": 1e9}})
+    assert ps_own(phased, "ps_phases") == AlphaBeta(2e-3, 1e9) and ps_own(phased) == AlphaBeta(1e-4, 2e9)
     assert out["runs"] == ["first", "second"] and out["machine"] == "per entry"
     # what auto reads from it: the merged row
     assert rules(out, "allreduce", 8, 1) == [[None, "shm"]] and rules(out, "allreduce", 8, 2) == [[None, "tree"]]

@@ -94,8 +94,9 @@ def HybridOptimizer(  # noqa: N802 - a factory that looks like a class, as Distr
             hybrid); False: every worker pushes its whole gradient (a pure parameter server);
             ``"auto"``: whichever :func:`collectives.cost.ps_times` says is faster for the
             whole gradient, across the emulated link (``HPCDL_LINK``) where one is set,
-            with the servers' own work that the tuning table holds (``ps_own``: the node
-            report's ``tuning.json``); else
+            with the servers' own work and the hybrid's phases inside a node that the
+            tuning table holds (``ps_own``, ``ps_phases``: the node report's
+            ``tuning.json``); else
             the hybrid between machines, and between simulated nodes of one machine (whose
             bytes all share its memory) the pure parameter server.
         backward_passes_per_step, op, bucket_bytes: as for :func:`DistributedOptimizer`
@@ -297,8 +298,10 @@ class HybridReducer(Reducer):
             per_server_node = max(homes.count(h) for h in homes)
         nbytes = sum(p.numel() * p.element_size() for b in self._buckets for p in b.params)
         workers, per_node = sum(len(n) for n in nodes), max(len(n) for n in nodes)
-        intra = configured_node_path(per_node)  # measured by the tuner, or assumed
-        own = configured_ps_own()  # the servers' own work, where the node report measured it
+        # the hybrid's phases inside a node and the servers' own work, where the node report
+        # measured them; else a node's messages as the tuner measured them, or assumed
+        intra = configured_ps_own("ps_phases") or configured_node_path(per_node)
+        own = configured_ps_own()
         times = ps_times(nbytes, workers, per_node, intra, link, servers, partition_bytes, per_server_node, own)
         return times["hybrid"] < times["ps-sync"]
 
