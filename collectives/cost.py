@@ -297,7 +297,9 @@ def ps_times(
 
     - ``ps-sync``: every worker pushes its whole gradient and pulls the sum;
     - ``hybrid``: a ring reduce-scatter inside the node, then each worker pushes and pulls
-      its shard (``nbytes / per_node``), then a ring allgather inside the node.
+      its shard (``nbytes / per_node``), then a ring allgather inside the node (each of
+      their messages at ``intra``: a node's message path, or those phases' own cost as
+      :func:`fit_ps_phases` fits it).
 
     The pushed bytes are cut into partitions of at most ``piece`` bytes, spread over the
     servers as :class:`hpcdl.ps.PartitionPlan` spreads them (largest first onto the least
