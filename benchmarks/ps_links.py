@@ -26,9 +26,9 @@ replies start then. The figures are the fastest of
 cost model ``auto`` and the planner use), the latter with the servers' own work a
 contribution and the hybrid's phases inside a node fitted to the runs without a link
 (:func:`collectives.cost.fit_ps_own`, :func:`collectives.cost.fit_ps_phases`; where they
-fit none, the tuning table's ``ps_own`` and ``ps_phases``, if any). It writes ``DIR/ps_links.json``,
-``DIR/ps_links.md`` and ``DIR/ps_links.svg`` (the winner by size, one row per link and
-layout)::
+fit none, the tuning table's ``ps_own`` and ``ps_phases``, if any). It writes
+``DIR/ps_links.json``, ``DIR/ps_links.md`` and ``DIR/ps_links.svg`` (the winner by size,
+one row per link and layout)::
 
     python -m benchmarks.ps_links --out DIR
     python -m benchmarks.ps_links --link eth-10g --layouts 4x1+4 --sizes 4M,16M --out DIR
@@ -402,8 +402,8 @@ def main() -> None:
 
 def refit(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``runs`` (a stored ``ps_links.json``'s) summarized again from their measured times:
-    the model's figures by today's model, with the servers' own work fitted to the stored
-    exchanges without a link (:func:`fit_own`, :func:`fit_phases`; where they fit none, the
+    the model's figures by today's model, with the servers' own work and the hybrid's
+    phases fitted to the stored exchanges without a link (:func:`fit_own`, :func:`fit_phases`; where they fit none, the
     tuning table's ``ps_own`` and ``ps_phases``, if any)."""
     rows = {
         id(run): [{"size": s["size"], "us": s["us"], "auto_took": s["auto_took"]} for s in run["sizes"]] for run in runs

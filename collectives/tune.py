@@ -142,8 +142,8 @@ def merge(table: dict[str, Any], new: dict[str, Any], machine: str | None = None
     """``table`` with ``new``'s rows in place of its rows of the same collective, rank count
     and node count (its other rows kept), ``new``'s ``node_paths`` in place of those of the
     same rank count, ``new``'s ``ps_own`` and ``ps_phases`` in place of its own, and
-    ``new``'s ``runs`` after its own; each row taken from ``new`` is labelled with ``machine`` where given. Neither
-    argument is changed."""
+    ``new``'s ``runs`` after its own; each row taken from ``new`` is labelled with
+    ``machine`` where given. Neither argument is changed."""
     rows = [{**e, "machine": machine} if machine else dict(e) for e in new.get("tables", [])]
     keys = {(e["collective"], e["size"], e["nodes"]) for e in rows}
     kept = [e for e in table.get("tables", []) if (e["collective"], e["size"], e["nodes"]) not in keys]
