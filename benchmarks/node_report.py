@@ -657,8 +657,8 @@ def _ps_lines(report: dict[str, Any]) -> list[str]:
     phases = got.get("ps_phases")
     if phases:
         lines.append(
-            f"- a message of the hybrid's reduce-scatter and allgather inside a node, fitted to its exchanges without "
-            f"a link less the servers' work: {phases['alpha'] * 1e6:.0f} µs + its bytes at "
+            f"- each of the hybrid's two calls inside a node (reduce-scatter, allgather), fitted to its exchanges "
+            f"without a link less the servers' work: {phases['alpha'] * 1e6:.0f} µs + a rank's bytes at "
             f"{phases['beta'] / 1e9:.2f} GB/s (`ps_phases` in `tuning.json`)"
         )
     right = sum(s["winner"] == s["predicted_winner"] for _, s in rows)

@@ -184,7 +184,7 @@ def fit_own(plain: dict[str, list[dict[str, Any]]], partitions: int = 4) -> Alph
 
 
 def fit_phases(plain: dict[str, list[dict[str, Any]]], own: AlphaBeta | None, partitions: int = 4) -> AlphaBeta | None:
-    """A message of the hybrid's phases inside a node (:func:`collectives.cost.fit_ps_phases`)
+    """A call of the hybrid's phases inside a node (:func:`collectives.cost.fit_ps_phases`)
     fitted to the ``hybrid`` exchanges of ``plain``'s layouts of two or more workers a node,
     less the servers' ``own`` work; None where those hold fewer than two sizes or no finite
     bandwidth fits."""
@@ -214,7 +214,7 @@ def summarize(
 ) -> dict[str, Any]:
     """Per size: µs of each contender across ``link`` and without a link (``plain``: this
     machine's own cost), the model's prediction with the servers' ``own`` work and the
-    hybrid's ``phases`` inside a node (a message's cost; None: a node's messages), and of the
+    hybrid's ``phases`` inside a node (a call's cost; None: a node's messages), and of the
     links' time alone, the measured and the modelled winner, auto's pick."""
     nodes, per_node, servers = parse_layout(layout)
     model = parse_link(link)
@@ -226,7 +226,7 @@ def summarize(
         piece = -(-size // (servers * partitions))
         wire = allreduce_times(size, workers, per_node, intra, model)
         wire.update(ps_times(size, workers, per_node, intra, model, servers, piece))
-        pred = {**wire, **ps_times(size, workers, per_node, phases or intra, model, servers, piece, own=own)}
+        pred = {**wire, **ps_times(size, workers, per_node, intra, model, servers, piece, own=own, phases=phases)}
         got = row["us"]
         names = CONTENDERS if per_node > 1 else ("ring", "ps-sync")  # one a node: the others are these paths
         winner = min(names, key=got.__getitem__)
@@ -284,7 +284,7 @@ def accuracy(run: dict[str, Any]) -> list[str]:
     if phases:
         fitted += (
             f"; the hybrid's phases inside a node {phases['alpha'] * 1e6:.0f} µs + bytes at "
-            f"{phases['beta'] / 1e9:.2f} GB/s a message"
+            f"{phases['beta'] / 1e9:.2f} GB/s a call"
         )
     lines = [
         f"prediction / measurement: the model ({fitted}) / the links alone / the links plus the time without a link",

@@ -288,6 +288,7 @@ def ps_times(
     piece: float = 4 << 20,
     servers_per_node: int = 0,
     own: AlphaBeta | None = None,
+    phases: AlphaBeta | None = None,
 ) -> dict[str, float]:
     """Seconds one synchronous push and pull of ``nbytes`` of gradients takes through the
     parameter servers of :mod:`hpcdl.ps`, ``workers`` placed ``per_node`` to a node in
@@ -297,9 +298,10 @@ def ps_times(
 
     - ``ps-sync``: every worker pushes its whole gradient and pulls the sum;
     - ``hybrid``: a ring reduce-scatter inside the node, then each worker pushes and pulls
-      its shard (``nbytes / per_node``), then a ring allgather inside the node (each of
-      their messages at ``intra``: a node's message path, or those phases' own cost as
-      :func:`fit_ps_phases` fits it).
+      its shard (``nbytes / per_node``), then a ring allgather inside the node: each of
+      their messages at ``intra`` (a node's message path), or with ``phases`` each of the
+      two a call of ``phases.alpha`` plus the bytes a rank moves in it,
+      ``nbytes (per_node - 1) / per_node``, at ``phases.beta`` (:func:`fit_ps_phases`).
 
     The pushed bytes are cut into partitions of at most ``piece`` bytes, spread over the
     servers as :class:`hpcdl.ps.PartitionPlan` spreads them (largest first onto the least
@@ -323,7 +325,10 @@ def ps_times(
         + (_own_work(own, nbytes, workers, k, reduce, servers, piece) if own is not None else 0.0)
         for name, reduce in (("ps-sync", False), ("hybrid", True))
     }
-    times["hybrid"] += ring_reduce_scatter(intra, k, nbytes) + ring_allgather(intra, k, nbytes)
+    if phases is not None and k > 1:
+        times["hybrid"] += 2 * phases.time(nbytes * (k - 1) / k)
+    else:
+        times["hybrid"] += ring_reduce_scatter(intra, k, nbytes) + ring_allgather(intra, k, nbytes)
     return times
 
 
@@ -428,23 +433,23 @@ def fit_ps_own(points: Iterable[tuple[float, float, int, int, int, float]]) -> A
 
 
 def fit_ps_phases(points: Iterable[tuple[float, float, int, int, int, float]], own: AlphaBeta | None) -> AlphaBeta:
-    """The cost of a message of the hybrid's reduce-scatter and allgather inside a node, as
-    :func:`ps_times` counts them (a ring of the node's workers each way: its ``intra``),
-    that predicts ``points`` best: each ``(seconds, nbytes, workers, per_node, servers,
-    piece)``, one ``hybrid`` exchange timed without a link, less the servers' ``own`` work
-    of it (:func:`fit_ps_own`; None: none). Those phases run through the runtime's
-    collectives, whose negotiation the node's message path leaves out. Relative least
-    squares, as :func:`fit`.
+    """The cost of each of the hybrid's two calls inside a node, its reduce-scatter and its
+    allgather (:func:`ps_times`' ``phases``: ``alpha`` a call, the bytes a rank moves in it
+    at ``beta``), that predicts ``points`` best: each ``(seconds, nbytes, workers,
+    per_node, servers, piece)``, one ``hybrid`` exchange timed without a link, less the
+    servers' ``own`` work of it (:func:`fit_ps_own`; None: none). Those calls run through
+    the runtime's collectives, whose negotiation a node's message path leaves out.
+    Relative least squares, as :func:`fit`.
 
     Raises:
         ValueError: a layout of one worker a node (no phases inside it), fewer than two
             distinct sizes, or an exchange no longer than its servers' work.
     """
-    per_msg = []
+    per_call = []
     for seconds, nbytes, workers, per_node, servers, piece in points:
         k = max(1, min(per_node, workers))
         if k < 2:
             raise ValueError(f"fit_ps_phases: {workers} workers, {per_node} a node: no phases inside a node")
         left = seconds - (_own_work(own, nbytes, workers, k, True, servers, piece) if own is not None else 0.0)
-        per_msg.append((nbytes / k, left / (2 * (k - 1))))
-    return fit(per_msg)
+        per_call.append((nbytes * (k - 1) / k, left / 2))
+    return fit(per_call)

@@ -172,8 +172,8 @@ def configured_node_path(ranks: int) -> AlphaBeta:
 def ps_own(table: dict[str, Any] | None, key: str = "ps_own") -> AlphaBeta | None:
     """The parameter servers' own cost a contribution (:func:`.cost.ps_times`' ``own``) that
     the tuning table holds under ``ps_own`` (the node report fits it to exchanges timed
-    without a link), or None; with ``key="ps_phases"``, the cost of a message of the
-    hybrid's phases inside a node (:func:`.cost.fit_ps_phases`: ``ps_times``' ``intra``)."""
+    without a link), or None; with ``key="ps_phases"``, the cost of each of the hybrid's
+    calls inside a node (:func:`.cost.fit_ps_phases`: ``ps_times``' ``phases``)."""
     own = (table or {}).get(key)
     return AlphaBeta(float(own["alpha"]), float(own["beta"])) if own else None
 
@@ -181,8 +181,8 @@ def ps_own(table: dict[str, Any] | None, key: str = "ps_own") -> AlphaBeta | Non
 def configured_ps_own(key: str = "ps_own") -> AlphaBeta | None:
     """:func:`ps_own` of the tuning table the configuration names (``HPCDL_TUNING_FILE``,
     else the packaged one): what ``HybridOptimizer(node_reduce="auto")`` takes the servers'
-    own work (and with ``key="ps_phases"``, a message of the hybrid's phases inside a node)
-    to cost."""
+    own work (and with ``key="ps_phases"``, each of the hybrid's calls inside a node) to
+    cost."""
     return ps_own(load_table(load_config().tuning_file), key)
 
 

@@ -642,17 +642,16 @@ def test_the_parameter_server_sweep_names_each_sizes_winner_beside_the_model(tmp
         for row in rows_of:
             piece = row["size"] / servers / 4
             free = AlphaBeta(0.0, float("inf"))
-            row["us"]["hybrid"] = (
-                1e6 * ps_times(row["size"], 4, per_node, phases, free, servers, piece, own=own)["hybrid"]
-            )
+            t = ps_times(row["size"], 4, per_node, NODE_PATH, free, servers, piece, own=own, phases=phases)
+            row["us"]["hybrid"] = 1e6 * t["hybrid"]
     got = ps_links.fit_phases(plain_by, own)
     assert got.alpha == pytest.approx(phases.alpha) and got.beta == pytest.approx(phases.beta)
     assert ps_links.fit_phases({"4x1+2": plain_by["4x1+2"]}, own) is None  # one worker a node: no phases
     run = ps_links.summarize("eth-10g", "2x2+4", rows, plain, own=fitted, phases=got)
-    phased = ps_times(16 << 20, 4, 2, got, parse_link("eth-10g"), 4, 1 << 20, own=fitted)
+    phased = ps_times(16 << 20, 4, 2, NODE_PATH, parse_link("eth-10g"), 4, 1 << 20, own=fitted, phases=got)
     assert run["sizes"][1]["predicted_us"]["hybrid"] == pytest.approx(phased["hybrid"] * 1e6)
     assert run["sizes"][1]["predicted_us"]["ps-sync"] == pytest.approx(with_own["ps-sync"] * 1e6)
-    assert "; the hybrid's phases inside a node 2000 µs + bytes at 0.50 GB/s a message)" in ps_links.table(run)[-7]
+    assert "; the hybrid's phases inside a node 2000 µs + bytes at 0.50 GB/s a call)" in ps_links.table(run)[-7]
     model = with_own["hybrid"] * 1e6
     assert lines[-2].endswith(f"| {model / 6e4:.2f} / {hybrid / 6e4:.2f} / {(hybrid + 6e3) / 6e4:.2f} |")
     assert (tmp_path / "again" / "ps_links.svg").read_text() == (tmp_path / "p.svg").read_text()

@@ -101,15 +101,20 @@ def test_the_parameter_servers_own_work_adds_the_busiest_servers_contributions_a
 
 def test_the_hybrids_phases_inside_a_node_are_fitted_back_from_its_exchanges_less_the_servers_work():
     own, phases, free = AlphaBeta(2e-4, 2e9), AlphaBeta(3e-3, 8e8), AlphaBeta(0.0, math.inf)
+    NODE = AlphaBeta(1e-6, 1e10)  # noqa: N806 - a node's message path
     points = []
     for workers, per_node, servers in ((4, 2, 4), (8, 4, 2), (6, 3, 3)):
         for size in (1 << 20, 4 << 20, 16 << 20):
             piece = size / servers / 4
-            # without a link: the servers' work on the hybrid's shards and its ring each way inside the node
-            seconds = ps_times(size, workers, per_node, phases, free, servers, piece, own=own)["hybrid"]
+            # without a link: the servers' work on the hybrid's shards, and its two calls inside the
+            # node, each moving (k - 1) / k of the gradient through a rank
+            seconds = ps_times(size, workers, per_node, NODE, free, servers, piece, own=own, phases=phases)["hybrid"]
             k = per_node
             want = own.time(*reversed(ps_own_load(size, workers, per_node, servers, piece, reduce=True)))
-            assert seconds == pytest.approx(want + 2 * (k - 1) * phases.time(size / k))
+            assert seconds == pytest.approx(want + 2 * phases.time(size * (k - 1) / k))
+            assert ps_times(size, workers, per_node, NODE, free, servers, piece, own=own)["hybrid"] == pytest.approx(
+                want + 2 * (k - 1) * NODE.time(size / k)  # without phases: a ring of the node's messages each way
+            )
             points.append((seconds, size, workers, per_node, servers, piece))
     fitted = fit_ps_phases(points, own)
     assert fitted.alpha == pytest.approx(phases.alpha) and fitted.beta == pytest.approx(phases.beta)

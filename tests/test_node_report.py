@@ -209,7 +209,10 @@ def test_the_parameter_server_step_places_its_layouts_by_the_cores_and_says_why_
     run = summarize_ps("eth-10g", "4x1+4", rows, plain, own=AlphaBeta(**own))
     report["ps"] = {"runs": [run], "ps_own": own, "ps_phases": {"alpha": 2e-3, "beta": 1e9}}
     text = summarize(report)
-    assert "inside a node, fitted to its exchanges without a link less the servers' work: 2000 µs + its bytes" in text
+    assert (
+        "inside a node (reduce-scatter, allgather), fitted to its exchanges without a link less the servers' " in text
+    )
+    assert "servers' work: 2000 µs + a rank's bytes at 1.00 GB/s (`ps_phases` in `tuning.json`)" in text
     assert "fitted to the exchanges without a link: 1500 µs + its bytes at 0.25 GB/s (`ps_own` in `tuning.json`" in text
     assert "- eth-10g, 4x1+4, 4 MiB: 9.00 / 8.00 / 7.00 / 6.00: ps-sync wins (the model: ring)" in text
 

@@ -282,7 +282,7 @@ def test_auto_costs_the_servers_own_work_and_the_hybrids_phases_where_the_tuning
     # and where the hybrid's phases inside a node cost as much as the table's ps_phases says,
     # they outweigh what its fewer contributions save: the pure parameter server again
     phases = {"alpha": 0.1, "beta": 1e9}
-    slow = ps_times(4 << 20, 4, 2, AlphaBeta(**phases), link, 2, 2 << 20, own=AlphaBeta(**own))
+    slow = ps_times(*args, link, 2, 2 << 20, own=AlphaBeta(**own), phases=AlphaBeta(**phases))
     assert min(slow, key=slow.get) == "ps-sync"
     table.write_text(json.dumps({**load_table(), "ps_own": own, "ps_phases": phases}))
     out = run(["link"], 6, {**env, "HPCDL_TUNING_FILE": str(table)}, 4)

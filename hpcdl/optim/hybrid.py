@@ -298,11 +298,10 @@ class HybridReducer(Reducer):
             per_server_node = max(homes.count(h) for h in homes)
         nbytes = sum(p.numel() * p.element_size() for b in self._buckets for p in b.params)
         workers, per_node = sum(len(n) for n in nodes), max(len(n) for n in nodes)
-        # the hybrid's phases inside a node and the servers' own work, where the node report
-        # measured them; else a node's messages as the tuner measured them, or assumed
-        intra = configured_ps_own("ps_phases") or configured_node_path(per_node)
-        own = configured_ps_own()
-        times = ps_times(nbytes, workers, per_node, intra, link, servers, partition_bytes, per_server_node, own)
+        intra = configured_node_path(per_node)  # measured by the tuner, or assumed
+        # the servers' own work and the hybrid's calls inside a node, where the node report measured them
+        own, phases = configured_ps_own(), configured_ps_own("ps_phases")
+        times = ps_times(nbytes, workers, per_node, intra, link, servers, partition_bytes, per_server_node, own, phases)
         return times["hybrid"] < times["ps-sync"]
 
     def _agree_setup(self, base: type, node_reduce: bool | str, where: str) -> None:
