@@ -363,8 +363,8 @@ def main() -> None:
     p.add_argument(
         "--refit",
         action="store_true",
-        help="with --render: the model's figures again, from the stored times, with the servers' own work fitted "
-        "to the stored runs without a link",
+        help="with --render: the model's figures again, from the stored times, with the servers' own work and the "
+        "hybrid's phases fitted to the stored runs without a link",
     )
     p.add_argument("--work", help=argparse.SUPPRESS)  # the worker part, under mpiexec: where to write its rows
     args = p.parse_args()
