@@ -607,6 +607,17 @@ def test_the_parameter_server_sweep_names_each_sizes_winner_beside_the_model(tmp
     monkeypatch.setattr("sys.argv", ["ps_links", "--render", str(stored), "--out", str(tmp_path / "again")])
     ps_links.main()
     assert (tmp_path / "again" / "ps_links.md").read_text() == "\n".join(lines)
+    # --refit: the stored times summarized again, with the own work and the hybrid's phases
+    # fitted to the stored runs without a link
+    monkeypatch.setattr("sys.argv", ["ps_links", "--render", str(stored), "--refit", "--out", str(tmp_path / "re")])
+    ps_links.main()
+    by_layout = {"2x2+4": plain}
+    want_own = ps_links.fit_own(by_layout)
+    want = ps_links.summarize(
+        "eth-10g", "2x2+4", rows, plain, own=want_own, phases=ps_links.fit_phases(by_layout, want_own)
+    )
+    again = (tmp_path / "re" / "ps_links.md").read_text()
+    assert want_own is not None and again == "\n".join(ps_links.table(want)) != "\n".join(lines)
     # the servers' own work, fitted to the exchanges without a link: each layout's ps-sync
     # rows are the busiest server's contributions at 50 µs + bytes at 1 GB/s
     own = AlphaBeta(50e-6, 1e9)
