@@ -34,7 +34,6 @@ collectives context makes its own).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Any, NamedTuple
@@ -44,7 +43,7 @@ from mpi4py import MPI
 
 from .cost import AlphaBeta
 from .errors import ConfigError
-from .launcher import process_cpus, waits_poll
+from .launcher import process_cpus, waits_poll, yield_core
 from .transport import MPITransport
 
 __all__ = [
@@ -155,7 +154,7 @@ def _poll_of(comm: MPI.Comm, spin: int) -> bool:
 def _sleep_while_pending(reqs: list[Any], poll: bool) -> None:
     while reqs and not MPI.Request.Testall(reqs):
         if poll:
-            os.sched_yield()
+            yield_core()
         else:
             time.sleep(20e-6)
 
@@ -167,7 +166,7 @@ def _sleep_until(at: int) -> None:
         if late > 300_000:
             time.sleep(late / 2e9)
         else:
-            os.sched_yield()
+            yield_core()
 
 
 class LinkTransport(MPITransport):

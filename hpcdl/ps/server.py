@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from collectives.launcher import yield_core
 from collectives.link import testall, testsome, waitall
 
 from .partitions import PartitionPlan, Piece
@@ -60,7 +61,6 @@ from .wire import (
     TableSpec,
     Tags,
     as_bytes,
-    yield_core,
 )
 
 __all__ = ["Server", "serve"]

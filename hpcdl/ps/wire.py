@@ -13,7 +13,6 @@ keeps the messages of one tag from one sender in order, which numbers the clocks
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from collectives.launcher import waits_poll
+from collectives.launcher import waits_poll, yield_core
 from collectives.link import testall
 
 __all__ = [
@@ -42,7 +41,6 @@ __all__ = [
     "NAP",
     "POLL_WINDOW",
     "wait_nap",
-    "yield_core",
     "Counter",
     "as_bytes",
 ]
@@ -195,17 +193,6 @@ def wait_nap(spin: int, placement: list[tuple[str, list[int]]]) -> float:
     return 0.0 if all(waits_poll(cpus, spin) for cpus in hosts.values()) else NAP
 
 
-def yield_core() -> None:
-    """Let other threads and processes run, and come back at once if none wants to: a
-    poll's pause where a rank has a core of its own. Not ``time.sleep(0)``, which is a
-    timer sleep on Linux and took 77 µs on a 2-vCPU virtual machine (``sched_yield``:
-    0.5 µs), so that a poll answered a message only every 77 µs."""
-    if hasattr(os, "sched_yield"):
-        os.sched_yield()  # releases the GIL, as a sleep does
-    else:  # pragma: no cover - not Linux
-        time.sleep(0)
-
-
 def wait_politely(
     reqs: list[Any],
     stall: Callable[[float], None] | None = None,
@@ -216,9 +203,9 @@ def wait_politely(
     """Wait for every request in ``reqs`` without holding a core: poll, and once nothing
     has completed for ``spin`` seconds sleep between polls, up to ``nap`` seconds (a
     rank that waits on a server shares the machine with it). ``nap=0`` only yields the
-    core between polls (:func:`yield_core`): for a rank with a core of its own, and for a
-    process whose own thread serves the requests (a co-located server), which a napping
-    waiter would have to win the GIL back from at every wake-up. ``progress()``, where
+    core between polls (:func:`collectives.launcher.yield_core`): for a rank with a core
+    of its own, and for a process whose own thread serves the requests (a co-located
+    server), which a napping waiter would have to win the GIL back from at every wake-up. ``progress()``, where
     given, is called at every poll (the co-located server's :meth:`.Server.serve_once`).
     ``stall(seconds)`` is called about once a second while the wait goes on."""
     if not reqs:
