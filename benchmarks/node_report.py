@@ -78,11 +78,11 @@ from typing import Any
 from collectives.cli import dump_json
 from collectives.launcher import launcher, launcher_size
 from collectives.node.channel import SINGLE_COPY_PROBE
-from collectives.select import configured_ps_own, load_table, rules
+from collectives.select import load_table, rules
 from collectives.tune import merge
 
 from .ps_links import CONTENDERS as PS_CONTENDERS
-from .ps_links import fit_own, fit_phases, parse_layout
+from .ps_links import fit_terms, model_terms, parse_layout, terms_json
 from .ps_links import summarize as summarize_ps
 from .ps_links import write as write_ps
 
@@ -933,19 +933,13 @@ def _ps(r: Runner, counts: list[int], args: argparse.Namespace, end: float) -> d
             plain[layout] = rows
         elif rows and layout in plain:
             linked.append((link, layout, rows))
-    fitted = fit_own(plain)  # the servers' own work and the hybrid's phases, measured here: for tuning.json
-    own = fitted or configured_ps_own()
-    fitted_phases = fit_phases(plain, own)
-    phases = fitted_phases or configured_ps_own("ps_phases")
+    fitted = fit_terms(plain)  # the servers' own work and the hybrid's phases, measured here: for tuning.json
+    own, phases = model_terms(*fitted)
     runs = [summarize_ps(link, layout, rows, plain[layout], own=own, phases=phases) for link, layout, rows in linked]
     if runs:
         command = f"node report: benchmarks.ps_links --sizes {sizes} --steps {steps}, layouts {','.join(layouts)}"
         write_ps(runs, r.raw.parent, command)
-    kept = {
-        key: {"alpha": v.alpha, "beta": v.beta} if v else None
-        for key, v in (("ps_own", fitted), ("ps_phases", fitted_phases))
-    }
-    return {"runs": runs, **kept}
+    return {"runs": runs, **terms_json(*fitted)}
 
 
 SWEEP_SECONDS = 0.5

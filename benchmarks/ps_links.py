@@ -165,22 +165,33 @@ def measure(link: str, layout: str, sizes: list[int], steps: int, partitions: in
             return json.load(fh)
 
 
+def _fit(
+    plain: dict[str, list[dict[str, Any]]], path: str, partitions: int, fitter: Any, per_node_from: int = 1
+) -> AlphaBeta | None:
+    """``fitter`` (:func:`collectives.cost.fit_ps_own`'s form) over ``path``'s exchanges of
+    ``plain``'s layouts of ``per_node_from`` or more workers a node; None where it fits none
+    or no finite bandwidth (the sizes told too little: a tuning table could not hold it)."""
+    points = []
+    for layout, rows in plain.items():
+        nodes, per_node, servers = parse_layout(layout)
+        if per_node < per_node_from:
+            continue
+        for row in rows:
+            piece = -(-row["size"] // (servers * partitions))
+            points.append((row["us"][path] / 1e6, row["size"], nodes * per_node, per_node, servers, piece))
+    try:
+        got = fitter(points)
+    except ValueError:
+        return None
+    return got if math.isfinite(got.beta) else None
+
+
 def fit_own(plain: dict[str, list[dict[str, Any]]], partitions: int = 4) -> AlphaBeta | None:
     """The parameter servers' own cost a contribution (:func:`collectives.cost.fit_ps_own`)
     fitted to the ``ps-sync`` exchanges of ``plain`` (each layout's rows without a link), or
     None where they hold fewer than two partition sizes, or where the time a contribution
     did not grow with its bytes (the fit's bandwidth is infinite: the sizes told too little)."""
-    points = []
-    for layout, rows in plain.items():
-        nodes, per_node, servers = parse_layout(layout)
-        for row in rows:
-            piece = -(-row["size"] // (servers * partitions))
-            points.append((row["us"]["ps-sync"] / 1e6, row["size"], nodes * per_node, per_node, servers, piece))
-    try:
-        own = fit_ps_own(points)
-    except ValueError:
-        return None
-    return own if math.isfinite(own.beta) else None
+    return _fit(plain, "ps-sync", partitions, fit_ps_own)
 
 
 def fit_phases(plain: dict[str, list[dict[str, Any]]], own: AlphaBeta | None, partitions: int = 4) -> AlphaBeta | None:
@@ -188,19 +199,26 @@ def fit_phases(plain: dict[str, list[dict[str, Any]]], own: AlphaBeta | None, pa
     fitted to the ``hybrid`` exchanges of ``plain``'s layouts of two or more workers a node,
     less the servers' ``own`` work; None where those hold fewer than two sizes or no finite
     bandwidth fits."""
-    points = []
-    for layout, rows in plain.items():
-        nodes, per_node, servers = parse_layout(layout)
-        if per_node < 2:
-            continue
-        for row in rows:
-            piece = -(-row["size"] // (servers * partitions))
-            points.append((row["us"]["hybrid"] / 1e6, row["size"], nodes * per_node, per_node, servers, piece))
-    try:
-        phases = fit_ps_phases(points, own)
-    except ValueError:
-        return None
-    return phases if math.isfinite(phases.beta) else None
+    return _fit(plain, "hybrid", partitions, lambda points: fit_ps_phases(points, own), per_node_from=2)
+
+
+def fit_terms(plain: dict[str, list[dict[str, Any]]], partitions: int = 4) -> tuple[AlphaBeta | None, AlphaBeta | None]:
+    """The servers' own work (:func:`fit_own`) and the hybrid's phases (:func:`fit_phases`,
+    less the own work fitted, else the tuning table's) fitted to ``plain``; None for each
+    not fitted."""
+    own = fit_own(plain, partitions)
+    return own, fit_phases(plain, own or configured_ps_own(), partitions)
+
+
+def model_terms(own: AlphaBeta | None, phases: AlphaBeta | None) -> tuple[AlphaBeta | None, AlphaBeta | None]:
+    """What the model takes: the fitted terms, else the tuning table's ``ps_own`` and
+    ``ps_phases``, where it has them."""
+    return own or configured_ps_own(), phases or configured_ps_own("ps_phases")
+
+
+def terms_json(own: AlphaBeta | None, phases: AlphaBeta | None) -> dict[str, dict[str, float] | None]:
+    """``ps_own`` and ``ps_phases`` as a tuning table and a run hold them (None: none)."""
+    return {k: {"alpha": v.alpha, "beta": v.beta} if v else None for k, v in (("ps_own", own), ("ps_phases", phases))}
 
 
 def summarize(
@@ -244,10 +262,7 @@ def summarize(
                 "auto_over_best_ps": got["auto"] / got[best_ps],
             }
         )
-    fitted = {
-        key: {"alpha": v.alpha, "beta": v.beta} if v else None for key, v in (("ps_own", own), ("ps_phases", phases))
-    }
-    return {"link": link, "layout": layout, "partitions": partitions, **fitted, "sizes": out}
+    return {"link": link, "layout": layout, "partitions": partitions, **terms_json(own, phases), "sizes": out}
 
 
 def table(run: dict[str, Any]) -> list[str]:
@@ -389,8 +404,7 @@ def main() -> None:
             p.error(str(exc))
     runs = []
     plain = {layout: measure("", layout, sizes, args.steps, args.partitions) for layout in layouts}
-    own = fit_own(plain, args.partitions) or configured_ps_own()
-    phases = fit_phases(plain, own, args.partitions) or configured_ps_own("ps_phases")
+    own, phases = model_terms(*fit_terms(plain, args.partitions))
     for link in args.link or ["eth-10g", "eth-25g", "eth-100g"]:
         for layout in layouts:
             rows = measure(link, layout, sizes, args.steps, args.partitions)
@@ -403,15 +417,13 @@ def main() -> None:
 def refit(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``runs`` (a stored ``ps_links.json``'s) summarized again from their measured times:
     the model's figures by today's model, with the servers' own work and the hybrid's
-    phases fitted to the stored exchanges without a link (:func:`fit_own`, :func:`fit_phases`; where they fit none, the
-    tuning table's ``ps_own`` and ``ps_phases``, if any)."""
+    phases fitted to the stored exchanges without a link (:func:`fit_terms`,
+    :func:`model_terms`: where they fit none, the tuning table's, if any)."""
     rows = {
         id(run): [{"size": s["size"], "us": s["us"], "auto_took": s["auto_took"]} for s in run["sizes"]] for run in runs
     }
     plain = {run["layout"]: [{"size": s["size"], "us": s["no_link_us"]} for s in run["sizes"]] for run in runs}
-    partitions = runs[0]["partitions"] if runs else 4
-    own = (fit_own(plain, partitions) if runs else None) or configured_ps_own()
-    phases = (fit_phases(plain, own, partitions) if runs else None) or configured_ps_own("ps_phases")
+    own, phases = model_terms(*fit_terms(plain, runs[0]["partitions"] if runs else 4))
     return [
         summarize(run["link"], run["layout"], rows[id(run)], plain[run["layout"]], run["partitions"], own, phases)
         for run in runs
