@@ -786,7 +786,10 @@ def test_ctrl_c_while_the_job_is_starting_stops_it_after_one_step_in_one_line(tm
     ``config.json``), the trainer's own handling stops it after a later step, in one line
     too; half a second is always too soon (importing torch alone takes longer)."""
     run_dir = tmp_path / "run"
-    job = mpiexec_start(["-m", "hpcdl.train", "--model", "mlp", "--run-dir", str(run_dir)], text=True)
+    # epochs enough that the job is still training at ``after``: its default 20 train in
+    # about a second where the job starts in two, so that at 3 s it was ending, not running
+    args = ["-m", "hpcdl.train", "--model", "mlp", "--epochs", "2000", "--run-dir", str(run_dir)]
+    job = mpiexec_start(args, text=True)
     try:
         time.sleep(after)
         assert job.poll() is None, "the job ended before the signal"
