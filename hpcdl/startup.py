@@ -12,6 +12,14 @@ starting, and the trainer, which takes the note over, stops the job after its fi
 with one line and status 130. A second Ctrl-C stops at once; then Python's own ending
 applies (death by SIGINT, which makes the launcher end the other ranks), with one line
 instead of a traceback. A script that imports hpcdl keeps Python's behaviour.
+
+The job's last second has the opposite problem. Once a rank's outcome is settled, Python's
+own shutdown puts back the default action for the signals it handled, and the rank then
+spends a while in C (freeing torch, ``MPI_Finalize`` waiting for its peers). A Ctrl-C there
+would kill a rank of a job that has completed: status 2 from ``mpiexec`` and its cleanup
+message. :func:`ignore_signals_while_ending` makes the ranks ignore SIGINT and SIGTERM from
+that point; a shutdown that hangs still ends on a second signal to the launcher (a second
+Ctrl-C makes ``mpiexec`` end every rank; Slurm follows SIGTERM with SIGKILL).
 """
 
 from __future__ import annotations
@@ -19,8 +27,14 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 
-__all__ = ["note_signals_while_starting", "running_the_training_job", "signal_while_starting"]
+__all__ = [
+    "ignore_signals_while_ending",
+    "note_signals_while_starting",
+    "running_the_training_job",
+    "signal_while_starting",
+]
 
 #: where launchers put the rank before MPI is up (MPICH's and Intel's Hydra, Open MPI, PMIx, Slurm)
 RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "MV2_COMM_WORLD_RANK")
@@ -72,3 +86,13 @@ def note_signals_while_starting() -> None:
         previous(kind, value, tb)
 
     sys.excepthook = hook
+
+
+def ignore_signals_while_ending() -> None:
+    """In the training job, once a rank's outcome is settled (its summary, error or stop
+    said): ignore SIGINT and SIGTERM while it shuts down, instead of dying by them there.
+    A script that imports hpcdl keeps Python's behaviour."""
+    if not running_the_training_job() or threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)

@@ -811,6 +811,43 @@ def test_ctrl_c_while_the_job_is_starting_stops_it_after_one_step_in_one_line(tm
     assert not ckpt.steps_in(str(run_dir / "checkpoints"))
 
 
+@pytest.mark.parametrize(
+    "sig, when",
+    [(signal.SIGINT, "summary.json"), (signal.SIGINT, "summary line"), (signal.SIGTERM, "summary line")],
+    ids=["SIGINT once summary.json is written", "SIGINT after the summary line", "SIGTERM after the summary line"],
+)
+def test_a_signal_after_the_last_step_lets_the_completed_job_end_normally(tmp_path, sig, when):
+    """Once the last step is done the run is complete, and a Ctrl-C or SIGTERM is moot: the
+    ranks finish writing and shutting down and the job ends with status 0. Python's own
+    shutdown puts back the default action for the signals it handled, and a rank spends a
+    while after that in C (MPI_Finalize waits for its peers), where a signal killed it:
+    status 2 from mpiexec, for a job that had completed."""
+    run_dir = tmp_path / "run"
+    args = ["-m", "hpcdl.train", "--model", "mlp", "--epochs", "3", "--no-progress", "--run-dir", str(run_dir)]
+    job = mpiexec_start(args, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        if when == "summary.json":  # rank 0 plots the curves next, while the other ranks shut down
+            while time.monotonic() < deadline and not (run_dir / "summary.json").exists():
+                time.sleep(0.002)
+        else:
+            line = job.stdout.readline()
+            while line and not line.startswith("hpcdl.train:"):
+                line = job.stdout.readline()
+            assert line.startswith("hpcdl.train: 69 steps on 2 ranks"), line
+        assert job.poll() is None, "the job ended before the signal"
+        job.send_signal(sig)
+        out, err = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert job.returncode == 0, (out, err)
+    assert "hpcdl.train" not in err and "TERMINATED" not in out + err and "Traceback" not in err, (out, err)
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 69
+    assert not (run_dir / ".lock").exists()
+
+
 def test_a_run_stuck_at_chance_level_stops_naming_what_to_look_at():
     from types import SimpleNamespace
 

@@ -48,7 +48,7 @@ def _dry_run(cfg) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from collectives.cli import run_main
-    from hpcdl.startup import signal_while_starting
+    from hpcdl.startup import ignore_signals_while_ending, signal_while_starting
 
     from .config import ConfigError, parse_config
 
@@ -65,7 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .config import RunError
 
             try:
-                _dry_run(cfg)
+                try:
+                    _dry_run(cfg)
+                finally:  # settled: the rank only shuts down from here
+                    ignore_signals_while_ending()
             except RunError as exc:  # every rank raises it alike
                 _say_once(f"hpcdl.train: error: {exc}")
                 hvd.shutdown()
@@ -84,7 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .loop import run
 
         try:
-            summary = run(cfg)
+            try:
+                summary = run(cfg)
+            finally:  # settled (a signal after the last step is moot): the rank only shuts down from here
+                ignore_signals_while_ending()
         except RunError as exc:  # every rank raises it alike: say it once and end with status 2
             _say_once(f"hpcdl.train: error: {exc}")
             hvd.shutdown()

@@ -537,21 +537,25 @@ class Trainer:
         if resumed_from:  # its checkpoint holds this step
             state.last_saved = self.step
         self._open_outputs(state)
+        # held until the summary is written: a signal after the last step is moot (the run
+        # is complete), a second one still stops at once, and none kills a rank mid-write
         handlers = self._catch_signals()
         try:
-            self._train(state)
+            try:
+                self._train(state)
+            finally:
+                self._close_outputs(state)
+            summary = self._summary(state)
+            if self.rank == 0:
+                write_json(os.path.join(run_dir, "summary.json"), summary)
+                plot(
+                    os.path.join(run_dir, "metrics.jsonl"),
+                    os.path.join(run_dir, "curves.png"),
+                    f"hpcdl.train: {self.cfg.model.name}, {self.world} ranks",
+                )
         finally:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
-            self._close_outputs(state)
-        summary = self._summary(state)
-        if self.rank == 0:
-            write_json(os.path.join(run_dir, "summary.json"), summary)
-            plot(
-                os.path.join(run_dir, "metrics.jsonl"),
-                os.path.join(run_dir, "curves.png"),
-                f"hpcdl.train: {self.cfg.model.name}, {self.world} ranks",
-            )
         return summary
 
     def _resume_newest(self, ck_dir: str) -> str:
