@@ -17,9 +17,11 @@ same with ``out=x``, as the engine reduces its fusion buffer):
   every collective: auto <= 1.10 x mpi at every size
   allreduce:        auto <= 0.50 x mpi at every size >= 1 MiB; auto <= 0.33 x gloo at every
                     size; window (and window_inplace) busbw at 16 MiB >= 0.75 x copy bandwidth
-Beside them, the bytes each rank writes per 16 MiB allreduce (staged into the window,
-reduced, copied out) for ordinary and window buffers, and the least any allreduce writes:
-its output, once.
+A bar none of the run's sizes falls under says SKIP. Beside them, the bytes each rank
+writes per 16 MiB allreduce (staged into the window, reduced, copied out) for ordinary and
+window buffers, and the least any allreduce writes: its output, once. Under each table, a
+cache line's round trip between the ranks before and after it
+(:func:`benchmarks.osu.line_trips`): the state of the cores the table was measured in.
 """
 
 from __future__ import annotations
@@ -109,7 +111,10 @@ def verdicts(bench: str, rows: list[dict[str, Any]], copy_bw: float, n: int) -> 
     out = []
 
     def bar(label: str, pairs: list[tuple[int, float]], limit: float) -> None:
-        worst = max(pairs, key=lambda p: p[1]) if pairs else (0, 0.0)
+        if not pairs:  # no size of the run falls under this bar
+            out.append(f"SKIP {bench}: {label} <= {limit:.2f}; no size measured")
+            return
+        worst = max(pairs, key=lambda p: p[1])
         state = "PASS" if worst[1] <= limit else "MISS"
         misses = [f"{s}B:{v:.2f}" for s, v in pairs if v > limit]
         out.append(
@@ -236,9 +241,13 @@ def main(argv: list[str] | None = None) -> None:
     report.append(text)
     for bench in args.collectives.split(","):
         names = [nm for nm in BARS[bench] if not (args.no_gloo and nm == "gloo")]
+        before = osu.line_trips(comm)
         rows = measure(comm, bench, names, sizes, args.rounds)
+        after = osu.line_trips(comm)
+        record.setdefault("line_round_trip_s", {})[bench] = {"before": before, "after": after}
         if comm.rank == 0:
             report.append(table(bench, rows, names, copy_bw, comm.size))
+            report.append(f"# {osu.trips_text(before, after)}")
             report.extend(verdicts(bench, rows, copy_bw, comm.size))
             print("\n".join(report), flush=True)
             report = []

@@ -13,7 +13,8 @@ core (or ``--max-ranks``):
 1. ``collectives``: every collective against the MPI library, ``benchmarks.bars`` (auto /
    MPI per size; the bar is 1.10);
 2. ``small_calls``: where a small call's time goes (``benchmarks.small_calls``): Python's
-   part, the one step (posting, waiting for the peers, copying), MPI's barrier and call;
+   part, the one step (posting, waiting for the peers, copying), MPI's barrier and call,
+   and a cache line's round trip between the ranks, the floor under the waits;
 3. ``stores``: plain against non-temporal stores into the node's shared window
    (``benchmarks.stores``, 2 ranks and the largest count): whether the default
    ``HPCDL_SHM_NONTEMPORAL_BYTES`` (decided by the last-level caches the ranks span) suits
@@ -81,6 +82,7 @@ from collectives.node.channel import SINGLE_COPY_PROBE
 from collectives.select import load_table, rules
 from collectives.tune import merge
 
+from .osu import trips_text
 from .ps_links import CONTENDERS as PS_CONTENDERS
 from .ps_links import fit_terms, model_terms, parse_layout, terms_json
 from .ps_links import summarize as summarize_ps
@@ -448,13 +450,20 @@ def _small_call_lines(report: dict[str, Any]) -> list[str]:
         "wait: step less the copy at this rank's cache copy rate. A wait well above MPI's barrier",
         "is time lost between the ranks: spinning, sleeping or waking. Then, per step, from the",
         "compiled loop's counters: the waits that found a peer behind, their polls, their sleeps",
-        "and the wake-ups sent; with a core per rank a step should poll and never sleep.",
+        "and the wake-ups sent; with a core per rank a step should poll and never sleep. Below it,",
+        "a cache line's round trip from rank 0 to each other rank, before and after the calls:",
+        "half of it is the least a call that waits for a peer can wait.",
         "",
         "| ranks | collective | bytes | total | python | step | wait | MPI barrier | MPI call "
         "| waited | polls | sleeps | wake-ups |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for n, rows in sorted(report.get("small_calls", {}).items(), key=lambda kv: int(kv[0])):
+    trips = []
+    for n, data in sorted(report.get("small_calls", {}).items(), key=lambda kv: int(kv[0])):
+        rows = data["rows"] if isinstance(data, dict) else data  # a list: a report from before the round trips
+        if isinstance(data, dict):
+            trip = data.get("line_round_trip_s") or {}
+            trips.append(f"- {n} ranks: {trips_text(trip.get('before'), trip.get('after'))}")
         for w in rows:
             counts = " | ".join(
                 "-" if w.get(k) is None else f"{w[k]:.3g}" for k in ("waited", "polls", "sleeps", "wakes")
@@ -463,7 +472,7 @@ def _small_call_lines(report: dict[str, Any]) -> list[str]:
                 f"| {n} | {w['collective']} | {w['size']} | {w['total']:.2f} | {w['python']:.2f} | {w['step']:.2f} "
                 f"| {w['wait']:.2f} | {w['barrier']:.2f} | {w['mpi']:.2f} | {counts} |"
             )
-    return lines
+    return lines + ([""] + trips if trips else [])
 
 
 def single_copy_line(nbytes: int, times: dict[str, list[float]]) -> str:

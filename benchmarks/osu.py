@@ -46,6 +46,7 @@ from mpi4py import MPI
 import collectives as C
 from collectives.cli import ArgumentParser, dump_json, output_file, parse_size, replace_file
 from collectives.context import get_context
+from collectives.node.channel import line_round_trips
 from collectives.select import choose
 
 __all__ = [
@@ -57,6 +58,8 @@ __all__ = [
     "copy_bandwidth",
     "device_copy_bandwidth",
     "copy_share",
+    "line_trips",
+    "trips_text",
 ]
 
 OSU_VERSION = "7.4"
@@ -582,6 +585,34 @@ def copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 10) -> float:
         np.copyto(b, a)
         times.append(MPI.Wtime() - t0)
     return nbytes / statistics.median(times)
+
+
+def line_trips(comm: MPI.Comm) -> list[float] | None:
+    """Seconds a cache line takes from rank 0 to each other rank of rank 0's node and back
+    (:func:`collectives.node.channel.line_round_trips` over each node's ranks), the same on
+    every rank of ``comm``; None where not measured (ranks sharing cores, or the compiled
+    loop not built). The state of the cores a run had: on a virtual machine the host may
+    move its virtual CPUs between cores that share a cache and cores that do not."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        trips = line_round_trips(node)
+    finally:
+        node.Free()
+    return comm.bcast(trips, root=0)
+
+
+def trips_text(before: list[float] | None, after: list[float] | None) -> str:
+    """One line: :func:`line_trips` measured before and after a run, in ns (the range over
+    the other ranks, with the median, where there are several)."""
+    if before is None or after is None:
+        return "a cache line's round trip between the ranks: not measured (they share cores, or no compiled loop)"
+
+    def ns(trips: list[float]) -> str:
+        lo, hi = min(trips) * 1e9, max(trips) * 1e9
+        return f"{lo:.0f}" if len(trips) == 1 else f"{lo:.0f}-{hi:.0f} (median {statistics.median(trips) * 1e9:.0f})"
+
+    whom = "the two ranks" if len(before) == 1 else "rank 0 and each other rank"
+    return f"a cache line's round trip between {whom}: {ns(before)} ns before, {ns(after)} ns after"
 
 
 DEVICE_COPY_BYTES = 256 << 20

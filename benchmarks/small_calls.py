@@ -17,6 +17,11 @@ interleaved rounds of each part's time per call (µs, averaged over ranks):
 - ``barrier``: ``MPI_Barrier``, the MPI library's floor for "every rank has arrived";
 - ``mpi``: the MPI library's own call.
 
+Before and after the rows, a cache line's round trip from rank 0 to each other rank
+(:func:`benchmarks.osu.line_trips`): half of it is the least a call that waits for a peer
+can wait, and where it differs from pair to pair (sockets, caches some pairs do not
+share) or from before to after (a virtual machine's CPUs moved), so do the waits.
+
 And, per ``step`` call, from the compiled loop's counters (``core.waits``; None without
 it): ``waited``, the waits for a peer's counter that found it behind; ``polls``, the
 polls they made; ``sleeps``, how often they slept (a futex wait each); ``wakes``, the
@@ -35,6 +40,7 @@ import numpy as np
 from mpi4py import MPI
 
 import collectives as C
+from benchmarks.osu import line_trips, trips_text
 from collectives.cli import ArgumentParser, dump_json, output_file, parse_size, run_main
 from collectives.context import get_context
 from collectives.node.channel import forget_calls
@@ -163,12 +169,14 @@ def main(argv: list[str] | None = None) -> None:
     if bad:
         p.error(f"--collectives takes allreduce, broadcast and allgather, not {bad}")
     rate = comm.allreduce(copy_rate()) / comm.size
+    before = line_trips(comm)
     rows = [measure(comm, c, s, args.calls, args.rounds, rate) for c in colls for s in sizes]
+    after = line_trips(comm)
     if comm.rank == 0:
-        print(report(rows), flush=True)
+        print(report(rows) + f"\n# {trips_text(before, after)}", flush=True)
         if args.json:
             with open(args.json, "w", encoding="utf-8") as fh:
-                dump_json(rows, fh, indent=1)
+                dump_json({"rows": rows, "line_round_trip_s": {"before": before, "after": after}}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -1008,3 +1008,65 @@ def test_the_polite_hint_and_spin_budget_reach_the_compiled_waits(comms):
     assert ch.core.spin == 7
     ch.spin = spin
     assert ch.core.spin == spin
+
+
+@needs_core
+def test_a_cache_lines_round_trip_is_timed_between_two_sides_and_a_missing_side_times_out():
+    import threading
+
+    from collectives.node.cslots import line_round_trip
+
+    buf = np.zeros(64, np.int64)  # 512 bytes, the two words two lines apart
+    got: dict[int, float] = {}
+
+    def side(me: int) -> None:
+        got[me] = line_round_trip(buf, me, 200, 30.0)
+
+    # two threads stand in for two processes: the loop releases the GIL while it polls
+    ts = [threading.Thread(target=side, args=(me,)) for me in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert set(got) == {0, 1} and all(0 < s < 30.0 / 200 for s in got.values()), got
+    assert buf[0] == 200 and buf[16] == 200  # each side's last round, in its own word
+    # alone, either side waits for the other until its timeout, and says so
+    for me in (0, 1):
+        t0 = time.perf_counter()
+        with pytest.raises(TimeoutError, match=r"the other side did not answer within 0\.1 s"):
+            line_round_trip(np.zeros(64, np.int64), me, 5, 0.1)
+        assert time.perf_counter() - t0 < 5
+    for args, error in [
+        ((buf, 2, 10, 1.0), r"me=2 must be 0 or 1"),
+        ((buf, 0, 0, 1.0), r"rounds=0 >= 1"),
+        ((buf, 0, 10, 0.0), r"timeout > 0"),
+        ((np.zeros(16, np.int64), 0, 10, 1.0), r"buf must hold 192 bytes"),
+        ((np.zeros(64, np.uint8)[1:], 0, 10, 1.0), r"buf must hold 192 bytes from an 8-byte boundary"),
+    ]:
+        with pytest.raises(ValueError, match=error):
+            line_round_trip(*args)
+    with pytest.raises(TypeError, match="line_round_trip"):
+        line_round_trip(buf, 0, 10)
+    with pytest.raises(BufferError, match="not writable"):  # nowhere to store
+        line_round_trip(bytes(512), 0, 10, 1.0)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_line_round_trips_time_rank_0_with_each_other_rank_where_the_ranks_have_a_core_each():
+    from collectives.launcher import node_cores, process_cpus
+    from collectives.node.channel import line_round_trips
+
+    node = WORLD.Split_type(MPI.COMM_TYPE_SHARED, key=ME)
+    try:
+        got = line_round_trips(node, rounds=2000)
+        cores = node_cores(node.allgather(process_cpus()))
+    finally:
+        node.Free()
+    everywhere = WORLD.allgather(got)
+    assert all(g == everywhere[0] for g in everywhere)  # the same list on every rank
+    if Core is None or N > cores:  # no compiled loop, or ranks sharing cores: a spinning pair would time the scheduler
+        assert got is None
+        return
+    assert len(got) == N - 1 and all(0 < s < 1e-3 for s in got), got
+    with pytest.raises(ValueError, match="rounds=0 must be >= 1"):
+        line_round_trips(WORLD, rounds=0)

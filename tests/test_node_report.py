@@ -28,6 +28,7 @@ from benchmarks.node_report import (
     world_check,
     worst_ratios,
 )
+from benchmarks.osu import trips_text
 from benchmarks.ps_links import summarize as summarize_ps
 from collectives.config import read_tuning_file
 from collectives.cost import AlphaBeta
@@ -125,7 +126,11 @@ def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_f
     for coll, rows in raw["bars"].items():  # what auto took: at 2 ranks the packaged rows' pick, shm
         assert {r["algorithm"] for r in rows} == {"shm"}, (coll, rows)
     small = json.loads((tmp_path / "raw" / "small_calls_np2.json").read_text())
-    for row in small:  # each part of a small call in the table; the one step is what the call takes
+    trips = small["line_round_trip_s"]  # two ranks with a core each: one pair, timed before and after the calls
+    assert all(len(trips[k]) == 1 and 0 < trips[k][0] < 1e-3 for k in ("before", "after")), trips
+    assert f"- 2 ranks: {trips_text(trips['before'], trips['after'])}" in summary
+    assert f"round trip between the two ranks: {trips['before'][0] * 1e9:.0f} ns before" in summary
+    for row in small["rows"]:  # each part of a small call in the table; the one step is what the call takes
         assert {"total", "python", "step", "wait", "barrier", "mpi", "waited", "polls", "sleeps", "wakes"} <= set(row)
         assert row["one_step"] and row["wait"] >= 0 and row["wait"] == max(0.0, row["step"] - row["copy"])
         cells = f"| 2 | {row['collective']} | {row['size']} | {row['total']:.2f} | {row['python']:.2f} |"
@@ -375,6 +380,32 @@ def test_the_gpu_section_gives_the_staged_ipc_crossover_with_and_without_mps():
     text = summarize(report)
     assert "without MPS (cut off after 64 KiB): staged faster than ipc up to 64 KiB" in text
     assert "under MPS: staged faster" in text and "| 64 KiB | 710.0 | 400.0 |" in text
+
+
+def test_the_small_calls_section_gives_each_rank_counts_cache_line_round_trips():
+    row = {"collective": "allreduce", "size": 4, "total": 1.0, "python": 0.4, "step": 0.6, "wait": 0.6}
+    row.update(barrier=2.0, mpi=1.5, waited=0.3, polls=0.5, sleeps=0.0, wakes=0.0)
+    report = {
+        "machine": {"host": "h", "cores": 16},
+        "date": "2026-12-07 12:00",
+        "seconds": 1.0,
+        "budget": 10.0,
+        "steps": ["small_calls"],
+        "small_calls": {
+            "2": {"rows": [row], "line_round_trip_s": {"before": [9.6e-8], "after": [5.1e-7]}},
+            "4": {"rows": [row], "line_round_trip_s": {"before": [1e-7, 2e-7, 4e-7], "after": [1e-7, 2e-7, 3e-7]}},
+            "16": {"rows": [row], "line_round_trip_s": {"before": None, "after": None}},
+            "8": [row],  # a report.json from before the round trips: its table alone
+        },
+        "runs": [],
+    }
+    text = summarize(report)
+    assert "- 2 ranks: a cache line's round trip between the two ranks: 96 ns before, 510 ns after" in text
+    four = "100-400 (median 200) ns before, 100-300 (median 200) ns after"
+    assert f"- 4 ranks: a cache line's round trip between rank 0 and each other rank: {four}" in text
+    assert "- 16 ranks: a cache line's round trip between the ranks: not measured" in text
+    assert "| 8 | allreduce | 4 | 1.00 |" in text and "- 8 ranks" not in text
+    assert trips_text([1e-7], None) == trips_text(None, None)
 
 
 def test_each_training_ratio_comes_with_its_rounds_one_by_one():

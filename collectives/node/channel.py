@@ -61,9 +61,11 @@ from . import futex
 try:
     from .cslots import Core
     from .cslots import forget as _forget_paths
+    from .cslots import line_round_trip as _line_round_trip
 except ImportError:  # not built (no compiler where it was installed): the Python loop below
     Core = None
     _forget_paths = None
+    _line_round_trip = None
 
 
 def forget_calls() -> None:
@@ -74,7 +76,17 @@ def forget_calls() -> None:
         _forget_paths()
 
 
-__all__ = ["Channel", "forget_calls", "LINE", "SPIN", "POLITE_SPIN", "spin_budget", "node_cores", "Schedule"]
+__all__ = [
+    "Channel",
+    "forget_calls",
+    "line_round_trips",
+    "LINE",
+    "SPIN",
+    "POLITE_SPIN",
+    "spin_budget",
+    "node_cores",
+    "Schedule",
+]
 
 Schedule = Generator[list, None, None]
 
@@ -125,6 +137,55 @@ def spin_budget(ranks: int, cores: int) -> int:
     ranks bound to a core each, as ``srun`` and ``mpiexec --bind-to core`` place them, still
     spin): then the peer being waited for is likely not running, and spinning only delays it."""
     return SPIN if ranks <= cores else POLITE_SPIN
+
+
+def line_round_trips(comm: Any, rounds: int = 20000, timeout: float = 10.0) -> list[float] | None:
+    """Seconds one cache line takes from ``comm``'s rank 0 to each other rank and back, in
+    rank order from rank 1, the same list on every rank (collective over ``comm``, an
+    mpi4py communicator of ranks that share a node; each pair in turn, ``rounds`` round
+    trips, the compiled loop's ``line_round_trip``).
+
+    This is the floor under every wait of the channel: a small call's ranks exchange at
+    least one line each way, so no call that waits for a peer takes less than half of it.
+    It differs from pair to pair where some pairs share a last-level cache or a socket and
+    others do not, and on a virtual machine whose virtual CPUs the host moves between cores.
+
+    None where the compiled loop is not built, or where the ranks outnumber the cores they
+    may run on together (:func:`node_cores`), where a pair spinning on one core would time
+    the scheduler. :class:`TimeoutError` on every rank where a pair's other side did not
+    answer within ``timeout`` seconds."""
+    from mpi4py import MPI
+
+    n, me = comm.Get_size(), comm.Get_rank()
+    if rounds < 1:
+        raise ValueError(f"line_round_trips: rounds={rounds} must be >= 1")
+    cpus = comm.allgather(process_cpus())
+    if _line_round_trip is None or n < 2 or n > node_cores(cpus):
+        return None
+    span = 4 * LINE  # a pair's two words two lines apart, the pairs a line further
+    win = MPI.Win.Allocate_shared(span * (n - 1) if me == 0 else 0, 1, comm=comm)
+    try:
+        mem = np.frombuffer(win.Shared_query(0)[0], np.uint8)
+        if me == 0:
+            mem[:] = 0
+        comm.Barrier()
+        seconds, late = [], []
+        for r in range(1, n):
+            comm.Barrier()
+            if me in (0, r):
+                try:
+                    seconds.append(_line_round_trip(mem[(r - 1) * span : r * span], int(me == r), rounds, timeout))
+                except TimeoutError:
+                    late.append(r)
+        late = sorted(set().union(*comm.allgather(late)))
+        if late:
+            raise TimeoutError(
+                f"line_round_trips: rank 0 and rank(s) {late} did not answer each other within {timeout} s "
+                "(a core each, not shared with other busy processes?)"
+            )
+        return comm.bcast(seconds if me == 0 else None, root=0)
+    finally:
+        win.Free()
 
 
 NONTEMPORAL = 4096

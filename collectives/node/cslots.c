@@ -42,6 +42,8 @@
  *   core.put(dst, src, total=None): a copy into shared memory (copy_shared: non-temporal
  *       stores from core.nontemporal bytes, as every copy into a slot here), or out of it
  *       into a message of `total` bytes (copy_out: from core.nontemporal_out)
+ *   line_round_trip(buf, me, rounds, timeout): a module function, the round trip of one cache
+ *       line between two processes sharing buf, the floor under every wait above (below)
  *
  * Loads and stores of the counters are atomic, and full fences order them around every
  * publication, as MPI_Win_sync does on the Python side. Reductions combine every rank's
@@ -2234,10 +2236,78 @@ static PyObject *address(PyObject *self, PyObject *obj) {
     return res;
 }
 
+/* line_round_trip(buf, me, rounds, timeout) -> seconds: one cache line's round trip between
+ * two processes that share buf (writable, at least 3 lines, its first word 8-byte aligned, 0
+ * on both sides' first call): rank `me` 0 stores i in the first word and waits for i in the
+ * word two lines on, which rank 1 stores once it sees i there, for i = 1 .. rounds; the
+ * seconds per round trip, as each side timed it. This is the floor under every wait of the
+ * node channel: a small call's ranks exchange at least one such line each way. Polls
+ * without sleeping, the GIL released: the two must run at once, on cores of their own.
+ * TimeoutError where the other side did not answer within `timeout` seconds. */
+static PyObject *line_round_trip(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "line_round_trip(buf, me, rounds, timeout)");
+        return NULL;
+    }
+    long me = PyLong_AsLong(args[1]);
+    long long rounds = PyLong_AsLongLong(args[2]);
+    double timeout = PyFloat_AsDouble(args[3]);
+    if (PyErr_Occurred())
+        return NULL;
+    if ((me != 0 && me != 1) || rounds < 1 || !(timeout > 0)) {
+        PyErr_Format(PyExc_ValueError, "line_round_trip: me=%ld must be 0 or 1, rounds=%lld >= 1, timeout > 0", me,
+                     rounds);
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (view.len < 3 * LINE_BYTES || (uintptr_t)view.buf % sizeof(int64_t)) {
+        PyBuffer_Release(&view);
+        PyErr_Format(PyExc_ValueError, "line_round_trip: buf must hold %d bytes from an 8-byte boundary",
+                     3 * LINE_BYTES);
+        return NULL;
+    }
+    int64_t *ping = (int64_t *)view.buf, *pong = (int64_t *)((char *)view.buf + 2 * LINE_BYTES);
+    int64_t *mine = me ? pong : ping, *theirs = me ? ping : pong;
+    int64_t start = 0, end = 0, deadline = 0, polls = 0;
+    int late = 0;
+    Py_BEGIN_ALLOW_THREADS
+    start = now_ns();
+    deadline = start + (int64_t)(timeout * 1e9);
+    for (int64_t i = 1; i <= rounds && !late; i++) {
+        if (me == 0)
+            store(mine, i);
+        while (load(theirs) != i) {
+            if ((++polls & 4095) == 0 && now_ns() > deadline) {
+                late = 1;
+                break;
+            }
+            CPU_RELAX();
+        }
+        if (me == 1 && !late)
+            store(mine, i);
+    }
+    end = now_ns();
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    if (late) {
+        char text[96]; /* PyErr_Format has no %f */
+        PyOS_snprintf(text, sizeof text, "line_round_trip: the other side did not answer within %.3g s", timeout);
+        PyErr_SetString(PyExc_TimeoutError, text);
+        return NULL;
+    }
+    return PyFloat_FromDouble((double)(end - start) * 1e-9 / (double)rounds);
+}
+
 static PyMethodDef module_methods[] = {
     {"address", (PyCFunction)address, METH_O,
      "address(obj) -> int or None: where obj's buffer starts; None when it has no buffer."},
     {"forget", (PyCFunction)forget, METH_NOARGS, "forget(): every Path drops the call it remembers."},
+    {"line_round_trip", (PyCFunction)(void (*)(void))line_round_trip, METH_FASTCALL,
+     "line_round_trip(buf, me, rounds, timeout) -> seconds: a cache line's round trip between two processes "
+     "sharing buf (me 0 or 1), as each timed it."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {
