@@ -20,6 +20,11 @@ would kill a rank of a job that has completed: status 2 from ``mpiexec`` and its
 message. :func:`ignore_signals_while_ending` makes the ranks ignore SIGINT and SIGTERM from
 that point; a shutdown that hangs still ends on a second signal to the launcher (a second
 Ctrl-C makes ``mpiexec`` end every rank; Slurm follows SIGTERM with SIGKILL).
+
+A dedicated parameter server's rank never stops by itself: the workers agree on the step to
+stop after, write its checkpoint (which takes the servers' state) and then release the
+servers. :func:`ignore_sigterm_while_serving` keeps a SIGTERM, which the launcher passes to
+every rank, from killing a server before that (a Ctrl-C is noted there, as while starting).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import threading
 
 __all__ = [
     "ignore_signals_while_ending",
+    "ignore_sigterm_while_serving",
     "note_signals_while_starting",
     "running_the_training_job",
     "signal_while_starting",
@@ -92,7 +98,19 @@ def ignore_signals_while_ending() -> None:
     """In the training job, once a rank's outcome is settled (its summary, error or stop
     said): ignore SIGINT and SIGTERM while it shuts down, instead of dying by them there.
     A script that imports hpcdl keeps Python's behaviour."""
+    _ignore((signal.SIGINT, signal.SIGTERM))
+
+
+def _ignore(signals: tuple[int, ...]) -> None:
     if not running_the_training_job() or threading.current_thread() is not threading.main_thread():
         return
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in signals:
         signal.signal(signum, signal.SIG_IGN)
+
+
+def ignore_sigterm_while_serving() -> None:
+    """In the training job, on a dedicated parameter server's rank: ignore SIGTERM, which
+    the workers answer for the job (stopping after a step they agree on, with its
+    checkpoint) and which killed the server first. A script that imports hpcdl keeps
+    Python's behaviour."""
+    _ignore((signal.SIGTERM,))

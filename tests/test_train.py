@@ -741,15 +741,25 @@ def test_a_resume_with_another_batch_size_ends_after_the_same_epochs_and_reports
     assert last.startswith("hpcdl.train: resumed from step 30; 8 steps (31-38) on 2 ranks"), last
 
 
-@pytest.mark.parametrize("sig, code, said", [(signal.SIGTERM, 143, "stopped by SIGTERM"), (signal.SIGINT, 130, "interrupted")])
-def test_sigterm_and_ctrl_c_stop_every_rank_after_a_step_in_one_line(tmp_path, sig, code, said):
+@pytest.mark.parametrize(
+    "sig, code, said, n, layout",
+    [
+        (signal.SIGTERM, 143, "stopped by SIGTERM", 2, []),
+        (signal.SIGINT, 130, "interrupted", 2, []),
+        (signal.SIGTERM, 143, "stopped by SIGTERM", 3, ["--dp", "ps", "--ps-servers", "1"]),
+    ],
+    ids=["SIGTERM", "Ctrl-C", "SIGTERM, a dedicated parameter server"],
+)
+def test_sigterm_and_ctrl_c_stop_every_rank_after_a_step_in_one_line(tmp_path, sig, code, said, n, layout):
     """mpiexec passes SIGINT and SIGTERM to every rank; the ranks agree, with the step's
     loss, to stop after the same step. SIGTERM (Slurm's preemption) first writes a
     checkpoint of that step; Ctrl-C names the newest one. Either way one line, the shell's
-    status for the signal, and a --resume that ends where an uninterrupted run does."""
+    status for the signal, and a --resume that ends where an uninterrupted run does. A
+    dedicated parameter server leaves SIGTERM to the workers, whose checkpoint takes its
+    state: it used to die by it at once (status 15, no line, no checkpoint of the step)."""
     run_dir = tmp_path / "run"
-    args = ["-m", "hpcdl.train", "--model", "mlp", "--epochs", "20", "--no-progress", "--run-dir", str(run_dir)]
-    job = mpiexec_start([*args, "--checkpoint-every", "20"], text=True)
+    args = ["-m", "hpcdl.train", "--model", "mlp", "--epochs", "20", "--no-progress", "--run-dir", str(run_dir), *layout]
+    job = mpiexec_start([*args, "--checkpoint-every", "20"], n=n, text=True)
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and not ckpt.steps_in(str(run_dir / "checkpoints")):
@@ -771,7 +781,7 @@ def test_sigterm_and_ctrl_c_stop_every_rank_after_a_step_in_one_line(tmp_path, s
     saved = ckpt.load(newest)["step"]
     assert saved == step if sig == signal.SIGTERM else saved <= step
     assert not (run_dir / ".lock").exists()
-    done = mpiexec_job([*args, "--resume"])
+    done = mpiexec_job([*args, "--resume"], n=n)
     assert done.returncode == 0, done.stderr
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 20 * 23
 

@@ -25,6 +25,7 @@ from collectives.launcher import process_cpus
 from collectives.link import emulate_comm
 
 from ..errors import HpcdlError
+from ..startup import ignore_sigterm_while_serving
 from .partitions import PartitionPlan, Piece
 from .server import Server, serve
 from .wire import (
@@ -189,6 +190,7 @@ def split_roles(world: MPI.Comm, k: int, stall_seconds: float, spin: int = -1) -
             sys.stderr.flush()
         return part, PSJob(comm, list(range(first, n)), where, dedicated=True, nap=nap)
     part.Free()
+    ignore_sigterm_while_serving()  # in the training job the workers answer it, with the servers' state
     serve(comm, world.rank - first, list(range(first)), stall_seconds, nap)
     comm.Free()
     sys.stdout.flush()

@@ -27,7 +27,7 @@ import hpcdl as hvd
 from hpcdl.functions import check_on_every_rank
 from hpcdl.parallel import Grid, Pipeline, allreduce_sequence_parallel_grads
 from hpcdl.parallel.dense import gather_dense, gather_dense_optimizer, load_dense, local_optimizer_state
-from hpcdl.startup import signal_while_starting
+from hpcdl.startup import ignore_signals_while_ending, signal_while_starting
 
 from . import checkpoint as ckpt
 from .agreement import check_same_settings
@@ -556,6 +556,7 @@ class Trainer:
         finally:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
+            ignore_signals_while_ending()  # settled; the default action would kill a rank closing its groups
         return summary
 
     def _resume_newest(self, ck_dir: str) -> str:
