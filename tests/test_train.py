@@ -758,7 +758,8 @@ def test_sigterm_and_ctrl_c_stop_every_rank_after_a_step_in_one_line(tmp_path, s
     dedicated parameter server leaves SIGTERM to the workers, whose checkpoint takes its
     state: it used to die by it at once (status 15, no line, no checkpoint of the step)."""
     run_dir = tmp_path / "run"
-    args = ["-m", "hpcdl.train", "--model", "mlp", "--epochs", "20", "--no-progress", "--run-dir", str(run_dir), *layout]
+    args = ["-m", "hpcdl.train", "--model", "mlp", "--epochs", "20", "--no-progress", "--run-dir", str(run_dir)]
+    args += layout
     job = mpiexec_start([*args, "--checkpoint-every", "20"], n=n, text=True)
     try:
         deadline = time.monotonic() + 90
