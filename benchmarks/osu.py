@@ -590,14 +590,19 @@ def copy_bandwidth(nbytes: int = 64 << 20, repeats: int = 10) -> float:
 def line_trips(comm: MPI.Comm) -> list[float] | None:
     """Seconds a cache line takes from rank 0 to each other rank of rank 0's node and back
     (:func:`collectives.node.channel.line_round_trips` over each node's ranks), the same on
-    every rank of ``comm``; None where not measured (ranks sharing cores, or the compiled
-    loop not built). The state of the cores a run had: on a virtual machine the host may
-    move its virtual CPUs between cores that share a cache and cores that do not."""
+    every rank of ``comm``; None where not measured (ranks sharing cores, the compiled loop
+    not built, or a pair that did not answer in time on any node). The state of the cores
+    a run had: on a virtual machine the host may move its virtual CPUs between cores that
+    share a cache and cores that do not."""
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     try:
-        trips = line_round_trips(node)
+        trips, late = line_round_trips(node), 0
+    except TimeoutError:  # every rank of that node says so; the other nodes hear it below
+        trips, late = None, 1
     finally:
         node.Free()
+    if comm.allreduce(late, op=MPI.MAX):  # a side measurement: the run goes on without it
+        return None
     return comm.bcast(trips, root=0)
 
 

@@ -770,3 +770,18 @@ def test_the_planner_check_predicts_each_grid_from_the_rates_it_measured():
     )
     assert rows["1x2x1"]["predicted_parts"]["tp_comm"] == pytest.approx(2 * per_mb)
     assert rows["1x1x2"]["predicted_parts"]["tp_comm"] == 0.0 and rows["1x1x2"]["predicted_parts"]["bubble"] > 0
+
+
+def test_a_bar_no_size_of_the_run_falls_under_says_skip():
+    from benchmarks.bars import verdicts
+
+    rows = [{"size": s, "results": {"auto": {"avg": 1.0}, "mpi": {"avg": 2.0}}} for s in (4, 1024)]
+    out = verdicts("allreduce", rows, 1e10, 2)
+    assert out[0] == "PASS allreduce: auto/mpi at every size <= 1.10; worst 0.50 at 4 B"
+    assert out[1] == "SKIP allreduce: auto/mpi at every size >= 1 MiB <= 0.50; no size measured"
+    rows.append({"size": 1 << 20, "results": {"auto": {"avg": 3.0}, "mpi": {"avg": 2.0}}})
+    out = verdicts("allreduce", rows, 1e10, 2)
+    assert out[:2] == [
+        "MISS allreduce: auto/mpi at every size <= 1.10; worst 1.50 at 1048576 B; over at 1048576B:1.50",
+        "MISS allreduce: auto/mpi at every size >= 1 MiB <= 0.50; worst 1.50 at 1048576 B; over at 1048576B:1.50",
+    ]

@@ -1060,7 +1060,7 @@ def test_a_cache_lines_round_trip_is_timed_between_two_sides_and_a_missing_side_
         ((buf, 0, 0, 1.0), r"rounds=0 >= 1"),
         ((buf, 0, 10, 0.0), r"timeout > 0"),
         ((np.zeros(16, np.int64), 0, 10, 1.0), r"buf must hold 192 bytes"),
-        ((np.zeros(64, np.uint8)[1:], 0, 10, 1.0), r"buf must hold 192 bytes from an 8-byte boundary"),
+        ((np.zeros(512, np.uint8)[1:], 0, 10, 1.0), r"buf must hold 192 bytes from an 8-byte boundary"),
     ]:
         with pytest.raises(ValueError, match=error):
             line_round_trip(*args)
@@ -1086,6 +1086,6 @@ def test_line_round_trips_time_rank_0_with_each_other_rank_where_the_ranks_have_
     if Core is None or N > cores:  # no compiled loop, or ranks sharing cores: a spinning pair would time the scheduler
         assert got is None
         return
-    assert len(got) == N - 1 and all(0 < s < 1e-3 for s in got), got
+    assert len(got) == N - 1 and all(0 < s < 1e-2 for s in got), got  # ns each on a quiet machine
     with pytest.raises(ValueError, match="rounds=0 must be >= 1"):
         line_round_trips(WORLD, rounds=0)

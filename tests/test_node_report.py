@@ -127,7 +127,7 @@ def test_a_quick_report_writes_a_small_directory_whose_summary_matches_the_raw_f
         assert {r["algorithm"] for r in rows} == {"shm"}, (coll, rows)
     small = json.loads((tmp_path / "raw" / "small_calls_np2.json").read_text())
     trips = small["line_round_trip_s"]  # two ranks with a core each: one pair, timed before and after the calls
-    assert all(len(trips[k]) == 1 and 0 < trips[k][0] < 1e-3 for k in ("before", "after")), trips
+    assert all(len(trips[k]) == 1 and 0 < trips[k][0] < 1e-2 for k in ("before", "after")), trips
     assert f"- 2 ranks: {trips_text(trips['before'], trips['after'])}" in summary
     assert f"round trip between the two ranks: {trips['before'][0] * 1e9:.0f} ns before" in summary
     for row in small["rows"]:  # each part of a small call in the table; the one step is what the call takes

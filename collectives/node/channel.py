@@ -59,13 +59,12 @@ from ..ops import OPS, dtype_code, rank_order_reducer
 from . import futex
 
 try:
+    from . import cslots as _cslots
     from .cslots import Core
     from .cslots import forget as _forget_paths
-    from .cslots import line_round_trip as _line_round_trip
 except ImportError:  # not built (no compiler where it was installed): the Python loop below
-    Core = None
-    _forget_paths = None
-    _line_round_trip = None
+    _cslots = Core = _forget_paths = None
+_line_round_trip = getattr(_cslots, "line_round_trip", None)  # an older build lacks it: not measured
 
 
 def forget_calls() -> None:
@@ -153,7 +152,7 @@ def line_round_trips(comm: Any, rounds: int = 20000, timeout: float = 10.0) -> l
     None where the compiled loop is not built, or where the ranks outnumber the cores they
     may run on together (:func:`node_cores`), where a pair spinning on one core would time
     the scheduler. :class:`TimeoutError` on every rank where a pair's other side did not
-    answer within ``timeout`` seconds."""
+    answer within about ``timeout`` seconds of its last answer."""
     from mpi4py import MPI
 
     n, me = comm.Get_size(), comm.Get_rank()

@@ -2243,7 +2243,8 @@ static PyObject *address(PyObject *self, PyObject *obj) {
  * seconds per round trip, as each side timed it. This is the floor under every wait of the
  * node channel: a small call's ranks exchange at least one such line each way. Polls
  * without sleeping, the GIL released: the two must run at once, on cores of their own.
- * TimeoutError where the other side did not answer within `timeout` seconds. */
+ * TimeoutError where the other side's next answer did not come within about `timeout`
+ * seconds. */
 static PyObject *line_round_trip(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 4) {
@@ -2251,9 +2252,13 @@ static PyObject *line_round_trip(PyObject *self, PyObject *const *args, Py_ssize
         return NULL;
     }
     long me = PyLong_AsLong(args[1]);
+    if (me == -1 && PyErr_Occurred())
+        return NULL;
     long long rounds = PyLong_AsLongLong(args[2]);
+    if (rounds == -1 && PyErr_Occurred())
+        return NULL;
     double timeout = PyFloat_AsDouble(args[3]);
-    if (PyErr_Occurred())
+    if (timeout == -1.0 && PyErr_Occurred())
         return NULL;
     if ((me != 0 && me != 1) || rounds < 1 || !(timeout > 0)) {
         PyErr_Format(PyExc_ValueError, "line_round_trip: me=%ld must be 0 or 1, rounds=%lld >= 1, timeout > 0", me,
@@ -2271,18 +2276,24 @@ static PyObject *line_round_trip(PyObject *self, PyObject *const *args, Py_ssize
     }
     int64_t *ping = (int64_t *)view.buf, *pong = (int64_t *)((char *)view.buf + 2 * LINE_BYTES);
     int64_t *mine = me ? pong : ping, *theirs = me ? ping : pong;
-    int64_t start = 0, end = 0, deadline = 0, polls = 0;
+    int64_t start = 0, end = 0, deadline = 0, polls = 0, patience = (int64_t)(fmin(timeout, 1e6) * 1e9), since = 0;
     int late = 0;
     Py_BEGIN_ALLOW_THREADS
     start = now_ns();
-    deadline = start + (int64_t)(timeout * 1e9);
+    deadline = start + patience;
     for (int64_t i = 1; i <= rounds && !late; i++) {
         if (me == 0)
             store(mine, i);
         while (load(theirs) != i) {
-            if ((++polls & 4095) == 0 && now_ns() > deadline) {
-                late = 1;
-                break;
+            if ((++polls & 4095) == 0) { /* the clock now and then: `timeout` from the last answer seen */
+                int64_t t = now_ns();
+                if (i != since) {
+                    since = i;
+                    deadline = t + patience;
+                } else if (t > deadline) {
+                    late = 1;
+                    break;
+                }
             }
             CPU_RELAX();
         }
