@@ -610,7 +610,7 @@ def trips_text(before: list[float] | None, after: list[float] | None) -> str:
     """One line: :func:`line_trips` measured before and after a run, in ns (the range over
     the other ranks, with the median, where there are several)."""
     if before is None or after is None:
-        return "a cache line's round trip between the ranks: not measured (they share cores, or no compiled loop)"
+        return "a cache line's round trip between the ranks: not measured (they share cores, no compiled loop, or late)"
 
     def ns(trips: list[float]) -> str:
         lo, hi = min(trips) * 1e9, max(trips) * 1e9
