@@ -59,12 +59,14 @@ from ..ops import OPS, dtype_code, rank_order_reducer
 from . import futex
 
 try:
-    from . import cslots as _cslots
     from .cslots import Core
     from .cslots import forget as _forget_paths
 except ImportError:  # not built (no compiler where it was installed): the Python loop below
-    _cslots = Core = _forget_paths = None
-_line_round_trip = getattr(_cslots, "line_round_trip", None)  # an older build lacks it: not measured
+    Core = _forget_paths = None
+try:
+    from .cslots import line_round_trip as _line_round_trip
+except ImportError:  # not built, or built before it: not measured
+    _line_round_trip = None
 
 
 def forget_calls() -> None:
