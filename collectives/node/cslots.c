@@ -110,6 +110,15 @@ typedef struct {
     int nt;           /* the choice: non-temporal from NONTEMPORAL_BYTES (this rank's or a peer's call) */
 } Stores;
 
+/* Which block a large allgather by single copy offers its peers' reads (single_copy_allgather),
+ * by a cache line's round trip to its partner rank, timed now and then inside those calls. */
+typedef struct {
+    int64_t calls;      /* large allgathers so far, counted alike on every rank */
+    int64_t checks;     /* round trips timed */
+    double trip_ns;     /* the last one, a round trip's ns (0: none yet) */
+    int block;          /* offer its own block of the output, copied in first (else its source) */
+} Offers;
+
 #define SLOTS 0  /* a call's slots: data a peer copies out at once */
 #define STAGED 1 /* the chunk buffers a chunked call stages its input through (Core.put) */
 #define KINDS 2
@@ -133,6 +142,7 @@ typedef struct {
     Py_ssize_t out_nt_bytes; /* and copies out of it, into messages of this many bytes (0: never) */
     int measured;            /* copies into shared memory below nt_bytes choose their stores by measurement */
     Stores kinds[KINDS];     /* the measured stores of each kind of destination (copy_measured) */
+    Offers offers;           /* which block a large allgather by single copy offers (single_copy_allgather) */
     Py_ssize_t cma_bytes;    /* allgathers from this many bytes per rank read the sender's memory (0: never) */
     Py_ssize_t cma_bcast;    /* and broadcasts (0: never) */
     Py_ssize_t *pids;        /* n: every rank's process id (cross-memory attach) */
@@ -665,18 +675,74 @@ static int single_copy_broadcast(Core *c, int64_t seq, int root, char *buf, Py_s
     return 0;
 }
 
+/* From this many bytes of output, where copies out stay in the caches, an allgather by
+ * single copy chooses which block to offer by a cache line's round trip to its partner rank
+ * (rank ^ 1), timed in the first such call and every OFFER_CHECK_EVERY-th after it with
+ * OFFER_TRIPS round trips through spare words of the call's slots: its own block of the
+ * output, copied in first, below OFFER_NEAR_NS, else its source (single_copy_allgather) */
+#define OFFER_OUTPUT_BYTES (4 << 20)
+#define OFFER_CHECK_EVERY 64
+#define OFFER_TRIPS 16
+#define OFFER_NEAR_NS 300.0
+#define OFFER_PATIENCE_NS 1000000
+
+/* OFFER_TRIPS round trips of one line between this rank and `peer` (both in call seq, which
+ * leaves the slots' third word free), after one that waits for the other to arrive: the
+ * lower rank stores, the higher answers. The ns a round trip, or 0 where the other did not
+ * come within OFFER_PATIENCE_NS (both then give up: no wait here outlasts it). */
+static double partner_trip(Core *c, int64_t seq, int peer) {
+    int p = (int)(seq & 1), leads = c->me < peer;
+    int64_t *mine = (int64_t *)c->slots[2 * c->me + p] + 2, *theirs = (int64_t *)c->slots[2 * peer + p] + 2;
+    int64_t start = now_ns(), timed = 0, polls = 0;
+    for (int64_t i = 0; i <= OFFER_TRIPS; i++) { /* the first meets the other: untimed */
+        int64_t v = seq * (OFFER_TRIPS + 1) + i + 1; /* never a value of an earlier call's trips */
+        if (leads)
+            store(mine, v);
+        while (load(theirs) != v) {
+            if ((++polls & 255) == 0 && now_ns() - start > OFFER_PATIENCE_NS)
+                return 0.0;
+            CPU_RELAX();
+        }
+        if (!leads)
+            store(mine, v);
+        if (i == 0)
+            timed = now_ns();
+    }
+    return (double)(now_ns() - timed) / OFFER_TRIPS;
+}
+
 static int single_copy_allgather(Core *c, int64_t seq, char *buf, const Py_ssize_t *off, const char *src) {
     int me = c->me, n = c->n;
     size_t len = (size_t)(off[me + 1] - off[me]);
-    /* Where the copy of its own block into buf goes past the caches (non-temporal: buf is
-     * too large to stay in them), a rank makes that copy first and offers its block of buf:
-     * an output that large was mapped on huge pages, which the kernel's reads pin whole,
-     * while src may lie in a heap's 4 KiB pages, which they pin one by one (a 16 MiB read
-     * from those took 1.6-1.8 x as long on the reference machine). Elsewhere, where buf
-     * stays in the caches, it offers src and copies its own block last, so the peers' reads
-     * need not wait for that copy; and always where src lies in its arena segment, which
-     * the peers copy through the mapping. The reads below write the other blocks of buf. */
-    int first = src && c->out_nt_bytes > 0 && off[n] >= c->out_nt_bytes && !mapped(c, me, (uintptr_t)src, len);
+    /* Which block a rank offers the peers' reads. Where its copies out go past the caches
+     * (non-temporal), it copies its own block into buf first and offers that block: an
+     * output that large was most likely mapped afresh, on huge pages (numpy asks for them
+     * from 4 MiB), which the kernel's reads pin whole, while src may lie in a heap's 4 KiB
+     * pages, which they pin one by one (a 16 MiB read from those took 1.6-1.8 x as long on
+     * the reference machine). Where a smaller output stays in the caches it offers src,
+     * which the call does not write, and copies its own block last. In between, from
+     * OFFER_OUTPUT_BYTES, the block is faster where the ranks' cores share a cache, and
+     * slower where they do not: each rank then rewrites lines its peer read in the last
+     * call, and the peer reads lines just written, across caches (4 MiB allgathers of 2
+     * ranks on the reference machine, whose host moves its two virtual CPUs between cores
+     * that share a cache and cores that do not every few minutes: the block 246-392 us
+     * against 311-427 offering src where they share one, MPICH 234-386; 646-813 against
+     * 303-454 where they do not). The caches' own description cannot tell there, so the
+     * rank times a cache line's round trip to its partner (about 100 ns against 500 on
+     * that machine), where the ranks have a core each. And always where src lies in its
+     * arena segment, which the peers copy through the mapping, it offers src. The reads
+     * below write the other blocks of buf. */
+    Offers *o = &c->offers;
+    int nt = c->out_nt_bytes > 0 && off[n] >= c->out_nt_bytes, large = !nt && off[n] >= OFFER_OUTPUT_BYTES;
+    if (large && o->calls++ % OFFER_CHECK_EVERY == 0 && c->spin > POLITE_SPIN && (me ^ 1) < n) {
+        double trip = partner_trip(c, seq, me ^ 1);
+        if (trip > 0) {
+            o->trip_ns = trip;
+            o->checks++;
+            o->block = trip < OFFER_NEAR_NS;
+        }
+    }
+    int first = src && (nt || (large && o->block)) && !mapped(c, me, (uintptr_t)src, len);
     if (first)
         copy_out(c, buf + off[me], src, len, off[n]);
     offer(c, seq, src && !first ? src : buf + off[me]);
@@ -1994,6 +2060,12 @@ static PyObject *Core_get_mapped(Core *c, void *closure) {
     return PyLong_FromLongLong((long long)c->mapped_bytes);
 }
 
+static PyObject *Core_get_offers(Core *c, void *closure) {
+    (void)closure;
+    const Offers *o = &c->offers;
+    return Py_BuildValue("(NdLL)", PyBool_FromLong(o->block), o->trip_ns, (long long)o->checks, (long long)o->calls);
+}
+
 static PyObject *Core_get_waits(Core *c, void *closure) {
     (void)closure;
     return Py_BuildValue("(LLLL)", (long long)c->waits[0], (long long)c->waits[1], (long long)c->waits[2],
@@ -2005,6 +2077,11 @@ static PyGetSetDef Core_getset[] = {
      "(waits, polls, sleeps, wakes): since the core was made, the waits for a peer's counter that found it behind, "
      "the polls they made, the sleeps they took (a futex wait or a nanosleep each), and the futex wake-ups this rank "
      "sent to sleeping peers. Their differences around a run of calls tell where its waiting went.",
+     NULL},
+    {"offers", (getter)Core_get_offers, NULL,
+     "(block, round trip ns, checks, calls): whether an allgather by single copy with an output from 4 MiB that "
+     "stays in the caches now offers its own block of the output (else its source), the round trip to its partner "
+     "rank that decided it (0: none timed), how many were timed, and how many such calls there were.",
      NULL},
     {"mapped", (getter)Core_get_mapped, NULL,
      "Bytes the single-copy moves copied through a peer's arena segment mapped here (core.segments), not by "
