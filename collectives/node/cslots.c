@@ -676,9 +676,9 @@ static int single_copy_broadcast(Core *c, int64_t seq, int root, char *buf, Py_s
 }
 
 /* From this many bytes of output, where copies out stay in the caches, an allgather by
- * single copy chooses which block to offer by a cache line's round trip to its partner rank
- * (rank ^ 1), timed in the first such call and every OFFER_CHECK_EVERY-th after it with
- * OFFER_TRIPS round trips through spare words of the call's slots: its own block of the
+ * single copy of 2 ranks chooses which block to offer by a cache line's round trip to the
+ * other rank, timed in the first such call and every OFFER_CHECK_EVERY-th after it with
+ * OFFER_TRIPS round trips through a spare word of the call's slots: its own block of the
  * output, copied in first, below OFFER_NEAR_NS, else its source (single_copy_allgather) */
 #define OFFER_OUTPUT_BYTES (4 << 20)
 #define OFFER_CHECK_EVERY 64
@@ -688,8 +688,9 @@ static int single_copy_broadcast(Core *c, int64_t seq, int root, char *buf, Py_s
 
 /* OFFER_TRIPS round trips of one line between this rank and `peer` (both in call seq, which
  * leaves the slots' third word free), after one that waits for the other to arrive: the
- * lower rank stores, the higher answers. The ns a round trip, or 0 where the other did not
- * come within OFFER_PATIENCE_NS (both then give up: no wait here outlasts it). */
+ * lower rank stores, the higher answers. The ns a round trip, or 0 where an answer did not
+ * come within OFFER_PATIENCE_NS of this rank's start (no wait here outlasts it; the other
+ * then gives up too, or finishes its count). */
 static double partner_trip(Core *c, int64_t seq, int peer) {
     int p = (int)(seq & 1), leads = c->me < peer;
     int64_t *mine = (int64_t *)c->slots[2 * c->me + p] + 2, *theirs = (int64_t *)c->slots[2 * peer + p] + 2;
@@ -726,16 +727,19 @@ static int single_copy_allgather(Core *c, int64_t seq, char *buf, const Py_ssize
      * call, and the peer reads lines just written, across caches (4 MiB allgathers of 2
      * ranks on the reference machine, whose host moves its two virtual CPUs between cores
      * that share a cache and cores that do not every few minutes: the block 246-392 us
-     * against 311-427 offering src where they share one, MPICH 234-386; 646-813 against
-     * 303-454 where they do not). The caches' own description cannot tell there, so the
-     * rank times a cache line's round trip to its partner (about 100 ns against 500 on
-     * that machine), where the ranks have a core each. And always where src lies in its
+     * against 311-427 offering src where they share one, MPICH 234-361; 646-813 against
+     * 303-454 where they do not). The caches' own description cannot tell there, so each
+     * of 2 ranks times a cache line's round trip to the other (about 100 ns against 500
+     * on that machine) where their waits spin (a core each, or HPCDL_SHM_SPIN); with more
+     * ranks one pair's trip would not speak for every peer, and the source is offered.
+     * And always where src lies in its
      * arena segment, which the peers copy through the mapping, it offers src. The reads
      * below write the other blocks of buf. */
     Offers *o = &c->offers;
-    int nt = c->out_nt_bytes > 0 && off[n] >= c->out_nt_bytes, large = !nt && off[n] >= OFFER_OUTPUT_BYTES;
-    if (large && o->calls++ % OFFER_CHECK_EVERY == 0 && c->spin > POLITE_SPIN && (me ^ 1) < n) {
-        double trip = partner_trip(c, seq, me ^ 1);
+    int nt = c->out_nt_bytes > 0 && off[n] >= c->out_nt_bytes;
+    int large = !nt && n == 2 && off[n] >= OFFER_OUTPUT_BYTES;
+    if (large && o->calls++ % OFFER_CHECK_EVERY == 0 && c->spin > POLITE_SPIN) {
+        double trip = partner_trip(c, seq, 1 - me);
         if (trip > 0) {
             o->trip_ns = trip;
             o->checks++;
@@ -2079,8 +2083,8 @@ static PyGetSetDef Core_getset[] = {
      "sent to sleeping peers. Their differences around a run of calls tell where its waiting went.",
      NULL},
     {"offers", (getter)Core_get_offers, NULL,
-     "(block, round trip ns, checks, calls): whether an allgather by single copy with an output from 4 MiB that "
-     "stays in the caches now offers its own block of the output (else its source), the round trip to its partner "
+     "(block, round trip ns, checks, calls): whether an allgather by single copy of 2 ranks with an output from 4 MiB "
+     "that stays in the caches now offers its own block of the output (else its source), the round trip to the other "
      "rank that decided it (0: none timed), how many were timed, and how many such calls there were.",
      NULL},
     {"mapped", (getter)Core_get_mapped, NULL,
