@@ -686,6 +686,36 @@ static int single_copy_broadcast(Core *c, int64_t seq, int root, char *buf, Py_s
 #define OFFER_NEAR_NS 300.0
 #define OFFER_PATIENCE_NS 1000000
 
+/* Round trips of one line between two processes, for the values first .. last: the leader
+ * stores each in *mine and waits until *theirs holds it; the other waits for it there, then
+ * stores it in *mine. A wait looks at the clock every look + 1 polls (look: a power of two,
+ * less one) and gives up past `deadline` (ns); with `renew` > 0 the deadline moves to renew
+ * ns after the first look in each new round, so that it counts from the other's last answer.
+ * 0, or -1 where it gave up (line_round_trip, partner_trip). */
+static int line_trips(int64_t *mine, int64_t *theirs, int leads, int64_t first, int64_t last, int64_t deadline,
+                      int64_t renew, int64_t look) {
+    int64_t polls = 0, since = first - 1;
+    for (int64_t v = first; v <= last; v++) {
+        if (leads)
+            store(mine, v);
+        while (load(theirs) != v) {
+            if ((++polls & look) == 0) {
+                int64_t t = now_ns();
+                if (renew > 0 && v != since) {
+                    since = v;
+                    deadline = t + renew;
+                } else if (t > deadline) {
+                    return -1;
+                }
+            }
+            CPU_RELAX();
+        }
+        if (!leads)
+            store(mine, v);
+    }
+    return 0;
+}
+
 /* OFFER_TRIPS round trips of one line between this rank and `peer` (both in call seq, which
  * leaves the slots' third word free), after one that waits for the other to arrive: the
  * lower rank stores, the higher answers. The ns a round trip, or 0 where an answer did not
@@ -694,21 +724,13 @@ static int single_copy_broadcast(Core *c, int64_t seq, int root, char *buf, Py_s
 static double partner_trip(Core *c, int64_t seq, int peer) {
     int p = (int)(seq & 1), leads = c->me < peer;
     int64_t *mine = (int64_t *)c->slots[2 * c->me + p] + 2, *theirs = (int64_t *)c->slots[2 * peer + p] + 2;
-    int64_t start = now_ns(), timed = 0, polls = 0;
-    for (int64_t i = 0; i <= OFFER_TRIPS; i++) { /* the first meets the other: untimed */
-        int64_t v = seq * (OFFER_TRIPS + 1) + i + 1; /* never a value of an earlier call's trips */
-        if (leads)
-            store(mine, v);
-        while (load(theirs) != v) {
-            if ((++polls & 255) == 0 && now_ns() - start > OFFER_PATIENCE_NS)
-                return 0.0;
-            CPU_RELAX();
-        }
-        if (!leads)
-            store(mine, v);
-        if (i == 0)
-            timed = now_ns();
-    }
+    int64_t v = seq * (OFFER_TRIPS + 1); /* from here on, values no earlier call's trips had */
+    int64_t deadline = now_ns() + OFFER_PATIENCE_NS;
+    if (line_trips(mine, theirs, leads, v + 1, v + 1, deadline, 0, 255) < 0) /* meets the other: untimed */
+        return 0.0;
+    int64_t timed = now_ns();
+    if (line_trips(mine, theirs, leads, v + 2, v + OFFER_TRIPS + 1, deadline, 0, 255) < 0)
+        return 0.0;
     return (double)(now_ns() - timed) / OFFER_TRIPS;
 }
 
@@ -2357,30 +2379,11 @@ static PyObject *line_round_trip(PyObject *self, PyObject *const *args, Py_ssize
     }
     int64_t *ping = (int64_t *)view.buf, *pong = (int64_t *)((char *)view.buf + 2 * LINE_BYTES);
     int64_t *mine = me ? pong : ping, *theirs = me ? ping : pong;
-    int64_t start = 0, end = 0, deadline = 0, polls = 0, patience = (int64_t)(fmin(timeout, 1e6) * 1e9), since = 0;
+    int64_t start = 0, end = 0, patience = (int64_t)(fmin(timeout, 1e6) * 1e9);
     int late = 0;
     Py_BEGIN_ALLOW_THREADS
-    start = now_ns();
-    deadline = start + patience;
-    for (int64_t i = 1; i <= rounds && !late; i++) {
-        if (me == 0)
-            store(mine, i);
-        while (load(theirs) != i) {
-            if ((++polls & 4095) == 0) { /* the clock now and then: `timeout` from the last answer seen */
-                int64_t t = now_ns();
-                if (i != since) {
-                    since = i;
-                    deadline = t + patience;
-                } else if (t > deadline) {
-                    late = 1;
-                    break;
-                }
-            }
-            CPU_RELAX();
-        }
-        if (me == 1 && !late)
-            store(mine, i);
-    }
+    start = now_ns(); /* `timeout` from the other's last answer seen, the clock read every 4096 polls */
+    late = line_trips(mine, theirs, me == 0, 1, rounds, start + patience, patience, 4095) < 0;
     end = now_ns();
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
