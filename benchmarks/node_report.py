@@ -460,9 +460,9 @@ def _small_call_lines(report: dict[str, Any]) -> list[str]:
     ]
     trips = []
     for n, data in sorted(report.get("small_calls", {}).items(), key=lambda kv: int(kv[0])):
-        rows = data["rows"] if isinstance(data, dict) else data  # a list: a report from before the round trips
+        rows = data  # a list: a report from before the round trips
         if isinstance(data, dict):
-            trip = data.get("line_round_trip_s") or {}
+            rows, trip = data["rows"], data.get("line_round_trip_s") or {}
             trips.append(f"- {n} ranks: {trips_text(trip.get('before'), trip.get('after'))}")
         for w in rows:
             counts = " | ".join(
