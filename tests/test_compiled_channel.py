@@ -1102,3 +1102,25 @@ def test_line_round_trips_time_rank_0_with_each_other_rank_where_the_ranks_have_
     assert len(got) == N - 1 and all(0 < s < 1e-2 for s in got), got  # ns each on a quiet machine
     with pytest.raises(ValueError, match="rounds=0 must be >= 1"):
         line_round_trips(WORLD, rounds=0)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_pair_that_does_not_answer_is_a_timeout_on_every_rank_and_the_benchmarks_go_on(monkeypatch):
+    # one pair's side gives up (here rank 1's): line_round_trips raises on every rank, none
+    # waits in the next pair's barrier, and the benchmarks' line_trips say "not measured"
+    from benchmarks import osu
+    from collectives.node import channel
+
+    def trip(buf, me, rounds, timeout):
+        if ME == 1:
+            raise TimeoutError("line_round_trip: the other side did not answer")
+        return 1e-7
+
+    monkeypatch.setattr(channel, "_line_round_trip", trip)
+    monkeypatch.setattr(channel, "node_cores", lambda cpus: len(cpus))  # as if each rank had a core
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"rank 0 and rank\(s\) \[1\] did not answer each other within 10.0 s"):
+        channel.line_round_trips(WORLD)
+    assert osu.line_trips(WORLD) is None  # every rank alike, and the run goes on
+    assert osu.trips_text(None, None).endswith("not measured (they share cores, no compiled loop, or late)")
+    assert time.monotonic() - t0 < 30
