@@ -27,7 +27,15 @@ from collectives.config import Config
 from collectives.context import get_context
 from collectives.errors import CollectiveMismatchError
 from collectives.node import futex
-from collectives.node.channel import last_level_caches, nontemporal_bytes, nontemporal_out_bytes
+from collectives.node.channel import (
+    HEAD,
+    HEAD_DATA,
+    LINE,
+    POSTED,
+    last_level_caches,
+    nontemporal_bytes,
+    nontemporal_out_bytes,
+)
 
 WORLD = MPI.COMM_WORLD
 N, ME = WORLD.size, WORLD.rank
@@ -1018,6 +1026,47 @@ def test_ranks_on_either_loop_work_together(compiled_rank):
             C.allreduce(np.ones(2 + (ME == 1), np.float32), comm=comm)
         uneven = np.ones((1 + ME, 2), np.float32)  # uneven rows: finished on the general path
         assert C.allgather(uneven, comm=comm).shape == (N * (N + 1) // 2, 2)
+    finally:
+        comm.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+@needs_core
+def test_a_compiled_wait_takes_a_peers_call_from_its_slot_header_not_its_counter():
+    # rank 0 exchanges in the compiled loop while every other rank posts by hand: its data,
+    # its header's words and the header's last word, its counter only once rank 0 is through.
+    # A wait on the counters would stall; a small call needs one line from each peer, whose
+    # header shares it with the first HEAD_DATA bytes of the data.
+    comm = WORLD.Dup()
+    try:
+        ctx = get_context(comm, config=Config(stall_timeout=20))
+        if ctx.chan is None or ctx.chan.core is None:
+            pytest.skip("no node channel on the compiled loop")
+        ch = ctx.chan
+        seq = ch.seqs[ME][0] + 1
+        p = seq & 1
+        payload = np.arange(HEAD_DATA // 8, dtype=np.int64) + 100 * ME
+        got: object = None
+        if ME == 0:
+            try:
+                got = ch.core.exchange(7, 8, 9, payload)
+            except Exception as exc:  # noqa: BLE001 - every rank reaches the barrier below
+                got = exc
+        else:
+            ch.slots[ME][p][: payload.nbytes] = payload.view(np.uint8)
+            h = ch.heads[ME][p]
+            h[0], h[1], h[2], h[3], h[4] = 7, 8, 9, 0, 0
+            h[POSTED] = seq
+        comm.Barrier()
+        if ME:
+            ch.seqs[ME][0] = seq  # as a post publishes it
+        comm.Barrier()
+        if ME == 0:
+            assert got == seq, f"the wait ended in {got!r}"
+            for r in range(1, N):
+                assert ch.slots[r][p].ctypes.data % LINE == HEAD, "the data starts on its header's line"
+                assert np.array_equal(ch.slots[r][p][: payload.nbytes].view(np.int64), payload - 100 * ME + 100 * r)
+        assert np.array_equal(C.allreduce(np.ones(3), comm=comm), np.full(3, float(N)))  # still in step
     finally:
         comm.Free()
 

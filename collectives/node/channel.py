@@ -4,13 +4,19 @@ the counters, slots and buffers the ``shm`` algorithms (:mod:`.slots`, :mod:`.st
 Every rank owns one segment of the window (``MPI_Win_allocate_shared``, or plain arrays
 for the thread transport), laid out as::
 
-    [seq sleeping abort done streamed taken stores][stage]
-    [slot 0: header | small data] [slot 1: ...] [buffer 0] [buffer 1]
+    [seq done streamed taken stores][stage sleeping abort]
+    [slot 0: header, small data ...] [slot 1: ...] [buffer 0] [buffer 1]
 
 ``seq`` counts the calls this rank has *posted*; a call posts its argument signature
 (three int64 words) and where its input and output lie in the node's arena (two more:
-:meth:`.arena.Arena.where`) into slot ``seq % 2``, and for small messages the data too,
-then publishes ``seq``. Two slots suffice: a rank can post call ``k + 2`` only after every peer
+:meth:`.arena.Arena.where`) into the header of slot ``seq % 2``, and for small messages
+the data too, right after the header; then it stores ``seq`` in the header's last word
+and publishes it in ``seq``. The compiled loop waits for a peer's post on that header word,
+whose cache line also holds the signature and the first :data:`HEAD_DATA` bytes of data, so
+that a small call needs one line from each peer; the Python loop waits on ``seq``. The
+first line of the segment holds the words written in every call, the second those written
+only in barriers, sleeps and stalls, which therefore stay in the caches that read them.
+Two slots suffice: a rank can post call ``k + 2`` only after every peer
 posted ``k + 1``, which each does only after it finished reading call ``k``. ``stage`` is
 a second counter used as a barrier: a rank publishes it and waits until every peer has
 reached it. ``done`` counts the allreduces that finish in two steps through the slots
@@ -93,6 +99,24 @@ Schedule = Generator[list, None, None]
 
 LINE = 64
 """Bytes per cache line; every separately written field starts on its own line."""
+
+HEAD_WORDS = 6
+"""Words of a slot's header: the signature ``a, b, c``, the arena words ``win, wout``, and
+the call that posted them (:data:`POSTED`), stored last; the slot's data follows."""
+
+POSTED = 5
+"""The header word that announces its call (the compiled loop's constant)."""
+
+HEAD = 8 * HEAD_WORDS
+"""Bytes from a slot's start to its data."""
+
+HEAD_DATA = LINE - HEAD
+"""Bytes of a slot's data on the line of its header."""
+
+# Byte offsets in a rank's segment: the words written in every call on the first line, those
+# written only in barriers, sleeps and stalls on the second.
+_SEQ, _DONE, _STREAM, _TAKE, _STORES = 0, 8, 16, 24, 32
+_STAGE, _SLEEPING, _ABORT = LINE, LINE + 8, LINE + 16
 
 SPIN = 2000
 """Polls of a peer's counter before a waiting rank sleeps on it, when every rank of the
@@ -382,7 +406,7 @@ class Channel:
         reaches this (0: never): see :meth:`split_at`."""
         self.region = _round_up(max(chunk_bytes // self.n, LINE), LINE)
         self.chunk = self.region * self.n
-        slot = LINE + self.slot_bytes
+        slot = LINE + self.slot_bytes  # the header and the data, from HEAD bytes into its first line
         self._slot0 = 2 * LINE
         self._buf0 = 2 * LINE + 2 * slot
         total = self._buf0 + 2 * self.chunk
@@ -415,11 +439,9 @@ class Channel:
     def _map_slots(self, segs: list[np.ndarray], slot: int) -> None:
         """Every rank's two slots (``slot`` bytes each with the header) and two chunk buffers
         in the window, and the views the posts and waits use."""
-        self.heads = [
-            [memoryview(s[self._slot0 + p * slot : self._slot0 + p * slot + 40]).cast("q") for p in (0, 1)]
-            for s in segs
-        ]
-        self.slots = [[s[self._slot0 + p * slot + LINE : self._slot0 + (p + 1) * slot] for p in (0, 1)] for s in segs]
+        at = [self._slot0 + p * slot for p in (0, 1)]
+        self.heads = [[memoryview(s[a : a + HEAD]).cast("q") for a in at] for s in segs]
+        self.slots = [[s[a + HEAD : a + HEAD + self.slot_bytes] for a in at] for s in segs]
         self.bufs = [[s[self._buf0 + b * self.chunk : self._buf0 + (b + 1) * self.chunk] for b in (0, 1)] for s in segs]
         peers = [j for j in range(self.n) if j != self.me]
         self._my_heads = self.heads[self.me]
@@ -431,23 +453,34 @@ class Channel:
         """Every rank's counter words in the window (the first two lines of its segment),
         their addresses, and the peers' as the waits walk them."""
         me = self.me
-        self.seqs = [memoryview(s[0:8]).cast("q") for s in segs]
-        self.stages = [memoryview(s[LINE : LINE + 8]).cast("q") for s in segs]
-        # written by its owner only, like ``seq`` beside it: 1 while the owner may be asleep
-        self.sleeping = [memoryview(s[8:16]).cast("q") for s in segs]
-        # written by its owner only, once: the call it gave up on after a stall (0: none)
-        self.aborts = [memoryview(s[16:24]).cast("q") for s in segs]
-        # written by its owner only: the last call whose reduced block it published (split_at)
-        self.dones = [memoryview(s[24:32]).cast("q") for s in segs]
-        # written by its owner only: call << STREAM_SHIFT | the pieces it streamed (stream, gather)
-        self.streams = [memoryview(s[32:40]).cast("q") for s in segs]
-        # written by its owner only: call << STREAM_SHIFT | the rounds of pieces it took (gather)
-        self.takes = [memoryview(s[40:48]).cast("q") for s in segs]
-        self._seq_addr = [s[0:8].ctypes.data for s in segs]
-        self._done_addr = [s[24:32].ctypes.data for s in segs]
-        self._stream_addr = [s[32:40].ctypes.data for s in segs]
-        self._take_addr = [s[40:48].ctypes.data for s in segs]
-        self._stage_addr = [s[LINE : LINE + 8].ctypes.data for s in segs]
+
+        def words(at: int) -> list[memoryview]:
+            return [memoryview(s[at : at + 8]).cast("q") for s in segs]
+
+        def addrs(at: int) -> list[int]:
+            return [s[at : at + 8].ctypes.data for s in segs]
+
+        # every word is written by its owner only
+        self.seqs = words(_SEQ)
+        # the last call whose reduced block the rank published (split_at)
+        self.dones = words(_DONE)
+        # call << STREAM_SHIFT | the pieces it streamed (stream, gather)
+        self.streams = words(_STREAM)
+        # call << STREAM_SHIFT | the rounds of pieces it took (gather)
+        self.takes = words(_TAKE)
+        self.stages = words(_STAGE)
+        # 1 while the owner may be asleep
+        self.sleeping = words(_SLEEPING)
+        # written once: the call it gave up on after a stall (0: none)
+        self.aborts = words(_ABORT)
+        self._seq_addr = addrs(_SEQ)
+        self._done_addr = addrs(_DONE)
+        self._stream_addr = addrs(_STREAM)
+        self._take_addr = addrs(_TAKE)
+        self._stage_addr = addrs(_STAGE)
+        self._sleeping_addr = addrs(_SLEEPING)
+        self._abort_addr = addrs(_ABORT)
+        self._stores_addr = addrs(_STORES)
         peers = [j for j in range(self.n) if j != me]
         self._peer_aborts = [self.aborts[j] for j in peers]
         self._my_seq = self.seqs[me]
@@ -465,20 +498,20 @@ class Channel:
         self.core = core = Core(
             self.me,
             self._seq_addr,
-            [s[8:16].ctypes.data for s in segs],
+            self._sleeping_addr,
             [s[self._slot0 + p * slot :].ctypes.data for s in segs for p in (0, 1)],
-            [s[self._slot0 + p * slot + LINE :].ctypes.data for s in segs for p in (0, 1)],
+            [s[self._slot0 + p * slot + HEAD :].ctypes.data for s in segs for p in (0, 1)],
             self.slot_bytes,
             self._spin,
             self.progress,
             np.ascontiguousarray,
             futex.OK,
-            [s[16:24].ctypes.data for s in segs],
+            self._abort_addr,
             self.stalled,
             self._done_addr,
             self._stream_addr,
             self._take_addr,
-            [s[48:56].ctypes.data for s in segs],
+            self._stores_addr,
         )
         core.stall = stall_timeout
         core.nontemporal = self.nontemporal
@@ -708,6 +741,7 @@ class Channel:
         h[3] = win
         h[4] = wout
         self.fence()
+        h[POSTED] = seq
         self._my_seq[0] = seq
         self._wake_sleepers(self._my_seq_addr)
         return seq

@@ -1,8 +1,10 @@
 /* The node channel's post/poll loop and one-step reductions, compiled.
  *
  * collectives.channel.Channel posts a call's signature words (and, for small calls, its
- * data) into its slot of the node's shared window, publishes its sequence number, waits
- * for every peer's, and finishes small calls from the slots. In Python each of those
+ * data) into its slot of the node's shared window, publishes its sequence number (in the
+ * slot's header, then in its counter), waits for every peer's (in its header, whose line
+ * also holds the signature and up to 16 bytes of data: one line from each peer is all a
+ * small call waits for), and finishes small calls from the slots. In Python each of those
  * steps costs a fraction of a microsecond, which is most of a small collective. This
  * module does the same steps on the same memory with the same protocol (see channel.py's
  * docstring), so a rank using it and a rank using the pure-Python loop interoperate:
@@ -94,6 +96,10 @@
 #define STREAM_SHIFT 24
 /* a cache line's bytes, to which a root's share of a single-copy broadcast is rounded */
 #define LINE_BYTES 64
+/* a slot's header: the signature words a, b, c, the arena words win, wout, and the call
+ * that posted them, stored last (channel.HEAD_WORDS); the slot's data follows on the same
+ * line */
+#define POSTED 5
 
 /* the wire codes of collectives.ops.DTYPES */
 enum { F16 = 0, BF16 = 1, F32 = 2, F64 = 3, I8 = 4, I16 = 5, I32 = 6, I64 = 7, U8 = 8 };
@@ -389,8 +395,8 @@ static int stall(Core *c, int r, int64_t want, int kind) {
     return -1;
 }
 
-/* The first peer that gave up after a stall, or -1. Each abort word shares its cache line
- * with the rank's counter, which the caller has just read. */
+/* The first peer that gave up after a stall, or -1. The abort words lie on a line their
+ * ranks write only in barriers and stalls, which therefore stays in the caches that read it. */
 static int gave_up(Core *c) {
     for (int r = 0; r < c->n; r++)
         if (r != c->me && load(c->aborts[r]))
@@ -398,9 +404,10 @@ static int gave_up(Core *c) {
     return -1;
 }
 
-/* Wait until rank r's counter *v reaches `want` (no fence after); 0, or -1 with an
+/* Wait until rank r's word *v reaches `want` (no fence after), sleeping (where the wait
+ * outlasts its polls) on its counter *z, which r publishes after *v; 0, or -1 with an
  * exception, as wait_all. */
-static int wait_one(Core *c, int r, int64_t *v, int64_t want, int kind) {
+static int wait_on(Core *c, int r, int64_t *v, int64_t *z, int64_t want, int kind) {
     if (load(v) >= want)
         return 0;
     long polls = budget(c);
@@ -423,7 +430,7 @@ static int wait_one(Core *c, int r, int64_t *v, int64_t want, int kind) {
             return -1;
         Py_DECREF(res);
         if (t - start >= limit)
-            doze(c, v, want);
+            doze(c, z, want);
         int q = gave_up(c);
         if (q >= 0)
             return stall(c, q, kind >= 5 ? want >> STREAM_SHIFT : want, 1);
@@ -432,6 +439,9 @@ static int wait_one(Core *c, int r, int64_t *v, int64_t want, int kind) {
     }
     return 0;
 }
+
+/* Wait until rank r's counter *v reaches `want` (no fence after), as wait_on. */
+static int wait_one(Core *c, int r, int64_t *v, int64_t want, int kind) { return wait_on(c, r, v, v, want, kind); }
 
 /* Wait until every peer's counter in `ctrs` reaches `want`; 0, or -1 with an exception
  * (a stall: a peer gave up, or this rank waited c->stall_ns for one; `kind` names the
@@ -506,8 +516,22 @@ static int64_t post(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payload,
     h[2] = w;
     h[3] = win;
     h[4] = wout;
+    fence(); /* the data and the words above before the word that announces them */
+    store(h + POSTED, seq);
     publish(c, mine, seq);
     return seq;
+}
+
+/* Wait until every peer has posted call seq: its slot's header announces it (the POSTED
+ * word, on the line of the signature, and of a small payload); a wait that sleeps sleeps
+ * on its counter, published after that word. 0, or -1 with an exception, as wait_all. */
+static int wait_posted(Core *c, int64_t seq) {
+    int p = (int)(seq & 1);
+    for (int r = 0; r < c->n; r++)
+        if (r != c->me && wait_on(c, r, c->heads[2 * r + p] + POSTED, c->seqs[r], seq, 0) < 0)
+            return -1;
+    fence();
+    return 0;
 }
 
 /* Post, wait for every peer's post and compare the signatures: seq, -seq on a mismatch,
@@ -517,7 +541,7 @@ static int64_t exchange(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payl
     int64_t seq = post(c, a, b, w, payload, win, wout, nt);
     if (seq < 0)
         return 0;
-    if (wait_all(c, c->seqs, seq, 0) < 0)
+    if (wait_posted(c, seq) < 0)
         return 0;
     int q = gave_up(c); /* every peer posted, but one gave up meanwhile: no rank uses the call */
     if (q >= 0) {
@@ -1299,7 +1323,7 @@ static PyObject *Core_wait_posted(Core *c, PyObject *arg) {
     int64_t seq = PyLong_AsLongLong(arg);
     if (seq == -1 && PyErr_Occurred())
         return NULL;
-    if (wait_all(c, c->seqs, seq, 0) < 0)
+    if (wait_posted(c, seq) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
