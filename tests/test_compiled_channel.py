@@ -1033,10 +1033,10 @@ def test_ranks_on_either_loop_work_together(compiled_rank):
 @pytest.mark.mpi(min_size=2)
 @needs_core
 def test_a_compiled_wait_takes_a_peers_call_from_its_slot_header_not_its_counter():
-    # rank 0 exchanges in the compiled loop while every other rank posts by hand: its data,
-    # its header's words and the header's last word, its counter only once rank 0 is through.
-    # A wait on the counters would stall; a small call needs one line from each peer, whose
-    # header shares it with the first HEAD_DATA bytes of the data.
+    # rank 0 exchanges a tiny call in the compiled loop while every other rank posts by hand:
+    # its data, its header's words and the header's last word, its counter only once rank 0
+    # is through. A wait on the counters would stall; a call of up to HEAD_DATA bytes needs
+    # one line from each peer, which holds its header and its data.
     comm = WORLD.Dup()
     try:
         ctx = get_context(comm, config=Config(stall_timeout=20))
@@ -1049,11 +1049,11 @@ def test_a_compiled_wait_takes_a_peers_call_from_its_slot_header_not_its_counter
         got: object = None
         if ME == 0:
             try:
-                got = ch.core.exchange(7, 8, 9, payload)
+                got = ch.core.exchange(7, 8, 9, payload, False, 0, 0, payload.nbytes)
             except Exception as exc:  # noqa: BLE001 - every rank reaches the barrier below
                 got = exc
         else:
-            ch.slots[ME][p][: payload.nbytes] = payload.view(np.uint8)
+            ch.payload(ME, p, payload.nbytes)[:] = payload.view(np.uint8)
             h = ch.heads[ME][p]
             h[0], h[1], h[2], h[3], h[4] = 7, 8, 9, 0, 0
             h[POSTED] = seq
@@ -1064,9 +1064,19 @@ def test_a_compiled_wait_takes_a_peers_call_from_its_slot_header_not_its_counter
         if ME == 0:
             assert got == seq, f"the wait ended in {got!r}"
             for r in range(1, N):
-                assert ch.slots[r][p].ctypes.data % LINE == HEAD, "the data starts on its header's line"
-                assert np.array_equal(ch.slots[r][p][: payload.nbytes].view(np.int64), payload - 100 * ME + 100 * r)
+                got_r = ch.payload(r, p, payload.nbytes)
+                assert got_r.ctypes.data % LINE == HEAD, "a tiny payload lies on its header's line"
+                assert np.array_equal(got_r.view(np.int64), payload - 100 * ME + 100 * r)
+                assert ch.payload(r, p, HEAD_DATA + 1).ctypes.data % LINE == 0, "a larger one on lines of its own"
         assert np.array_equal(C.allreduce(np.ones(3), comm=comm), np.full(3, float(N)))  # still in step
+        # ranks whose calls differ in size wait for each other's posts in different ways (a
+        # tiny call on the headers, a larger one on the counters): a mismatch, not a stall
+        for tiny, large in ((1, 2048), (256, 257), (2, 4096)):
+            with pytest.raises(CollectiveMismatchError):
+                C.broadcast(np.ones(tiny if ME else large, np.float32), root=0, comm=comm)
+            with pytest.raises(CollectiveMismatchError):
+                C.allreduce(np.ones(large if ME == N - 1 else tiny, np.float32), comm=comm)
+        assert np.array_equal(C.allreduce(np.ones(3), comm=comm), np.full(3, float(N)))
     finally:
         comm.Free()
 

@@ -5,15 +5,16 @@ Every rank owns one segment of the window (``MPI_Win_allocate_shared``, or plain
 for the thread transport), laid out as::
 
     [seq done streamed taken stores][stage sleeping abort]
-    [slot 0: header, small data ...] [slot 1: ...] [buffer 0] [buffer 1]
+    [slot 0: header, tiny data][data ...] [slot 1: ...] [buffer 0] [buffer 1]
 
 ``seq`` counts the calls this rank has *posted*; a call posts its argument signature
 (three int64 words) and where its input and output lie in the node's arena (two more:
 :meth:`.arena.Arena.where`) into the header of slot ``seq % 2``, and for small messages
-the data too, right after the header; then it stores ``seq`` in the header's last word
-and publishes it in ``seq``. The compiled loop waits for a peer's post on that header word,
-whose cache line also holds the signature and the first :data:`HEAD_DATA` bytes of data, so
-that a small call needs one line from each peer; the Python loop waits on ``seq``. The
+the data too (up to :data:`HEAD_DATA` bytes on the header's line, more from the next line:
+:meth:`Channel.payload`); then it stores ``seq`` in the header's last word and publishes it
+in ``seq``. The compiled loop waits for a peer's post of a call of up to 1 KiB on that
+header word, whose cache line also holds the signature and a tiny payload, so that such a
+call needs one line from each peer; larger calls, and the Python loop, wait on ``seq``. The
 first line of the segment holds the words written in every call, the second those written
 only in barriers, sleeps and stalls, which therefore stay in the caches that read them.
 Two slots suffice: a rank can post call ``k + 2`` only after every peer
@@ -102,16 +103,18 @@ LINE = 64
 
 HEAD_WORDS = 6
 """Words of a slot's header: the signature ``a, b, c``, the arena words ``win, wout``, and
-the call that posted them (:data:`POSTED`), stored last; the slot's data follows."""
+the call that posted them (:data:`POSTED`), stored last."""
 
 POSTED = 5
 """The header word that announces its call (the compiled loop's constant)."""
 
 HEAD = 8 * HEAD_WORDS
-"""Bytes from a slot's start to its data."""
+"""Bytes of a slot's header."""
 
 HEAD_DATA = LINE - HEAD
-"""Bytes of a slot's data on the line of its header."""
+"""A payload of up to this many bytes lies on its header's line, after the header (a peer
+then reads one line of the call); a larger one in the slot's data, from the next line, so
+that its copies and reductions run on whole lines (:meth:`Channel.payload`)."""
 
 # Byte offsets in a rank's segment: the words written in every call on the first line, those
 # written only in barriers, sleeps and stalls on the second.
@@ -406,7 +409,7 @@ class Channel:
         reaches this (0: never): see :meth:`split_at`."""
         self.region = _round_up(max(chunk_bytes // self.n, LINE), LINE)
         self.chunk = self.region * self.n
-        slot = LINE + self.slot_bytes  # the header and the data, from HEAD bytes into its first line
+        slot = LINE + self.slot_bytes  # the header's line, then the data
         self._slot0 = 2 * LINE
         self._buf0 = 2 * LINE + 2 * slot
         total = self._buf0 + 2 * self.chunk
@@ -441,13 +444,15 @@ class Channel:
         in the window, and the views the posts and waits use."""
         at = [self._slot0 + p * slot for p in (0, 1)]
         self.heads = [[memoryview(s[a : a + HEAD]).cast("q") for a in at] for s in segs]
-        self.slots = [[s[a + HEAD : a + HEAD + self.slot_bytes] for a in at] for s in segs]
+        self.slots = [[s[a + LINE : a + LINE + self.slot_bytes] for a in at] for s in segs]
+        self._inline = [[s[a + HEAD : a + LINE] for a in at] for s in segs]
         self.bufs = [[s[self._buf0 + b * self.chunk : self._buf0 + (b + 1) * self.chunk] for b in (0, 1)] for s in segs]
         peers = [j for j in range(self.n) if j != self.me]
         self._my_heads = self.heads[self.me]
         self.peer_heads = [[self.heads[j][p] for j in peers] for p in (0, 1)]
         """Slot ``p``'s signature words of every peer, in rank order without this rank."""
         self._my_slots = [memoryview(self.slots[self.me][p]) for p in (0, 1)]
+        self._my_inline = [memoryview(self._inline[self.me][p]) for p in (0, 1)]
 
     def _map_counters(self, segs: list[np.ndarray]) -> None:
         """Every rank's counter words in the window (the first two lines of its segment),
@@ -500,7 +505,7 @@ class Channel:
             self._seq_addr,
             self._sleeping_addr,
             [s[self._slot0 + p * slot :].ctypes.data for s in segs for p in (0, 1)],
-            [s[self._slot0 + p * slot + HEAD :].ctypes.data for s in segs for p in (0, 1)],
+            [s[self._slot0 + p * slot + LINE :].ctypes.data for s in segs for p in (0, 1)],
             self.slot_bytes,
             self._spin,
             self.progress,
@@ -626,7 +631,7 @@ class Channel:
                                 seq = self.exchange(0, size, single, None if self.me else buf[:size])
                                 self.core.nontemporal = self.nontemporal
                                 if self.me:
-                                    buf[:size] = self.slots[0][seq & 1][:size]
+                                    buf[:size] = self.payload(0, seq & 1, size)
                             took += time.perf_counter() - start
                         best = min(best, took / calls) if r else best
                     mine.append(best)
@@ -681,8 +686,13 @@ class Channel:
             if len(self._views) > 512:
                 self._views.clear()
             nbytes = math.prod(shape) * dtype.itemsize
-            v = self._views[key] = [s[p][:nbytes].view(dtype).reshape(shape) for s in self.slots]
+            v = self._views[key] = [self.payload(r, p, nbytes).view(dtype).reshape(shape) for r in range(self.n)]
         return v
+
+    def payload(self, r: int, p: int, nbytes: int) -> np.ndarray:
+        """Rank ``r``'s payload of ``nbytes`` in its slot ``p`` (bytes): on the line of the
+        slot's header up to :data:`HEAD_DATA` bytes, else at the start of the slot's data."""
+        return (self._inline if nbytes <= HEAD_DATA else self.slots)[r][p][:nbytes]
 
     def buf_views(self, b: int, dtype: np.dtype) -> list[np.ndarray]:
         """Every rank's buffer ``b`` as a flat array of ``dtype``."""
@@ -729,9 +739,9 @@ class Channel:
         if payload is not None and payload.nbytes:
             nb = payload.nbytes
             try:
-                self._my_slots[p][:nb] = memoryview(payload).cast("B")
+                (self._my_inline if nb <= HEAD_DATA else self._my_slots)[p][:nb] = memoryview(payload).cast("B")
             except (TypeError, ValueError):  # any other layout, or no buffer format (bfloat16)
-                slot = self.slots[self.me][p][:nb].view(payload.dtype).reshape(payload.shape)
+                slot = self.payload(self.me, p, nb).view(payload.dtype).reshape(payload.shape)
                 np.copyto(slot, payload)
         # the call counts as posted only below: a payload that could not be copied posts nothing
         h = self._my_heads[p]
@@ -812,8 +822,9 @@ class Channel:
         publishes ``done`` (:meth:`publish_done`), and copies every rank's block once they
         are published: ``2 x nbytes`` read. The results are the same bits (each element is
         reduced in rank order either way). Two steps are taken from 3 ranks, once
-        ``(n - 2) x nbytes`` reaches :attr:`split_bytes`, where data and blocks fit a slot."""
-        if self.split_bytes <= 0 or self.n < 3 or (self.n - 2) * nbytes < self.split_bytes:
+        ``(n - 2) x nbytes`` reaches :attr:`split_bytes`, where data and blocks fit a slot
+        (and never for a payload on its header's line: :data:`HEAD_DATA`)."""
+        if self.split_bytes <= 0 or self.n < 3 or (self.n - 2) * nbytes < self.split_bytes or nbytes <= HEAD_DATA:
             return 0
         at = _round_up(nbytes, LINE)
         return at if at + nbytes <= self.slot_bytes else 0

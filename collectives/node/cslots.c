@@ -2,12 +2,13 @@
  *
  * collectives.channel.Channel posts a call's signature words (and, for small calls, its
  * data) into its slot of the node's shared window, publishes its sequence number (in the
- * slot's header, then in its counter), waits for every peer's (in its header, whose line
- * also holds the signature and up to 16 bytes of data: one line from each peer is all a
- * small call waits for), and finishes small calls from the slots. In Python each of those
- * steps costs a fraction of a microsecond, which is most of a small collective. This
- * module does the same steps on the same memory with the same protocol (see channel.py's
- * docstring), so a rank using it and a rank using the pure-Python loop interoperate:
+ * slot's header, then in its counter), waits for every peer's (a call of up to 1 KiB in
+ * its header, whose line also holds the signature and up to 16 bytes of data: one line
+ * from each peer is all a tiny call waits for), and finishes small calls from the slots.
+ * In Python each of those steps costs a fraction of a microsecond, which is most of a small
+ * collective. This module does the same steps on the same memory with the same protocol
+ * (see channel.py's docstring), so a rank using it and a rank using the pure-Python loop
+ * interoperate:
  *
  *   Core(me, seqs, sleeping, heads, slots, slot_bytes, spin, progress, contiguous, futex, aborts, stalled, dones,
  *        streams, takes, stores)
@@ -23,7 +24,9 @@
  *       `rank` gave up after a stall; 2: this rank gave up before).
  *   core.post(a, b, c, payload=None, win=0, wout=0) -> seq
  *   core.wait_posted(seq)
- *   core.exchange(a, b, c, payload=None, uneven=False, win=0, wout=0) -> seq or -seq
+ *   core.exchange(a, b, c, payload=None, uneven=False, win=0, wout=0, nbytes=-1) -> seq or -seq
+ *       (nbytes: the call's bytes a rank, where the caller knows them: up to HEADER_WAIT_BYTES
+ *       it waits for the peers' posts on their slots' headers)
  *   core.step(kind, ...) -> Step: one collective's one-step call for one dtype and shape,
  *       step(x, out=None) posts x, waits and finishes the call from the slots (below); an
  *       allreduce or reduce given `second` (split_at) finishes in two steps (each rank
@@ -97,9 +100,11 @@
 /* a cache line's bytes, to which a root's share of a single-copy broadcast is rounded */
 #define LINE_BYTES 64
 /* a slot's header: the signature words a, b, c, the arena words win, wout, and the call
- * that posted them, stored last (channel.HEAD_WORDS); the slot's data follows on the same
- * line */
+ * that posted them, stored last (channel.HEAD_WORDS); a payload of up to HEAD_DATA bytes
+ * follows on the same line (slot_data), a larger one in the slot's data, from the next line */
 #define POSTED 5
+#define HEAD_BYTES 48
+#define HEAD_DATA (LINE_BYTES - HEAD_BYTES)
 
 /* the wire codes of collectives.ops.DTYPES */
 enum { F16 = 0, BF16 = 1, F32 = 2, F64 = 3, I8 = 4, I16 = 5, I32 = 6, I64 = 7, U8 = 8 };
@@ -472,14 +477,16 @@ static int contiguous_view(Core *c, PyObject *obj, Py_buffer *view, PyObject **h
 }
 
 /* Copy `obj` (any object with a buffer; any layout through `contiguous`) to dst, at most
- * `limit` bytes (non-temporal from `nt` bytes: copy_shared); 0, or -1 with an exception
- * set. */
-static int copy_object(Core *c, PyObject *obj, char *dst, Py_ssize_t limit, Py_ssize_t nt) {
+ * `limit` bytes (non-temporal from `nt` bytes: copy_shared), or where it holds at most
+ * HEAD_DATA bytes and `small` is not NULL, to `small`; 0, or -1 with an exception set. */
+static int copy_object(Core *c, PyObject *obj, char *dst, Py_ssize_t limit, Py_ssize_t nt, char *small) {
     Py_buffer view;
     PyObject *held;
     if (contiguous_view(c, obj, &view, &held) < 0)
         return -1;
     int rc = 0;
+    if (small != NULL && view.len <= HEAD_DATA)
+        dst = small;
     if (view.len > limit) {
         PyErr_Format(PyExc_ValueError, "payload of %zd bytes exceeds the %zd it goes to", view.len, limit);
         rc = -1;
@@ -491,10 +498,19 @@ static int copy_object(Core *c, PyObject *obj, char *dst, Py_ssize_t limit, Py_s
     return rc;
 }
 
-/* Copy `payload` into this rank's slot p (non-temporal from `nt` bytes); 0, or -1 with an
- * exception set (nothing posted). */
+/* Where rank r's payload of `nbytes` lies in its slot p: on the line of the slot's header
+ * up to HEAD_DATA bytes (a small call's peers then read one line of it: the call, its
+ * signature and its data), else in the slot's data, which starts on a line of its own. */
+static inline char *slot_data(const Core *c, int r, int p, Py_ssize_t nbytes) {
+    return nbytes <= HEAD_DATA ? (char *)c->heads[2 * r + p] + HEAD_BYTES : c->slots[2 * r + p];
+}
+
+/* Copy `payload` into this rank's slot p (slot_data; non-temporal from `nt` bytes); 0, or -1
+ * with an exception set (nothing posted). */
 static int put_payload(Core *c, int p, PyObject *payload, Py_ssize_t nt) {
-    return payload == Py_None ? 0 : copy_object(c, payload, c->slots[2 * c->me + p], c->slot_bytes, nt);
+    return payload == Py_None ? 0
+                              : copy_object(c, payload, c->slots[2 * c->me + p], c->slot_bytes, nt,
+                                            slot_data(c, c->me, p, 0));
 }
 
 /* Post the next call (its payload copied in non-temporal from `nt` bytes); its seq, or -1
@@ -511,37 +527,53 @@ static int64_t post(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payload,
     if (put_payload(c, p, payload, nt) < 0)
         return -1;
     int64_t *h = c->heads[2 * c->me + p];
-    h[0] = a;
-    h[1] = b;
-    h[2] = w;
-    h[3] = win;
-    h[4] = wout;
-    fence(); /* the data and the words above before the word that announces them */
-    store(h + POSTED, seq);
+    /* the words, stored only where they differ from the call before in this slot (the same,
+     * in a loop of one collective): each store takes the line back from the peers that read
+     * it. The call's number is stored in every post, whichever way its peers wait, so that a
+     * peer that waits on the header for a call of another size sees it, and the mismatch. */
+    const int64_t words[POSTED] = {a, b, w, win, wout};
+    for (int i = 0; i < POSTED; i++)
+        if (h[i] != words[i])
+            h[i] = words[i];
+    /* a release store: the data and the words above are visible before the word that
+     * announces them (and go out together with it: a fence before it would wait here for
+     * the data's lines, then take the peers' polled line once more) */
+    __atomic_store_n(h + POSTED, seq, __ATOMIC_RELEASE);
     publish(c, mine, seq);
     return seq;
 }
 
-/* Wait until every peer has posted call seq: its slot's header announces it (the POSTED
- * word, on the line of the signature, and of a small payload); a wait that sleeps sleeps
- * on its counter, published after that word. 0, or -1 with an exception, as wait_all. */
-static int wait_posted(Core *c, int64_t seq) {
+/* A call of up to this many bytes a rank waits for its peers' posts on their slots'
+ * headers (wait_posted): the line of the call's number, its signature and a tiny payload.
+ * Larger calls wait on the counters: on the reference machine a 4 or 16 KiB allreduce that
+ * waited on the headers took 5-15 % longer while its two vCPUs shared a cache (1 KiB and
+ * less: no slower, and a broadcast faster), though a few percent less where they did not. */
+#define HEADER_WAIT_BYTES 1024
+
+/* Wait until every peer has posted call seq: where `header`, until its slot's header
+ * announces it (the POSTED word, on the line of the signature and of a tiny payload: the
+ * one line a small call needs from each peer), sleeping (where the wait outlasts its
+ * polls) on its counter, published after that word; else until its counter does. 0, or -1
+ * with an exception, as wait_all. */
+static int wait_posted(Core *c, int64_t seq, int header) {
     int p = (int)(seq & 1);
     for (int r = 0; r < c->n; r++)
-        if (r != c->me && wait_on(c, r, c->heads[2 * r + p] + POSTED, c->seqs[r], seq, 0) < 0)
+        if (r != c->me && wait_on(c, r, header ? c->heads[2 * r + p] + POSTED : c->seqs[r], c->seqs[r], seq, 0) < 0)
             return -1;
     fence();
     return 0;
 }
 
-/* Post, wait for every peer's post and compare the signatures: seq, -seq on a mismatch,
- * or 0 with an exception set. */
+/* Post, wait for every peer's post (on the headers where the call moves up to
+ * HEADER_WAIT_BYTES a rank: `nbytes`; -1 where the caller cannot tell) and compare the
+ * signatures: seq, -seq on a mismatch, or 0 with an exception set. */
 static int64_t exchange(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payload, int uneven, int64_t win,
-                        int64_t wout, Py_ssize_t nt) {
+                        int64_t wout, Py_ssize_t nt, Py_ssize_t nbytes) {
+    int header = nbytes >= 0 && nbytes <= HEADER_WAIT_BYTES;
     int64_t seq = post(c, a, b, w, payload, win, wout, nt);
     if (seq < 0)
         return 0;
-    if (wait_posted(c, seq) < 0)
+    if (wait_posted(c, seq, header) < 0)
         return 0;
     int q = gave_up(c); /* every peer posted, but one gave up meanwhile: no rank uses the call */
     if (q >= 0) {
@@ -973,15 +1005,15 @@ static kernel kernel_for(int dtype, int op, int *itemsize) {
     }
 }
 
-/* Reduce elements [lo, hi) of every rank's slot of call seq into dst, in rank order. 0, or
- * -1 with an exception set. */
+/* Reduce elements [lo, hi) of every rank's payload of call seq (`posted` bytes each:
+ * slot_data) into dst, in rank order. 0, or -1 with an exception set. */
 static int reduce_slots(Core *c, int64_t seq, kernel k, int op, Py_ssize_t itemsize, Py_ssize_t lo, Py_ssize_t hi,
-                        char *dst) {
+                        char *dst, Py_ssize_t posted) {
     if (hi <= lo)
         return 0;
     int p = (int)(seq & 1);
     if (c->n == 1) {
-        memcpy(dst, c->slots[p] + lo * itemsize, (size_t)((hi - lo) * itemsize));
+        memcpy(dst, slot_data(c, 0, p, posted) + lo * itemsize, (size_t)((hi - lo) * itemsize));
         return 0;
     }
     char *src[64], **s = src;
@@ -989,7 +1021,7 @@ static int reduce_slots(Core *c, int64_t seq, kernel k, int op, Py_ssize_t items
         PyErr_NoMemory();
         return -1;
     }
-    for (int r = 0; r < c->n; r++) s[r] = c->slots[2 * r + p];
+    for (int r = 0; r < c->n; r++) s[r] = slot_data(c, r, p, posted);
     k(s, c->n, lo, hi, dst, op);
     if (s != src)
         PyMem_Free(s);
@@ -1323,21 +1355,22 @@ static PyObject *Core_wait_posted(Core *c, PyObject *arg) {
     int64_t seq = PyLong_AsLongLong(arg);
     if (seq == -1 && PyErr_Occurred())
         return NULL;
-    if (wait_posted(c, seq) < 0)
+    if (wait_posted(c, seq, 0) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
 
 static PyObject *Core_exchange(Core *c, PyObject *const *args, Py_ssize_t nargs) {
-    static const int at[] = {0, 1, 2, 5, 6};
-    int64_t v[5];
-    if (method_args(c, args, nargs, 3, 7, "exchange(a, b, c, payload=None, uneven=False, win=0, wout=0)", at, 5, v) <
-        0)
+    static const int at[] = {0, 1, 2, 5, 6, 7};
+    int64_t v[6];
+    if (method_args(c, args, nargs, 3, 8, "exchange(a, b, c, payload=None, uneven=False, win=0, wout=0, nbytes=-1)", at,
+                    6, v) < 0)
         return NULL;
     int uneven = 0;
     if (nargs > 4 && (uneven = PyObject_IsTrue(args[4])) < 0)
         return NULL;
-    int64_t seq = exchange(c, v[0], v[1], v[2], nargs > 3 ? args[3] : Py_None, uneven, v[3], v[4], c->nt_bytes);
+    Py_ssize_t nbytes = nargs > 7 ? (Py_ssize_t)v[5] : -1;
+    int64_t seq = exchange(c, v[0], v[1], v[2], nargs > 3 ? args[3] : Py_None, uneven, v[3], v[4], c->nt_bytes, nbytes);
     return seq == 0 ? NULL : PyLong_FromLongLong(seq);
 }
 
@@ -1769,7 +1802,8 @@ static int split_reduce(Step *s, int64_t seq, char *out) {
     int n = c->n, p = (int)(seq & 1);
     Py_ssize_t count = s->hi, isz = s->itemsize;
     Py_ssize_t lo = block_start(count, n, c->me), hi = block_start(count, n, c->me + 1);
-    if (reduce_slots(c, seq, s->k, s->op, isz, lo, hi, c->slots[2 * c->me + p] + s->second + lo * isz) < 0)
+    if (reduce_slots(c, seq, s->k, s->op, isz, lo, hi, c->slots[2 * c->me + p] + s->second + lo * isz, s->nbytes) <
+        0)
         return -1;
     publish(c, c->dones[c->me], seq);
     if (s->root >= 0 && s->root != c->me)
@@ -1859,7 +1893,8 @@ static PyObject *Step_call(Step *s, PyObject *const *args, size_t nargsf, PyObje
     int single = s->kind == STEP_ALLGATHER && s->second; /* each rank reads the others' x, not the slots */
     PyObject *payload = (s->kind == STEP_BROADCAST && (!is_root || streamed)) || single ? Py_None : x;
     int64_t seq =
-        exchange(c, s->a, b, s->c, payload, s->kind == STEP_ALLGATHER, 0, 0, is_root ? c->nt_bcast : c->nt_bytes);
+        exchange(c, s->a, b, s->c, payload, s->kind == STEP_ALLGATHER, 0, 0, is_root ? c->nt_bcast : c->nt_bytes,
+                 s->nbytes);
     if (seq == 0)
         goto done;
     if (seq < 0) {
@@ -1869,14 +1904,15 @@ static PyObject *Step_call(Step *s, PyObject *const *args, size_t nargsf, PyObje
     int p = (int)(seq & 1);
     if (s->kind == STEP_REDUCE) {
         if (s->second ? split_reduce(s, seq, (char *)view.buf) < 0
-                      : mine && reduce_slots(c, seq, s->k, s->op, s->itemsize, s->lo, s->hi, (char *)view.buf) < 0)
+                      : mine && reduce_slots(c, seq, s->k, s->op, s->itemsize, s->lo, s->hi, (char *)view.buf,
+                                             s->nbytes) < 0)
             goto done;
     } else if (streamed) { /* the root's data from x, through its slot or read by the others */
         if (streamed_broadcast(s, seq, is_root && out != x ? x : NULL, (char *)view.buf) < 0)
             goto done;
     } else if (s->kind == STEP_BROADCAST) {
         if (!is_root || out != x)
-            memcpy(view.buf, c->slots[2 * s->root + p], (size_t)s->nbytes);
+            memcpy(view.buf, slot_data(c, s->root, p, s->nbytes), (size_t)s->nbytes);
     } else {
         for (int r = 0; r < c->n; r++) {
             int64_t w = c->heads[2 * r + p][1];
@@ -1895,7 +1931,7 @@ static PyObject *Step_call(Step *s, PyObject *const *args, size_t nargsf, PyObje
                 goto done;
         } else {
             for (int r = 0; r < c->n; r++)
-                memcpy((char *)view.buf + r * s->nbytes, c->slots[2 * r + p], (size_t)s->nbytes);
+                memcpy((char *)view.buf + r * s->nbytes, slot_data(c, r, p, s->nbytes), (size_t)s->nbytes);
         }
     }
     res = mine ? Py_NewRef(out) : Py_NewRef(Py_None);
@@ -1920,7 +1956,8 @@ static void Step_dealloc(Step *s) {
 }
 
 /* core.step(kind, a, b, c, fits, like, dtype, op, lo, hi, root, nbytes, empty, slow, mismatch, uneven,
- *           second=0) */
+ *           second=0): nbytes, the bytes each rank posts (a reduction's whole input, of which
+ *           it takes elements lo to hi; an allgather's block; a broadcast's message) */
 static PyObject *Core_step(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     static const int at[] = {0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 11, 16};
     int64_t v[12];
@@ -1970,9 +2007,9 @@ static PyObject *Core_step(Core *c, PyObject *const *args, Py_ssize_t nargs) {
     if (kind == STEP_REDUCE) {
         int itemsize = 0;
         s->k = kernel_for((int)v[5], (int)v[6], &itemsize);
-        int bad_split = second && (lo != 0 || c->n < 2 || second % itemsize ||
+        int bad_split = second && (lo != 0 || c->n < 2 || second % itemsize || nbytes <= HEAD_DATA ||
                                    second < hi * itemsize || second + hi * itemsize > c->slot_bytes);
-        if (s->k == NULL || itemsize != s->itemsize || lo < 0 || hi < lo || hi * itemsize > c->slot_bytes ||
+        if (s->k == NULL || itemsize != s->itemsize || lo < 0 || hi < lo || hi * itemsize > nbytes ||
             (hi - lo) * itemsize != s->out_bytes || bad_split) {
             s->core = NULL;
             s->ndarray = s->shape_obj = s->dtype = s->empty = s->slow = s->mismatch = s->uneven = NULL;

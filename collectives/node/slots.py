@@ -98,7 +98,7 @@ def small_allreduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, .
     with x's shape and dtype."""
     count = math.prod(shape)
     split = ch.split_at(count * dtype.itemsize)
-    step = _step(ch, STEP_REDUCE, a, count, shape, dtype, op=op, second=split)
+    step = _step(ch, STEP_REDUCE, a, count, shape, dtype, op=op, nbytes=count * dtype.itemsize, second=split)
     if step is not None:
         return step
     views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
@@ -127,7 +127,7 @@ def small_reduce_scatter_fn(ch: Channel, a: int, dtype: np.dtype, count: int, op
     without posting when ``out`` is not exactly right."""
     off = offsets(block_counts(count, ch.n))
     lo, hi = off[ch.me], off[ch.me + 1]
-    step = _step(ch, STEP_REDUCE, a, count, (hi - lo,), dtype, op=op, lo=lo, hi=hi)
+    step = _step(ch, STEP_REDUCE, a, count, (hi - lo,), dtype, op=op, lo=lo, hi=hi, nbytes=count * dtype.itemsize)
     if step is not None:
         return step
     views = [[v[lo:hi] for v in ch.slot_views(p, dtype, (count,))] for p in (0, 1)]
@@ -154,7 +154,7 @@ def small_reduce_fn(ch: Channel, a: int, dtype: np.dtype, shape: tuple[int, ...]
     its block, the root copies them)."""
     count = math.prod(shape)
     split = ch.split_at(count * dtype.itemsize)
-    step = _step(ch, STEP_REDUCE, a, count, shape, dtype, op=op, root=root, second=split)
+    step = _step(ch, STEP_REDUCE, a, count, shape, dtype, op=op, root=root, nbytes=count * dtype.itemsize, second=split)
     if step is not None:
         return step
     views = [ch.slot_views(p, dtype, shape) for p in (0, 1)]
