@@ -1069,9 +1069,10 @@ def test_a_compiled_wait_takes_a_peers_call_from_its_slot_header_not_its_counter
                 assert np.array_equal(got_r.view(np.int64), payload - 100 * ME + 100 * r)
                 assert ch.payload(r, p, HEAD_DATA + 1).ctypes.data % LINE == 0, "a larger one on lines of its own"
         assert np.array_equal(C.allreduce(np.ones(3), comm=comm), np.full(3, float(N)))  # still in step
-        # ranks whose calls differ in size wait for each other's posts in different ways (a
-        # tiny call on the headers, a larger one on the counters): a mismatch, not a stall
-        for tiny, large in ((1, 2048), (256, 257), (2, 4096)):
+        # ranks whose calls differ wait for each other's posts in different ways (a broadcast
+        # or a tiny call on the headers, a larger reduction on the counters): a mismatch, not
+        # a stall
+        for tiny, large in ((1, 2048), (4, 5), (2, 4096)):
             with pytest.raises(CollectiveMismatchError):
                 C.broadcast(np.ones(tiny if ME else large, np.float32), root=0, comm=comm)
             with pytest.raises(CollectiveMismatchError):

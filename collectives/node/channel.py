@@ -12,9 +12,10 @@ for the thread transport), laid out as::
 :meth:`.arena.Arena.where`) into the header of slot ``seq % 2``, and for small messages
 the data too (up to :data:`HEAD_DATA` bytes on the header's line, more from the next line:
 :meth:`Channel.payload`); then it stores ``seq`` in the header's last word and publishes it
-in ``seq``. The compiled loop waits for a peer's post of a call of up to 1 KiB on that
-header word, whose cache line also holds the signature and a tiny payload, so that such a
-call needs one line from each peer; larger calls, and the Python loop, wait on ``seq``. The
+in ``seq``. The compiled loop waits for a peer's post of a one-step broadcast, or of a call
+whose payload lies on the header's line, on that header word, whose cache line also holds
+the signature and such a payload, so that a tiny call needs one line from each peer; other
+calls, and the Python loop, wait on ``seq``. The
 first line of the segment holds the words written in every call, the second those written
 only in barriers, sleeps and stalls, which therefore stay in the caches that read them.
 Two slots suffice: a rank can post call ``k + 2`` only after every peer

@@ -2,9 +2,9 @@
  *
  * collectives.channel.Channel posts a call's signature words (and, for small calls, its
  * data) into its slot of the node's shared window, publishes its sequence number (in the
- * slot's header, then in its counter), waits for every peer's (a call of up to 1 KiB in
- * its header, whose line also holds the signature and up to 16 bytes of data: one line
- * from each peer is all a tiny call waits for), and finishes small calls from the slots.
+ * slot's header, then in its counter), waits for every peer's (a broadcast's, or a call's
+ * of up to 16 bytes, in its header, whose line also holds the signature and such a payload:
+ * the one line a tiny call needs from each peer), and finishes small calls from the slots.
  * In Python each of those steps costs a fraction of a microsecond, which is most of a small
  * collective. This module does the same steps on the same memory with the same protocol
  * (see channel.py's docstring), so a rank using it and a rank using the pure-Python loop
@@ -26,7 +26,7 @@
  *   core.wait_posted(seq)
  *   core.exchange(a, b, c, payload=None, uneven=False, win=0, wout=0, nbytes=-1) -> seq or -seq
  *       (nbytes: the call's bytes a rank, where the caller knows them: up to HEADER_WAIT_BYTES
- *       it waits for the peers' posts on their slots' headers)
+ *       it waits for the peers' posts on their slots' headers, as a step does: wait_posted)
  *   core.step(kind, ...) -> Step: one collective's one-step call for one dtype and shape,
  *       step(x, out=None) posts x, waits and finishes the call from the slots (below); an
  *       allreduce or reduce given `second` (split_at) finishes in two steps (each rank
@@ -543,12 +543,16 @@ static int64_t post(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payload,
     return seq;
 }
 
-/* A call of up to this many bytes a rank waits for its peers' posts on their slots'
- * headers (wait_posted): the line of the call's number, its signature and a tiny payload.
- * Larger calls wait on the counters: on the reference machine a 4 or 16 KiB allreduce that
- * waited on the headers took 5-15 % longer while its two vCPUs shared a cache (1 KiB and
- * less: no slower, and a broadcast faster), though a few percent less where they did not. */
-#define HEADER_WAIT_BYTES 1024
+/* Which calls wait for their peers' posts on the slots' headers (wait_posted; every post
+ * announces itself there and in its counter, so either wait sees it, and a mismatch too):
+ * a one-step broadcast, and a reduction or allgather whose payload lies on the header's
+ * line (HEAD_DATA bytes): the one line such a call needs from each peer. On the reference
+ * machine, where its two vCPUs shared no cache, a 4-byte broadcast took 1.35-1.36 us
+ * waiting on the counters (MPICH 1.16-1.20) and 1.17-1.26 on the headers, a 4 KiB one
+ * 1.53-1.71 against 1.33-1.60 (MPICH 1.41-1.47), a 4-byte allreduce 1.23-1.29 against
+ * 1.07-1.20. Reductions whose data lies on lines of its own took 1-15 % longer on the
+ * headers where the vCPUs shared a cache (64 B-16 KiB), and wait on the counters. */
+#define HEADER_WAIT_BYTES HEAD_DATA
 
 /* Wait until every peer has posted call seq: where `header`, until its slot's header
  * announces it (the POSTED word, on the line of the signature and of a tiny payload: the
@@ -564,12 +568,10 @@ static int wait_posted(Core *c, int64_t seq, int header) {
     return 0;
 }
 
-/* Post, wait for every peer's post (on the headers where the call moves up to
- * HEADER_WAIT_BYTES a rank: `nbytes`; -1 where the caller cannot tell) and compare the
- * signatures: seq, -seq on a mismatch, or 0 with an exception set. */
+/* Post, wait for every peer's post (on the headers where `header`: wait_posted) and compare
+ * the signatures: seq, -seq on a mismatch, or 0 with an exception set. */
 static int64_t exchange(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payload, int uneven, int64_t win,
-                        int64_t wout, Py_ssize_t nt, Py_ssize_t nbytes) {
-    int header = nbytes >= 0 && nbytes <= HEADER_WAIT_BYTES;
+                        int64_t wout, Py_ssize_t nt, int header) {
     int64_t seq = post(c, a, b, w, payload, win, wout, nt);
     if (seq < 0)
         return 0;
@@ -1369,8 +1371,8 @@ static PyObject *Core_exchange(Core *c, PyObject *const *args, Py_ssize_t nargs)
     int uneven = 0;
     if (nargs > 4 && (uneven = PyObject_IsTrue(args[4])) < 0)
         return NULL;
-    Py_ssize_t nbytes = nargs > 7 ? (Py_ssize_t)v[5] : -1;
-    int64_t seq = exchange(c, v[0], v[1], v[2], nargs > 3 ? args[3] : Py_None, uneven, v[3], v[4], c->nt_bytes, nbytes);
+    int header = nargs > 7 && v[5] >= 0 && v[5] <= HEADER_WAIT_BYTES;
+    int64_t seq = exchange(c, v[0], v[1], v[2], nargs > 3 ? args[3] : Py_None, uneven, v[3], v[4], c->nt_bytes, header);
     return seq == 0 ? NULL : PyLong_FromLongLong(seq);
 }
 
@@ -1892,9 +1894,10 @@ static PyObject *Step_call(Step *s, PyObject *const *args, size_t nargsf, PyObje
     int streamed = s->kind == STEP_BROADCAST && s->second;
     int single = s->kind == STEP_ALLGATHER && s->second; /* each rank reads the others' x, not the slots */
     PyObject *payload = (s->kind == STEP_BROADCAST && (!is_root || streamed)) || single ? Py_None : x;
+    int header = (s->kind == STEP_BROADCAST && !streamed) || s->nbytes <= HEADER_WAIT_BYTES; /* wait_posted */
     int64_t seq =
         exchange(c, s->a, b, s->c, payload, s->kind == STEP_ALLGATHER, 0, 0, is_root ? c->nt_bcast : c->nt_bytes,
-                 s->nbytes);
+                 header);
     if (seq == 0)
         goto done;
     if (seq < 0) {
