@@ -527,14 +527,16 @@ static int64_t post(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payload,
     if (put_payload(c, p, payload, nt) < 0)
         return -1;
     int64_t *h = c->heads[2 * c->me + p];
-    /* the words, stored only where they differ from the call before in this slot (the same,
-     * in a loop of one collective): each store takes the line back from the peers that read
-     * it. The call's number is stored in every post, whichever way its peers wait, so that a
-     * peer that waits on the header for a call of another size sees it, and the mismatch. */
-    const int64_t words[POSTED] = {a, b, w, win, wout};
-    for (int i = 0; i < POSTED; i++)
-        if (h[i] != words[i])
-            h[i] = words[i];
+    /* The call's number is stored in every post, whichever way its peers wait, so that a
+     * peer that waits on the header for a call of another kind sees it, and the mismatch.
+     * (Storing the words only where they changed, which spares the line in a loop of one
+     * call, made 64-256 B allreduces 10-15 % slower where the vCPUs of the reference machine
+     * shared no cache.) */
+    h[0] = a;
+    h[1] = b;
+    h[2] = w;
+    h[3] = win;
+    h[4] = wout;
     /* a release store: the data and the words above are visible before the word that
      * announces them (and go out together with it: a fence before it would wait here for
      * the data's lines, then take the peers' polled line once more) */
