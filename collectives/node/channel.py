@@ -15,11 +15,11 @@ the data too (up to :data:`HEAD_DATA` bytes on the header's line, more from the 
 in ``seq``. The compiled loop waits for a peer's post of a one-step broadcast, or of a call
 whose payload lies on the header's line, on that header word, whose cache line also holds
 the signature and such a payload, so that a tiny call needs one line from each peer; other
-calls, and the Python loop, wait on ``seq``. The
-first line of the segment holds the words written in every call, the second those written
-only in barriers, sleeps and stalls, which therefore stay in the caches that read them.
-Two slots suffice: a rank can post call ``k + 2`` only after every peer
-posted ``k + 1``, which each does only after it finished reading call ``k``. ``stage`` is
+calls, and the Python loop, wait on ``seq``. The first line of the segment holds the words
+written in every call, the second those written only in barriers, sleeps and stalls,
+which therefore stay in the caches that read them. Two slots suffice: a rank can post
+call ``k + 2`` only after every peer posted ``k + 1``, which each does only after it
+finished reading call ``k``. ``stage`` is
 a second counter used as a barrier: a rank publishes it and waits until every peer has
 reached it. ``done`` counts the allreduces that finish in two steps through the slots
 (:meth:`Channel.split_at`): each rank reduces its block of the call into its slot, past the

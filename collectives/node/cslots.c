@@ -549,10 +549,10 @@ static int64_t post(Core *c, int64_t a, int64_t b, int64_t w, PyObject *payload,
  * announces itself there and in its counter, so either wait sees it, and a mismatch too):
  * a one-step broadcast, and a reduction or allgather whose payload lies on the header's
  * line (HEAD_DATA bytes): the one line such a call needs from each peer. On the reference
- * machine, where its two vCPUs shared no cache, a 4-byte broadcast took 1.35-1.36 us
- * waiting on the counters (MPICH 1.16-1.20) and 1.17-1.26 on the headers, a 4 KiB one
- * 1.53-1.71 against 1.33-1.60 (MPICH 1.41-1.47), a 4-byte allreduce 1.23-1.29 against
- * 1.07-1.20. Reductions whose data lies on lines of its own took 1-15 % longer on the
+ * machine, where its two vCPUs shared no cache, a 4-byte broadcast took 1.29-1.46 us
+ * waiting on the counters (MPICH 1.11-1.42) and 1.03-1.15 on the headers, a 4 KiB one
+ * 1.48-1.64 against 1.16-1.30 (MPICH 1.37-1.53), a 4-byte allreduce 1.21-1.33 against
+ * 1.07-1.23. Reductions whose data lies on lines of its own took 1-15 % longer on the
  * headers where the vCPUs shared a cache (64 B-16 KiB), and wait on the counters. */
 #define HEADER_WAIT_BYTES HEAD_DATA
 
