@@ -565,14 +565,16 @@ def bubble_line(row: dict[str, Any]) -> str | None:
     if not row.get("bubble_formula") or row.get("bubble_slowest") is None:
         return None
     formula, slowest = row["bubble_formula"], row["bubble_slowest"]
+    ahead = row.get("bubble_replayed_ahead_slowest")
     return (
         f"{row['grid']}, {row['chunks']} micro-batches: the slowest stage's bubble measured {slowest:.3f}, "
         f"(p-1)/(m+p-1) = {formula:.3f} ({slowest / formula:.2f} x; the bar is {BAR:.2f} x); with hops "
-        f"that cost nothing its spans give {row['bubble_replayed_slowest']:.3f}: the hops add "
-        f"{row['hop_s'] * 1e6:.0f} us a micro-batch, and the slowest stage spends {row['between_s'] * 1e6:.0f} us "
-        f"a micro-batch between its spans, typically {row['gap_s'] * 1e6:.0f} us before a forward. Mean over the "
-        f"stages {row['bubble']:.3f} ({row['bubble_replayed']:.3f} with free hops): the others also wait for the "
-        "slowest"
+        f"that cost nothing its spans give {row['bubble_replayed_slowest']:.3f}"
+        + ("" if ahead is None else f", and {ahead:.3f} with one more micro-batch in flight ahead of the last stage")
+        + f": the hops add {row['hop_s'] * 1e6:.0f} us a micro-batch, and the slowest stage spends "
+        f"{row['between_s'] * 1e6:.0f} us a micro-batch between its spans, typically {row['gap_s'] * 1e6:.0f} us "
+        f"before a forward. Mean over the stages {row['bubble']:.3f} ({row['bubble_replayed']:.3f} with free "
+        "hops): the others also wait for the slowest"
     )
 
 

@@ -27,7 +27,10 @@ Below the table, per pipeline, the bubble of its slowest stage (the one that com
 longest and so sets the step; the formula is for stages of equal compute, and where they
 differ the others also wait for the slowest), the same spans replayed with hops that cost
 nothing, which splits the excess into the stages' unequal compute and the hops' cost, and
-that cost in time per micro-batch.
+that cost in time per micro-batch. For 1F1B, the same spans also replayed with one more
+warm-up forward on every stage but the last: where that replay comes out lower, the stages'
+compute varies from micro-batch to micro-batch and 1F1B passes each slow micro-batch on to
+the neighbours, which one more micro-batch in flight would absorb.
 
 For each grid with tp > 1, a line explains the step by its tensor-parallel traffic: the
 calls and bytes per step of the TP functions (:data:`hpcdl.parallel.tp_comm.traffic`), the
@@ -124,6 +127,9 @@ Span = tuple[float, str, int, float]
 Step = dict[int, tuple[int, list[Span]]]
 """One training step's spans: by rank, that rank's stage and its spans in the order they ran."""
 
+Replay = tuple[list[float], float]
+"""A step's spans replayed (:func:`_replay`): each stage's busy time and the step's length."""
+
 
 def step_spans(pipe: Pipeline) -> Step:
     """Every rank's :attr:`~hpcdl.parallel.Pipeline.spans` of the last step, by rank
@@ -156,6 +162,12 @@ def bubbles(steps: list[Step]) -> dict[str, float] | None:
       only this one compares;
     - ``replayed``, ``replayed_slowest``: the same from the same spans replayed with hops
       that cost nothing (:func:`_replay`): the bubble of the stages' compute alone;
+    - ``replayed_ahead_slowest`` (1F1B spans only): the slowest stage's, from the same spans
+      replayed with free hops in the schedule that runs one more warm-up forward on every
+      stage but the last (one more micro-batch of activations held there). Below
+      ``replayed_slowest``, the stages' compute varies from micro-batch to micro-batch and
+      1F1B, whose stages wait on each other every micro-batch, passes each stage's slow
+      micro-batches on to its neighbours; where it equals it, they do not;
     - ``hop_s``: what the hops (sends, receives, the schedule's own Python) added to the
       step, in seconds per micro-batch: the measured step less the replayed, over ``m``;
     - ``between_s``: the slowest stage's time between its first span's start and its last
@@ -166,7 +178,7 @@ def bubbles(steps: list[Step]) -> dict[str, float] | None:
       the last stage, the backward's gradient sent and the next activation received.
 
     None where no step has spans that form a schedule."""
-    runs: dict[int, list[tuple[list[list[Span]], float, list[float], tuple[list[float], float]]]] = {}
+    runs: dict[int, list[tuple[list[list[Span]], float, list[float], Replay, Replay | None]]] = {}
     for rows in steps:
         for j, line in enumerate(_lines(rows) or []):
             order = [rows[rank][1] for rank in line]
@@ -175,14 +187,18 @@ def bubbles(steps: list[Step]) -> dict[str, float] | None:
             replayed = _replay([[(k, i, d) for _, k, i, d in spans] for spans in order])
             if replayed is None:
                 continue  # the spans do not form a schedule (a step cut short)
+            ahead = _replay_ahead(order)
             start = min(spans[0][0] for spans in order)
             span = max(t + d for spans in order for t, _, _, d in spans) - start
-            runs.setdefault(j, []).append((order, span, [sum(d for *_, d in spans) for spans in order], replayed))
+            busy = [sum(d for *_, d in spans) for spans in order]
+            runs.setdefault(j, []).append((order, span, busy, replayed, ahead))
     got: dict[str, list[float]] = {}
     for line_runs in runs.values():
-        total = [sum(busy[s] for _, _, busy, _ in line_runs) for s in range(len(line_runs[0][2]))]
+        total = [sum(run[2][s] for run in line_runs) for s in range(len(line_runs[0][2]))]
         slow = max(range(len(total)), key=lambda s: (total[s], s))  # of equals, the later (the loss)
-        for order, span, busy, (replay_busy, replay_span) in line_runs:
+        for order, span, busy, (replay_busy, replay_span), ahead in line_runs:
+            if ahead is not None:
+                got.setdefault("replayed_ahead_slowest", []).append(1.0 - ahead[0][slow] / ahead[1])
             m = max(1, sum(1 for s in order[0] if s[1] == "F"))
             first, last = order[slow][0], order[slow][-1]
             for key, value in (
@@ -265,7 +281,28 @@ def _tp_columns(
     }
 
 
-def _replay(order: list[list[tuple[str, int, float]]]) -> tuple[list[float], float] | None:
+def one_f_one_b(p: int, s: int, m: int, ahead: int = 0) -> list[tuple[str, int]]:
+    """Stage ``s``'s 1F1B order of ``m`` micro-batches over ``p`` stages, as
+    :class:`~hpcdl.parallel.Pipeline` runs it: ``p - s - 1`` warm-up forwards (``ahead`` more
+    on every stage but the last), then one forward and one backward by turns, then the
+    remaining backwards."""
+    warm = min(p - s - 1 + (ahead if s < p - 1 else 0), m)
+    steady = [x for k in range(m - warm) for x in (("F", warm + k), ("B", k))]
+    return [("F", i) for i in range(warm)] + steady + [("B", k) for k in range(m - warm, m)]
+
+
+def _replay_ahead(order: list[list[Span]]) -> Replay | None:
+    """The spans of a 1F1B step (``order[s]``: stage s's, as they ran) replayed with free
+    hops in the order with one more warm-up forward on every stage but the last; None where
+    they did not run as 1F1B (GPipe)."""
+    p, m = len(order), sum(1 for span in order[0] if span[1] == "F")
+    if any([(k, i) for _, k, i, _ in spans] != one_f_one_b(p, s, m) for s, spans in enumerate(order)):
+        return None
+    took = [{(k, i): d for _, k, i, d in spans} for spans in order]
+    return _replay([[(k, i, took[s][(k, i)]) for k, i in one_f_one_b(p, s, m, ahead=1)] for s in range(p)])
+
+
+def _replay(order: list[list[tuple[str, int, float]]]) -> Replay | None:
     """Replay one pipeline's spans (``order[s]``: stage s's ``(kind, micro-batch,
     duration)`` in the order they ran) with free hops: each stage's busy time and the
     step's length, or None where no span can start."""
@@ -347,6 +384,7 @@ def measure(
         "bubble_slowest": bubble.get("slowest"),
         "bubble_replayed": bubble.get("replayed"),
         "bubble_replayed_slowest": bubble.get("replayed_slowest"),
+        "bubble_replayed_ahead_slowest": bubble.get("replayed_ahead_slowest"),
         "hop_s": bubble.get("hop_s"),
         "between_s": bubble.get("between_s"),
         "gap_s": bubble.get("gap_s"),

@@ -426,18 +426,23 @@ def test_the_gpu_sweeps_fit_their_iterations_to_their_share_of_the_budget():
 
 
 def _one_f_one_b(
-    p: int, m: int, fwd: list[float], bwd: list[float], hop: float = 0.0, own: float = 0.0, lines: int = 1
+    p: int,
+    m: int,
+    fwd: list[float],
+    bwd: list[float | list[float]],
+    hop: float = 0.0,
+    own: float = 0.0,
+    lines: int = 1,
+    ahead: int = 0,
 ) -> dict:
     """The spans of one 1F1B step of ``lines`` pipelines of ``p`` stages (rank
     ``s * lines + j``: stage s of pipeline j, as a grid numbers them) whose spans last
-    ``fwd[s]`` and ``bwd[s]``, run as the schedule runs them: a span starts ``own`` after its
-    stage's previous span and ``hop`` after its input was made."""
-    order = []
-    for s in range(p):
-        warm = min(p - s - 1, m)
-        mine = [("F", i) for i in range(warm)]
-        mine += [x for k in range(m - warm) for x in (("F", warm + k), ("B", k))]
-        order.append(mine + [("B", k) for k in range(m - warm, m)])
+    ``fwd[s]`` and ``bwd[s]`` (a list: micro-batch i's backward ``bwd[s][i % len]``), run as
+    the schedule runs them, ``ahead`` more warm-up forwards on all but the last stage: a span
+    starts ``own`` after its stage's previous span and ``hop`` after its input was made."""
+    from benchmarks.parallel_gpt import one_f_one_b
+
+    order = [one_f_one_b(p, s, m, ahead) for s in range(p)]
     end: dict[tuple[int, str, int], float] = {}
     free, at, spans = [0.0] * p, [0] * p, [[] for _ in range(p)]
     while any(at[s] < len(order[s]) for s in range(p)):
@@ -449,7 +454,8 @@ def _one_f_one_b(
             if dep is not None and dep not in end:
                 continue
             start = max(free[s] + (own if at[s] else 0.0), end[dep] + hop if dep else 0.0)
-            dur = fwd[s] if kind == "F" else bwd[s]
+            back = bwd[s][i % len(bwd[s])] if isinstance(bwd[s], list) else bwd[s]
+            dur = fwd[s] if kind == "F" else back
             end[(s, kind, i)] = free[s] = start + dur
             spans[s].append((start, kind, i, dur))
             at[s] += 1
@@ -483,6 +489,37 @@ def test_the_bubble_of_equal_stages_is_the_formula_and_the_hops_and_unequal_stag
     cheap_first = bubbles([_one_f_one_b(p, m, [1.0] * p, [1.5] + [2.0] * (p - 1))])
     assert cheap_first["mean"] > formula + 0.01 and cheap_first["slowest"] <= formula + 1e-9
     assert bubbles([]) is None and bubbles([{0: (0, [])}]) is None
+    # one more micro-batch in flight changes nothing for stages that never vary
+    assert equal["replayed_ahead_slowest"] == pytest.approx(formula)
+
+
+def test_the_bubble_tells_whether_one_more_micro_batch_in_flight_would_absorb_the_stages_variation():
+    from benchmarks.parallel_gpt import bubbles, one_f_one_b
+
+    assert one_f_one_b(2, 0, 4) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]
+    assert one_f_one_b(2, 1, 4) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]
+    assert one_f_one_b(2, 0, 4, ahead=1)[:4] == [("F", 0), ("F", 1), ("F", 2), ("B", 0)]
+    assert one_f_one_b(2, 1, 4, ahead=1) == one_f_one_b(2, 1, 4)  # the last stage warms up with none
+    assert one_f_one_b(3, 0, 2, ahead=1) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]  # no more than m
+    # two stages of the same compute on average, the last's backward slow and fast by turns:
+    # under 1F1B the first waits for each slow one, and the last then waits for the first
+    m, formula = 8, 1 / 9
+    varying = ([1.0, 1.0], [[2.0], [3.0, 1.0]])
+    got = bubbles([_one_f_one_b(2, m, *varying)])
+    assert got["replayed_slowest"] == pytest.approx(got["slowest"]) and got["slowest"] > 1.5 * formula
+    # with a micro-batch more in flight the first stage keeps ahead and the variation is
+    # absorbed: the replay of the same spans says so, and it is what those stages give when
+    # they run that schedule
+    ahead = bubbles([_one_f_one_b(2, m, *varying, ahead=1)])
+    assert ahead.get("replayed_ahead_slowest") is None  # no longer 1F1B's own order
+    assert got["replayed_ahead_slowest"] == pytest.approx(ahead["slowest"]) == pytest.approx(formula)
+    # with hops that cost something, the same: the replay takes them out
+    hops = bubbles([_one_f_one_b(2, m, *varying, hop=0.25)])
+    assert hops["replayed_ahead_slowest"] == pytest.approx(formula) and hops["slowest"] > got["slowest"]
+    # GPipe's spans: nothing to compare
+    gpipe = {0: (0, [(0.0, "F", 0, 1.0), (1.0, "F", 1, 1.0), (4.0, "B", 0, 2.0), (8.0, "B", 1, 2.0)])}
+    gpipe[1] = (1, [(1.0, "F", 0, 1.0), (2.0, "F", 1, 1.0), (3.0, "B", 0, 1.0), (6.0, "B", 1, 2.0)])
+    assert "replayed_ahead_slowest" not in (bubbles([gpipe]) or {})
 
 
 def test_the_node_tuning_file_merges_each_count_the_tuner_measured_into_the_packaged_table(tmp_path):
