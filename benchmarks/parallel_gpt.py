@@ -68,6 +68,7 @@ from benchmarks.node_report import bubble_line
 from collectives.cli import ArgumentParser, dump_json, output_file, run_main
 from collectives.cost import AlphaBeta, fit
 from hpcdl.parallel import Grid, Pipeline, gather_from_tp, reduce_scatter_seq_to_tp
+from hpcdl.parallel.pipeline import one_f_one_b
 from hpcdl.parallel.tp_comm import tp_sum, traffic
 from hpcdl.train.data import corpus
 from hpcdl.train.models import GPT, parallel_gpt, parallel_gpt_loss
@@ -279,16 +280,6 @@ def _tp_columns(
         "tp_predicted_seconds": max_over_ranks(predicted),
         "tp_models": {k: {"alpha_s": m.alpha, "beta_Bps": m.beta} for k, m in models.items()},
     }
-
-
-def one_f_one_b(p: int, s: int, m: int, ahead: int = 0) -> list[tuple[str, int]]:
-    """Stage ``s``'s 1F1B order of ``m`` micro-batches over ``p`` stages, as
-    :class:`~hpcdl.parallel.Pipeline` runs it: ``p - s - 1`` warm-up forwards (``ahead`` more
-    on every stage but the last), then one forward and one backward by turns, then the
-    remaining backwards."""
-    warm = min(p - s - 1 + (ahead if s < p - 1 else 0), m)
-    steady = [x for k in range(m - warm) for x in (("F", warm + k), ("B", k))]
-    return [("F", i) for i in range(warm)] + steady + [("B", k) for k in range(m - warm, m)]
 
 
 def _replay_ahead(order: list[list[Span]]) -> Replay | None:

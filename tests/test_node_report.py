@@ -440,7 +440,7 @@ def _one_f_one_b(
     ``fwd[s]`` and ``bwd[s]`` (a list: micro-batch i's backward ``bwd[s][i % len]``), run as
     the schedule runs them, ``ahead`` more warm-up forwards on all but the last stage: a span
     starts ``own`` after its stage's previous span and ``hop`` after its input was made."""
-    from benchmarks.parallel_gpt import one_f_one_b
+    from hpcdl.parallel.pipeline import one_f_one_b
 
     order = [one_f_one_b(p, s, m, ahead) for s in range(p)]
     end: dict[tuple[int, str, int], float] = {}
@@ -494,7 +494,8 @@ def test_the_bubble_of_equal_stages_is_the_formula_and_the_hops_and_unequal_stag
 
 
 def test_the_bubble_tells_whether_one_more_micro_batch_in_flight_would_absorb_the_stages_variation():
-    from benchmarks.parallel_gpt import bubbles, one_f_one_b
+    from benchmarks.parallel_gpt import bubbles
+    from hpcdl.parallel.pipeline import one_f_one_b
 
     assert one_f_one_b(2, 0, 4) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]
     assert one_f_one_b(2, 1, 4) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]

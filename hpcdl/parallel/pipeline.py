@@ -175,6 +175,18 @@ def _partition(weights: Sequence[float], stages: int) -> list[int]:
     return counts[::-1]
 
 
+def one_f_one_b(stages: int, stage: int, chunks: int, ahead: int = 0) -> list[tuple[str, int]]:
+    """Stage ``stage``'s 1F1B order of ``chunks`` micro-batches over ``stages`` stages:
+    ``("F", i)`` the forward of micro-batch ``i``, ``("B", i)`` its backward. It warms up
+    with ``stages - stage - 1`` forwards (PipeDream-Flush's and Megatron-LM's count; ``ahead``
+    more on every stage but the last, which keeps as many more micro-batches' activations
+    alive there: the benchmarks replay a step's spans in that order), then alternates one
+    forward and one backward, then drains the remaining backwards."""
+    warm = min(stages - stage - 1 + (ahead if stage < stages - 1 else 0), chunks)
+    steady = [step for k in range(chunks - warm) for step in (("F", warm + k), ("B", k))]
+    return [("F", i) for i in range(warm)] + steady + [("B", k) for k in range(chunks - warm, chunks)]
+
+
 def wait_spin(comm: MPI.Comm) -> int | None:
     """How a pipeline stage waits for its neighbours (:class:`~.pp_comm.Link`'s ``spin``):
     as the collectives' shared-memory waits on ``comm``'s node do (its channel's ``spin``:
@@ -355,14 +367,11 @@ class Pipeline(nn.Module):
     def _order(self) -> list[tuple[bool, int]]:
         """This stage's steps of a batch in order: ``(True, i)`` the forward of micro-batch
         ``i``, ``(False, i)`` its backward. GPipe runs every forward, then every backward;
-        1F1B warms up with ``p - s - 1`` forwards, then alternates one forward and one
-        backward, then drains the remaining backwards."""
+        1F1B as :func:`one_f_one_b`."""
         m = self.chunks
         if self.schedule == "gpipe":
             return [(True, i) for i in range(m)] + [(False, i) for i in range(m)]
-        warm = min(self.grid.pp - self.grid.pp_rank - 1, m)
-        steady = [step for k in range(m - warm) for step in ((True, warm + k), (False, k))]
-        return [(True, i) for i in range(warm)] + steady + [(False, k) for k in range(m - warm, m)]
+        return [(kind == "F", i) for kind, i in one_f_one_b(self.grid.pp, self.grid.pp_rank, m)]
 
     def _conclude(self, problem: str | None, value: Any) -> Any:
         """End a schedule on every stage: the last stage's ``value``, or the first failure
