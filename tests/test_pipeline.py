@@ -187,6 +187,65 @@ def test_a_failing_stage_is_an_error_on_every_stage_and_the_next_step_works(wher
     grid.close()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_arguments_that_differ_between_ranks_are_an_error_on_every_rank_not_a_wait():
+    # stages cutting the batch into different numbers of micro-batches would wait for ever
+    # for a micro-batch their neighbour never sends
+    p, r = hvd.size(), hvd.rank()
+    grid = Grid(dp=1, tp=1, pp=p)
+    others = ", ".join(f"{k}: 4" for k in range(1, p))
+    with pytest.raises(hvd.HpcdlArgumentError, match=rf"^Pipeline: ranks disagree on chunks: \{{0: 3, {others}\}}"):
+        Pipeline(layers(p + 1), chunks=3 if r == 0 else 4)
+    with pytest.raises(hvd.HpcdlArgumentError, match="ranks disagree on schedule"):
+        Pipeline(layers(p + 1), schedule="gpipe" if r == p - 1 else "1f1b")
+    with pytest.raises(hvd.HpcdlArgumentError, match="ranks disagree on balance"):
+        Pipeline(layers(p + 1), balance="time" if r == 0 else "parameters", sample=batch()[0] if r == 0 else None)
+    with pytest.raises(hvd.HpcdlArgumentError, match="ranks disagree on layers: "):
+        Pipeline(layers(p + 1 + (r == 1)))
+    # models whose layers differ in size are cut differently by their parameter counts
+    wide = [nn.Linear(50, 50) if r == 1 and i == 0 else layer for i, layer in enumerate(layers(p + 1))]
+    with pytest.raises(hvd.HpcdlArgumentError, match=r"ranks disagree on layers per stage, by parameters \(do"):
+        Pipeline(wide)
+    # a bad argument on one rank alone: the same error on every rank
+    with pytest.raises(hvd.HpcdlArgumentError, match=r"^rank 1: chunks=0 must be a positive integer$"):
+        Pipeline(layers(p + 1), chunks=0 if r == 1 else 2)
+    with pytest.raises(hvd.HpcdlArgumentError, match=r"^rank 0: balance=\[1, 'x'\] is not one of"):
+        Pipeline(layers(p + 1), balance=[1, "x"] if r == 0 else None)
+    # and the grid still builds pipelines that train right
+    x, y = batch()
+    pipe = Pipeline(layers(p + 1), chunks=2)
+    want_loss, want = reference(p + 1, x, y)
+    assert pipe.train_step(x, y, F.mse_loss) == pytest.approx(want_loss, rel=1e-12)
+    check_stage(pipe, grid, want)
+    pipe.close()
+    grid.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("missing", ["inputs", "targets"])
+def test_a_stage_given_no_batch_fails_the_step_on_every_stage_and_the_next_step_works(schedule, missing):
+    p = hvd.size()
+    grid = Grid(dp=1, tp=1, pp=p)
+    pipe = Pipeline(layers(p + 1), chunks=3, schedule=schedule)
+    x, y = batch()
+    # each rank passes the batch, but the stage that reads the missing part passes None
+    reads = grid.is_first_stage if missing == "inputs" else grid.is_last_stage
+    given = (None if reads and missing == "inputs" else x, None if reads and missing == "targets" else y)
+    where, stage = ("first", 0) if missing == "inputs" else ("last", p - 1)
+    text = rf"pipeline stage {stage} failed: TypeError: the {where} stage needs {missing}, a tensor, not NoneType"
+    with pytest.raises(hvd.PipelineError, match=text):
+        pipe.train_step(*given, F.mse_loss)
+    with pytest.raises(hvd.PipelineError, match=text):
+        pipe.evaluate(*given, lambda out, t: F.mse_loss(out, t, reduction="sum").reshape(1))
+    pipe.zero_grad()
+    want_loss, want = reference(p + 1, x, y)
+    assert pipe.train_step(x, y, F.mse_loss) == pytest.approx(want_loss, rel=1e-12)
+    check_stage(pipe, grid, want)
+    pipe.close()
+    grid.close()
+
+
 class _FailOnce(nn.Module):
     """The identity, but its call number ``countdown`` (counted from when it is set) raises."""
 

@@ -175,6 +175,37 @@ def _partition(weights: Sequence[float], stages: int) -> list[int]:
     return counts[::-1]
 
 
+def _argument_problem(chunks: Any, schedule: Any, by: Any, balance: Any, sample: Any) -> str | None:
+    """The first of :class:`Pipeline`'s arguments that is wrong on this rank, or None."""
+    if schedule not in SCHEDULES:
+        return f"schedule={schedule!r} is not one of {SCHEDULES}"
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        return f"chunks={chunks!r} must be a positive integer"
+    if by is not None and by not in BALANCES:
+        return f"balance={balance!r} is not one of {BALANCES} or a list of layers per stage"
+    if by is None and (
+        not isinstance(balance, Sequence) or not all(isinstance(b, int) and not isinstance(b, bool) for b in balance)
+    ):
+        return f"balance={balance!r} is not one of {BALANCES} or a list of layers per stage"
+    if by == "time" and sample is None:
+        return "balance='time' needs sample=, an input of the first layer to time the layers on"
+    if by != "time" and sample is not None:
+        return "sample= is read only with balance='time'"
+    return None
+
+
+def _agree(problem: str | None, values: dict[str, Any]) -> None:
+    """Raise :class:`~hpcdl.errors.HpcdlArgumentError` on every rank where any rank found a
+    ``problem`` with its arguments, or where the ranks' ``values`` differ (collective over
+    every rank, as building a pipeline is): stages built with different micro-batch counts
+    or schedules would wait for each other's messages for ever."""
+    said = check_on_every_rank(problem, HpcdlArgumentError, values, name="pipeline.arguments")
+    for key in values:
+        got = [v[key] for v in said]
+        if any(g != got[0] for g in got):
+            raise HpcdlArgumentError(f"Pipeline: ranks disagree on {key}: {dict(enumerate(got))} (by rank)")
+
+
 def one_f_one_b(stages: int, stage: int, chunks: int, ahead: int = 0) -> list[tuple[str, int]]:
     """Stage ``stage``'s 1F1B order of ``chunks`` micro-batches over ``stages`` stages:
     ``("F", i)`` the forward of micro-batch ``i``, ``("B", i)`` its backward. It warms up
@@ -214,6 +245,10 @@ class Pipeline(nn.Module):
             :func:`balance_by_parameters`) or ``"time"`` (:func:`balance_by_time` over
             ``sample``, every rank agreeing).
         sample: with ``balance="time"``, an input of the first layer (a micro-batch).
+
+    Every rank must pass the same ``chunks``, ``schedule``, ``balance`` and layers: where
+    they differ, or where any rank's argument is bad, every rank raises
+    :class:`~hpcdl.errors.HpcdlArgumentError` (collective over every rank).
     """
 
     def __init__(
@@ -229,24 +264,18 @@ class Pipeline(nn.Module):
         grid = grid or current_grid()
         layers = list(layers)
         p = grid.pp
-        if schedule not in SCHEDULES:
-            raise HpcdlArgumentError(f"schedule={schedule!r} is not one of {SCHEDULES}")
-        if not isinstance(chunks, int) or chunks < 1:
-            raise HpcdlArgumentError(f"chunks={chunks!r} must be a positive integer")
         by = "parameters" if balance is None else balance if isinstance(balance, str) else None
-        if by is not None and by not in BALANCES:
-            raise HpcdlArgumentError(f"balance={balance!r} is not one of {BALANCES} or a list of layers per stage")
-        if by == "time" and sample is None:
-            raise HpcdlArgumentError("balance='time' needs sample=, an input of the first layer to time the layers on")
-        if by != "time" and sample is not None:
-            raise HpcdlArgumentError("sample= is read only with balance='time'")
+        problem = _argument_problem(chunks, schedule, by, balance, sample)
+        given = balance if by is None and problem is None else by  # a list of layers per stage, or how to find one
+        _agree(problem, {"chunks": chunks, "schedule": schedule, "balance": given, "layers": len(layers)})
         if by == "time":
-            balance = balance_by_time(layers, p, sample)
+            balance = balance_by_time(layers, p, sample)  # agreed across the ranks
         elif by == "parameters":
             balance = balance_by_parameters(layers, p)
+            _agree(None, {"layers per stage, by parameters (do the models differ?)": balance})
         balance = list(balance)
         if len(balance) != p or any(b < 1 for b in balance) or sum(balance) != len(layers):
-            raise HpcdlArgumentError(
+            raise HpcdlArgumentError(  # alike on every rank: the ranks agree on the balance and the layers
                 f"balance={balance} must give each of the {p} stages at least one of the {len(layers)} layers"
             )
         lo = sum(balance[: grid.pp_rank])
@@ -307,10 +336,10 @@ class Pipeline(nn.Module):
             The batch's mean loss, on every stage.
         """
         g, link, dev = self.grid, self._link, self.device
-        s, p, m = g.pp_rank, g.pp, self.chunks
-        xs = torch.tensor_split(inputs, m) if g.is_first_stage else [None] * m
-        ts = torch.tensor_split(targets, m) if g.is_last_stage else [None] * m
-        total = sum(len(t) for t in ts) if g.is_last_stage else 0
+        s, p = g.pp_rank, g.pp
+        xs: Sequence[torch.Tensor | None] = []
+        ts: Sequence[torch.Tensor | None] = []
+        total = 0
         kept: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         losses: list[float] = []
         live = peak = 0
@@ -350,6 +379,8 @@ class Pipeline(nn.Module):
 
         problem = None
         try:
+            xs, ts = self._split(inputs, targets)
+            total = sum(len(t) for t in ts if t is not None)
             for forward, i in self._order():
                 (fwd if forward else bwd)(i)
         except PipelineError as exc:  # a neighbour passed on another stage's failure
@@ -363,6 +394,23 @@ class Pipeline(nn.Module):
         self.peak_live = peak
         self._record(spans)
         return self._conclude(problem, sum(losses))
+
+    def _split(
+        self, inputs: torch.Tensor | None, targets: torch.Tensor | None
+    ) -> tuple[Sequence[torch.Tensor | None], Sequence[torch.Tensor | None]]:
+        """The batch's micro-batches on this stage: ``inputs`` cut on the first stage,
+        ``targets`` on the last, None elsewhere. Run inside a schedule, so that a stage
+        given no tensor fails the step on every stage instead of leaving them waiting."""
+        g, m = self.grid, self.chunks
+        for needed, value, name, where in (
+            (g.is_first_stage, inputs, "inputs", "first"),
+            (g.is_last_stage, targets, "targets", "last"),
+        ):
+            if needed and not isinstance(value, torch.Tensor):
+                raise TypeError(f"the {where} stage needs {name}, a tensor, not {type(value).__name__}")
+        xs = torch.tensor_split(inputs, m) if g.is_first_stage else [None] * m
+        ts = torch.tensor_split(targets, m) if g.is_last_stage else [None] * m
+        return xs, ts
 
     def _order(self) -> list[tuple[bool, int]]:
         """This stage's steps of a batch in order: ``(True, i)`` the forward of micro-batch
@@ -413,11 +461,10 @@ class Pipeline(nn.Module):
         last stage and returned on every stage."""
         g, link, dev = self.grid, self._link, self.device
         s, m = g.pp_rank, self.chunks
-        xs = torch.tensor_split(inputs, m) if g.is_first_stage else [None] * m
-        ts = torch.tensor_split(targets, m) if g.is_last_stage else [None] * m
         total: torch.Tensor | None = None
         problem = None
         try:
+            xs, ts = self._split(inputs, targets)
             for i in range(m):
                 x = xs[i] if g.is_first_stage else link.recv(s - 1, ACT, i, dev)
                 out = self.stage(x)
