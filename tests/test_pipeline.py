@@ -211,9 +211,11 @@ def test_arguments_that_differ_between_ranks_are_an_error_on_every_rank_not_a_wa
         Pipeline(layers(p + 1), chunks=0 if r == 1 else 2)
     with pytest.raises(hvd.HpcdlArgumentError, match=r"^rank 0: balance=\[1, 'x'\] is not one of"):
         Pipeline(layers(p + 1), balance=[1, "x"] if r == 0 else None)
-    # and the grid still builds pipelines that train right
+    # and the grid still builds pipelines that train right (a balance as a tuple on one rank
+    # and a list on the others is the same balance)
     x, y = batch()
-    pipe = Pipeline(layers(p + 1), chunks=2)
+    cut = [1] * (p - 1) + [len(layers(p + 1)) - (p - 1)]
+    pipe = Pipeline(layers(p + 1), chunks=2, balance=tuple(cut) if r == 0 else cut)
     want_loss, want = reference(p + 1, x, y)
     assert pipe.train_step(x, y, F.mse_loss) == pytest.approx(want_loss, rel=1e-12)
     check_stage(pipe, grid, want)

@@ -266,7 +266,7 @@ class Pipeline(nn.Module):
         p = grid.pp
         by = "parameters" if balance is None else balance if isinstance(balance, str) else None
         problem = _argument_problem(chunks, schedule, by, balance, sample)
-        given = balance if by is None and problem is None else by  # a list of layers per stage, or how to find one
+        given = list(balance) if by is None and problem is None else by  # layers per stage, or how to find them
         _agree(problem, {"chunks": chunks, "schedule": schedule, "balance": given, "layers": len(layers)})
         if by == "time":
             balance = balance_by_time(layers, p, sample)  # agreed across the ranks
