@@ -572,8 +572,9 @@ def bubble_line(row: dict[str, Any]) -> str | None:
         f"that cost nothing its spans give {row['bubble_replayed_slowest']:.3f}"
         + ("" if ahead is None else f", and {ahead:.3f} with one more micro-batch in flight ahead of the last stage")
         + f": the hops add {row['hop_s'] * 1e6:.0f} us a micro-batch, and the slowest stage spends "
-        f"{row['between_s'] * 1e6:.0f} us a micro-batch between its spans, typically {row['gap_s'] * 1e6:.0f} us "
-        f"before a forward. Mean over the stages {row['bubble']:.3f} ({row['bubble_replayed']:.3f} with free "
+        f"{row['between_s'] * 1e6:.0f} us a micro-batch between its spans"
+        + ("" if row.get("gap_s") is None else f", typically {row['gap_s'] * 1e6:.0f} us before a forward")
+        + f". Mean over the stages {row['bubble']:.3f} ({row['bubble_replayed']:.3f} with free "
         "hops): the others also wait for the slowest"
     )
 

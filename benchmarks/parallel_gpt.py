@@ -151,10 +151,10 @@ def _lines(rows: Step) -> list[list[int]] | None:
     return [list(line) for line in zip(*(by_stage[s] for s in sorted(by_stage)), strict=True)]
 
 
-def bubbles(steps: list[Step]) -> dict[str, float] | None:
-    """The pipeline's bubble over ``steps``, each pipeline of each step on its own (a step
-    lasts from its first span's start to its last span's end on any of its stages), the
-    median over them:
+def bubbles(steps: list[Step], schedule: str = "1f1b") -> dict[str, float] | None:
+    """The pipeline's bubble over ``steps`` (run with ``schedule``), each pipeline of each
+    step on its own (a step lasts from its first span's start to its last span's end on any
+    of its stages), the median over them:
 
     - ``mean``: the share of the step a stage does not compute, mean over the stages;
     - ``slowest``: that share on the pipeline's slowest stage, the one that computes longest
@@ -163,7 +163,7 @@ def bubbles(steps: list[Step]) -> dict[str, float] | None:
       only this one compares;
     - ``replayed``, ``replayed_slowest``: the same from the same spans replayed with hops
       that cost nothing (:func:`_replay`): the bubble of the stages' compute alone;
-    - ``replayed_ahead_slowest`` (1F1B spans only): the slowest stage's, from the same spans
+    - ``replayed_ahead_slowest`` (1F1B only): the slowest stage's, from the same spans
       replayed with free hops in the schedule that runs one more warm-up forward on every
       stage but the last (one more micro-batch of activations held there). Below
       ``replayed_slowest``, the stages' compute varies from micro-batch to micro-batch and
@@ -188,7 +188,7 @@ def bubbles(steps: list[Step]) -> dict[str, float] | None:
             replayed = _replay([[(k, i, d) for _, k, i, d in spans] for spans in order])
             if replayed is None:
                 continue  # the spans do not form a schedule (a step cut short)
-            ahead = _replay_ahead(order)
+            ahead = _replay_ahead(order) if schedule == "1f1b" else None
             start = min(spans[0][0] for spans in order)
             span = max(t + d for spans in order for t, _, _, d in spans) - start
             busy = [sum(d for *_, d in spans) for spans in order]
@@ -214,7 +214,7 @@ def bubbles(steps: list[Step]) -> dict[str, float] | None:
             mine = order[slow]
             gaps = [(b[0] - a[0] - a[3]) * 1e-6 for a, b in itertools.pairwise(mine) if b[1] == "F"]
             got.setdefault("gap_s", []).extend(gaps)
-    return {k: statistics.median(v) for k, v in got.items()} if got else None
+    return {k: statistics.median(v) for k, v in got.items() if v} if got else None  # no gap_s with one micro-batch
 
 
 CALIBRATION_BYTES = (1 << 10, 16 << 10, 256 << 10, 1 << 20)
@@ -285,7 +285,7 @@ def _tp_columns(
 def _replay_ahead(order: list[list[Span]]) -> Replay | None:
     """The spans of a 1F1B step (``order[s]``: stage s's, as they ran) replayed with free
     hops in the order with one more warm-up forward on every stage but the last; None where
-    they did not run as 1F1B (GPipe)."""
+    they did not run in 1F1B's order."""
     p, m = len(order), sum(1 for span in order[0] if span[1] == "F")
     if any([(k, i) for _, k, i, _ in spans] != one_f_one_b(p, s, m) for s, spans in enumerate(order)):
         return None
@@ -355,7 +355,7 @@ def measure(
         steps_spans.append(step_spans(pipe))
     counts, calls = traffic.snapshot(), traffic.calls
     traffic.reset()
-    bubble = bubbles(steps_spans) or {}
+    bubble = bubbles(steps_spans, schedule) or {}
     meter = ActivationMeter()
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         step(0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -187,6 +188,24 @@ def test_a_failing_stage_is_an_error_on_every_stage_and_the_next_step_works(wher
     grid.close()
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_evaluate_sums_the_metric_over_the_batch_for_every_micro_batch_count(schedule):
+    # 13 micro-batches of 11 samples: two of them empty, which add nothing
+    p = hvd.size()
+    grid = Grid(dp=1, tp=1, pp=p)
+    x, y = batch()
+    model = nn.Sequential(*layers(p + 1))
+    want = F.mse_loss(model(x), y, reduction="sum").item()
+    for m in (1, p, 13):
+        pipe = Pipeline(layers(p + 1), chunks=m, schedule=schedule)
+        got = pipe.evaluate(
+            x, y, lambda out, t: torch.stack([F.mse_loss(out, t, reduction="sum"), t.new_tensor(len(t))])
+        )
+        assert got[0].item() == pytest.approx(want, rel=1e-12) and got[1].item() == len(x)
+        pipe.close()
+    grid.close()
+
+
 @pytest.mark.mpi(min_size=2)
 def test_arguments_that_differ_between_ranks_are_an_error_on_every_rank_not_a_wait():
     # stages cutting the batch into different numbers of micro-batches would wait for ever
@@ -211,11 +230,15 @@ def test_arguments_that_differ_between_ranks_are_an_error_on_every_rank_not_a_wa
         Pipeline(layers(p + 1), chunks=0 if r == 1 else 2)
     with pytest.raises(hvd.HpcdlArgumentError, match=r"^rank 0: balance=\[1, 'x'\] is not one of"):
         Pipeline(layers(p + 1), balance=[1, "x"] if r == 0 else None)
+    # a rank with a bad argument sends no values, which might not even pickle
+    with pytest.raises(hvd.HpcdlArgumentError, match=r"^rank 1: schedule=<function"):
+        Pipeline(layers(p + 1), schedule=(lambda: None) if r == 1 else "1f1b")
     # and the grid still builds pipelines that train right (a balance as a tuple on one rank
     # and a list on the others is the same balance)
     x, y = batch()
     cut = [1] * (p - 1) + [len(layers(p + 1)) - (p - 1)]
-    pipe = Pipeline(layers(p + 1), chunks=2, balance=tuple(cut) if r == 0 else cut)
+    pipe = Pipeline(layers(p + 1), chunks=2, balance=tuple(cut) if r == 0 else np.array(cut) if r == 1 else cut)
+    assert pipe.balance == cut and all(type(b) is int for b in pipe.balance)
     want_loss, want = reference(p + 1, x, y)
     assert pipe.train_step(x, y, F.mse_loss) == pytest.approx(want_loss, rel=1e-12)
     check_stage(pipe, grid, want)

@@ -21,6 +21,7 @@ same :class:`~hpcdl.errors.PipelineError`, and the pipeline is usable again on t
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -175,17 +176,22 @@ def _partition(weights: Sequence[float], stages: int) -> list[int]:
     return counts[::-1]
 
 
+def _layers_per_stage(balance: Any) -> list[int] | None:
+    """``balance`` as a list of ints (layers per stage: any iterable of integers, numpy's
+    included), or None where it is not one."""
+    try:
+        return [operator.index(b) for b in balance]
+    except TypeError:
+        return None
+
+
 def _argument_problem(chunks: Any, schedule: Any, by: Any, balance: Any, sample: Any) -> str | None:
     """The first of :class:`Pipeline`'s arguments that is wrong on this rank, or None."""
     if schedule not in SCHEDULES:
         return f"schedule={schedule!r} is not one of {SCHEDULES}"
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
         return f"chunks={chunks!r} must be a positive integer"
-    if by is not None and by not in BALANCES:
-        return f"balance={balance!r} is not one of {BALANCES} or a list of layers per stage"
-    if by is None and (
-        not isinstance(balance, Sequence) or not all(isinstance(b, int) and not isinstance(b, bool) for b in balance)
-    ):
+    if (by is not None and by not in BALANCES) or (by is None and _layers_per_stage(balance) is None):
         return f"balance={balance!r} is not one of {BALANCES} or a list of layers per stage"
     if by == "time" and sample is None:
         return "balance='time' needs sample=, an input of the first layer to time the layers on"
@@ -198,8 +204,9 @@ def _agree(problem: str | None, values: dict[str, Any]) -> None:
     """Raise :class:`~hpcdl.errors.HpcdlArgumentError` on every rank where any rank found a
     ``problem`` with its arguments, or where the ranks' ``values`` differ (collective over
     every rank, as building a pipeline is): stages built with different micro-batch counts
-    or schedules would wait for each other's messages for ever."""
-    said = check_on_every_rank(problem, HpcdlArgumentError, values, name="pipeline.arguments")
+    or schedules would wait for each other's messages for ever. A rank with a problem sends
+    no values (they might not even pickle)."""
+    said = check_on_every_rank(problem, HpcdlArgumentError, None if problem else values, name="pipeline.arguments")
     for key in values:
         got = [v[key] for v in said]
         if any(g != got[0] for g in got):
@@ -207,12 +214,24 @@ def _agree(problem: str | None, values: dict[str, Any]) -> None:
 
 
 def one_f_one_b(stages: int, stage: int, chunks: int, ahead: int = 0) -> list[tuple[str, int]]:
-    """Stage ``stage``'s 1F1B order of ``chunks`` micro-batches over ``stages`` stages:
-    ``("F", i)`` the forward of micro-batch ``i``, ``("B", i)`` its backward. It warms up
-    with ``stages - stage - 1`` forwards (PipeDream-Flush's and Megatron-LM's count; ``ahead``
-    more on every stage but the last, which keeps as many more micro-batches' activations
-    alive there: the benchmarks replay a step's spans in that order), then alternates one
-    forward and one backward, then drains the remaining backwards."""
+    """A stage's 1F1B order: it warms up with ``stages - stage - 1`` forwards
+    (PipeDream-Flush's and Megatron-LM's count), then alternates one forward and one
+    backward, then drains the remaining backwards.
+
+    Args:
+        stages: the pipeline's stages.
+        stage: this stage's index, from 0.
+        chunks: micro-batches per step.
+        ahead: more warm-up forwards on every stage but the last, each keeping one more
+            micro-batch's activations alive there (the benchmarks replay a step's spans in
+            that order); :class:`Pipeline` runs 0.
+
+    Returns:
+        ``("F", i)`` for the forward of micro-batch ``i``, ``("B", i)`` for its backward, in
+        the order the stage runs them.
+    """
+    if ahead < 0:
+        raise ValueError(f"one_f_one_b: ahead={ahead} must be >= 0")
     warm = min(stages - stage - 1 + (ahead if stage < stages - 1 else 0), chunks)
     steady = [step for k in range(chunks - warm) for step in (("F", warm + k), ("B", k))]
     return [("F", i) for i in range(warm)] + steady + [("B", k) for k in range(chunks - warm, chunks)]
@@ -246,8 +265,9 @@ class Pipeline(nn.Module):
             ``sample``, every rank agreeing).
         sample: with ``balance="time"``, an input of the first layer (a micro-batch).
 
-    Every rank must pass the same ``chunks``, ``schedule``, ``balance`` and layers: where
-    they differ, or where any rank's argument is bad, every rank raises
+    Every rank must pass the same ``chunks``, ``schedule``, ``balance`` and layers. Where
+    the first three or the number of layers differ, where a balance by parameters cuts the
+    ranks' layers differently, or where any rank's argument is bad, every rank raises
     :class:`~hpcdl.errors.HpcdlArgumentError` (collective over every rank).
     """
 
@@ -266,14 +286,15 @@ class Pipeline(nn.Module):
         p = grid.pp
         by = "parameters" if balance is None else balance if isinstance(balance, str) else None
         problem = _argument_problem(chunks, schedule, by, balance, sample)
-        given = list(balance) if by is None and problem is None else by  # layers per stage, or how to find them
+        given = _layers_per_stage(balance) if by is None else by  # layers per stage, or how to find them
         _agree(problem, {"chunks": chunks, "schedule": schedule, "balance": given, "layers": len(layers)})
         if by == "time":
             balance = balance_by_time(layers, p, sample)  # agreed across the ranks
         elif by == "parameters":
             balance = balance_by_parameters(layers, p)
             _agree(None, {"layers per stage, by parameters (do the models differ?)": balance})
-        balance = list(balance)
+        else:
+            balance = given
         if len(balance) != p or any(b < 1 for b in balance) or sum(balance) != len(layers):
             raise HpcdlArgumentError(  # alike on every rank: the ranks agree on the balance and the layers
                 f"balance={balance} must give each of the {p} stages at least one of the {len(layers)} layers"
@@ -468,11 +489,11 @@ class Pipeline(nn.Module):
             for i in range(m):
                 x = xs[i] if g.is_first_stage else link.recv(s - 1, ACT, i, dev)
                 out = self.stage(x)
-                if g.is_last_stage and len(ts[i]):  # an empty micro-batch (more chunks than samples) adds nothing
+                if not g.is_last_stage:
+                    link.send(out, s + 1, ACT, i)
+                elif len(ts[i]):  # an empty micro-batch (more chunks than samples) adds nothing
                     value = metric_fn(out, ts[i]).detach()
                     total = value if total is None else total + value
-                else:
-                    link.send(out, s + 1, ACT, i)
         except PipelineError as exc:
             problem = str(exc)
         except Exception as exc:  # noqa: BLE001 - every stage must hear of it
